@@ -1,0 +1,67 @@
+"""Every ``PORTATTN_*`` environment variable, read in one place.
+
+Values are read at call time (not import time) so that tests and users can change them in a
+running process. docs/env.md documents each one.
+"""
+
+from __future__ import annotations
+
+import os
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+#: name -> one-line description (docs/env.md and ``portattn info`` print this table).
+VARIABLES = {
+    "PORTATTN_BACKEND": "pin a backend by name for every call (an unknown name is an error listing the known ones)",
+    "PORTATTN_DETERMINISTIC": "1 = backends use their deterministic mode (bit-identical gradients across runs)",
+    "PORTATTN_ALLOW_TF32": "1 = float32 inputs may use TF32 matrix units (default: IEEE float32)",
+    "PORTATTN_DISABLE_ENTRY_POINTS": "1 = do not discover third-party backends through entry points",
+    "PORTATTN_PRIORITY_NVIDIA": "comma-separated backend order for NVIDIA devices (overrides the built-in list)",
+    "PORTATTN_PRIORITY_AMD": "comma-separated backend order for AMD ROCm devices",
+    "PORTATTN_PRIORITY_CPU": "comma-separated backend order for CPU tensors",
+    "PORTATTN_HYPOTHESIS_PROFILE": "Hypothesis profile for the property tests: ci, gpu or nightly",
+    "PORTATTN_CACHE_DIR": "where backends keep compiled kernels and sessions (default ~/.cache/portattn)",
+}
+
+
+def _flag(name: str) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r} is not a boolean; use 1/0, true/false, yes/no or on/off")
+
+
+def backend() -> str | None:
+    """The backend pinned through ``PORTATTN_BACKEND``, or None."""
+    value = os.environ.get("PORTATTN_BACKEND", "").strip()
+    return value or None
+
+
+def deterministic() -> bool:
+    return _flag("PORTATTN_DETERMINISTIC")
+
+
+def allow_tf32() -> bool:
+    return _flag("PORTATTN_ALLOW_TF32")
+
+
+def entry_points_disabled() -> bool:
+    return _flag("PORTATTN_DISABLE_ENTRY_POINTS")
+
+
+def priority_override(vendor: str) -> list[str] | None:
+    raw = os.environ.get(f"PORTATTN_PRIORITY_{vendor.upper()}", "").strip()
+    if not raw:
+        return None
+    return [name.strip() for name in raw.split(",") if name.strip()]
+
+
+def hypothesis_profile() -> str:
+    return os.environ.get("PORTATTN_HYPOTHESIS_PROFILE", "ci").strip() or "ci"
+
+
+def cache_dir() -> str:
+    return os.environ.get("PORTATTN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "portattn")
