@@ -1,0 +1,189 @@
+"""The body of ``portattn.FlashAttention``: FlashAttention's tiled online softmax in ONNX.
+
+Authored with onnxscript; the Python ``for`` over K/V blocks becomes an ONNX ``Loop`` whose
+carried state is the running row max ``m``, the running row sum ``l`` and the unnormalised
+output ``acc``. One iteration materialises scores for all query rows against one block of
+``block_size`` keys, so peak memory grows as ``B·Hq·Sq·block_size``, never as ``Sq·Sk``.
+
+Layout inside the body (GQA groups made explicit so that K/V are never repeated)::
+
+    Q (B, Sq, Hq, D)  -> q5  (B, Hkv, G, Sq, D)      G = Hq // Hkv, query head h = kv·G + g
+    K (B, Sk, Hkv, D) -> kT5 (B, Hkv, 1, D, Sk)
+    V (B, Sk, Hkv, Dv)-> v5  (B, Hkv, 1, Sk, Dv)
+    scores of a block        (B, Hkv, G, Sq, blk)
+
+Every computation is in float32 (q/k/v of float16/bfloat16 are cast on entry, the output cast
+back to Q's type). Optional features are switched on per call by scalar conditions evaluated once
+before the loop, so a feature that is off costs nothing inside the loop:
+
+* ``softcap > 0``: ``s = softcap · tanh(s / softcap)``;
+* ALiBi (any non-zero slope): ``s -= slope · |i + Sk − Sq − j|``;
+* ``bias`` (any non-zero entry): ``s += bias``;
+* causal / window: keys outside ``[i' − left, i' + right]`` are masked, ``i' = i + Sk − Sq``
+  (``alignment = 0``, bottom-right) or ``i' = i`` (``alignment = 1``, top-left);
+* ``mask`` (any False entry): keys where the mask is False are masked.
+
+Rows that see no key end with ``l = 0``: their output is 0 and their LSE ``-inf`` (never NaN).
+"""
+
+from __future__ import annotations
+
+from onnxscript import opset18 as op
+from onnxscript import script
+from onnxscript.values import Opset
+
+from .schema import DOMAIN, OP_NAME, VERSION
+
+portattn_opset = Opset(DOMAIN, VERSION)
+
+
+@script(portattn_opset, default_opset=op)
+def FlashAttention(Q, K, V, bias, mask, alibi_slopes,
+                   scale: float = 1.0, causal: int = 0, alignment: int = 0,
+                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                   q_num_heads: int = 0, kv_num_heads: int = 0, block_size: int = 256):
+    # ---- attributes as scalar tensors ----------------------------------------------------
+    scale_t = op.Constant(value_float=scale)
+    softcap_t = op.Constant(value_float=softcap)
+    causal_t = op.Constant(value_int=causal)
+    alignment_t = op.Constant(value_int=alignment)
+    left_t = op.Constant(value_int=window_left)
+    right_t = op.Constant(value_int=window_right)
+    hq_attr = op.Constant(value_int=q_num_heads)
+    hkv_attr = op.Constant(value_int=kv_num_heads)
+    block = op.Constant(value_int=block_size)
+    zero = op.Constant(value_int=0)
+    one1 = op.Constant(value_ints=[1])
+    one = op.Constant(value_int=1)
+    zero_f = op.Constant(value_float=0.0)
+    one_f = op.Constant(value_float=1.0)
+    neg_inf = op.Constant(value_float=float("-inf"))
+
+    # ---- sizes (heads from the attributes when given, else from the 4-D shapes) -----------
+    q_shape = op.Shape(Q)
+    k_shape = op.Shape(K)
+    v_shape = op.Shape(V)
+    batch = op.Shape(Q, start=0, end=1)
+    seq_q = op.Shape(Q, start=1, end=2)
+    seq_k = op.Shape(K, start=1, end=2)
+    hq = op.Where(op.Greater(hq_attr, zero), op.Reshape(hq_attr, [1]), op.Slice(q_shape, [2], [3]))
+    hkv = op.Where(op.Greater(hkv_attr, zero), op.Reshape(hkv_attr, [1]), op.Slice(k_shape, [2], [3]))
+    group = op.Div(hq, hkv)
+    head_dim = op.Div(op.ReduceProd(op.Slice(q_shape, [2], [100]), keepdims=1), hq)
+    head_dim_v = op.Div(op.ReduceProd(op.Slice(v_shape, [2], [100]), keepdims=1), hkv)
+
+    # ---- stage 0: layouts in float32; q pre-scaled ---------------------------------------
+    qf = op.Cast(Q, to=1)
+    q5 = op.Reshape(qf, op.Concat(batch, seq_q, hkv, group, head_dim, axis=0))
+    q5 = op.Mul(op.Transpose(q5, perm=[0, 2, 3, 1, 4]), scale_t)
+    kf = op.Reshape(op.Cast(K, to=1), op.Concat(batch, seq_k, hkv, one1, head_dim, axis=0))
+    kT5 = op.Transpose(kf, perm=[0, 2, 3, 4, 1])
+    vf = op.Reshape(op.Cast(V, to=1), op.Concat(batch, seq_k, hkv, one1, head_dim_v, axis=0))
+    v5 = op.Transpose(vf, perm=[0, 2, 3, 1, 4])
+
+    # ---- optional inputs, grouped like the scores (broadcast dims stay 1) ----------------
+    bias_f = op.Cast(bias, to=1)
+    bias_shape = op.Shape(bias_f)
+    bias_heads = op.Slice(bias_shape, [1], [2])
+    bias_h1 = op.Min(bias_heads, hkv)          # 1 (broadcast heads) or Hkv (heads split as kv·G + g)
+    bias5 = op.Reshape(bias_f, op.Concat(op.Slice(bias_shape, [0], [1]), bias_h1, op.Div(bias_heads, bias_h1),
+                                         op.Slice(bias_shape, [2], [4]), axis=0))
+    bias_cols = op.Shape(bias_f, start=3, end=4)
+    mask_shape = op.Shape(mask)
+    mask_heads = op.Slice(mask_shape, [1], [2])
+    mask_h1 = op.Min(mask_heads, hkv)
+    mask5 = op.Reshape(mask, op.Concat(op.Slice(mask_shape, [0], [1]), mask_h1, op.Div(mask_heads, mask_h1),
+                                       op.Slice(mask_shape, [2], [4]), axis=0))
+    mask_cols = op.Shape(mask, start=3, end=4)
+    slopes_shape = op.Shape(alibi_slopes)
+    slopes_heads = op.Slice(slopes_shape, [1], [2])
+    slopes_h1 = op.Min(slopes_heads, hkv)
+    slopes5 = op.Reshape(op.Cast(alibi_slopes, to=1),
+                         op.Concat(op.Slice(slopes_shape, [0], [1]), slopes_h1, op.Div(slopes_heads, slopes_h1),
+                                   one1, one1, axis=0))
+
+    # ---- which features are on (scalars, evaluated once) -----------------------------------
+    use_softcap = op.Greater(softcap_t, zero_f)
+    use_alibi = op.Greater(op.ReduceMax(op.Abs(slopes5), keepdims=0), zero_f)
+    use_bias = op.Greater(op.ReduceMax(op.Abs(bias_f), keepdims=0), zero_f)
+    use_mask = op.Not(op.Cast(op.ReduceMin(op.Cast(mask, to=6), keepdims=0), to=9))
+    right_eff = op.Where(op.Equal(causal_t, one), zero, right_t)
+    use_window = op.Or(op.GreaterOrEqual(left_t, zero), op.GreaterOrEqual(right_eff, zero))
+
+    # ---- the visible band: rows i' = i + offset, keys in [i' - left, i' + right] -----------
+    sq = op.Squeeze(seq_q)
+    sk = op.Squeeze(seq_k)
+    unbounded = op.Add(sq, sk)
+    left = op.Where(op.Less(left_t, zero), unbounded, left_t)
+    right = op.Where(op.Less(right_eff, zero), unbounded, right_eff)
+    offset = op.Where(op.Equal(alignment_t, zero), op.Sub(sk, sq), zero)
+    rows = op.Unsqueeze(op.Add(op.Range(zero, sq, one), offset), [1])                 # (Sq, 1)
+    alibi_rows = op.Unsqueeze(op.Add(op.Range(zero, sq, one), op.Sub(sk, sq)), [1])   # ALiBi: always bottom-right
+    # Key blocks that no row can see are never visited.
+    col_lo = op.Max(zero, op.Sub(offset, left))
+    col_hi = op.Min(sk, op.Add(op.Add(op.Sub(sq, one), offset), op.Add(right, one)))
+    col_hi = op.Max(col_hi, col_lo)
+    n_blocks = op.Div(op.Sub(op.Add(op.Sub(col_hi, col_lo), block), one), block)
+
+    # ---- running state: max m, sum l, unnormalised output acc ----------------------------
+    state_shape = op.Concat(batch, hkv, group, seq_q, one1, axis=0)
+    m = op.Expand(neg_inf, state_shape)
+    l = op.Expand(zero_f, state_shape)
+    acc = op.Expand(zero_f, op.Concat(batch, hkv, group, seq_q, head_dim_v, axis=0))
+
+    for blk_index in range(n_blocks):
+        # stage 1: scores of this key block, s = scale · q kᵀ
+        j0 = op.Add(col_lo, op.Mul(blk_index, block))
+        j1 = op.Min(op.Add(j0, block), col_hi)
+        j0_1d = op.Reshape(j0, [1])
+        j1_1d = op.Reshape(j1, [1])
+        k_blk = op.Slice(kT5, j0_1d, j1_1d, [4])
+        v_blk = op.Slice(v5, j0_1d, j1_1d, [3])
+        s = op.MatMul(q5, k_blk)                                   # (B, Hkv, G, Sq, blk)
+        cols = op.Unsqueeze(op.Range(j0, j1, one), [0])            # (1, blk)
+        # stage 2: softcap
+        if use_softcap:
+            s_c = op.Mul(op.Tanh(op.Div(s, softcap_t)), softcap_t)
+        else:
+            s_c = op.Identity(s)
+        # stage 3: ALiBi, s -= slope · |i + Sk − Sq − j|
+        if use_alibi:
+            dist = op.Cast(op.Abs(op.Sub(alibi_rows, cols)), to=1)
+            s_a = op.Sub(s_c, op.Mul(slopes5, dist))
+        else:
+            s_a = op.Identity(s_c)
+        # stage 4: additive bias (broadcast columns stay one wide)
+        if use_bias:
+            b_blk = op.Slice(bias5, op.Min(j0_1d, op.Sub(bias_cols, one1)), op.Min(j1_1d, bias_cols), [4])
+            s_b = op.Add(s_a, b_blk)
+        else:
+            s_b = op.Identity(s_a)
+        # stage 5: causal / sliding window, then the boolean mask
+        if use_window:
+            keep_w = op.And(op.GreaterOrEqual(cols, op.Sub(rows, left)), op.LessOrEqual(cols, op.Add(rows, right)))
+            s_w = op.Where(keep_w, s_b, neg_inf)
+        else:
+            s_w = op.Identity(s_b)
+        if use_mask:
+            keep_m = op.Slice(mask5, op.Min(j0_1d, op.Sub(mask_cols, one1)), op.Min(j1_1d, mask_cols), [4])
+            s_m = op.Where(keep_m, s_w, neg_inf)
+        else:
+            s_m = op.Identity(s_w)
+        # stage 6: online softmax, rescale the running sum and output by exp(m_old − m_new)
+        m_new = op.Max(m, op.ReduceMax(s_m, [-1], keepdims=1))
+        m_use = op.Where(op.IsInf(m_new), zero_f, m_new)            # rows with nothing visible yet
+        p = op.Exp(op.Sub(s_m, m_use))
+        alpha = op.Exp(op.Sub(m, m_use))
+        l = op.Add(op.Mul(l, alpha), op.ReduceSum(p, [-1], keepdims=1))
+        acc = op.Add(op.Mul(acc, alpha), op.MatMul(p, v_blk))
+        m = op.Identity(m_new)
+
+    # ---- stage 7: normalise; empty rows give 0 and lse = -inf ------------------------------
+    empty = op.Equal(l, zero_f)
+    out5 = op.Div(acc, op.Where(empty, one_f, l))
+    m_fin = op.Where(op.IsInf(m), zero_f, m)
+    lse5 = op.Add(m_fin, op.Log(l))                                 # log(0) = -inf
+    out = op.Transpose(out5, perm=[0, 3, 1, 2, 4])                  # (B, Sq, Hkv, G, Dv)
+    Y = op.CastLike(op.Reshape(out, op.Concat(batch, seq_q, hq, head_dim_v, axis=0)), Q)
+    LSE = op.Reshape(lse5, op.Concat(batch, hq, seq_q, axis=0))
+    return Y, LSE
