@@ -1,0 +1,74 @@
+"""The ``triton`` backend: FlashAttention-2 forward and backward kernels written in Triton.
+
+Runs on NVIDIA (sm_80+) and AMD CDNA GPUs, and on CPU tensors through Triton's interpreter
+(``TRITON_INTERPRET=1`` set before triton is first imported). Every feature of DESIGN.md §2;
+gradients are deterministic by construction (no atomics). See docs/triton.md.
+
+This module imports neither triton nor the kernels: a missing triton is a reason, not an error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from portattn.registry import ALL_FEATURES, Backend
+
+#: grid axis 1 carries batch × heads; CUDA/HIP limit it to 65535 programs.
+MAX_BATCH_HEADS = 65535
+
+
+def _ops():
+    from . import ops   # imports triton and defines the kernels
+    return ops
+
+
+class TritonBackend(Backend):
+    """FlashAttention-2 in Triton: tiled online softmax forward, FA2 backward (delta, dK/dV, dQ)."""
+
+    name = "triton"
+    description = "Triton FlashAttention-2 kernels (NVIDIA sm_80+, AMD CDNA, CPU via TRITON_INTERPRET=1)"
+    dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
+    head_dims = (1, 256)
+    vendors = frozenset({"nvidia", "amd", "cpu"})
+    features = ALL_FEATURES
+    deterministic = True
+    has_backward = True
+
+    def unavailable_reasons(self) -> list[str]:
+        if importlib.util.find_spec("triton") is None:
+            return ["triton is not installed: pip install 'portattn[triton]' (or pip install triton)"]
+        try:
+            import triton  # noqa: F401
+        except Exception as exc:  # a broken install is a reason too
+            return [f"triton failed to import: {type(exc).__name__}: {exc}"]
+        return []
+
+    def extra_reasons(self, spec) -> list[str]:
+        reasons = []
+        ops = _ops()
+        if spec.vendor == "cpu":
+            if not ops.interpreter_active():
+                reasons.append("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before triton "
+                               "is first imported (e.g. in the environment of the process), or move the "
+                               "tensors to a GPU")
+        elif ops.interpreter_active():
+            reasons.append("Triton's interpreter is on (TRITON_INTERPRET=1): it runs only CPU tensors here; "
+                           "unset TRITON_INTERPRET to run on the GPU")
+        elif spec.vendor == "nvidia":
+            major, minor = torch.cuda.get_device_capability(spec.device)
+            if major < 8:
+                reasons.append(f"NVIDIA sm_{major}{minor} is too old (needs sm_80 or newer: Ampere, Ada, Hopper, …)")
+        if spec.batch * spec.num_heads_q > MAX_BATCH_HEADS:
+            reasons.append(f"batch × heads = {spec.batch * spec.num_heads_q} > {MAX_BATCH_HEADS} (grid limit); "
+                           f"split the batch into chunks")
+        return reasons
+
+    def forward(self, spec):
+        """``(out, lse)``: out in ``spec.out_shape`` and q's dtype, lse float32 ``spec.lse_shape``."""
+        return _ops().forward(spec)
+
+    def backward(self, spec, out, lse, dout):
+        """``(dq, dk, dv, dbias)``; dbias has the expanded bias shape when a float bias needs grad."""
+        return _ops().backward(spec, out, lse, dout)

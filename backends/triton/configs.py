@@ -1,0 +1,175 @@
+"""Tile sizes and launch options of every Triton kernel, per vendor: the one source of truth.
+
+The choice is a deterministic table (no autotuning): a function of the target (vendor and
+architecture, read from the device at run time), the padded head dimension ``BLOCK_D`` and the
+element size. The portability check (``python -m portattn.backends.triton.portability``)
+compiles every entry of :func:`all_choices` for sm_80, sm_90, gfx90a and gfx942, so whatever
+this module can return is known to compile and to fit the target's shared memory / LDS.
+
+* NVIDIA: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; Hopper (sm_90+) gets deeper
+  pipelines and larger tiles than Ampere (sm_80, 164 KiB shared memory); other sm_8x parts
+  (≈100 KiB) get the small table.
+* AMD CDNA (gfx90a, gfx942, …; 64 KiB LDS, 64-wide wavefronts): ``waves_per_eu``,
+  ``matrix_instr_nonkdim`` (16×16 MFMA) and ``kpack``; ``num_stages`` ≤ 2 (the stream
+  pipeliner), no Hopper-only features (nothing here uses TMA or warp specialisation).
+* CPU (Triton's interpreter): tiles of 32, since the interpreter's cost is per program and per op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict
+
+import torch
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where kernels run: vendor ``"nvidia"``/``"amd"``/``"cpu"`` and its architecture
+    (compute capability as an int such as 90 for NVIDIA, ``"gfx942"`` for AMD, None for CPU)."""
+
+    vendor: str
+    arch: int | str | None = None
+
+    def __str__(self) -> str:
+        if self.vendor == "nvidia":
+            return f"sm_{self.arch}"
+        if self.vendor == "amd":
+            return str(self.arch)
+        return "interpreter"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and compiler options of one kernel launch."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    waves_per_eu: int | None = None          # AMD only
+    matrix_instr_nonkdim: int | None = None  # AMD only
+    kpack: int | None = None                 # AMD only
+
+    def launch_options(self) -> dict:
+        """Keyword arguments for ``kernel[grid](..., **options)`` (and ``triton.compile``)."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        for key in ("waves_per_eu", "matrix_instr_nonkdim", "kpack"):
+            value = getattr(self, key)
+            if value is not None:
+                opts[key] = value
+        return opts
+
+    def short(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in asdict(self).items()
+                        if k in ("waves_per_eu", "matrix_instr_nonkdim", "kpack") and v is not None)
+        return f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
+
+
+@dataclass(frozen=True)
+class BackwardConfigs:
+    preprocess: KernelConfig
+    dkdv: KernelConfig
+    dq: KernelConfig
+
+
+def device_target(device: torch.device) -> Target:
+    """The :class:`Target` of a torch device (CPU tensors run under the interpreter)."""
+    if device.type != "cuda":
+        return Target("cpu")
+    props = torch.cuda.get_device_properties(device)
+    if getattr(torch.version, "hip", None):
+        return Target("amd", getattr(props, "gcnArchName", "gfx942").split(":")[0])
+    return Target("nvidia", props.major * 10 + props.minor)
+
+
+def padded_dim(d: int) -> int:
+    """Block size covering a head dimension: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, 1 << (max(1, d) - 1).bit_length())
+
+
+PADDED_DIMS = (16, 32, 64, 128, 256)
+
+
+def _nvidia_family(arch: int) -> str:
+    if arch >= 90:
+        return "hopper"
+    if arch in (80, 87):
+        return "ampere"
+    return "small"   # sm_86/89/12x: ~100 KiB of shared memory per block
+
+
+# fwd tables: BLOCK_D -> (BLOCK_M, BLOCK_N, num_warps, num_stages), for 2-byte inputs.
+_FWD_NVIDIA = {
+    "hopper": {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 64, 8, 2)},
+    "ampere": {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (64, 32, 4, 2)},
+    "small":  {16: (128, 64, 4, 2), 32: (128, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 1)},
+}
+# bwd tables: BLOCK_D -> ((dkdv BLOCK_M, BLOCK_N), (dq BLOCK_M, BLOCK_N), num_warps, num_stages).
+_BWD_NVIDIA = {
+    "hopper": {16: ((32, 128), (128, 32), 4, 3), 32: ((32, 128), (128, 32), 4, 3), 64: ((32, 128), (128, 32), 4, 3),
+               128: ((64, 128), (128, 64), 8, 2), 256: ((32, 64), (64, 32), 8, 1)},
+    "ampere": {16: ((32, 128), (128, 32), 4, 3), 32: ((32, 128), (128, 32), 4, 3), 64: ((32, 128), (128, 32), 4, 2),
+               128: ((32, 64), (64, 32), 4, 2), 256: ((16, 32), (32, 16), 4, 1)},
+    "small":  {16: ((32, 64), (64, 32), 4, 2), 32: ((32, 64), (64, 32), 4, 2), 64: ((32, 64), (64, 32), 4, 2),
+               128: ((32, 64), (64, 32), 4, 1), 256: ((16, 32), (32, 16), 4, 1)},
+}
+# AMD CDNA (64 KiB LDS): BLOCK_D -> (BLOCK_M, BLOCK_N, num_warps, num_stages, waves_per_eu)
+_FWD_AMD = {16: (128, 64, 4, 2, 2), 32: (128, 64, 4, 2, 2), 64: (128, 64, 4, 2, 2), 128: (128, 64, 4, 2, 2),
+            256: (64, 32, 4, 1, 1)}
+_BWD_AMD = {16: ((32, 64), (64, 32), 4, 1, 1), 32: ((32, 64), (64, 32), 4, 1, 1), 64: ((32, 64), (64, 32), 4, 1, 1),
+            128: ((32, 64), (64, 32), 4, 1, 1), 256: ((16, 32), (32, 16), 4, 1, 1)}
+
+_INTERPRETER = KernelConfig(32, 32, 4, 1)
+
+
+def _shrink(m: int, n: int, stages: int, elem_size: int) -> tuple[int, int, int]:
+    """float32 tiles are twice the bytes: halve the larger tile side (not below 16) instead."""
+    if elem_size <= 2:
+        return m, n, stages
+    if m >= n and m > 16:
+        m //= 2
+    elif n > 16:
+        n //= 2
+    return m, n, max(1, stages - 1) if stages > 2 else stages
+
+
+def forward_config(target: Target, block_d: int, elem_size: int) -> KernelConfig:
+    """Config of the forward kernel for head-dim block ``block_d`` (max of D and Dv, padded)."""
+    if target.vendor == "cpu":
+        return _INTERPRETER
+    if target.vendor == "amd":
+        m, n, w, s, wpe = _FWD_AMD[block_d]
+        m, n, s = _shrink(m, n, s, elem_size)
+        return KernelConfig(m, n, w, s, waves_per_eu=wpe, matrix_instr_nonkdim=16, kpack=1)
+    m, n, w, s = _FWD_NVIDIA[_nvidia_family(int(target.arch))][block_d]
+    m, n, s = _shrink(m, n, s, elem_size)
+    return KernelConfig(m, n, w, s)
+
+
+def backward_configs(target: Target, block_d: int, elem_size: int) -> BackwardConfigs:
+    """Configs of the three backward kernels (delta preprocess, dK/dV, dQ)."""
+    if target.vendor == "cpu":
+        return BackwardConfigs(_INTERPRETER, _INTERPRETER, _INTERPRETER)
+    if target.vendor == "amd":
+        (m1, n1), (m2, n2), w, s, wpe = _BWD_AMD[block_d]
+        amd = dict(waves_per_eu=wpe, matrix_instr_nonkdim=16, kpack=1)
+        pre = KernelConfig(64, 16, 4, 1, **amd)
+    else:
+        (m1, n1), (m2, n2), w, s = _BWD_NVIDIA[_nvidia_family(int(target.arch))][block_d]
+        amd = {}
+        pre = KernelConfig(64, 16, 4, 1)
+    m1, n1, s1 = _shrink(m1, n1, s, elem_size)
+    m2, n2, s2 = _shrink(m2, n2, s, elem_size)
+    return BackwardConfigs(pre, KernelConfig(m1, n1, w, s1, **amd), KernelConfig(m2, n2, w, s2, **amd))
+
+
+#: Targets the portability check compiles for, with their shared memory (LDS) limit in bytes.
+PORTABILITY_TARGETS = (
+    (Target("nvidia", 80), 166912),   # A100: 164 KiB, 163 KiB usable per block
+    (Target("nvidia", 90), 232448),   # H100/H200: 227 KiB per block
+    (Target("amd", "gfx90a"), 65536),  # MI200: 64 KiB LDS
+    (Target("amd", "gfx942"), 65536),  # MI300: 64 KiB LDS
+)
+
+#: Element sizes of the supported dtypes (fp16 and bf16 share the 2-byte tables).
+ELEM_SIZES = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}

@@ -1,0 +1,556 @@
+"""Triton kernels of the ``triton`` backend: FlashAttention-2 forward and backward.
+
+Every kernel works on the canonical layout of :class:`portattn.spec.AttentionSpec` through
+strides (last dimension contiguous): dense ``(B, S, H, D)`` or varlen ``(total, H, D)`` with
+``cu_seqlens`` (then the batch stride is 0 and each sequence starts at ``cu_seqlens[b]``).
+
+Conventions shared by all kernels (DESIGN.md §2):
+
+* scores live in base 2: ``s2 = log2(e) · s`` so that ``exp2`` replaces ``exp``; the softmax
+  scale and log2(e) are folded into one multiplier ``qk_scale2``;
+* the aligned row of query ``i`` is ``i + off`` with ``off = Sk - Sq`` (bottom-right) or 0
+  (top-left); key ``j`` is visible iff ``row - window_left <= j <= row + window_right``
+  (an unbounded side is passed as a huge number);
+* key loops run in three phases: masked tiles at the band's start, unmasked tiles fully inside
+  the band (no per-element mask at all), masked tiles at the band's end; tiles outside the
+  band are never visited;
+* ``lse`` is stored in natural log; a row with no visible key has ``l_i = 0``: output 0 and
+  ``lse = -inf`` (the backward reads ``-inf`` as ``+inf`` so that its probabilities are 0).
+
+Nothing here uses atomics: dK/dV and dQ are computed by separate kernels that each own their
+output tile, so gradients are bit-identical across runs by construction.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# bias modes (constexpr BIAS_MODE)
+BIAS_NONE = 0
+BIAS_ADD = 1
+BIAS_BOOL = 2
+
+
+# ----- small helpers ------------------------------------------------------------------------
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    """a @ b accumulated in float32; ``IEEE`` forces true float32 products for float32 inputs."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _load_tile(ptrs, rows, row_limit, cols, HEAD: tl.constexpr, BLOCK: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Load a (rows, BLOCK) tile, zero-filling rows >= row_limit and head columns >= HEAD."""
+    if CHECK_ROWS:
+        if HEAD == BLOCK:
+            x = tl.load(ptrs, mask=rows[:, None] < row_limit, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows[:, None] < row_limit) & (cols[None, :] < HEAD), other=0.0)
+    else:
+        if HEAD == BLOCK:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=cols[None, :] < HEAD, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_tile(ptrs, x, rows, row_limit, cols, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+    if HEAD == BLOCK:
+        tl.store(ptrs, x, mask=rows[:, None] < row_limit)
+    else:
+        tl.store(ptrs, x, mask=(rows[:, None] < row_limit) & (cols[None, :] < HEAD))
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp2 (portable: no libdevice); saturates cleanly to ±1.
+    return 2.0 / (1.0 + tl.exp2(-2.0 * LOG2E * x)) - 1.0
+
+
+@triton.jit
+def _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """(q_start, sq, k_start, sk) of sequence ``b``."""
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + b)
+        sq = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        sk = tl.load(CU_K + b + 1) - k_start
+    else:
+        zero = b * 0   # tensors, even when a length was specialised to a constant
+        q_start = zero
+        sq = seqlen_q + zero
+        k_start = zero
+        sk = seqlen_k + zero
+    return q_start, sq, k_start, sk
+
+
+@triton.jit
+def _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key-tile bounds for the query tile starting at ``m0``.
+
+    Returns (lo, full_lo, full_hi, hi): tiles in [lo, full_lo) and [full_hi, hi) need the
+    element mask, tiles in [full_lo, full_hi) are fully visible to every row of the tile.
+    """
+    r0 = m0 + off
+    r1 = tl.minimum(m0 + BLOCK_M, sq) - 1 + off
+    lo = tl.maximum(r0 - window_left, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(r1 + window_right + 1, sk)
+    full_lo = tl.maximum(r1 - window_left, 0)
+    full_lo = ((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.maximum(hi, lo))
+    full_hi = (tl.maximum(r0 + window_right + 1, 0) // BLOCK_N) * BLOCK_N
+    full_hi = tl.minimum(full_hi, (sk // BLOCK_N) * BLOCK_N)
+    full_hi = tl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_phases(n0, sq, sk, off, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query-tile bounds for the key tile starting at ``n0`` (mirror of :func:`_key_phases`).
+
+    Row ``i`` sees key ``j`` iff ``j - right - off <= i <= j + left - off``.
+    """
+    c1 = tl.minimum(n0 + BLOCK_N, sk) - 1
+    lo = tl.maximum(n0 - window_right - off, 0)
+    lo = (lo // BLOCK_M) * BLOCK_M
+    hi = tl.minimum(c1 + window_left - off + 1, sq)
+    full_lo = tl.maximum(n0 + BLOCK_N - 1 - window_right - off, 0)
+    full_lo = ((full_lo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.maximum(hi, lo))
+    full_hi = (tl.maximum(n0 + window_left - off + 1, 0) // BLOCK_M) * BLOCK_M
+    full_hi = tl.minimum(full_hi, (sq // BLOCK_M) * BLOCK_M)
+    if n0 + BLOCK_N > sk:   # a ragged key tile is never mask-free
+        full_hi = full_lo
+    full_hi = tl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
+            qk_scale2, softcap_scale, softcap2, window_left, window_right,
+            MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr):
+    """Scores in base 2 from raw ``qk = q·kᵀ`` for rows ``offs_m`` and keys ``offs_n``.
+
+    Applies, in §2's order: scale, softcap, ALiBi, additive bias / bool mask, causal-window and
+    bounds mask (``MASKED`` tiles only). Returns (s2, t) with ``t = tanh(scale·qk/c)`` when
+    ``SOFTCAP`` (the backward needs it), else ``qk``.
+    """
+    # 1-2. scale (and softcap c·tanh(s/c)), in base 2
+    if SOFTCAP:
+        t = _tanh(qk * softcap_scale)
+        s = t * softcap2
+    else:
+        t = qk
+        s = qk * qk_scale2
+    # 3. ALiBi: -slope·|i + Sk - Sq - j| (always the bottom-right distance)
+    if ALIBI:
+        dist = (offs_m[:, None] + (sk - sq) - offs_n[None, :]).to(tl.float32)
+        s = s - slope2 * tl.abs(dist)
+    # 4. additive bias or bool mask, loaded through its strides (stride 0 = broadcast)
+    if BIAS_MODE != 0:
+        ptrs = bias_ptrs + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn
+        in_bounds = (offs_m[:, None] < sq) & (offs_n[None, :] < sk)
+        if BIAS_MODE == 1:
+            s = s + tl.load(ptrs, mask=in_bounds, other=0.0).to(tl.float32) * LOG2E
+        else:
+            keep = tl.load(ptrs, mask=in_bounds, other=0) != 0
+            s = tl.where(keep, s, float("-inf"))
+    # 5. causal / sliding window on the aligned row, and the key bound
+    if MASKED:
+        rows = offs_m[:, None] + off
+        cols = offs_n[None, :]
+        visible = (cols < sk) & (cols >= rows - window_left) & (cols <= rows + window_right)
+        s = tl.where(visible, s, float("-inf"))
+    return s, t
+
+
+# ----- forward ------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
+              sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2,
+              qk_scale2, softcap_scale, softcap2, window_left, window_right,
+              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
+              IEEE: tl.constexpr):
+    """One K/V tile of the online softmax: update (m_i, l_i, acc)."""
+    cols = start_n + offs_n
+    # S = Q Kᵀ for this tile
+    k = _load_tile(k_ptrs + start_n * stride_ks, cols, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
+    qk = _mm(q, tl.trans(k), IEEE)
+    s, _ = _logits(qk, offs_m, cols, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
+                   qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                   MASKED, SOFTCAP, ALIBI, BIAS_MODE)
+    # running max; a row with nothing visible yet keeps m = -inf and subtracts 0 instead
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    # rescale the running sum and accumulator, then add P V
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_tile(v_ptrs + start_n * stride_vs, cols, sk, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
+    acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, IEEE)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def attn_fwd(
+    Q, K, V, O, LSE, BIAS, SLOPES, CU_Q, CU_K,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    num_heads_q, gqa_ratio, seqlen_q, seqlen_k,
+    qk_scale2, softcap_scale, softcap2, window_left, window_right,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    BIAS_MODE: tl.constexpr, IEEE: tl.constexpr,
+):
+    """O = softmax(scale·QKᵀ + bias)V for one (query tile, batch·head); writes O and lse."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads_q
+    h = pid_bh % num_heads_q
+    h_kv = h // gqa_ratio            # GQA/MQA: K/V are shared, never copied
+    q_start, sq, k_start, sk = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    if BOTTOM_RIGHT:
+        off = sk - sq
+    else:
+        off = sk * 0
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv.to(tl.int64) * stride_vh
+    k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :]
+    bias_ptrs = BIAS + b64 * stride_bb + h.to(tl.int64) * stride_bh
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
+
+    # the query tile stays resident for the whole key loop
+    q = _load_tile(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, sq, offs_d,
+                   HEAD_D, BLOCK_D, True)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
+    # phase 1: tiles cut by the band's left edge (masked)
+    for start_n in range(lo, full_lo, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
+                                  offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
+                                  slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+    # phase 2: tiles every row sees entirely (no element mask)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
+                                  offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
+                                  slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+    # phase 3: tiles cut by the band's right edge or the end of the keys (masked)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
+                                  offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
+                                  slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+
+    # normalise once; rows with no visible key output 0 and lse = -inf
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    o_ptrs = (O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
+              + offs_m[:, None] * stride_os + offs_dv[None, :])
+    _store_tile(o_ptrs, out.to(O.dtype.element_ty), offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV)
+    l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m
+    tl.store(l_ptrs, lse, mask=offs_m < sq)
+
+
+# ----- backward -----------------------------------------------------------------------------
+
+@triton.jit
+def attn_bwd_preprocess(
+    O, DO, DELTA, CU_Q,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh,
+    num_heads_q, seqlen_q,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """delta_i = Σ_d dO_id · O_id (float32), stored like lse."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads_q
+    h = pid_bh % num_heads_q
+    q_start, sq, _, _ = _seq_bounds(CU_Q, CU_Q, b, seqlen_q, seqlen_q, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    o_ptrs = (O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
+              + offs_m[:, None] * stride_os + offs_dv[None, :])
+    do_ptrs = (DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h.to(tl.int64) * stride_doh
+               + offs_m[:, None] * stride_dos + offs_dv[None, :])
+    o = _load_tile(o_ptrs, offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV, True).to(tl.float32)
+    do = _load_tile(do_ptrs, offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV, True).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    tl.store(DELTA + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m, delta, mask=offs_m < sq)
+
+
+@triton.jit
+def _load_row_stats(LSE, DELTA, row_base, offs_m, sq):
+    """lse in base 2 (with -inf read as +inf so fully-masked rows get P = 0) and delta."""
+    lse = tl.load(LSE + row_base + offs_m, mask=offs_m < sq, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < sq, other=0.0)
+    return lse2, delta
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, LSE, DELTA, row_base, bias_ptrs, start_m, offs_m0, offs_n,
+               offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn, slope2,
+               qk_scale2, softcap_scale, softcap2, window_left, window_right,
+               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
+               IEEE: tl.constexpr):
+    """One Q tile against the resident K/V tile: accumulate dK (unscaled) and dV."""
+    offs_m = start_m + offs_m0
+    q = _load_tile(q_ptrs + start_m * stride_qs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, MASKED)
+    do = _load_tile(do_ptrs + start_m * stride_dos, offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
+    lse2, delta = _load_row_stats(LSE, DELTA, row_base, offs_m, sq)
+    # recompute P = exp(S - lse) for this tile
+    qk = _mm(q, tl.trans(k), IEEE)
+    s, t = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
+                   qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                   MASKED, SOFTCAP, ALIBI, BIAS_MODE)
+    p = tl.exp2(s - lse2[:, None])
+    # dV += Pᵀ dO
+    dv += _mm(tl.trans(p.to(do.dtype)), do, IEEE)
+    # dS = P ∘ (dO Vᵀ - delta), through the softcap's derivative
+    dp = _mm(do, tl.trans(v), IEEE)
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    # dK += dSᵀ Q
+    dk += _mm(tl.trans(ds.to(q.dtype)), q, IEEE)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, SLOPES, CU_Q, CU_K,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    num_heads_q, num_heads_kv, gqa_ratio, seqlen_q, seqlen_k,
+    sm_scale, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    BIAS_MODE: tl.constexpr, IEEE: tl.constexpr,
+):
+    """dK, dV of one (key tile, batch·kv head): K/V resident, loop over the query heads of the
+    GQA group and over their query tiles. Each program owns its output tile (no atomics)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads_kv
+    h_kv = pid_bh % num_heads_kv
+    q_start, sq, k_start, sk = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= sk:
+        return
+    if BOTTOM_RIGHT:
+        off = sk - sq
+    else:
+        off = sk * 0
+
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv.to(tl.int64) * stride_vh
+    # the K/V tile stays resident for every query head and query tile
+    k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, sk, offs_d, HEAD_D, BLOCK_D, True)
+    v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = _query_phases(n0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
+    for g in range(0, gqa_ratio):
+        h = h_kv * gqa_ratio + g
+        q_ptrs = (Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
+                  + offs_m0[:, None] * stride_qs + offs_d[None, :])
+        do_ptrs = (DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h.to(tl.int64) * stride_doh
+                   + offs_m0[:, None] * stride_dos + offs_dv[None, :])
+        row_base = b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start
+        bias_ptrs = BIAS + b64 * stride_bb + h.to(tl.int64) * stride_bh
+        slope2 = 0.0
+        if ALIBI:
+            slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
+        # masked query tiles at the band's top, unmasked middle, masked bottom
+        for start_m in range(lo, full_lo, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, LSE, DELTA, row_base, bias_ptrs, start_m, offs_m0,
+                                offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
+                                slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+        for start_m in range(full_lo, full_hi, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, LSE, DELTA, row_base, bias_ptrs, start_m, offs_m0,
+                                offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
+                                slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+        for start_m in range(full_hi, hi, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, LSE, DELTA, row_base, bias_ptrs, start_m, offs_m0,
+                                offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
+                                slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+
+    dk = dk * sm_scale
+    dk_ptrs = (DK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv.to(tl.int64) * stride_dkh
+               + offs_n[:, None] * stride_dks + offs_d[None, :])
+    dv_ptrs = (DV + b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv.to(tl.int64) * stride_dvh
+               + offs_n[:, None] * stride_dvs + offs_dv[None, :])
+    _store_tile(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, sk, offs_d, HEAD_D, BLOCK_D)
+    _store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
+             offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm, stride_dbn,
+             slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+             HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+             MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
+             BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr):
+    """One K/V tile against the resident Q tile: accumulate dQ (unscaled); write dBias."""
+    offs_n = start_n + offs_n0
+    k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
+    v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
+    # recompute P
+    qk = _mm(q, tl.trans(k), IEEE)
+    s, t = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
+                   qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                   MASKED, SOFTCAP, ALIBI, BIAS_MODE)
+    p = tl.exp2(s - lse2[:, None])
+    # dS = P ∘ (dO Vᵀ - delta): the gradient of the (natural-log) score, i.e. dBias
+    dp = _mm(do, tl.trans(v), IEEE)
+    ds = p * (dp - delta[:, None])
+    if BIAS_GRAD:
+        db_ptrs = dbias_ptrs + offs_m[:, None] * stride_dbm + offs_n[None, :] * stride_dbn
+        tl.store(db_ptrs, ds.to(dbias_ptrs.dtype.element_ty), mask=(offs_m[:, None] < sq) & (offs_n[None, :] < sk))
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    # dQ += dS K
+    dq += _mm(ds.to(k.dtype), k, IEEE)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq(
+    Q, K, V, DO, LSE, DELTA, DQ, BIAS, DBIAS, SLOPES, CU_Q, CU_K,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_lb, stride_lh,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_dbb, stride_dbh, stride_dbm, stride_dbn,
+    num_heads_q, gqa_ratio, seqlen_q, seqlen_k,
+    sm_scale, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    BIAS_MODE: tl.constexpr, BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr,
+):
+    """dQ (and dBias) of one (query tile, batch·head): Q, dO, lse, delta resident, loop over the
+    visible key tiles exactly like the forward."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads_q
+    h = pid_bh % num_heads_q
+    h_kv = h // gqa_ratio
+    q_start, sq, k_start, sk = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    if BOTTOM_RIGHT:
+        off = sk - sq
+    else:
+        off = sk * 0
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    q_ptrs = (Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h64 * stride_qh
+              + offs_m[:, None] * stride_qs + offs_d[None, :])
+    do_ptrs = (DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h64 * stride_doh
+               + offs_m[:, None] * stride_dos + offs_dv[None, :])
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv.to(tl.int64) * stride_vh
+    k_ptrs = k_base + offs_n0[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = v_base + offs_n0[:, None] * stride_vs + offs_dv[None, :]
+    bias_ptrs = BIAS + b64 * stride_bb + h64 * stride_bh
+    dbias_ptrs = DBIAS + b64 * stride_dbb + h64 * stride_dbh
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
+
+    q = _load_tile(q_ptrs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, True)
+    do = _load_tile(do_ptrs, offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV, True)
+    lse2, delta = _load_row_stats(LSE, DELTA, b64 * stride_lb + h64 * stride_lh + q_start, offs_m, sq)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, full_lo, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
+                      offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
+                      stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
+                      offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
+                      stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
+                      offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
+                      stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE)
+
+    dq = dq * sm_scale
+    dq_ptrs = (DQ + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h64 * stride_dqh
+               + offs_m[:, None] * stride_dqs + offs_d[None, :])
+    _store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), offs_m, sq, offs_d, HEAD_D, BLOCK_D)
