@@ -1,0 +1,222 @@
+"""The ``sdpa`` backend: ``torch.nn.functional.scaled_dot_product_attention``.
+
+It covers what SDPA can express and declines the rest with reasons:
+
+* causal top-left is SDPA's own ``is_causal``; bottom-right causal and sliding windows become a
+  boolean mask (``Sq <= Sk`` causal uses ``causal_lower_right``, which keeps the fused kernels);
+* GQA through ``enable_gqa`` (torch >= 2.5) or by repeating K/V heads;
+* ALiBi and float ``attn_bias`` become an additive mask; a bool ``attn_bias`` a boolean one;
+* softcap and varlen are not expressible: reasons.
+
+Rows with no visible key are given one visible key for SDPA (so it never sees an all-masked
+row, which gives NaN in some kernels) and are then multiplied by 0, which also zeroes their
+gradients. ``lse`` is not exposed by SDPA: when ``return_lse=True`` it is computed by an extra
+float32 pass over ``Q Kᵀ`` (row chunks, bounded memory).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from portattn.registry import Backend
+
+_LSE_CHUNK_ELEMENTS = 1 << 26
+
+
+def _has_enable_gqa() -> bool:
+    try:
+        return "enable_gqa" in inspect.signature(F.scaled_dot_product_attention).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return torch.__version__ >= "2.5"
+
+
+_ENABLE_GQA = _has_enable_gqa()
+
+
+def _keep_mask(spec, device) -> torch.Tensor | None:
+    """Bool (Sq, Sk) mask of keys visible under causal/window, or None if all are."""
+    if spec.window_left is None and spec.window_right is None:
+        return None
+    sq, sk = spec.seqlen_q, spec.seqlen_k
+    i = torch.arange(sq, device=device).unsqueeze(1)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    row = i + (sk - sq) if spec.alignment == "bottom_right" else i
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if spec.window_left is not None:
+        keep = keep & (j >= row - spec.window_left)
+    if spec.window_right is not None:
+        keep = keep & (j <= row + spec.window_right)
+    return keep
+
+
+def _alibi_bias(spec, dtype, device) -> torch.Tensor:
+    sq, sk = spec.seqlen_q, spec.seqlen_k
+    i = torch.arange(sq, device=device).unsqueeze(1)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    dist = (i + (sk - sq) - j).abs().to(torch.float32)
+    return (-spec.alibi_slopes.view(spec.batch, spec.num_heads_q, 1, 1) * dist).to(dtype)
+
+
+def _kernel_choice(spec):
+    """On CPU, float32/float64 use SDPA's math kernel: the fused CPU kernel approximates exp,
+    which breaks the IEEE-float32 promise (DESIGN.md §2); elsewhere torch chooses."""
+    import contextlib
+    if spec.vendor == "cpu" and spec.dtype in (torch.float32, torch.float64):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel([SDPBackend.MATH])
+    return contextlib.nullcontext()
+
+
+class _Plan:
+    """How one spec maps onto an SDPA call: the mask argument, is_causal, and empty rows."""
+
+    def __init__(self, spec, dtype):
+        device = spec.device
+        self.is_causal = False
+        self.mask = None           # bool or float, broadcastable to (B, Hq, Sq, Sk)
+        self.row_keep = None       # float (B|1, Hq|1, Sq, 1) multiplier: 0 for rows with no key
+        self.structured = False    # mask is SDPA's own causal (is_causal / causal_lower_right)
+        keep = _keep_mask(spec, device)
+        plain_causal = (spec.causal and spec.window_left is None and spec.attn_bias is None
+                        and spec.alibi_slopes is None)
+        if plain_causal and (spec.alignment == "top_left" or spec.seqlen_q == spec.seqlen_k):
+            self.is_causal = self.structured = True
+            return
+        if plain_causal and spec.seqlen_q < spec.seqlen_k:
+            from torch.nn.attention.bias import causal_lower_right
+            self.mask = causal_lower_right(spec.seqlen_q, spec.seqlen_k)
+            self.structured = True
+            return
+        if spec.bias_is_mask:
+            keep = spec.attn_bias if keep is None else (spec.attn_bias & keep)
+        additive = None
+        if spec.alibi_slopes is not None:
+            additive = _alibi_bias(spec, dtype, device)
+        if spec.attn_bias is not None and not spec.bias_is_mask:
+            b = spec.attn_bias.to(dtype)
+            additive = b if additive is None else additive + b
+        if keep is None and additive is None:
+            return
+        # Which rows keep at least one key? (float -inf in the bias also hides a key.)
+        visible = keep
+        if additive is not None and bool(torch.isneginf(additive).any()):
+            finite = ~torch.isneginf(additive)
+            visible = finite if visible is None else (visible & finite)
+        if visible is not None:
+            any_key = visible.any(dim=-1, keepdim=True)
+            if not bool(any_key.all()):
+                self.row_keep = any_key.to(dtype)
+                first = torch.zeros_like(visible)
+                first[..., 0] = True
+                # give empty rows one visible key, then zero their output (and gradients)
+                visible = visible | (~any_key & first)
+                if additive is not None:
+                    additive = torch.where(visible & torch.isneginf(additive), torch.zeros_like(additive), additive)
+                keep = visible
+        if additive is None:
+            self.mask = keep
+        else:
+            self.mask = additive if keep is None else additive.masked_fill(~keep, float("-inf"))
+
+
+class SdpaBackend(Backend):
+    """torch's scaled_dot_product_attention (FlashAttention-2, cuDNN, memory-efficient or math,
+    as torch chooses) for the problems it can express."""
+
+    name = "sdpa"
+    description = "torch.nn.functional.scaled_dot_product_attention"
+    dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+    head_dims = (1, 512)
+    vendors = frozenset({"nvidia", "amd", "cpu", "mps", "xpu"})
+    features = frozenset({"causal", "top_left", "window", "alibi", "bias", "bool_mask", "bias_grad", "gqa",
+                          "head_dim_v"})
+    deterministic = True
+    has_backward = True
+
+    def extra_reasons(self, spec) -> list[str]:
+        reasons = []
+        if spec.deterministic and spec.needs_grad and spec.vendor != "cpu":
+            reasons.append("torch SDPA's GPU backward kernels are not guaranteed deterministic "
+                           "(determinism was requested)")
+        if spec.dtype == torch.float32 and spec.vendor != "cpu" and spec.allow_tf32 is False \
+                and torch.backends.cuda.matmul.allow_tf32:
+            reasons.append("torch.backends.cuda.matmul.allow_tf32 is on, so SDPA would use TF32 for float32; "
+                           "turn it off or set PORTATTN_ALLOW_TF32=1")
+        return reasons
+
+    # ----- compute -----------------------------------------------------------------------
+    def _sdpa(self, spec, q, k, v):
+        """q/k/v in canonical (B, S, H, D); returns out (B, Sq, Hq, Dv)."""
+        plan = _Plan(spec, q.dtype)
+        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        kwargs = {}
+        if spec.num_heads_q != spec.num_heads_kv:
+            if _ENABLE_GQA:
+                kwargs["enable_gqa"] = True
+            else:
+                kh = kh.repeat_interleave(spec.gqa_ratio, dim=1)
+                vh = vh.repeat_interleave(spec.gqa_ratio, dim=1)
+        with _kernel_choice(spec):
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=plan.mask, is_causal=plan.is_causal,
+                                                 scale=spec.scale, **kwargs)
+        if plan.row_keep is not None:
+            out = out * plan.row_keep
+        return out.transpose(1, 2), plan
+
+    def _lse(self, spec) -> torch.Tensor:
+        """log-sum-exp of the masked scores in float32, computed in row chunks."""
+        plan = _Plan(spec, torch.float32)
+        b, hq, sq, sk = spec.batch, spec.num_heads_q, spec.seqlen_q, spec.seqlen_k
+        q = spec.q.transpose(1, 2).float()
+        k = spec.k.transpose(1, 2).float().repeat_interleave(spec.gqa_ratio, dim=1)
+        lse = torch.empty(b, hq, sq, dtype=torch.float32, device=spec.device)
+        step = max(1, _LSE_CHUNK_ELEMENTS // max(1, b * hq * sk))
+        for r0 in range(0, sq, step):
+            r1 = min(sq, r0 + step)
+            s = (q[:, :, r0:r1] @ k.transpose(-1, -2)) * spec.scale
+            mask = _keep_mask(spec, spec.device) if plan.structured else plan.mask
+            if mask is not None:
+                m = mask[..., r0:r1, :]
+                s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
+            chunk = torch.logsumexp(s, dim=-1)
+            if plan.row_keep is not None:
+                keep = plan.row_keep.expand(b, hq, sq, 1)[:, :, r0:r1, 0] > 0
+                chunk = chunk.masked_fill(~keep, float("-inf"))
+            lse[:, :, r0:r1] = chunk
+        return lse
+
+    def forward(self, spec):
+        with torch.no_grad():
+            out, _ = self._sdpa(spec, spec.q, spec.k, spec.v)
+            if spec.return_lse:
+                lse = self._lse(spec)
+            else:   # not requested by the caller, and never read by this backend's backward
+                lse = torch.full(spec.lse_shape, float("nan"), dtype=torch.float32, device=spec.device)
+        return out.contiguous(), lse
+
+    def backward(self, spec, out, lse, dout):
+        # Recompute SDPA under torch.func.vjp (works inside the custom op) and pull dout back.
+        want_dbias = spec.attn_bias is not None and not spec.bias_is_mask and spec.attn_bias.requires_grad
+        primals = [spec.q.detach(), spec.k.detach(), spec.v.detach()]
+        if want_dbias:
+            primals.append(spec.attn_bias.detach())
+
+        def f(q, k, v, bias=None):
+            s = spec if bias is None else _with_bias(spec, bias)
+            return self._sdpa(s, q, k, v)[0]
+
+        with torch.enable_grad():
+            _, vjp = torch.func.vjp(f, *primals)
+            grads = vjp(dout.to(spec.dtype))
+        dbias = grads[3] if want_dbias else None
+        return grads[0], grads[1], grads[2], dbias
+
+
+def _with_bias(spec, bias):
+    import dataclasses
+    new = dataclasses.replace(spec)
+    object.__setattr__(new, "attn_bias", bias)
+    return new
