@@ -1,0 +1,316 @@
+"""``conformance run``: every catalogue case x every backend x every device, into one report.
+
+The report (JSON, see docs/conformance.md) records the machine (host, CPU, GPUs and driver),
+library versions, the catalogue version, each backend's availability, and one entry per
+case x backend x device: verdict (pass / fail / skip with reasons), the score
+``max|out - ref| / max|naive - ref|``, every comparison's numbers (out, lse, gradients), what
+could not be checked, the sha256 of the output bytes and the seconds it took.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+from ..registry import get_backend, list_backends
+from .catalogue import CATALOGUE_VERSION, Case, select_cases
+from .checker import Checker, Outcome
+
+REPORT_FORMAT = "portattn-conformance-report"
+REPORT_FORMAT_VERSION = 1
+_PACKAGES = ("portattn", "torch", "triton", "pytorch-triton-rocm", "cupy-cuda12x", "cupy-cuda13x", "cupy-rocm-6-0",
+             "onnx", "onnxruntime", "onnxruntime-gpu", "onnxscript", "numpy", "hypothesis")
+
+
+# ----- environment ---------------------------------------------------------------------------
+
+def available_devices() -> list[str]:
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices.append("cuda")
+    return devices
+
+
+def _run_quiet(cmd: list[str]) -> str:
+    if shutil.which(cmd[0]) is None:
+        return ""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_info() -> list[dict]:
+    """Name, compute capability / arch, memory and driver of each visible GPU."""
+    if not torch.cuda.is_available():
+        return []
+    driver = ""
+    if torch.version.hip:
+        out = _run_quiet(["rocm-smi", "--showdriverversion"])
+        driver = next((ln.split(":")[-1].strip() for ln in out.splitlines() if "version" in ln.lower()), "")
+    else:
+        driver = _run_quiet(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()[:1]
+        driver = driver[0] if driver else ""
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        gpus.append({
+            "index": i, "name": props.name,
+            "arch": getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "multiprocessors": props.multi_processor_count,
+            "driver": driver,
+        })
+    return gpus
+
+
+def environment() -> dict:
+    versions = {}
+    for pkg in _PACKAGES:
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "torch_cuda": torch.version.cuda,
+        "torch_hip": getattr(torch.version, "hip", None),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
+        "gpus": gpu_info(),
+        "versions": versions,
+    }
+
+
+def backend_table(names: list[str]) -> dict:
+    table = {}
+    for name in names:
+        try:
+            b = get_backend(name)
+            table[name] = {"available": b.available, "reasons": b.availability(),
+                           "capabilities": b.capabilities()}
+        except ValueError as exc:
+            table[name] = {"available": False, "reasons": [str(exc)], "capabilities": {}}
+    return table
+
+
+# ----- progress ------------------------------------------------------------------------------
+
+class _Progress:
+    """A rich progress bar when rich is installed and stderr is a terminal; plain lines otherwise."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.done, self.enabled = total, 0, enabled
+        self._bar = None
+        self._last_print = 0.0
+        if enabled and sys.stderr.isatty():
+            try:
+                from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                           TimeElapsedColumn, TimeRemainingColumn)
+                self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+                self._task = self._bar.add_task("conformance", total=total)
+                self._bar.start()
+            except ImportError:
+                self._bar = None
+
+    def advance(self, label: str, failures: int):
+        self.done += 1
+        if not self.enabled:
+            return
+        text = f"{label} ({failures} failed)" if failures else label
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, description=text[:60])
+        else:
+            now = time.monotonic()
+            if now - self._last_print > 2.0 or self.done == self.total:
+                print(f"[{self.done}/{self.total}] {text}", file=sys.stderr, flush=True)
+                self._last_print = now
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.stop()
+
+
+# ----- the run -------------------------------------------------------------------------------
+
+def _large_skip(case: Case, device: str) -> list[str]:
+    if case.tier == "large" and torch.device(device).type == "cpu":
+        return ["large case: runs on GPU devices only (CPU sizes are capped for the Triton interpreter)"]
+    return []
+
+
+def run_cases(cases: list[Case], backends: list[str] | None = None, devices: list[str] | None = None, *,
+              progress: bool = True, direct: bool = False) -> dict:
+    """Run ``cases`` through ``backends`` on ``devices``; return the report dict."""
+    backends = list(backends) if backends else list_backends()
+    devices = list(devices) if devices else available_devices()
+    started = time.time()
+    results, failures = [], 0
+    bar = _Progress(len(cases) * len(devices), progress)
+    try:
+        for case in cases:
+            for device in devices:
+                skip = _large_skip(case, device)
+                checker = Checker(case.problem, device, direct=direct)
+                for name in backends:
+                    if skip:
+                        outcome = Outcome(backend=name, device=str(torch.device(device)), verdict="skip", reasons=skip)
+                    else:
+                        outcome = checker.check(name)
+                    failures += outcome.verdict == "fail"
+                    results.append({"case": case.id, **outcome.to_dict()})
+                bar.advance(case.id, failures)
+    finally:
+        bar.close()
+    report = {
+        "format": REPORT_FORMAT,
+        "format_version": REPORT_FORMAT_VERSION,
+        "catalogue_version": CATALOGUE_VERSION,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(time.time() - started, 1),
+        "command": " ".join(sys.argv),
+        "environment": environment(),
+        "devices": [str(torch.device(d)) for d in devices],
+        "backends": backend_table(backends),
+        "cases": {c.id: {"tier": c.tier, "quick": c.quick, "problem": c.problem.to_dict(),
+                         "description": c.problem.describe()} for c in cases},
+        "results": results,
+    }
+    report["summary"] = summarize(report)
+    return report
+
+
+def summarize(report: dict) -> dict:
+    """Per backend@device: counts of pass/fail/skip, worst score and worst lse error."""
+    rows: dict[str, dict] = {}
+    for r in report["results"]:
+        key = f"{r['backend']}@{r['device']}"
+        row = rows.setdefault(key, {"pass": 0, "fail": 0, "skip": 0, "worst_score": 0.0, "worst_lse_err": 0.0,
+                                    "seconds": 0.0})
+        row[r["verdict"]] += 1
+        row["seconds"] = round(row["seconds"] + r["seconds"], 3)
+        score = _num(r.get("score"))
+        if score is not None and r["verdict"] != "skip":
+            row["worst_score"] = max(row["worst_score"], score)
+        lse = r["checks"].get("lse", {}).get("max_err")
+        if _num(lse) is not None:
+            row["worst_lse_err"] = max(row["worst_lse_err"], _num(lse))
+    for row in rows.values():
+        for key in ("worst_score", "worst_lse_err"):
+            if row[key] == float("inf"):
+                row[key] = "inf"
+    failed = sum(row["fail"] for row in rows.values())
+    return {"by_backend": rows, "failed": failed, "passed": sum(row["pass"] for row in rows.values()),
+            "skipped": sum(row["skip"] for row in rows.values())}
+
+
+def _num(x):
+    if x is None:
+        return None
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    return float(x)
+
+
+def write_report(report: dict, path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, sort_keys=False, allow_nan=False)
+        f.write("\n")
+
+
+def load_report(path: str) -> dict:
+    with open(path) as f:
+        report = json.load(f)
+    if report.get("format") != REPORT_FORMAT:
+        raise ValueError(f"{path} is not a portattn conformance report (format={report.get('format')!r})")
+    return report
+
+
+# ----- printing ------------------------------------------------------------------------------
+
+def print_table(title: str, header: list[str], rows: list[list[str]], file=None) -> None:
+    """A table through rich when installed, else aligned plain text."""
+    file = file or sys.stdout
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        table = Table(title=title)
+        for h in header:
+            table.add_column(h)
+        for row in rows:
+            table.add_row(*[str(x) for x in row])
+        Console(file=file, width=max(100, shutil.get_terminal_size((140, 20)).columns)).print(table)
+        return
+    except ImportError:
+        pass
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+    print(title, file=file)
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)), file=file)
+    for row in rows:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)), file=file)
+
+
+def print_summary(report: dict, file=None, max_failures: int = 40) -> None:
+    file = file or sys.stdout
+    rows = []
+    for key, row in report["summary"]["by_backend"].items():
+        score = row["worst_score"]
+        lse = row["worst_lse_err"]
+        rows.append([key, row["pass"], row["fail"], row["skip"],
+                     f"{score:.3g}" if isinstance(score, float) else score,
+                     f"{lse:.2g}" if isinstance(lse, float) else lse, f"{row['seconds']:.1f}"])
+    env = report["environment"]
+    gpus = ", ".join(f"{g['name']} ({g['arch']}, driver {g['driver'] or '?'})" for g in env["gpus"]) or "none"
+    print(f"portattn conformance — catalogue v{report['catalogue_version']}, {len(report['cases'])} cases, "
+          f"devices {', '.join(report['devices'])}, GPUs: {gpus}", file=file)
+    print_table("verdicts per backend (score = max|out-ref| / max|naive-ref|; pass needs out <= 2x naive + floor)",
+                ["backend@device", "pass", "fail", "skip", "worst score", "worst lse err", "seconds"], rows, file)
+    unavailable = {n: b["reasons"] for n, b in report["backends"].items() if not b["available"]}
+    for name, reasons in unavailable.items():
+        print(f"  {name}: unavailable — {'; '.join(reasons)}", file=file)
+    fails = [r for r in report["results"] if r["verdict"] == "fail"]
+    for r in fails[:max_failures]:
+        print(f"FAIL {r['case']} {r['backend']}@{r['device']}: {' | '.join(r['reasons'])[:400]}", file=file)
+    if len(fails) > max_failures:
+        print(f"... and {len(fails) - max_failures} more failures (see the JSON report)", file=file)
+    s = report["summary"]
+    print(f"{s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped in {report['seconds']}s", file=file)
+
+
+def run_catalogue(*, quick: bool = False, patterns=None, backends=None, devices=None, progress=True,
+                  direct=False) -> dict:
+    return run_cases(select_cases(quick=quick, patterns=patterns), backends, devices, progress=progress,
+                     direct=direct)
+
+
+__all__ = ["run_cases", "run_catalogue", "summarize", "write_report", "load_report", "print_summary",
+           "print_table", "environment", "available_devices"]
