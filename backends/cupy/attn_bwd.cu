@@ -1,0 +1,229 @@
+// portattn CuPy backend: backward kernels (FlashAttention-2 backward, float32 FMA).
+//
+// With P = exp(s - lse) recomputed from q, k and the forward's lse:
+//   delta_i = sum_d dO_id O_id                      (attn_bwd_preprocess)
+//   dV_j    = sum_i P_ij dO_i                        (attn_bwd_dkdv)
+//   dS_ij   = P_ij (dO_i . v_j - delta_i)            natural-log logit gradient
+//   dot_ij  = dS_ij * scale * (1 - tanh^2)           softcap chain rule (1 without softcap)
+//   dK_j    = sum_i dot_ij q_i                       (attn_bwd_dkdv)
+//   dQ_i    = sum_j dot_ij k_j                       (attn_bwd_dq)
+// Deterministic: no atomics. dK/dV: one CTA per (32 keys, kv head, batch) walks every query head
+// of its GQA group and every query tile that can see its keys; dQ: one CTA per (16 rows, head,
+// batch) walks the visible key tiles. Arithmetic is IEEE float32 for every input dtype.
+
+template <typename T>
+__global__ void __launch_bounds__(256)
+attn_bwd_preprocess(const T* __restrict__ o, long long o_sb, long long o_ss, long long o_sh,
+                    const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
+                    float* __restrict__ delta, long long lse_sb, long long lse_sh,
+                    const int* __restrict__ cu_q, int seqlen_q, int head_dim_v) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int b = blockIdx.z, h = blockIdx.y, i = blockIdx.x * 8 + warp;
+    long long q0 = 0;
+    int sq = seqlen_q;
+    if (cu_q != nullptr) {
+        q0 = cu_q[b];
+        sq = cu_q[b + 1] - cu_q[b];
+    }
+    if (i >= sq) return;
+    const T* orow = o + b * o_sb + (q0 + i) * o_ss + h * o_sh;
+    const T* drow = dout + b * do_sb + (q0 + i) * do_ss + h * do_sh;
+    float acc = 0.f;
+    for (int d = lane; d < head_dim_v; d += 32) acc += Elem<T>::to_float(orow[d]) * Elem<T>::to_float(drow[d]);
+    for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) delta[b * lse_sb + h * lse_sh + q0 + i] = acc;
+}
+
+// Copy rows [r0, r0 + ROWS) of a (tokens, head_dim) slice into shared float32, zero outside.
+template <typename T, int ROWS, int HD, int LD, int NT>
+__device__ __forceinline__ void load_rows_f32(float* sm, const T* g, long long row_stride, int rows_valid,
+                                              int cols_valid, int tid) {
+    for (int c = tid; c < ROWS * HD; c += NT) {
+        const int r = c / HD, d = c % HD;
+        sm[r * LD + d] = (r < rows_valid && d < cols_valid) ? Elem<T>::to_float(g[r * row_stride + d]) : 0.f;
+    }
+}
+
+// P_ij and the gradient of the raw dot product q_i . k_j for one (i, j); 0 where j is masked.
+__device__ __forceinline__ void grad_entry(float dot, float dpv, float lse_i, float delta_i, const ScoreMods& mods,
+                                           const SeqInfo& s, int i, int j, int left, int right, float* p_out,
+                                           float* ddot_out) {
+    float p = 0.f, ddot = 0.f;
+    if (is_visible(s, i, j, left, right) && lse_i != PA_NEG_INF) {
+        float th = 0.f;
+        const float x = score_log2(dot, mods, s, i, j, &th);
+        p = exp2f(x - lse_i * PA_LOG2E);
+        ddot = p * (dpv - delta_i) * mods.scale;
+        if (mods.softcap > 0.f) ddot *= 1.f - th * th;
+    }
+    *p_out = p;
+    *ddot_out = ddot;
+}
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(256)
+attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
+              const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, long long dk_sb,
+              long long dk_ss, long long dk_sh, T* __restrict__ dv, long long dv_sb, long long dv_ss,
+              long long dv_sh) {
+    constexpr int BN = 32, BM = 16, NT = 256, LD = HD + 1, CPT = HD / 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* sK = reinterpret_cast<float*>(smem_raw);   // BN x LD
+    float* sV = sK + BN * LD;                          // BN x LD
+    float* sQ = sV + BN * LD;                          // BM x LD
+    float* sdO = sQ + BM * LD;                         // BM x LD
+    float* sP = sdO + BM * LD;                         // BM x (BN + 1)
+    float* sdS = sP + BM * (BN + 1);                   // BM x (BN + 1)
+    float* sRow = sdS + BM * (BN + 1);                 // lse[BM], delta[BM]
+
+    const int tid = threadIdx.x, key_l = tid / 8, sub = tid % 8;
+    const int b = blockIdx.z, hk = blockIdx.y;
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const int n0 = blockIdx.x * BN;
+    if (n0 >= s.sk) return;
+    const int j = n0 + key_l;
+
+    // Stage 0: this CTA's K and V tiles stay in shared memory for the whole walk.
+    load_rows_f32<T, BN, HD, LD, NT>(sK, k + b * k_sb + (s.k0 + n0) * k_ss + hk * k_sh, k_ss, s.sk - n0, head_dim, tid);
+    load_rows_f32<T, BN, HD, LD, NT>(sV, v + b * v_sb + (s.k0 + n0) * v_ss + hk * v_sh, v_ss, s.sk - n0, head_dim_v, tid);
+    int r_lo, r_hi;
+    row_range(s, n0, n0 + BN - 1, win_left, win_right, &r_lo, &r_hi);
+
+    float dk_acc[CPT], dv_acc[CPT];
+    #pragma unroll
+    for (int c = 0; c < CPT; ++c) dk_acc[c] = dv_acc[c] = 0.f;
+
+    for (int hh = 0; hh < gqa_ratio; ++hh) {
+        const int h = hk * gqa_ratio + hh;
+        const ScoreMods mods =
+            make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, b, h);
+        for (int m0 = (r_lo / BM) * BM; m0 < r_hi; m0 += BM) {
+            // Stage 1: the query tile, its dO, lse and delta.
+            __syncthreads();
+            load_rows_f32<T, BM, HD, LD, NT>(sQ, q + b * q_sb + (s.q0 + m0) * q_ss + h * q_sh, q_ss, s.sq - m0, head_dim, tid);
+            load_rows_f32<T, BM, HD, LD, NT>(sdO, dout + b * do_sb + (s.q0 + m0) * do_ss + h * do_sh, do_ss, s.sq - m0,
+                                             head_dim_v, tid);
+            if (tid < BM) {
+                const bool ok = m0 + tid < s.sq;
+                const long long idx = b * lse_sb + h * lse_sh + s.q0 + m0 + tid;
+                sRow[tid] = ok ? lse[idx] : PA_NEG_INF;
+                sRow[BM + tid] = ok ? delta[idx] : 0.f;
+            }
+            __syncthreads();
+
+            // Stage 2: recompute P and the score gradient for rows sub, sub + 8 against key j.
+            for (int rr = 0; rr < 2; ++rr) {
+                const int il = sub + 8 * rr;
+                float dot = 0.f, dpv = 0.f;
+                for (int d = 0; d < HD; ++d) {
+                    dot = fmaf(sQ[il * LD + d], sK[key_l * LD + d], dot);
+                    dpv = fmaf(sdO[il * LD + d], sV[key_l * LD + d], dpv);
+                }
+                float p, ddot;
+                grad_entry(dot, dpv, sRow[il], sRow[BM + il], mods, s, m0 + il, j, win_left, win_right, &p, &ddot);
+                sP[il * (BN + 1) + key_l] = p;
+                sdS[il * (BN + 1) + key_l] = ddot;
+            }
+            __syncthreads();
+
+            // Stage 3: dV_j += P^T dO, dK_j += dS^T Q.
+            for (int il = 0; il < BM; ++il) {
+                const float p = sP[il * (BN + 1) + key_l], ds = sdS[il * (BN + 1) + key_l];
+                #pragma unroll
+                for (int c = 0; c < CPT; ++c) {
+                    dv_acc[c] = fmaf(p, sdO[il * LD + sub + 8 * c], dv_acc[c]);
+                    dk_acc[c] = fmaf(ds, sQ[il * LD + sub + 8 * c], dk_acc[c]);
+                }
+            }
+        }
+    }
+
+    if (j < s.sk) {
+        T* dk_row = dk + b * dk_sb + (s.k0 + j) * dk_ss + hk * dk_sh;
+        T* dv_row = dv + b * dv_sb + (s.k0 + j) * dv_ss + hk * dv_sh;
+        #pragma unroll
+        for (int c = 0; c < CPT; ++c) {
+            const int d = sub + 8 * c;
+            if (d < head_dim) dk_row[d] = Elem<T>::from_float(dk_acc[c]);
+            if (d < head_dim_v) dv_row[d] = Elem<T>::from_float(dv_acc[c]);
+        }
+    }
+}
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(256)
+attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
+            const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, long long dq_sb,
+            long long dq_ss, long long dq_sh) {
+    constexpr int BM = 16, BN = 32, NT = 256, LD = HD + 1, CPT = HD / 16;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* sQ = reinterpret_cast<float*>(smem_raw);   // BM x LD
+    float* sdO = sQ + BM * LD;                         // BM x LD
+    float* sK = sdO + BM * LD;                         // BN x LD
+    float* sV = sK + BN * LD;                          // BN x LD
+    float* sdS = sV + BN * LD;                         // BM x (BN + 1)
+
+    const int tid = threadIdx.x, row = tid / 16, sub = tid % 16;
+    const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const int m0 = blockIdx.x * BM;
+    if (m0 >= s.sq) return;
+    const int i = m0 + row;
+    const ScoreMods mods =
+        make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, b, h);
+    const T* k_base = k + b * k_sb + s.k0 * k_ss + hk * k_sh;
+    const T* v_base = v + b * v_sb + s.k0 * v_ss + hk * v_sh;
+
+    // Stage 0: this CTA's Q and dO rows, and each row's lse and delta.
+    load_rows_f32<T, BM, HD, LD, NT>(sQ, q + b * q_sb + (s.q0 + m0) * q_ss + h * q_sh, q_ss, s.sq - m0, head_dim, tid);
+    load_rows_f32<T, BM, HD, LD, NT>(sdO, dout + b * do_sb + (s.q0 + m0) * do_ss + h * do_sh, do_ss, s.sq - m0,
+                                     head_dim_v, tid);
+    const long long ridx = b * lse_sb + h * lse_sh + s.q0 + i;
+    const float lse_i = i < s.sq ? lse[ridx] : PA_NEG_INF;
+    const float delta_i = i < s.sq ? delta[ridx] : 0.f;
+    int n_lo, n_hi;
+    key_range(s, m0, m0 + BM - 1, win_left, win_right, &n_lo, &n_hi);
+
+    float dq_acc[CPT];
+    #pragma unroll
+    for (int c = 0; c < CPT; ++c) dq_acc[c] = 0.f;
+
+    for (int n0 = (n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
+        // Stage 1: K and V tiles.
+        __syncthreads();
+        load_rows_f32<T, BN, HD, LD, NT>(sK, k_base + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);
+        load_rows_f32<T, BN, HD, LD, NT>(sV, v_base + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
+        __syncthreads();
+
+        // Stage 2: score gradient of row i against keys sub and sub + 16.
+        #pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int jl = sub + 16 * c;
+            float dot = 0.f, dpv = 0.f;
+            for (int d = 0; d < HD; ++d) {
+                dot = fmaf(sQ[row * LD + d], sK[jl * LD + d], dot);
+                dpv = fmaf(sdO[row * LD + d], sV[jl * LD + d], dpv);
+            }
+            float p, ddot;
+            grad_entry(dot, dpv, lse_i, delta_i, mods, s, i, n0 + jl, win_left, win_right, &p, &ddot);
+            sdS[row * (BN + 1) + jl] = ddot;
+        }
+        __syncwarp();   // a row's 16 threads live in one warp
+
+        // Stage 3: dQ_i += dS K.
+        for (int jl = 0; jl < BN; ++jl) {
+            const float ds = sdS[row * (BN + 1) + jl];
+            #pragma unroll
+            for (int c = 0; c < CPT; ++c) dq_acc[c] = fmaf(ds, sK[jl * LD + sub + 16 * c], dq_acc[c]);
+        }
+    }
+
+    if (i < s.sq) {
+        T* dst = dq + b * dq_sb + (s.q0 + i) * dq_ss + h * dq_sh;
+        #pragma unroll
+        for (int c = 0; c < CPT; ++c) {
+            const int d = sub + 16 * c;
+            if (d < head_dim) dst[d] = Elem<T>::from_float(dq_acc[c]);
+        }
+    }
+}

@@ -1,0 +1,248 @@
+// portattn CuPy backend: shared device helpers.
+//
+// The source needs no header: element types, conversions, tensor-core and async-copy
+// instructions are written here with inline PTX, so NVRTC compiles it with no include path
+// (the CI compile check and CuPy at run time see exactly the same text). The Python side
+// concatenates attn_common.cuh, attn_fwd.cu and attn_bwd.cu into one translation unit.
+//
+// Conventions used by every kernel:
+//  * scores are kept in base 2: s2 = log2(e) * score, so softmax uses exp2 and the scale is
+//    folded into one multiply (scale_log2 = scale * log2(e));
+//  * a query row i of a sequence with Sq rows and Sk keys sees key j iff
+//      j < Sk  and  i' - left <= j <= i' + right,   i' = i + off_mask
+//    where off_mask = Sk - Sq (bottom-right alignment) or 0 (top-left); an unbounded side is
+//    passed as a large number (1 << 30);
+//  * a row with no visible key has m = -inf, l = 0: its output is 0 and its lse is -inf.
+
+typedef unsigned short pa_u16;
+typedef unsigned int pa_u32;
+
+struct pa_half { pa_u16 bits; };   // IEEE binary16 storage
+struct pa_bf16 { pa_u16 bits; };   // bfloat16 storage
+
+#define PA_LOG2E 1.4426950408889634f
+#define PA_LN2 0.6931471805599453f
+#define PA_NEG_INF __int_as_float(0xff800000)
+
+enum BiasKind { BIAS_NONE = 0, BIAS_F32 = 1, BIAS_F16 = 2, BIAS_BF16 = 3, BIAS_BOOL = 4 };
+
+// ----- element conversions -----------------------------------------------------------------
+__device__ __forceinline__ float half_bits_to_float(pa_u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ float bf16_bits_to_float(pa_u16 h) {
+    return __uint_as_float(((pa_u32)h) << 16);
+}
+
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+    static __device__ __forceinline__ float to_float(float x) { return x; }
+    static __device__ __forceinline__ float from_float(float x) { return x; }
+};
+template <> struct Elem<pa_half> {
+    static __device__ __forceinline__ float to_float(pa_half x) { return half_bits_to_float(x.bits); }
+    static __device__ __forceinline__ pa_half from_float(float x) {
+        pa_half h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+        return h;
+    }
+    // two floats -> one 32-bit register of two halves, `lo` in the low 16 bits
+    static __device__ __forceinline__ pa_u32 pack2(float lo, float hi) {
+        pa_u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+template <> struct Elem<pa_bf16> {
+    static __device__ __forceinline__ float to_float(pa_bf16 x) { return bf16_bits_to_float(x.bits); }
+    static __device__ __forceinline__ pa_bf16 from_float(float x) {
+        pa_bf16 h;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+        return h;
+    }
+    static __device__ __forceinline__ pa_u32 pack2(float lo, float hi) {
+        pa_u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float fast_log2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// ----- per-sequence geometry ---------------------------------------------------------------
+struct SeqInfo {
+    int sq, sk;            // this sequence's query rows and keys
+    long long q0, k0;      // first token of the sequence in the (packed) q / k tensors
+    int off_mask;          // i' = i + off_mask for causal/window
+    int off_alibi;         // ALiBi distance uses i + Sk - Sq - j always (DESIGN.md §2)
+};
+
+__device__ __forceinline__ SeqInfo seq_info(int b, const int* cu_q, const int* cu_k, int seqlen_q,
+                                            int seqlen_k, int top_left) {
+    SeqInfo s;
+    if (cu_q != nullptr) {
+        s.q0 = cu_q[b];
+        s.sq = cu_q[b + 1] - cu_q[b];
+        s.k0 = cu_k[b];
+        s.sk = cu_k[b + 1] - cu_k[b];
+    } else {
+        s.q0 = 0;
+        s.k0 = 0;
+        s.sq = seqlen_q;
+        s.sk = seqlen_k;
+    }
+    s.off_alibi = s.sk - s.sq;
+    s.off_mask = top_left ? 0 : s.off_alibi;
+    return s;
+}
+
+// Keys [lo, hi) that any of the rows [r_lo, r_hi] can see.
+__device__ __forceinline__ void key_range(const SeqInfo& s, int r_lo, int r_hi, int left, int right,
+                                          int* lo, int* hi) {
+    long long a = (long long)r_lo + s.off_mask - left;
+    long long b = (long long)r_hi + s.off_mask + right + 1;
+    *lo = (int)(a < 0 ? 0 : a);
+    *hi = (int)(b > s.sk ? s.sk : b);
+}
+
+// Query rows [lo, hi) that any of the keys [c_lo, c_hi] is seen by.
+__device__ __forceinline__ void row_range(const SeqInfo& s, int c_lo, int c_hi, int left, int right,
+                                          int* lo, int* hi) {
+    long long a = (long long)c_lo - right - s.off_mask;
+    long long b = (long long)c_hi + left - s.off_mask + 1;
+    *lo = (int)(a < 0 ? 0 : a);
+    *hi = (int)(b > s.sq ? s.sq : b);
+}
+
+__device__ __forceinline__ bool is_visible(const SeqInfo& s, int i, int j, int left, int right) {
+    long long ip = (long long)i + s.off_mask;
+    return j >= 0 && j < s.sk && i < s.sq && (long long)j >= ip - left && (long long)j <= ip + right;
+}
+
+// ----- optional score terms (softcap, ALiBi, bias) -----------------------------------------
+// Everything a kernel needs to turn q.k into the base-2 logit of one (b, h) pair.
+struct ScoreMods {
+    float scale_log2;     // scale * log2(e)
+    float scale;          // scale
+    float softcap;        // c > 0, or 0 = off
+    float slope_log2;     // ALiBi slope * log2(e), or 0 = off
+    const void* bias;     // bias of this (b, h), or nullptr
+    int bias_kind;
+    long long bias_si, bias_sj;
+};
+
+__device__ __forceinline__ ScoreMods make_mods(float scale, float softcap, const float* alibi,
+                                               long long alibi_sb, const void* bias, int bias_kind,
+                                               long long bias_sb, long long bias_sh, long long bias_si,
+                                               long long bias_sj, int b, int h) {
+    ScoreMods m;
+    m.scale = scale;
+    m.scale_log2 = scale * PA_LOG2E;
+    m.softcap = softcap;
+    m.slope_log2 = alibi != nullptr ? alibi[b * alibi_sb + h] * PA_LOG2E : 0.f;
+    m.bias_kind = bias != nullptr ? bias_kind : BIAS_NONE;
+    m.bias = nullptr;
+    if (m.bias_kind != BIAS_NONE) {
+        long long off = (long long)b * bias_sb + (long long)h * bias_sh;
+        int esize = bias_kind == BIAS_F32 ? 4 : (bias_kind == BIAS_BOOL ? 1 : 2);
+        m.bias = (const void*)((const char*)bias + off * esize);
+    }
+    m.bias_si = bias_si;
+    m.bias_sj = bias_sj;
+    return m;
+}
+
+// Base-2 logit of query row i (in-sequence) and key j from the raw dot product q_i . k_j.
+// `th` receives tanh(scale * dot / c) when softcap is on (the backward needs it).
+// Callers guarantee (i, j) is inside the sequence when bias is on.
+__device__ __forceinline__ float score_log2(float dot, const ScoreMods& m, const SeqInfo& s, int i,
+                                            int j, float* th) {
+    float x;
+    if (m.softcap > 0.f) {
+        float t = tanhf(dot * m.scale / m.softcap);
+        *th = t;
+        x = m.softcap * PA_LOG2E * t;
+    } else {
+        x = dot * m.scale_log2;
+    }
+    if (m.slope_log2 != 0.f) {
+        int dist = i + s.off_alibi - j;
+        x -= m.slope_log2 * (float)(dist < 0 ? -dist : dist);
+    }
+    if (m.bias_kind != BIAS_NONE) {
+        long long off = (long long)i * m.bias_si + (long long)j * m.bias_sj;
+        switch (m.bias_kind) {
+            case BIAS_F32: x += ((const float*)m.bias)[off] * PA_LOG2E; break;
+            case BIAS_F16: x += half_bits_to_float(((const pa_u16*)m.bias)[off]) * PA_LOG2E; break;
+            case BIAS_BF16: x += bf16_bits_to_float(((const pa_u16*)m.bias)[off]) * PA_LOG2E; break;
+            default: if (((const unsigned char*)m.bias)[off] == 0) x = PA_NEG_INF; break;
+        }
+    }
+    return x;
+}
+
+// ----- PTX wrappers: shared-memory addresses, cp.async, ldmatrix, mma.sync -----------------
+__device__ __forceinline__ pa_u32 smem_addr(const void* p) {
+    unsigned long long a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (pa_u32)a;
+}
+
+// 16-byte asynchronous copy global -> shared; bytes beyond `src_bytes` (0 or 16) are zero-filled.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(pa_u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(pa_u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// D(16x8, f32) += A(16x16) * B(16x8), A row-major, B column-major, fp16 or bf16 inputs.
+template <typename T> __device__ __forceinline__ void mma_16816(float* d, const pa_u32* a, pa_u32 b0, pa_u32 b1);
+template <> __device__ __forceinline__ void mma_16816<pa_half>(float* d, const pa_u32* a, pa_u32 b0, pa_u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma_16816<pa_bf16>(float* d, const pa_u32* a, pa_u32 b0, pa_u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The argument list every kernel shares: layout of q/k/v, sequences, masking and score terms.
+// Strides are in elements; for varlen, the batch strides are 0 and cu_q/cu_k give the tokens.
+#define PA_COMMON_PARAMS                                                                           \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                    \
+        long long q_sb, long long q_ss, long long q_sh, long long k_sb, long long k_ss,           \
+        long long k_sh, long long v_sb, long long v_ss, long long v_sh,                           \
+        const int *__restrict__ cu_q, const int *__restrict__ cu_k, int seqlen_q, int seqlen_k,   \
+        int head_dim, int head_dim_v, int gqa_ratio, float scale, float softcap, int win_left,    \
+        int win_right, int top_left, const float *__restrict__ alibi, long long alibi_sb,         \
+        const void *__restrict__ bias, int bias_kind, long long bias_sb, long long bias_sh,       \
+        long long bias_si, long long bias_sj, long long lse_sb, long long lse_sh

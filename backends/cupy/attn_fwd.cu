@@ -1,0 +1,322 @@
+// portattn CuPy backend: forward kernels (FlashAttention-2 work partition).
+//
+// attn_fwd_mma<T, HD, NWARPS, BN, EXTRAS>  fp16/bf16 on tensor cores (mma.sync m16n8k16).
+//   One CTA per (Q tile of 16*NWARPS rows, query head, batch); warp w owns rows 16w..16w+15.
+//   K/V tiles of BN keys go through shared memory with cp.async; Q, K and V fragments are
+//   read with ldmatrix; S = Q K^T and O += P V accumulate in float32 registers; P is
+//   re-packed from the S accumulators into A fragments without touching shared memory.
+//   HD is the head dim padded to a multiple of 32 (the tail of q/k/v is zero-filled).
+//   EXTRAS = softcap / ALiBi / bias are compiled in (masking is always available).
+//
+// attn_fwd_fma<T, HD>  the float32 path (IEEE float32 FMA, no TF32), any T: one CTA of 128
+//   threads per (16 rows, head, batch); 8 threads share a row.
+
+// Global -> shared copy of a [ROWS x HD] tile of 16-byte chunks, zero-filling rows >= rows_valid
+// and columns >= cols_valid (a multiple of 8). Shared rows are padded to LDS elements.
+template <typename T, int ROWS, int HD, int LDS, int NT>
+__device__ __forceinline__ void load_tile_async(T* sm, const T* g, long long row_stride, int rows_valid,
+                                                int cols_valid, int tid) {
+    constexpr int CPR = HD / 8;   // 16-byte chunks per row
+    for (int c = tid; c < ROWS * CPR; c += NT) {
+        int r = c / CPR, col = (c % CPR) * 8;
+        bool ok = r < rows_valid && col < cols_valid;
+        const T* src = ok ? g + (long long)r * row_stride + col : g;
+        cp_async16(sm + r * LDS + col, src, ok ? 16 : 0);
+    }
+}
+
+template <typename T, int HD, int NWARPS, int BN, bool EXTRAS>
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss, long long o_sh,
+             float* __restrict__ lse) {
+    constexpr int BM = 16 * NWARPS;
+    constexpr int NT = NWARPS * 32;
+    constexpr int LDS = HD + 8;          // padded row: ldmatrix rows fall in distinct banks
+    constexpr int NT_S = BN / 8;         // n-tiles of S per warp
+    constexpr int NT_O = HD / 8;         // n-tiles of O per warp
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + BM * LDS;
+    T* sV = sK + BN * LDS;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t4 = lane % 4;
+    const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const int m0 = blockIdx.x * BM;
+    if (m0 >= s.sq) return;
+
+    const T* q_base = q + b * q_sb + (s.q0 + m0) * q_ss + h * q_sh;
+    const T* k_base = k + b * k_sb + s.k0 * k_ss + hk * k_sh;
+    const T* v_base = v + b * v_sb + s.k0 * v_ss + hk * v_sh;
+    ScoreMods mods;
+    if (EXTRAS)
+        mods = make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, b, h);
+    const float scale_log2 = scale * PA_LOG2E;
+
+    // Keys any row of this tile can see: [n_lo, n_hi), walked in BN-wide tiles.
+    int n_lo, n_hi;
+    key_range(s, m0, m0 + BM - 1, win_left, win_right, &n_lo, &n_hi);
+    const int n_first = (n_lo / BN) * BN;
+
+    // Stage 0: Q tile and the first K tile in flight.
+    load_tile_async<T, BM, HD, LDS, NT>(sQ, q_base, q_ss, s.sq - m0, head_dim, tid);
+    if (n_first < n_hi)
+        load_tile_async<T, BN, HD, LDS, NT>(sK, k_base + n_first * k_ss, k_ss, s.sk - n_first, head_dim, tid);
+    cp_async_commit();
+
+    float acc[NT_O][4];                   // O accumulator: rows g, g+8 of this warp's 16
+    for (int i = 0; i < NT_O; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    float m_i[2] = {PA_NEG_INF, PA_NEG_INF};   // running row max (base 2)
+    float l_i[2] = {0.f, 0.f};                 // running row sum (this thread's columns)
+    const int row_a = m0 + warp * 16 + g;      // the two rows this thread holds
+    const T* sQw = sQ + warp * 16 * LDS;
+
+    for (int n0 = n_first; n0 < n_hi; n0 += BN) {
+        // Stage 1: K tile landed (and every warp is done with the previous V); fetch V.
+        cp_async_wait_all();
+        __syncthreads();
+        load_tile_async<T, BN, HD, LDS, NT>(sV, v_base + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
+        cp_async_commit();
+
+        // Stage 2: S = Q K^T on tensor cores.
+        float sc[NT_S][4];
+        for (int i = 0; i < NT_S; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            pa_u32 a[4];
+            ldmatrix_x4(a, sQw + (lane % 16) * LDS + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+            for (int np = 0; np < BN / 16; ++np) {
+                pa_u32 bf[4];
+                const int mi = lane / 8, r = lane % 8;
+                ldmatrix_x4(bf, sK + (np * 16 + (mi / 2) * 8 + r) * LDS + kk * 16 + (mi % 2) * 8);
+                mma_16816<T>(sc[2 * np], a, bf[0], bf[1]);
+                mma_16816<T>(sc[2 * np + 1], a, bf[2], bf[3]);
+            }
+        }
+
+        // Stage 3: scale (+ softcap, ALiBi, bias) into base-2 logits; mask where needed.
+        const bool need_mask = (n0 + BN > s.sk) ||
+                               ((long long)n0 < (long long)(m0 + BM - 1) + s.off_mask - win_left) ||
+                               ((long long)(n0 + BN - 1) > (long long)m0 + s.off_mask + win_right);
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = row_a + (e / 2) * 8, j = n0 + nt * 8 + 2 * t4 + (e % 2);
+                float x;
+                if (EXTRAS) {
+                    float th;
+                    x = (i < s.sq && j < s.sk) ? score_log2(sc[nt][e], mods, s, i, j, &th) : PA_NEG_INF;
+                } else {
+                    x = sc[nt][e] * scale_log2;
+                }
+                if (need_mask && !is_visible(s, i, j, win_left, win_right)) x = PA_NEG_INF;
+                sc[nt][e] = x;
+            }
+        }
+
+        // Stage 4: online softmax: new row max, rescale the running sum and accumulator.
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = m_i[r];
+            for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * r], sc[nt][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_use = mx == PA_NEG_INF ? 0.f : mx;
+            const float alpha = fast_exp2(m_i[r] - m_use);
+            m_i[r] = mx;
+            float rowsum = 0.f;
+            for (int nt = 0; nt < NT_S; ++nt) {
+                float p0 = fast_exp2(sc[nt][2 * r] - m_use), p1 = fast_exp2(sc[nt][2 * r + 1] - m_use);
+                sc[nt][2 * r] = p0;
+                sc[nt][2 * r + 1] = p1;
+                rowsum += p0 + p1;
+            }
+            l_i[r] = l_i[r] * alpha + rowsum;
+            for (int dt = 0; dt < NT_O; ++dt) {
+                acc[dt][2 * r] *= alpha;
+                acc[dt][2 * r + 1] *= alpha;
+            }
+        }
+
+        // Stage 5: V tile landed (and every warp is done with K); prefetch the next K tile.
+        cp_async_wait_all();
+        __syncthreads();
+        if (n0 + BN < n_hi) {
+            load_tile_async<T, BN, HD, LDS, NT>(sK, k_base + (n0 + BN) * k_ss, k_ss, s.sk - n0 - BN, head_dim, tid);
+            cp_async_commit();
+        }
+
+        // Stage 6: O += P V, P taken from the S accumulators as A fragments.
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            pa_u32 a[4];
+            a[0] = Elem<T>::pack2(sc[2 * kk][0], sc[2 * kk][1]);
+            a[1] = Elem<T>::pack2(sc[2 * kk][2], sc[2 * kk][3]);
+            a[2] = Elem<T>::pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            a[3] = Elem<T>::pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < HD / 16; ++dp) {
+                pa_u32 bf[4];
+                const int mi = lane / 8, r = lane % 8;
+                ldmatrix_x4_trans(bf, sV + (kk * 16 + (mi % 2) * 8 + r) * LDS + dp * 16 + (mi / 2) * 8);
+                mma_16816<T>(acc[2 * dp], a, bf[0], bf[1]);
+                mma_16816<T>(acc[2 * dp + 1], a, bf[2], bf[3]);
+            }
+        }
+    }
+
+    // Epilogue: O / l (0 for rows with no visible key), lse = (m + log2 l) ln 2.
+    cp_async_wait_all();   // an empty key range leaves the Q copy pending
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_i[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        for (int dt = 0; dt < NT_O; ++dt) {
+            acc[dt][2 * r] *= inv;
+            acc[dt][2 * r + 1] *= inv;
+        }
+        const int i = row_a + r * 8;
+        if (t4 == 0 && i < s.sq) {
+            const float v_lse = (l > 0.f) ? (m_i[r] + fast_log2(l)) * PA_LN2 : PA_NEG_INF;
+            lse[b * lse_sb + h * lse_sh + s.q0 + i] = v_lse;
+        }
+    }
+    // Stage the warp's 16 output rows in its own rows of sQ, then store 16-byte chunks.
+    __syncwarp();
+    T* sO = const_cast<T*>(sQw);
+    for (int dt = 0; dt < NT_O; ++dt) {
+        const int col = dt * 8 + 2 * t4;
+        *reinterpret_cast<pa_u32*>(sO + g * LDS + col) = Elem<T>::pack2(acc[dt][0], acc[dt][1]);
+        *reinterpret_cast<pa_u32*>(sO + (g + 8) * LDS + col) = Elem<T>::pack2(acc[dt][2], acc[dt][3]);
+    }
+    __syncwarp();
+    constexpr int CPR = HD / 8;
+    for (int c = lane; c < 16 * CPR; c += 32) {
+        const int r = c / CPR, col = (c % CPR) * 8;
+        const int i = m0 + warp * 16 + r;
+        if (i < s.sq && col < head_dim_v) {
+            T* dst = o + b * o_sb + (s.q0 + i) * o_ss + h * o_sh + col;
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(sO + r * LDS + col);
+        }
+    }
+}
+
+// ----- the float32 (FMA) forward --------------------------------------------------------------
+// 128 threads: thread t owns row t/8 of the 16-row tile and, for that row, keys sub + 8c of each
+// key tile and output columns sub + 8c (sub = t % 8). Shared memory holds Q, a K tile, a V tile
+// and P, all in float32.
+template <typename T, int HD>
+__global__ void __launch_bounds__(128)
+attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss, long long o_sh,
+             float* __restrict__ lse) {
+    constexpr int BM = 16, NT = 128;
+    constexpr int BN = HD <= 128 ? 32 : 16;
+    constexpr int KPT = BN / 8;          // keys per thread
+    constexpr int CPT = HD / 8;          // output columns per thread
+    constexpr int LDK = HD + 1;          // odd stride: conflict-free column reads
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* sQ = reinterpret_cast<float*>(smem_raw);   // BM x HD
+    float* sK = sQ + BM * HD;                          // BN x LDK
+    float* sV = sK + BN * LDK;                         // BN x HD
+    float* sP = sV + BN * HD;                          // BM x BN
+
+    const int tid = threadIdx.x, row = tid / 8, sub = tid % 8;
+    const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const int m0 = blockIdx.x * BM;
+    if (m0 >= s.sq) return;
+    const int i = m0 + row;
+    const ScoreMods mods =
+        make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, b, h);
+    const T* q_base = q + b * q_sb + (s.q0 + m0) * q_ss + h * q_sh;
+    const T* k_base = k + b * k_sb + s.k0 * k_ss + hk * k_sh;
+    const T* v_base = v + b * v_sb + s.k0 * v_ss + hk * v_sh;
+
+    for (int c = tid; c < BM * HD; c += NT) {
+        const int r = c / HD, d = c % HD;
+        sQ[c] = (m0 + r < s.sq && d < head_dim) ? Elem<T>::to_float(q_base[r * q_ss + d]) : 0.f;
+    }
+    int n_lo, n_hi;
+    key_range(s, m0, m0 + BM - 1, win_left, win_right, &n_lo, &n_hi);
+
+    float acc[CPT];
+    #pragma unroll
+    for (int c = 0; c < CPT; ++c) acc[c] = 0.f;
+    float m_i = PA_NEG_INF, l_i = 0.f;
+
+    for (int n0 = (n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
+        // Stage 1: K and V tiles into shared memory (float32, zero outside the sequence).
+        __syncthreads();
+        for (int c = tid; c < BN * HD; c += NT) {
+            const int r = c / HD, d = c % HD, j = n0 + r;
+            sK[r * LDK + d] = (j < s.sk && d < head_dim) ? Elem<T>::to_float(k_base[j * k_ss + d]) : 0.f;
+            sV[r * HD + d] = (j < s.sk && d < head_dim_v) ? Elem<T>::to_float(v_base[j * v_ss + d]) : 0.f;
+        }
+        __syncthreads();
+
+        // Stage 2: this thread's scores s = q_i . k_j, turned into masked base-2 logits.
+        float sc[KPT];
+        #pragma unroll
+        for (int c = 0; c < KPT; ++c) sc[c] = 0.f;
+        for (int d = 0; d < HD; ++d) {
+            const float qd = sQ[row * HD + d];
+            #pragma unroll
+            for (int c = 0; c < KPT; ++c) sc[c] = fmaf(qd, sK[(sub + 8 * c) * LDK + d], sc[c]);
+        }
+        float mx = m_i;
+        #pragma unroll
+        for (int c = 0; c < KPT; ++c) {
+            const int j = n0 + sub + 8 * c;
+            float th;
+            sc[c] = is_visible(s, i, j, win_left, win_right) ? score_log2(sc[c], mods, s, i, j, &th) : PA_NEG_INF;
+            mx = fmaxf(mx, sc[c]);
+        }
+
+        // Stage 3: online softmax over the 8 threads of the row.
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        const float m_use = mx == PA_NEG_INF ? 0.f : mx;
+        const float alpha = exp2f(m_i - m_use);
+        m_i = mx;
+        float rowsum = 0.f;
+        #pragma unroll
+        for (int c = 0; c < KPT; ++c) {
+            const float p = exp2f(sc[c] - m_use);
+            sP[row * BN + sub + 8 * c] = p;
+            rowsum += p;
+        }
+        l_i = l_i * alpha + rowsum;
+        __syncwarp();
+
+        // Stage 4: acc = alpha * acc + P V (the row's P was written by this warp).
+        #pragma unroll
+        for (int c = 0; c < CPT; ++c) acc[c] *= alpha;
+        for (int j = 0; j < BN; ++j) {
+            const float p = sP[row * BN + j];
+            #pragma unroll
+            for (int c = 0; c < CPT; ++c) acc[c] = fmaf(p, sV[j * HD + sub + 8 * c], acc[c]);
+        }
+        __syncwarp();
+    }
+
+    // Epilogue: O / l, lse.
+    l_i += __shfl_xor_sync(0xffffffffu, l_i, 1);
+    l_i += __shfl_xor_sync(0xffffffffu, l_i, 2);
+    l_i += __shfl_xor_sync(0xffffffffu, l_i, 4);
+    if (i < s.sq) {
+        const float inv = l_i > 0.f ? 1.f / l_i : 0.f;
+        T* dst = o + b * o_sb + (s.q0 + i) * o_ss + h * o_sh;
+        #pragma unroll
+        for (int c = 0; c < CPT; ++c) {
+            const int d = sub + 8 * c;
+            if (d < head_dim_v) dst[d] = Elem<T>::from_float(acc[c] * inv);
+        }
+        if (sub == 0) lse[b * lse_sb + h * lse_sh + s.q0 + i] = l_i > 0.f ? (m_i + log2f(l_i)) * PA_LN2 : PA_NEG_INF;
+    }
+}

@@ -1,0 +1,167 @@
+"""Compile every kernel the CuPy backend can launch with NVRTC, without a GPU.
+
+Usage::
+
+    python -m portattn.backends.cupy.compile_check            # sm_80 and sm_90, all kernels
+    python -m portattn.backends.cupy.compile_check --quick    # one head dim per family
+    python -m portattn.backends.cupy.compile_check --arch 90 --head-dims 128
+
+NVRTC comes from NVIDIA's PyPI wheels through ``cuda.bindings.nvrtc`` (``pip install
+portattn[nvrtc]``); no driver or device is needed. The source is the same text CuPy compiles
+at run time (:func:`configs.source`) and the name expressions come from
+:func:`configs.all_configs`, so what passes here is what the backend can choose. NVRTC is asked
+for cubin of each real architecture with ``-Xptxas -v``; the per-kernel registers, spills and
+stack frames it reports are printed in a table. Exit status 1 on any compile error, or when a
+kernel spills (``--allow-spills`` makes spills a warning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+from . import configs
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+@dataclass
+class KernelReport:
+    name: str
+    arch: int
+    registers: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    stack: int | None = None
+    smem_static: int | None = None
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise CompileError("cuda.bindings is not installed: pip install 'portattn[nvrtc]' "
+                           "(cuda-bindings, nvidia-cuda-nvrtc)") from exc
+    return nvrtc
+
+
+def _check(result, what: str, log: str = ""):
+    err = result[0]
+    if int(err) != 0:
+        raise CompileError(f"{what} failed: {err}" + (f"\n{log}" if log else ""))
+    return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
+
+
+def compile_names(names: list[str], arch: int, extra_options=()) -> tuple[str, dict[str, str]]:
+    """Compile the backend source for ``sm_<arch>`` instantiating ``names``.
+
+    Returns (NVRTC log, {name expression: lowered (mangled) name}). Raises CompileError.
+    """
+    nvrtc = _nvrtc()
+    src = configs.source().encode()
+    prog = _check(nvrtc.nvrtcCreateProgram(src, b"portattn_cupy.cu", 0, [], []), "nvrtcCreateProgram")
+    try:
+        for n in names:
+            _check(nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"nvrtcAddNameExpression({n})")
+        opts = [o.encode() for o in (*configs.NVRTC_OPTIONS, f"--gpu-architecture=sm_{arch}",
+                                     "--ptxas-options=-v", *extra_options)]
+        result = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        buf = b" " * size
+        _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+        log = buf.decode(errors="replace").rstrip("\x00 \n")
+        if int(result[0]) != 0:
+            raise CompileError(f"NVRTC failed for sm_{arch}:\n{log}")
+        lowered = {}
+        for n in names:
+            low = _check(nvrtc.nvrtcGetLoweredName(prog, n.encode()), f"nvrtcGetLoweredName({n})")
+            lowered[n] = low.decode() if isinstance(low, bytes) else str(low)
+        return log, lowered
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+_FUNC_RE = re.compile(r"Compiling entry function '([^']+)'")
+_PROPS_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED_RE = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def parse_ptxas_log(log: str, lowered: dict[str, str], arch: int) -> list[KernelReport]:
+    """Per-kernel resources from ptxas' verbose output (empty fields when it printed none)."""
+    by_mangled = {v: KernelReport(k, arch) for k, v in lowered.items()}
+    current = None
+    for line in log.splitlines():
+        m = _FUNC_RE.search(line)
+        if m:
+            current = by_mangled.get(m.group(1))
+            continue
+        if current is None:
+            continue
+        m = _PROPS_RE.search(line)
+        if m:
+            current.stack, current.spill_stores, current.spill_loads = map(int, m.groups())
+            continue
+        m = _USED_RE.search(line)
+        if m:
+            current.registers = int(m.group(1))
+            if m.group(2):
+                current.smem_static = int(m.group(2))
+    return list(by_mangled.values())
+
+
+def select_names(quick: bool = False, head_dims=None) -> list[str]:
+    """Name expressions to check: all, or one head dim per tile shape (``quick``)."""
+    if head_dims is None and quick:
+        head_dims = (64, 256)   # one per tensor-core tile shape and per float32 key-tile size
+    names: dict[str, None] = {}
+    for cfg in configs.all_configs():
+        if head_dims is not None and cfg.head_dim not in head_dims:
+            continue
+        for n in cfg.name_expressions():
+            names[n] = None
+    return list(names)
+
+
+def run(archs=(80, 90), quick=False, head_dims=None, allow_spills=False, out=sys.stdout) -> int:
+    names = select_names(quick, head_dims)
+    reports: list[KernelReport] = []
+    for arch in archs:
+        t0 = time.perf_counter()
+        log, lowered = compile_names(names, arch)
+        reports += parse_ptxas_log(log, lowered, arch)
+        print(f"sm_{arch}: {len(names)} kernels compiled in {time.perf_counter() - t0:.1f} s", file=out)
+    spilled = [r for r in reports if r.spill_stores or r.spill_loads]
+    print(f"{'kernel':<48} {'arch':>5} {'regs':>5} {'spill st/ld':>12} {'stack':>6}", file=out)
+    for r in reports:
+        fmt = lambda x: "-" if x is None else str(x)  # noqa: E731
+        print(f"{r.name:<48} {'sm_' + str(r.arch):>5} {fmt(r.registers):>5} "
+              f"{fmt(r.spill_stores) + '/' + fmt(r.spill_loads):>12} {fmt(r.stack):>6}", file=out)
+    if spilled:
+        print(f"{len(spilled)} kernel(s) spill to local memory: "
+              + ", ".join(f"{r.name} sm_{r.arch}" for r in spilled), file=out)
+        if not allow_spills:
+            return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="SM versions (default: 80 90)")
+    p.add_argument("--quick", action="store_true", help="one head dim per tile shape (64, 256)")
+    p.add_argument("--head-dims", type=int, nargs="+", help="only these padded head dims")
+    p.add_argument("--allow-spills", action="store_true", help="report spills without failing")
+    args = p.parse_args(argv)
+    try:
+        return run(args.arch, args.quick, args.head_dims, args.allow_spills)
+    except CompileError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Kernel configurations of the CuPy backend: the one source of truth.
+
+Everything that names a template instantiation lives here: the head-dim buckets, the tile
+sizes of each kernel family, the shared-memory each launch needs and the NVRTC name
+expressions. The run-time path (:mod:`.runtime`) and the CI compile check
+(:mod:`.compile_check`) both read :func:`all_configs` / :func:`forward_config` /
+:func:`backward_config`, so the check compiles exactly what the backend can launch.
+
+This module is pure Python (no cupy, no torch), so it is importable and testable anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+#: Head dims are padded up to one of these (q/k/v tails are zero-filled by the kernels).
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
+MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+
+#: portattn dtype name -> the C++ element type in attn_common.cuh, and its size in bytes.
+CTYPES = {"float16": ("pa_half", 2), "bfloat16": ("pa_bf16", 2), "float32": ("float", 4)}
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")
+
+#: Source files, concatenated in this order into one NVRTC translation unit.
+SOURCE_FILES = ("attn_common.cuh", "attn_fwd.cu", "attn_bwd.cu")
+#: NVRTC options (CuPy adds the architecture itself; the compile check adds it explicitly).
+NVRTC_OPTIONS = ("--std=c++17",)
+
+# Tile sizes of the backward and of the float32 forward (must match attn_bwd.cu / attn_fwd.cu).
+BWD_BLOCK_M, BWD_BLOCK_N, BWD_THREADS = 16, 32, 256
+FMA_BLOCK_M, FMA_THREADS = 16, 128
+PRE_ROWS, PRE_THREADS = 8, 256
+
+
+def round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def padded_head_dim(head_dim: int, head_dim_v: int) -> int | None:
+    """The template head dim for (D, Dv): the smallest bucket >= both; None when too large."""
+    need = max(head_dim, head_dim_v)
+    for hd in HEAD_DIM_BUCKETS:
+        if hd >= need:
+            return hd
+    return None
+
+
+def mma_tile(hd: int) -> tuple[int, int]:
+    """(warps, BLOCK_N) of the tensor-core forward; BLOCK_M = 16 * warps.
+
+    128x64 tiles with 8 warps up to D = 128; 64x32 with 4 warps above, where the O
+    accumulator (HD / 2 floats per thread) leaves fewer registers for S.
+    """
+    return (8, 64) if hd <= 128 else (4, 32)
+
+
+def fma_block_n(hd: int) -> int:
+    return 32 if hd <= 128 else 16
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One compiled module: a kernel family at one element type and padded head dim.
+
+    ``family`` is ``"fwd_mma"`` (fp16/bf16 tensor cores), ``"fwd_fma"`` (float32) or ``"bwd"``
+    (preprocess, dK/dV and dQ). The cache key of the compiled module is the config itself
+    (plus the device, in :mod:`.runtime`).
+    """
+
+    family: str
+    dtype: str
+    head_dim: int
+
+    @property
+    def ctype(self) -> str:
+        return CTYPES[self.dtype][0]
+
+    def kernel_names(self) -> dict[str, str]:
+        """Role -> NVRTC name expression of every kernel this config launches."""
+        t, hd = self.ctype, self.head_dim
+        if self.family == "fwd_mma":
+            warps, bn = mma_tile(hd)
+            return {"plain": f"attn_fwd_mma<{t}, {hd}, {warps}, {bn}, false>",
+                    "extras": f"attn_fwd_mma<{t}, {hd}, {warps}, {bn}, true>"}
+        if self.family == "fwd_fma":
+            return {"plain": f"attn_fwd_fma<{t}, {hd}>"}
+        if self.family == "bwd":
+            return {"preprocess": f"attn_bwd_preprocess<{t}>",
+                    "dkdv": f"attn_bwd_dkdv<{t}, {hd}>",
+                    "dq": f"attn_bwd_dq<{t}, {hd}>"}
+        raise ValueError(f"unknown kernel family {self.family!r}")
+
+    def name_expressions(self) -> list[str]:
+        return list(self.kernel_names().values())
+
+    # ----- launch geometry ---------------------------------------------------------------
+    def threads(self, role: str) -> int:
+        if self.family == "fwd_mma":
+            return 32 * mma_tile(self.head_dim)[0]
+        if self.family == "fwd_fma":
+            return FMA_THREADS
+        return PRE_THREADS if role == "preprocess" else BWD_THREADS
+
+    def block_rows(self, role: str) -> int:
+        """Rows (or keys, for dK/dV) one CTA covers along the grid's x axis."""
+        if self.family == "fwd_mma":
+            return 16 * mma_tile(self.head_dim)[0]
+        if self.family == "fwd_fma":
+            return FMA_BLOCK_M
+        return {"preprocess": PRE_ROWS, "dkdv": BWD_BLOCK_N, "dq": BWD_BLOCK_M}[role]
+
+    def smem_bytes(self, role: str) -> int:
+        """Dynamic shared memory of one CTA (mirrors the carve-up at the top of each kernel)."""
+        hd = self.head_dim
+        if self.family == "fwd_mma":
+            warps, bn = mma_tile(hd)
+            return (16 * warps + 2 * bn) * (hd + 8) * CTYPES[self.dtype][1]
+        if self.family == "fwd_fma":
+            bn = fma_block_n(hd)
+            return 4 * (FMA_BLOCK_M * hd + bn * (hd + 1) + bn * hd + FMA_BLOCK_M * bn)
+        ld = hd + 1
+        if role == "preprocess":
+            return 0
+        if role == "dkdv":
+            return 4 * ((2 * BWD_BLOCK_N + 2 * BWD_BLOCK_M) * ld + 2 * BWD_BLOCK_M * (BWD_BLOCK_N + 1) + 2 * BWD_BLOCK_M)
+        return 4 * ((2 * BWD_BLOCK_M + 2 * BWD_BLOCK_N) * ld + BWD_BLOCK_M * (BWD_BLOCK_N + 1))
+
+    def max_smem_bytes(self) -> int:
+        return max(self.smem_bytes(role) for role in self.kernel_names())
+
+
+def forward_config(dtype: str, head_dim: int, head_dim_v: int) -> KernelConfig | None:
+    """The forward module for a problem, or None when the head dim is over the largest bucket."""
+    hd = padded_head_dim(head_dim, head_dim_v)
+    if hd is None or dtype not in CTYPES:
+        return None
+    family = "fwd_mma" if dtype in TENSOR_CORE_DTYPES else "fwd_fma"
+    return KernelConfig(family, dtype, hd)
+
+
+def backward_config(dtype: str, head_dim: int, head_dim_v: int) -> KernelConfig | None:
+    hd = padded_head_dim(head_dim, head_dim_v)
+    if hd is None or dtype not in CTYPES:
+        return None
+    return KernelConfig("bwd", dtype, hd)
+
+
+def all_configs() -> list[KernelConfig]:
+    """Every module the backend can choose (the compile check builds all of them)."""
+    out = []
+    for hd in HEAD_DIM_BUCKETS:
+        for dtype in CTYPES:
+            out.append(forward_config(dtype, hd, hd))
+            out.append(backward_config(dtype, hd, hd))
+    return out
+
+
+def all_name_expressions() -> list[str]:
+    seen: dict[str, None] = {}
+    for cfg in all_configs():
+        for name in cfg.name_expressions():
+            seen[name] = None
+    return list(seen)
+
+
+@lru_cache(maxsize=1)
+def source() -> str:
+    """The CUDA C++ source: the .cu/.cuh files of this package, concatenated."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    parts = []
+    for name in SOURCE_FILES:
+        with open(os.path.join(here, name), encoding="utf-8") as f:
+            parts.append(f"// ===== {name} =====\n" + f.read())
+    return "\n".join(parts)

@@ -1,0 +1,141 @@
+"""Developer tool for the GPU machine: compile every kernel, then time the forward against
+torch SDPA's flash backend (FA2) side by side.
+
+    python -m portattn.backends.cupy.gpu_dev [--compile] [--bench] [--json PATH]
+
+``--compile`` builds every configuration of :func:`configs.all_configs` through CuPy in a pool
+of processes (filling CuPy's on-disk kernel cache, so later processes load the binaries) and
+reports failures. ``--bench`` times the FA3 paper's setting (B·S = 16k tokens, hidden 2048,
+D = 128, bf16) with ``triton.testing.do_bench`` medians, checks each timed output against
+SDPA, and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+
+def _compile_one(cfg_tuple):
+    import cupy
+
+    from . import configs
+
+    cfg = configs.KernelConfig(*cfg_tuple)
+    t0 = time.perf_counter()
+    try:
+        mod = cupy.RawModule(code=configs.source(), options=configs.NVRTC_OPTIONS,
+                             name_expressions=cfg.name_expressions())
+        for name in cfg.name_expressions():
+            fn = mod.get_function(name)
+            _ = fn.num_regs
+        return cfg_tuple, time.perf_counter() - t0, None, {n: mod.get_function(n).num_regs for n in cfg.name_expressions()}
+    except Exception as exc:
+        return cfg_tuple, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"[:2000], {}
+
+
+def compile_all(workers: int = 16) -> int:
+    import multiprocessing as mp
+
+    from . import configs
+
+    cfgs = [(c.family, c.dtype, c.head_dim) for c in configs.all_configs()]
+    t0 = time.perf_counter()
+    failures = 0
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+        for cfg, secs, err, regs in pool.map(_compile_one, cfgs):
+            if err:
+                failures += 1
+                print(f"FAIL {cfg}: {err}", flush=True)
+            else:
+                print(f"ok   {cfg} {secs:.1f}s regs={regs}", flush=True)
+    print(f"compiled {len(cfgs)} configs in {time.perf_counter() - t0:.1f}s, {failures} failure(s)", flush=True)
+    return failures
+
+
+def bench(json_path: str | None = None) -> list[dict]:
+    import torch
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from portattn.spec import build_spec
+
+    from . import CupyBackend
+
+    be = CupyBackend()
+    rows = []
+    dtype = torch.bfloat16
+    for seqlen in (1024, 2048, 4096, 8192, 16384):
+        for causal in (False, True):
+            d, heads = 128, 16
+            batch = max(1, 16384 // seqlen)
+            q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=dtype) for _ in range(3))
+            spec = build_spec(q, k, v, causal=causal)
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+            def run_cupy():
+                return be.forward(spec)[0]
+
+            def run_flash():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+            ref = run_flash().transpose(1, 2)
+            err = (run_cupy().float() - ref.float()).abs().max().item()
+            flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+            t_c = triton.testing.do_bench(run_cupy, warmup=50, rep=300, return_mode="median")
+            t_f = triton.testing.do_bench(run_flash, warmup=50, rep=300, return_mode="median")
+            row = dict(seqlen=seqlen, batch=batch, heads=heads, d=d, causal=causal, dtype="bf16",
+                       cupy_ms=t_c, flash_ms=t_f, cupy_tflops=flops / t_c * 1e-9,
+                       flash_tflops=flops / t_f * 1e-9, ratio=t_f / t_c, max_abs_diff_vs_flash=err)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    bwd_rows = []
+    for causal in (False, True):
+        seqlen, batch, heads, d = 4096, 4, 16, 128
+        q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=dtype) for _ in range(3))
+        spec = build_spec(q, k, v, causal=causal)
+        out, lse = be.forward(spec)
+        dout = torch.randn_like(out)
+        t_b = triton.testing.do_bench(lambda: be.backward(spec, out, lse, dout), warmup=20, rep=200,
+                                      return_mode="median")
+        flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+        bwd_rows.append(dict(seqlen=seqlen, causal=causal, bwd_ms=t_b, bwd_tflops=flops / t_b * 1e-9))
+        print(json.dumps(bwd_rows[-1]), flush=True)
+    print(f"\n{torch.cuda.get_device_name()} torch {torch.__version__} "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"{'seqlen':>6} {'B':>3} {'causal':>6} {'cupy TF/s':>10} {'flash TF/s':>10} {'ratio':>6} {'maxdiff':>8}")
+    for r in rows:
+        print(f"{r['seqlen']:>6} {r['batch']:>3} {str(r['causal']):>6} {r['cupy_tflops']:>10.1f} "
+              f"{r['flash_tflops']:>10.1f} {r['ratio']:>6.2f} {r['max_abs_diff_vs_flash']:>8.1e}")
+    for r in bwd_rows:
+        print(f"backward seqlen={r['seqlen']} causal={r['causal']}: {r['bwd_ms']:.2f} ms, {r['bwd_tflops']:.1f} TF/s")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "date": time.strftime("%Y-%m-%d", time.gmtime()), "forward": rows, "backward": bwd_rows},
+                      f, indent=1)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--bench", action="store_true")
+    p.add_argument("--json")
+    p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    a = p.parse_args(argv)
+    rc = 0
+    if a.compile:
+        rc |= 1 if compile_all(a.workers) else 0
+    if a.bench:
+        bench(a.json)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

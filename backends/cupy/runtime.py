@@ -1,0 +1,259 @@
+"""Launching the CuPy backend's kernels on torch tensors.
+
+Tensors stay torch tensors: kernels receive raw device pointers (``data_ptr()``) and element
+strides, outputs are allocated by torch, and every launch goes to torch's current CUDA stream
+(wrapped as a ``cupy.cuda.ExternalStream``). Nothing here synchronises the host.
+
+Modules are compiled by ``cupy.RawModule`` once per (:class:`configs.KernelConfig`, device) and
+kept in :data:`_MODULES`; CuPy also keeps the binaries in its on-disk kernel cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import configs
+
+UNBOUNDED = 1 << 30            # window side with no limit
+_BIAS_KINDS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.bool: 4}
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+_MODULES: dict[tuple, object] = {}
+_lock = threading.Lock()
+
+
+def cache_key(cfg: configs.KernelConfig, device_index: int) -> tuple:
+    return (cfg.family, cfg.dtype, cfg.head_dim, device_index)
+
+
+def get_function(cfg: configs.KernelConfig, role: str, device_index: int):
+    """The compiled kernel ``role`` of ``cfg`` on a device (compiled on first use, then cached)."""
+    import cupy
+
+    key = cache_key(cfg, device_index)
+    mod = _MODULES.get(key)
+    if mod is None:
+        with _lock:
+            mod = _MODULES.get(key)
+            if mod is None:
+                with cupy.cuda.Device(device_index):
+                    mod = cupy.RawModule(code=configs.source(), options=configs.NVRTC_OPTIONS,
+                                         name_expressions=cfg.name_expressions())
+                    funcs = {}
+                    for r, name in cfg.kernel_names().items():
+                        fn = mod.get_function(name)
+                        smem = cfg.smem_bytes(r)
+                        if smem > 48 * 1024:
+                            fn.max_dynamic_shared_size_bytes = smem
+                        funcs[r] = fn
+                mod = funcs
+                _MODULES[key] = mod
+    return mod[role]
+
+
+def _ptr(t: torch.Tensor | None):
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def _i64(x) -> np.int64:
+    return np.int64(x)
+
+
+def _i32(x) -> np.int32:
+    return np.int32(x)
+
+
+def _strides3(t: torch.Tensor, varlen: bool) -> list:
+    """(batch, token, head) element strides of a canonical q/k/v/o tensor (batch 0 for varlen)."""
+    if varlen:
+        return [_i64(0), _i64(t.stride(0)), _i64(t.stride(1))]
+    return [_i64(t.stride(0)), _i64(t.stride(1)), _i64(t.stride(2))]
+
+
+def _compact_bias(bias: torch.Tensor) -> torch.Tensor:
+    """``bias`` in a dtype the kernels read, converting only its stored (non-broadcast) part."""
+    if bias.dtype in _BIAS_KINDS:
+        return bias
+    index = tuple(slice(0, 1) if st == 0 else slice(None) for st in bias.stride())
+    return bias[index].to(torch.float32).expand(bias.shape)
+
+
+def _aligned_for_mma(t: torch.Tensor) -> bool:
+    """cp.async moves 16 bytes: rows must start on 16-byte boundaries (8 fp16/bf16 elements)."""
+    return (t.stride(-1) == 1 and t.shape[-1] % 8 == 0 and t.data_ptr() % 16 == 0
+            and all(s % 8 == 0 for s in t.stride()[:-1]))
+
+
+def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
+    out = t.new_zeros((*t.shape[:-1], width))
+    out[..., : t.shape[-1]] = t
+    return out
+
+
+def prepare_inputs(spec, tensor_cores: bool):
+    """q, k, v as the kernels need them: last dim contiguous; for the tensor-core path also
+    16-byte aligned rows with head dims padded to multiples of 8 (a copy only when needed)."""
+    q, k, v = spec.q, spec.k, spec.v
+    if tensor_cores:
+        d8, dv8 = configs.round_up(spec.head_dim, 8), configs.round_up(spec.head_dim_v, 8)
+        q = q if _aligned_for_mma(q) else _pad_last(q, d8)
+        k = k if _aligned_for_mma(k) else _pad_last(k, d8)
+        v = v if _aligned_for_mma(v) else _pad_last(v, dv8)
+    else:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return q, k, v
+
+
+def common_args(spec, q, k, v) -> list:
+    """The PA_COMMON_PARAMS argument list of attn_common.cuh, in order."""
+    varlen = spec.is_varlen
+    bias = _compact_bias(spec.attn_bias) if spec.attn_bias is not None else None
+    if bias is not None and varlen:
+        bias_strides = [bias.stride(0), bias.stride(1), bias.stride(2), bias.stride(3)]
+    elif bias is not None:
+        bias_strides = list(bias.stride())
+    else:
+        bias_strides = [0, 0, 0, 0]
+    alibi = spec.alibi_slopes.contiguous() if spec.alibi_slopes is not None else None
+    left = UNBOUNDED if spec.window_left is None else spec.window_left
+    right = UNBOUNDED if spec.window_right is None else spec.window_right
+    if varlen:
+        lse_strides = [0, q.shape[0]]                       # lse (Hq, total_q)
+    else:
+        lse_strides = [spec.num_heads_q * spec.seqlen_q, spec.seqlen_q]   # lse (B, Hq, Sq)
+    args = [_ptr(q), _ptr(k), _ptr(v), *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen),
+            _ptr(spec.cu_seqlens_q), _ptr(spec.cu_seqlens_k), _i32(spec.seqlen_q), _i32(spec.seqlen_k),
+            _i32(q.shape[-1]), _i32(v.shape[-1]), _i32(spec.gqa_ratio), np.float32(spec.scale),
+            np.float32(spec.softcap or 0.0), _i32(left), _i32(right), _i32(spec.alignment == "top_left"),
+            _ptr(alibi), _i64(alibi.stride(0) if alibi is not None else 0),
+            _ptr(bias), _i32(_BIAS_KINDS[bias.dtype] if bias is not None else 0), *map(_i64, bias_strides),
+            *map(_i64, lse_strides)]
+    keep_alive = (q, k, v, bias, alibi)
+    return args, keep_alive
+
+
+class _Launcher:
+    """Device guard and torch's current stream, as CuPy contexts."""
+
+    def __init__(self, device: torch.device):
+        import cupy
+
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.dev = cupy.cuda.Device(self.index)
+        self.stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(self.index).cuda_stream, self.index)
+
+    def __enter__(self):
+        self.dev.__enter__()
+        self.stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.stream.__exit__(*exc)
+        self.dev.__exit__(*exc)
+
+    def launch(self, cfg, role, grid, args):
+        fn = get_function(cfg, role, self.index)
+        fn(tuple(int(x) for x in grid), (cfg.threads(role), 1, 1), tuple(args), shared_mem=cfg.smem_bytes(role))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+@dataclass
+class Launch:
+    """One kernel launch: module config, kernel role, grid and the argument list."""
+
+    cfg: configs.KernelConfig
+    role: str
+    grid: tuple
+    args: list
+
+
+@dataclass
+class Plan:
+    """Everything a forward/backward call launches, and the tensors it returns."""
+
+    launches: list = field(default_factory=list)
+    outputs: tuple = ()
+    keep_alive: tuple = ()    # inputs (possibly padded copies) the launches point into
+
+
+def plan_forward(spec) -> Plan:
+    """Allocate ``(out, lse)`` and describe the forward launch (no device work yet)."""
+    dtype = _DTYPE_NAMES[spec.dtype]
+    cfg = configs.forward_config(dtype, spec.head_dim, spec.head_dim_v)
+    tensor_cores = cfg.family == "fwd_mma"
+    lse = torch.empty(spec.lse_shape, dtype=torch.float32, device=spec.device)
+    if spec.is_empty or spec.seqlen_q == 0:
+        lse.fill_(float("-inf"))
+        return Plan(outputs=(spec.q.new_zeros(spec.out_shape), lse))
+    q, k, v = prepare_inputs(spec, tensor_cores)
+    dv_alloc = v.shape[-1]
+    out = torch.empty((*spec.q.shape[:-1], dv_alloc), dtype=spec.dtype, device=spec.device)
+    args, keep = common_args(spec, q, k, v)
+    args += [_ptr(out), *_strides3(out, spec.is_varlen), _ptr(lse)]
+    grid = (_cdiv(spec.seqlen_q, cfg.block_rows("plain")), spec.num_heads_q, spec.batch)
+    extras = spec.softcap is not None or spec.alibi_slopes is not None or spec.attn_bias is not None
+    role = "extras" if tensor_cores and extras else "plain"
+    if dv_alloc != spec.head_dim_v:
+        out = out[..., : spec.head_dim_v]
+    return Plan([Launch(cfg, role, grid, args)], (out, lse), keep)
+
+
+def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor) -> Plan:
+    """Allocate ``(dq, dk, dv)`` and describe the three backward launches."""
+    dtype = _DTYPE_NAMES[spec.dtype]
+    cfg = configs.backward_config(dtype, spec.head_dim, spec.head_dim_v)
+    dq = torch.zeros_like(spec.q, memory_format=torch.contiguous_format)
+    dk = torch.zeros_like(spec.k, memory_format=torch.contiguous_format)
+    dv = torch.zeros_like(spec.v, memory_format=torch.contiguous_format)
+    if spec.is_empty or spec.seqlen_q == 0:
+        return Plan(outputs=(dq, dk, dv))
+    q, k, v = prepare_inputs(spec, tensor_cores=False)
+    out = out if out.stride(-1) == 1 else out.contiguous()
+    dout = dout.to(spec.dtype)
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    varlen = spec.is_varlen
+    args, keep = common_args(spec, q, k, v)
+    lse_strides = args[-2:]
+    do_args = [_ptr(dout), *_strides3(dout, varlen)]
+    plan = Plan(outputs=(dq, dk, dv), keep_alive=(keep, out, dout, lse, delta))
+    plan.launches.append(Launch(cfg, "preprocess", (_cdiv(spec.seqlen_q, configs.PRE_ROWS), spec.num_heads_q, spec.batch),
+                                [_ptr(out), *_strides3(out, varlen), *do_args, _ptr(delta), *lse_strides,
+                                 _ptr(spec.cu_seqlens_q), _i32(spec.seqlen_q), _i32(spec.head_dim_v)]))
+    if spec.seqlen_k > 0:
+        plan.launches.append(Launch(cfg, "dkdv", (_cdiv(spec.seqlen_k, configs.BWD_BLOCK_N), spec.num_heads_kv, spec.batch),
+                                    args + do_args + [_ptr(lse), _ptr(delta), _ptr(dk), *_strides3(dk, varlen),
+                                                      _ptr(dv), *_strides3(dv, varlen)]))
+    plan.launches.append(Launch(cfg, "dq", (_cdiv(spec.seqlen_q, configs.BWD_BLOCK_M), spec.num_heads_q, spec.batch),
+                                args + do_args + [_ptr(lse), _ptr(delta), _ptr(dq), *_strides3(dq, varlen)]))
+    return plan
+
+
+def execute(plan: Plan, device: torch.device) -> None:
+    if not plan.launches:
+        return
+    with _Launcher(device) as launcher:
+        for item in plan.launches:
+            launcher.launch(item.cfg, item.role, item.grid, item.args)
+
+
+def forward(spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` in the canonical layout (see :class:`portattn.registry.Backend`)."""
+    plan = plan_forward(spec)
+    execute(plan, spec.device)
+    return plan.outputs
+
+
+def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
+    """``(dq, dk, dv, None)``: deterministic (no atomics), float32 arithmetic."""
+    plan = plan_backward(spec, out, lse, dout)
+    execute(plan, spec.device)
+    return (*plan.outputs, None)

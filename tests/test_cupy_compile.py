@@ -1,0 +1,216 @@
+"""CPU tests of the cupy backend: NVRTC compile of its kernels (no GPU needed), and the
+Python side (configuration choice, cache keys, launch arguments against the kernel
+signatures, reasons). The GPU numerics live in tests/test_cupy.py.
+
+The full compile check (every instantiation, sm_80 and sm_90) is
+``python -m portattn.backends.cupy.compile_check``; here a reduced set runs unless ``slow``.
+"""
+
+import re
+
+import pytest
+import torch
+
+from portattn.backends.cupy import CupyBackend, configs, problem_reasons
+from portattn.backends.cupy import compile_check, runtime
+from portattn.spec import build_spec
+
+try:
+    from cuda.bindings import nvrtc  # noqa: F401
+    have_nvrtc = True
+except Exception:
+    have_nvrtc = False
+
+needs_nvrtc = pytest.mark.skipif(not have_nvrtc, reason="needs cuda-bindings + nvidia-cuda-nvrtc (portattn[nvrtc])")
+
+
+# ----- NVRTC compile ----------------------------------------------------------------------------
+@needs_nvrtc
+def test_compile_reduced_set_sm80_sm90():
+    """Both tensor-core tile shapes and all three kernel families compile with no spills."""
+    names_90 = compile_check.select_names(head_dims=(64,))
+    names_80 = [configs.KernelConfig("fwd_mma", "bfloat16", 256).kernel_names()["extras"],
+                configs.KernelConfig("bwd", "float16", 256).kernel_names()["dkdv"]]
+    for arch, names in ((90, names_90), (80, names_80)):
+        log, lowered = compile_check.compile_names(names, arch)
+        reports = compile_check.parse_ptxas_log(log, lowered, arch)
+        assert len(reports) == len(names)
+        for r in reports:
+            assert r.registers is not None and r.registers <= 255, r
+            assert not r.spill_stores and not r.spill_loads, f"{r.name} sm_{arch} spills"
+
+
+@needs_nvrtc
+@pytest.mark.slow
+def test_compile_check_full():
+    assert compile_check.main([]) == 0
+
+
+@needs_nvrtc
+def test_compile_error_is_reported(monkeypatch):
+    monkeypatch.setattr(configs, "source", lambda: "__global__ void broken() { this is not C++; }")
+    with pytest.raises(compile_check.CompileError, match="NVRTC failed"):
+        compile_check.compile_names([], 90)
+
+
+def test_parse_ptxas_log():
+    log = ("ptxas info    : Compiling entry function '_Z3fooi' for 'sm_90'\n"
+           "ptxas info    : Function properties for _Z3fooi\n"
+           "    16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 96 registers, used 1 barriers, 384 bytes smem\n"
+           "ptxas info    : Compiling entry function '_Z3bari' for 'sm_90'\n"
+           "ptxas info    : Used 40 registers\n")
+    reps = {r.name: r for r in compile_check.parse_ptxas_log(log, {"foo<1>": "_Z3fooi", "bar<2>": "_Z3bari"}, 90)}
+    assert (reps["foo<1>"].registers, reps["foo<1>"].spill_stores, reps["foo<1>"].spill_loads) == (96, 8, 12)
+    assert reps["foo<1>"].stack == 16 and reps["foo<1>"].smem_static == 384
+    assert reps["bar<2>"].registers == 40 and reps["bar<2>"].spill_stores is None
+
+
+# ----- configuration choice -------------------------------------------------------------------
+@pytest.mark.parametrize("d,dv,expected", [(1, 1, 32), (8, 8, 32), (32, 32, 32), (33, 16, 64), (64, 128, 128),
+                                           (72, 72, 96), (128, 128, 128), (129, 64, 160), (200, 200, 224),
+                                           (256, 256, 256), (257, 64, None)])
+def test_padded_head_dim(d, dv, expected):
+    assert configs.padded_head_dim(d, dv) == expected
+
+
+def test_forward_config_families():
+    assert configs.forward_config("bfloat16", 128, 128).family == "fwd_mma"
+    assert configs.forward_config("float16", 40, 40).head_dim == 64
+    assert configs.forward_config("float32", 128, 128).family == "fwd_fma"
+    assert configs.forward_config("float32", 300, 300) is None
+    assert configs.backward_config("bfloat16", 96, 64) == configs.KernelConfig("bwd", "bfloat16", 96)
+
+
+def test_all_configs_cover_every_choice_and_fit_shared_memory():
+    cfgs = set(configs.all_configs())
+    for dtype in configs.CTYPES:
+        for d in range(1, configs.MAX_HEAD_DIM + 1, 7):
+            assert configs.forward_config(dtype, d, d) in cfgs
+            assert configs.backward_config(dtype, d, d) in cfgs
+    names = configs.all_name_expressions()
+    assert len(names) == len(set(names))
+    for cfg in cfgs:
+        assert cfg.max_smem_bytes() <= 163 * 1024, (cfg, cfg.max_smem_bytes())   # A100 opt-in limit
+        assert cfg.threads("plain" if cfg.family != "bwd" else "dq") % 32 == 0
+
+
+def test_mma_tiles_match_kernel_constraints():
+    for hd in configs.HEAD_DIM_BUCKETS:
+        warps, bn = configs.mma_tile(hd)
+        assert hd % 16 == 0 and bn % 16 == 0 and warps * 32 <= 1024
+        name = configs.KernelConfig("fwd_mma", "float16", hd).kernel_names()["plain"]
+        assert name == f"attn_fwd_mma<pa_half, {hd}, {warps}, {bn}, false>"
+
+
+def test_cache_keys_distinguish_configs_and_devices():
+    a = configs.KernelConfig("fwd_mma", "float16", 128)
+    b = configs.KernelConfig("fwd_mma", "bfloat16", 128)
+    c = configs.KernelConfig("fwd_mma", "float16", 64)
+    keys = {runtime.cache_key(x, 0) for x in (a, b, c)} | {runtime.cache_key(a, 1)}
+    assert len(keys) == 4
+    assert runtime.cache_key(a, 0) == runtime.cache_key(configs.KernelConfig("fwd_mma", "float16", 128), 0)
+
+
+# ----- launch arguments against the kernel signatures ---------------------------------------
+def _param_count(kernel: str) -> int:
+    src = configs.source()
+    macro = re.search(r"#define PA_COMMON_PARAMS(.*?)\n\n", src, re.S).group(1)
+    n_common = macro.count(",") + 1
+    start = src.index(f"\n{kernel}(") + len(kernel) + 2
+    depth, i = 1, start
+    while depth:
+        depth += {"(": 1, ")": -1}.get(src[i], 0)
+        i += 1
+    params = src[start:i - 1]
+    n = params.count(",") + 1
+    return n - 1 + n_common if "PA_COMMON_PARAMS" in params else n
+
+
+def _spec(dtype=torch.float16, **kw):
+    q = torch.randn(2, 37, 4, 40, dtype=dtype)
+    k = torch.randn(2, 50, 2, 40, dtype=dtype)
+    v = torch.randn(2, 50, 2, 24, dtype=dtype)
+    return build_spec(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"softcap": 3.0}, {"window": (4, 2)}])
+def test_forward_plan_matches_signature(dtype, kw):
+    spec = _spec(dtype, **kw)
+    plan = runtime.plan_forward(spec)
+    (launch,) = plan.launches
+    kernel = "attn_fwd_mma" if dtype != torch.float32 else "attn_fwd_fma"
+    assert launch.cfg.family == ("fwd_mma" if dtype != torch.float32 else "fwd_fma")
+    assert len(launch.args) == _param_count(kernel)
+    assert launch.role == ("extras" if "softcap" in kw and dtype != torch.float32 else "plain")
+    assert launch.grid == (-(-37 // launch.cfg.block_rows("plain")), 4, 2)
+    out, lse = plan.outputs
+    assert out.shape == spec.out_shape and lse.shape == spec.lse_shape and lse.dtype == torch.float32
+    if dtype != torch.float32:   # D=40, Dv=24 are padded to multiples of 8 for cp.async
+        q_used = plan.keep_alive[0]
+        assert q_used.shape[-1] == 40 and q_used.stride(-2) % 8 == 0
+
+
+def test_backward_plan_matches_signatures():
+    spec = _spec(torch.bfloat16, causal=True)
+    out = torch.randn(spec.out_shape, dtype=torch.bfloat16)
+    lse = torch.randn(spec.lse_shape)
+    plan = runtime.plan_backward(spec, out, lse, torch.randn_like(out))
+    roles = {item.role: item for item in plan.launches}
+    assert set(roles) == {"preprocess", "dkdv", "dq"}
+    for role, kernel in (("preprocess", "attn_bwd_preprocess"), ("dkdv", "attn_bwd_dkdv"), ("dq", "attn_bwd_dq")):
+        assert len(roles[role].args) == _param_count(kernel), role
+    assert roles["dkdv"].grid == (-(-50 // configs.BWD_BLOCK_N), 2, 2)
+    dq, dk, dv = plan.outputs
+    assert dq.shape == spec.q.shape and dk.shape == spec.k.shape and dv.shape == spec.v.shape
+
+
+def test_varlen_plan_uses_packed_strides():
+    q = torch.randn(30, 2, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    spec = build_spec(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    (launch,) = runtime.plan_forward(spec).launches
+    assert launch.args[3] == 0 and launch.args[4] == q.stride(0)          # q: batch stride 0, token stride
+    assert launch.grid == (1, 2, 2)                                         # max_seqlen 20 <= 128 rows
+    assert runtime.plan_forward(spec).outputs[1].shape == (2, 30)
+
+
+def test_bias_conversion_keeps_broadcast():
+    bias = torch.randn(1, 1, 5, 7, dtype=torch.float64).expand(3, 4, 5, 7)
+    conv = runtime._compact_bias(bias)
+    assert conv.dtype == torch.float32 and conv.stride()[:2] == (0, 0)
+    assert torch.equal(conv, bias.float())
+
+
+def test_empty_problem_plans_nothing():
+    q = torch.randn(2, 0, 4, 64, dtype=torch.float16)
+    k = torch.randn(2, 10, 4, 64, dtype=torch.float16)
+    plan = runtime.plan_forward(build_spec(q, k, k))
+    assert plan.launches == [] and plan.outputs[0].shape == (2, 0, 4, 64)
+
+
+# ----- reasons -----------------------------------------------------------------------------
+def test_reasons_without_cupy_or_device():
+    be = CupyBackend()
+    reasons = be.not_supported_reasons(_spec())
+    assert reasons, "a CPU tensor must never be accepted"
+    if not torch.cuda.is_available():
+        joined = " ".join(reasons)
+        assert "cupy" in joined or "CUDA" in joined or "device" in joined
+
+
+def test_problem_reasons_limits():
+    assert problem_reasons(_spec(), smem_limit=None) == []
+    q = torch.randn(1, 8, 2, 300, dtype=torch.float16)
+    (r,) = problem_reasons(build_spec(q, q, q), smem_limit=None)
+    assert "300" in r and "256" in r
+    q = torch.randn(1, 8, 2, 256, dtype=torch.float16, requires_grad=True)
+    small = problem_reasons(build_spec(q, q, q), smem_limit=99 * 1024)
+    assert any("shared memory" in r and "bwd" in r for r in small)
+
+
+def test_declared_capabilities():
+    be = CupyBackend()
+    assert be.vendors == frozenset({"nvidia"}) and be.has_backward and be.deterministic
+    assert "bias_grad" not in be.features and be.head_dims == (1, 256)
