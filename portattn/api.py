@@ -143,16 +143,6 @@ def _bias_4d(spec: AttentionSpec, attn_bias: Tensor | None) -> Tensor | None:
     return attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
 
 
-def _resolve_pin(backend: str | None) -> str:
-    """The backend name pinned for this call ('' = choose at run time), validated now."""
-    names, _ = dispatch._requested(backend)
-    if not names:
-        return ""
-    if len(names) == 1:
-        return names[0]
-    return ",".join(names)
-
-
 def attention(q, k, v, *, causal=False, causal_alignment="bottom_right", window=None, scale=None, softcap=None,
               alibi_slopes=None, attn_bias=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
               max_seqlen_k=None, layout="bshd", return_lse=False, backend=None):
@@ -201,7 +191,7 @@ def attention(q, k, v, *, causal=False, causal_alignment="bottom_right", window=
     else:
         # Eager: select now (a pinned backend that cannot run fails here, with its reasons) and
         # hand the choice to the op, so forward and backward run on the same backend.
-        pin = dispatch.select(spec, _resolve_pin(backend) or None).name
+        pin = dispatch.select(spec, backend).name
     out, lse = _attention_op(
         spec.q, spec.k, spec.v, spec.alibi_slopes, _bias_4d(spec, attn_bias), spec.cu_seqlens_q, spec.cu_seqlens_k,
         spec.max_seqlen_q or 0, spec.max_seqlen_k or 0, spec.scale, spec.causal, spec.alignment,
@@ -217,4 +207,4 @@ def explain(q, k, v, *, backend=None, **kwargs) -> dispatch.Explanation:
     """Which backend :func:`attention` would use for these arguments, and why each other one
     would not. ``print(portattn.explain(q, k, v, causal=True))`` gives a readable report."""
     spec = build_spec(q, k, v, **kwargs)
-    return dispatch.explain_spec(spec, _resolve_pin(backend) or None)
+    return dispatch.explain_spec(spec, backend)
