@@ -383,7 +383,8 @@ def _make_bias(p: Problem, gen: torch.Generator, dt: torch.dtype) -> torch.Tenso
         bias = torch.rand(b, 1, 1, sk, generator=gen) < 0.75
     elif kind == "bool":
         bias = torch.rand(b, hq, sq, sk, generator=gen) < 0.7
-        rows = torch.rand(b, hq, sq, 1, generator=gen) < 0.15     # a few rows fully masked
+        rows = torch.rand(b, hq, sq, 1, generator=gen) < 0.15     # a few rows fully masked,
+        rows[:, 0, 0] = True                                       # always row 0 of head 0
         bias = bias & ~rows
     else:
         raise ValueError(f"unknown bias kind {kind!r}; use one of {BIAS_KINDS}")
