@@ -122,8 +122,12 @@ def make_standard_translation():
         left = int(window_left)
         has_window = left >= 0 or right >= 0
         sq, sk = q.shape[1] if q.shape is not None else None, k.shape[1] if k.shape is not None else None
-        use_is_causal = causal and left < 0 and (alignment == "top_left" or _same_length(sq, sk))
+        # is_causal (top-left) only where it is exact and no row can end up empty; otherwise the band
+        # goes into the explicit mask together with the caller's mask.
+        use_is_causal = (causal and left < 0 and attn_bias is None
+                         and (alignment == "top_left" or _same_length(sq, sk)))
         mask = attn_bias
+        mask_is_bool = attn_bias is not None and _is_bool(attn_bias)   # traced outputs carry no dtype: track it
         if has_window and not use_is_causal:
             # explicit band of visible keys on the aligned row i' (bottom-right: i + Sk - Sq)
             zero = _tensor_constant(op, np.array(0, np.int64))
@@ -143,19 +147,28 @@ def make_standard_translation():
                 keep = upper if keep is None else op.And(keep, upper)
             keep = op.Unsqueeze(keep, _tensor_constant(op, np.array([0, 1], np.int64)))   # (1, 1, Sq, Sk)
             if mask is None:
-                mask = keep
-            elif _is_bool(mask):
+                mask, mask_is_bool = keep, True
+            elif mask_is_bool:
                 mask = op.And(mask, keep)
             else:
                 neg_inf = op.CastLike(_tensor_constant(op, np.array(-np.inf, np.float32)), mask)
                 mask = op.Where(keep, mask, neg_inf)
         if mask is not None:
-            if not _is_bool(mask):
+            if not mask_is_bool:
                 mask = op.CastLike(mask, q)
             # onnxruntime's Attention broadcasts the mask over batch and heads only: give it (.., Sq, Sk)
             rows_cols = op.Concat(_tensor_constant(op, np.array([1, 1], np.int64)), op.Shape(q, start=1, end=2),
                                   op.Shape(k, start=1, end=2), axis=0)
             mask = op.Expand(mask, rows_cols)
+            # rows that see no key must give 0 (onnxruntime averages V over them instead)
+            if mask_is_bool:
+                row_visible = op.ReduceMax(op.Cast(mask, to=1), _tensor_constant(op, np.array([-1], np.int64)),
+                                           keepdims=1)
+                row_visible = op.Greater(row_visible, _tensor_constant(op, np.array(0.0, np.float32)))
+            else:
+                row_visible = op.Not(op.IsInf(op.ReduceMax(op.Cast(mask, to=1),
+                                                           _tensor_constant(op, np.array([-1], np.int64)),
+                                                           keepdims=1), detect_positive=0))
         # ONNX Attention's 4-D layout is (B, H, S, D); portattn's is (B, S, H, D).
         qt, kt, vt = (op.Transpose(t, perm=[0, 2, 1, 3]) for t in (q, k, v))
         attrs = dict(scale=float(scale), is_causal=int(use_is_causal))
@@ -167,6 +180,8 @@ def make_standard_translation():
             y = op.Attention(qt, kt, vt, mask, **attrs)
         if isinstance(y, (tuple, list)):
             y = y[0]
+        if mask is not None:
+            y = op.Where(row_visible, y, op.CastLike(_tensor_constant(op, np.array(0.0, np.float32)), y))
         out = op.Transpose(y, perm=[0, 2, 1, 3])
         # lse is not consumed (return_lse=False); an empty placeholder keeps the op's arity.
         lse = op.ConstantOfShape(_tensor_constant(op, np.array([0], np.int64)))
