@@ -126,7 +126,7 @@ class OnnxBackend(Backend):
                                       window_left=spec.window_left, window_right=spec.window_right,
                                       softcap=spec.softcap, block_size=self.block_size)
         provider = _PROVIDERS[device.type]
-        device_id = device.index or 0 if device.type == "cuda" else 0
+        device_id = (device.index or 0) if device.type == "cuda" else 0
         key = (tuple(sorted(attributes.items())), spec.dtype, bias.dtype, provider, device_id)
         session = self._session(key, attributes, spec.dtype, bias.dtype, provider, device_id)
 
