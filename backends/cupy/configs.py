@@ -72,6 +72,11 @@ class KernelConfig:
     family: str
     dtype: str
     head_dim: int
+    #: (warps, BLOCK_N) of the tensor-core forward; None = :func:`mma_tile` (benchmarks try others)
+    tile: tuple[int, int] | None = None
+
+    def mma_shape(self) -> tuple[int, int]:
+        return self.tile if self.tile is not None else mma_tile(self.head_dim)
 
     @property
     def ctype(self) -> str:
@@ -81,7 +86,7 @@ class KernelConfig:
         """Role -> NVRTC name expression of every kernel this config launches."""
         t, hd = self.ctype, self.head_dim
         if self.family == "fwd_mma":
-            warps, bn = mma_tile(hd)
+            warps, bn = self.mma_shape()
             return {"plain": f"attn_fwd_mma<{t}, {hd}, {warps}, {bn}, false>",
                     "extras": f"attn_fwd_mma<{t}, {hd}, {warps}, {bn}, true>"}
         if self.family == "fwd_fma":
@@ -98,7 +103,7 @@ class KernelConfig:
     # ----- launch geometry ---------------------------------------------------------------
     def threads(self, role: str) -> int:
         if self.family == "fwd_mma":
-            return 32 * mma_tile(self.head_dim)[0]
+            return 32 * self.mma_shape()[0]
         if self.family == "fwd_fma":
             return FMA_THREADS
         return PRE_THREADS if role == "preprocess" else BWD_THREADS
@@ -106,7 +111,7 @@ class KernelConfig:
     def block_rows(self, role: str) -> int:
         """Rows (or keys, for dK/dV) one CTA covers along the grid's x axis."""
         if self.family == "fwd_mma":
-            return 16 * mma_tile(self.head_dim)[0]
+            return 16 * self.mma_shape()[0]
         if self.family == "fwd_fma":
             return FMA_BLOCK_M
         return {"preprocess": PRE_ROWS, "dkdv": BWD_BLOCK_N, "dq": BWD_BLOCK_M}[role]
@@ -115,7 +120,7 @@ class KernelConfig:
         """Dynamic shared memory of one CTA (mirrors the carve-up at the top of each kernel)."""
         hd = self.head_dim
         if self.family == "fwd_mma":
-            warps, bn = mma_tile(hd)
+            warps, bn = self.mma_shape()
             return (16 * warps + 2 * bn) * (hd + 8) * CTYPES[self.dtype][1]
         if self.family == "fwd_fma":
             bn = fma_block_n(hd)

@@ -20,6 +20,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 
+#: (warps, BLOCK_N) tile shapes tried at D = 128 by --bench, besides the default.
+VARIANT_TILES = ((8, 64), (4, 64), (4, 128), (8, 128), (8, 32))
+
+
 def _compile_one(cfg_tuple):
     import cupy
 
@@ -44,6 +48,7 @@ def compile_all(workers: int = 16) -> int:
     from . import configs
 
     cfgs = [(c.family, c.dtype, c.head_dim) for c in configs.all_configs()]
+    cfgs += [("fwd_mma", "bfloat16", 128, t) for t in VARIANT_TILES if t != configs.mma_tile(128)]
     t0 = time.perf_counter()
     failures = 0
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
@@ -94,9 +99,30 @@ def bench(json_path: str | None = None) -> list[dict]:
                        flash_tflops=flops / t_f * 1e-9, ratio=t_f / t_c, max_abs_diff_vs_flash=err)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    bwd_rows = []
+    from . import configs, runtime
+
+    variant_rows = []
     for causal in (False, True):
         seqlen, batch, heads, d = 4096, 4, 16, 128
+        q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=dtype) for _ in range(3))
+        spec = build_spec(q, k, v, causal=causal)
+        ref = be.forward(spec)[0]
+        for tile in VARIANT_TILES:
+            cfg = configs.KernelConfig("fwd_mma", "bfloat16", 128, tile)
+
+            def run_variant():
+                plan = runtime.plan_forward(spec, cfg)
+                runtime.execute(plan, spec.device)
+                return plan.outputs[0]
+
+            diff = (run_variant().float() - ref.float()).abs().max().item()
+            t = triton.testing.do_bench(run_variant, warmup=50, rep=300, return_mode="median")
+            flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+            variant_rows.append(dict(tile=tile, causal=causal, ms=t, tflops=flops / t * 1e-9, diff=diff))
+            print(json.dumps(variant_rows[-1]), flush=True)
+    bwd_rows = []
+    for causal in (False, True):
+        seqlen, batch, heads, d = 2048, 4, 16, 128
         q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=dtype) for _ in range(3))
         spec = build_spec(q, k, v, causal=causal)
         out, lse = be.forward(spec)
@@ -112,12 +138,16 @@ def bench(json_path: str | None = None) -> list[dict]:
     for r in rows:
         print(f"{r['seqlen']:>6} {r['batch']:>3} {str(r['causal']):>6} {r['cupy_tflops']:>10.1f} "
               f"{r['flash_tflops']:>10.1f} {r['ratio']:>6.2f} {r['max_abs_diff_vs_flash']:>8.1e}")
+    for r in variant_rows:
+        print(f"tile warps={r['tile'][0]} BN={r['tile'][1]} causal={r['causal']}: {r['tflops']:.1f} TF/s "
+              f"(diff vs default {r['diff']:.1e})")
     for r in bwd_rows:
         print(f"backward seqlen={r['seqlen']} causal={r['causal']}: {r['bwd_ms']:.2f} ms, {r['bwd_tflops']:.1f} TF/s")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "date": time.strftime("%Y-%m-%d", time.gmtime()), "forward": rows, "backward": bwd_rows},
+                       "date": time.strftime("%Y-%m-%d", time.gmtime()), "forward": rows, "backward": bwd_rows,
+                       "tiles": variant_rows},
                       f, indent=1)
     return rows
 

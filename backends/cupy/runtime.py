@@ -27,7 +27,7 @@ _lock = threading.Lock()
 
 
 def cache_key(cfg: configs.KernelConfig, device_index: int) -> tuple:
-    return (cfg.family, cfg.dtype, cfg.head_dim, device_index)
+    return (cfg.family, cfg.dtype, cfg.head_dim, cfg.tile, device_index)
 
 
 def get_function(cfg: configs.KernelConfig, role: str, device_index: int):
@@ -183,10 +183,13 @@ class Plan:
     keep_alive: tuple = ()    # inputs (possibly padded copies) the launches point into
 
 
-def plan_forward(spec) -> Plan:
-    """Allocate ``(out, lse)`` and describe the forward launch (no device work yet)."""
+def plan_forward(spec, cfg: configs.KernelConfig | None = None) -> Plan:
+    """Allocate ``(out, lse)`` and describe the forward launch (no device work yet).
+
+    ``cfg`` overrides the configuration choice (benchmarks of other tile shapes only).
+    """
     dtype = _DTYPE_NAMES[spec.dtype]
-    cfg = configs.forward_config(dtype, spec.head_dim, spec.head_dim_v)
+    cfg = cfg or configs.forward_config(dtype, spec.head_dim, spec.head_dim_v)
     tensor_cores = cfg.family == "fwd_mma"
     lse = torch.empty(spec.lse_shape, dtype=torch.float32, device=spec.device)
     if spec.is_empty or spec.seqlen_q == 0:
