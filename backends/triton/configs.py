@@ -114,7 +114,7 @@ _BWD_NVIDIA = {
                128: ((32, 64), (64, 32), 4, 1), 256: ((16, 32), (32, 16), 4, 1)},
 }
 # AMD CDNA (64 KiB LDS): BLOCK_D -> (BLOCK_M, BLOCK_N, num_warps, num_stages, waves_per_eu)
-_FWD_AMD = {16: (128, 64, 4, 2, 2), 32: (128, 64, 4, 2, 2), 64: (128, 64, 4, 2, 2), 128: (128, 64, 4, 2, 2),
+_FWD_AMD = {16: (128, 64, 4, 2, 2), 32: (128, 64, 4, 2, 2), 64: (128, 64, 4, 2, 2), 128: (128, 32, 8, 2, 2),
             256: (64, 32, 4, 1, 1)}
 _BWD_AMD = {16: ((32, 64), (64, 32), 4, 1, 1), 32: ((32, 64), (64, 32), 4, 1, 1), 64: ((32, 64), (64, 32), 4, 1, 1),
             128: ((32, 64), (64, 32), 4, 1, 1), 256: ((16, 32), (32, 16), 4, 1, 1)}
@@ -126,6 +126,8 @@ def _shrink(m: int, n: int, stages: int, elem_size: int) -> tuple[int, int, int]
     """float32 tiles are twice the bytes: halve the larger tile side (not below 16) instead."""
     if elem_size <= 2:
         return m, n, stages
+    if m * n >= 64 * 64 and m > 16 and n > 16:   # large tiles: halve both sides
+        return m // 2, n // 2, max(1, stages - 1)
     if m >= n and m > 16:
         m //= 2
     elif n > 16:

@@ -23,11 +23,17 @@ output tile, so gradients are bit-identical across runs by construction.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+# Triton's interpreter (3.9) multiplies bfloat16 dot operands as their raw uint16 bits; when it
+# is on (read, like triton does, when the kernels are defined) bf16 operands are widened first.
+_INTERPRETER_BF16_DOT_FIX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"))
 
 # bias modes (constexpr BIAS_MODE)
 BIAS_NONE = 0
@@ -40,6 +46,10 @@ BIAS_BOOL = 2
 @triton.jit
 def _mm(a, b, IEEE: tl.constexpr):
     """a @ b accumulated in float32; ``IEEE`` forces true float32 products for float32 inputs."""
+    if _INTERPRETER_BF16_DOT_FIX:
+        if a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
     else:
@@ -73,7 +83,7 @@ def _store_tile(ptrs, x, rows, row_limit, cols, HEAD: tl.constexpr, BLOCK: tl.co
 @triton.jit
 def _tanh(x):
     # tanh through exp2 (portable: no libdevice); saturates cleanly to ±1.
-    return 2.0 / (1.0 + tl.exp2(-2.0 * LOG2E * x)) - 1.0
+    return 2.0 / (1.0 + tl.exp2(x * (-2.0 * LOG2E))) - 1.0
 
 
 @triton.jit

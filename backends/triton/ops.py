@@ -47,7 +47,7 @@ def _bias_args(spec, dummy: torch.Tensor):
 
 def _common(spec):
     """Scalars and constexprs shared by the forward, dK/dV and dQ kernels."""
-    log2e = kernels.LOG2E
+    log2e = float(kernels.LOG2E.value)
     softcap = spec.softcap
     scalars = dict(
         qk_scale2=spec.scale * log2e,

@@ -1,0 +1,313 @@
+"""Portability check: compile every Triton kernel in every configuration the backend can choose,
+for NVIDIA sm_80 / sm_90 and AMD gfx90a / gfx942, with no GPU.
+
+    python -m portattn.backends.triton.portability            # the full set (CI)
+    python -m portattn.backends.triton.portability --quick    # one hard case per kernel and target
+    python -m portattn.backends.triton.portability --jobs 2 --json report.json
+
+Each case is ``triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget(...))``
+with the launch options of :mod:`.configs`. A case fails on any compile error or when its shared
+memory (LDS on AMD) exceeds the target's per-block limit; the exit status is 1 if any case
+failed. The table lists kernel, configuration, target, shared memory and, where the target
+reports them, registers and spills (cuobjdump's resource usage for cubin, the AMDGPU metadata
+for hsaco).
+
+The case list (:func:`cases`) is built from :mod:`.configs`: for every target, dtype and padded
+head dimension the backend can pick, each kernel with its config; the feature constexprs that
+change code (varlen, softcap, ALiBi, additive bias and its gradient, bool mask, top-left,
+non-power-of-two head dims, Dv ≠ D, IEEE vs TF32 float32) are covered by variants on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .configs import ELEM_SIZES, PADDED_DIMS, PORTABILITY_TARGETS, KernelConfig, Target, backward_configs, \
+    forward_config
+
+_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class Features:
+    """The feature constexprs of one case (defaults: plain dense attention)."""
+
+    varlen: bool = False
+    bottom_right: bool = True
+    softcap: bool = False
+    alibi: bool = False
+    bias_mode: int = 0        # 0 none, 1 additive, 2 bool
+    bias_grad: bool = False
+    ieee: bool = True         # float32 only: IEEE products (False = TF32 where the target has it)
+    head_d: int | None = None  # None = the padded dim itself; else a non-power-of-two dim
+    head_dv: int | None = None
+
+    def label(self) -> str:
+        names = [n for n, on in (("varlen", self.varlen), ("top_left", not self.bottom_right),
+                                 ("softcap", self.softcap), ("alibi", self.alibi),
+                                 ("bias", self.bias_mode == 1), ("bool", self.bias_mode == 2),
+                                 ("dbias", self.bias_grad)) if on]
+        if self.head_d is not None:
+            names.append(f"D{self.head_d}/Dv{self.head_dv}")
+        return "+".join(names) or "plain"
+
+
+PLAIN = Features()
+
+
+@dataclass(frozen=True)
+class Case:
+    kernel: str            # attn_fwd | attn_bwd_preprocess | attn_bwd_dkdv | attn_bwd_dq
+    target: Target
+    smem_limit: int
+    dtype: torch.dtype
+    block_d: int
+    config: KernelConfig
+    features: Features = field(default=PLAIN)
+
+    def describe(self) -> str:
+        dt = _TRITON_DTYPE[self.dtype]
+        prec = "" if self.dtype != torch.float32 else ("/ieee" if self.features.ieee else "/tf32")
+        return f"{dt}{prec} D{self.block_d} {self.config.short()} [{self.features.label()}]"
+
+
+# ----- the case list ------------------------------------------------------------------------
+
+def _configs_for(kernel: str, target: Target, block_d: int, dtype: torch.dtype) -> KernelConfig:
+    es = ELEM_SIZES[dtype]
+    if kernel == "attn_fwd":
+        return forward_config(target, block_d, es)
+    bwd = backward_configs(target, block_d, es)
+    return {"attn_bwd_preprocess": bwd.preprocess, "attn_bwd_dkdv": bwd.dkdv, "attn_bwd_dq": bwd.dq}[kernel]
+
+
+MAIN_KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
+ALL_FEATURES_ON = Features(varlen=True, bottom_right=False, softcap=True, alibi=True, bias_mode=1, bias_grad=True,
+                           ieee=False)
+
+
+def _odd_dims(block_d: int) -> tuple[int, int]:
+    """A non-power-of-two head dim padded to ``block_d`` and a different Dv with the same padding."""
+    return (block_d * 3 // 4, block_d * 5 // 8) if block_d >= 32 else (12, 10)
+
+
+def cases(quick: bool = False) -> list[Case]:
+    """Every configuration the backend can choose (``quick``: the hardest one per kernel/target)."""
+    out: list[Case] = []
+    for target, limit in PORTABILITY_TARGETS:
+        if quick:
+            for kernel in MAIN_KERNELS:
+                f = ALL_FEATURES_ON
+                d, dv = _odd_dims(128)
+                out.append(Case(kernel, target, limit, torch.bfloat16, 128, _configs_for(kernel, target, 128, torch.bfloat16),
+                                Features(**{**f.__dict__, "head_d": d, "head_dv": dv})))
+            out.append(Case("attn_fwd", target, limit, torch.float32, 256,
+                            _configs_for("attn_fwd", target, 256, torch.float32)))
+            continue
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for block_d in PADDED_DIMS:
+                out.append(Case("attn_bwd_preprocess", target, limit, dtype, block_d,
+                                _configs_for("attn_bwd_preprocess", target, block_d, dtype)))
+                for kernel in MAIN_KERNELS:
+                    cfg = _configs_for(kernel, target, block_d, dtype)
+                    if dtype != torch.float16:   # fp16 shares bf16's tables: its plain case is in the variants
+                        out.append(Case(kernel, target, limit, dtype, block_d, cfg))
+                    if dtype == torch.float16 and block_d in (64, 128, 256):
+                        d, dv = _odd_dims(block_d)
+                        feats = Features(**{**ALL_FEATURES_ON.__dict__, "head_d": d, "head_dv": dv})
+                        out.append(Case(kernel, target, limit, dtype, block_d, cfg, feats))
+                    if dtype == torch.float16 and block_d == 128:
+                        out.append(Case(kernel, target, limit, dtype, block_d, cfg, Features(bias_mode=2)))
+                    if dtype == torch.float32 and block_d == 128:
+                        out.append(Case(kernel, target, limit, dtype, block_d, cfg, Features(ieee=False)))
+    return out
+
+
+# ----- building one compile -----------------------------------------------------------------
+
+_FLOAT_ARGS = {"qk_scale2", "softcap_scale", "softcap2", "sm_scale"}
+_FP32_PTRS = {"LSE", "DELTA", "SLOPES"}
+_I32_PTRS = {"CU_Q", "CU_K"}
+
+
+def _signature(fn, case: Case):
+    """(signature, constexprs, attrs) for ``triton.compile`` of ``case``."""
+    from . import kernels
+    f = case.features
+    dt = _TRITON_DTYPE[case.dtype]
+    cfg = case.config
+    head_d = f.head_d or case.block_d
+    head_dv = f.head_dv or case.block_d
+    values = dict(
+        HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=case.block_d, BLOCK_DV=case.block_d,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=f.varlen, BOTTOM_RIGHT=f.bottom_right,
+        SOFTCAP=f.softcap, ALIBI=f.alibi, BIAS_MODE=f.bias_mode, BIAS_GRAD=f.bias_grad,
+        IEEE=case.dtype == torch.float32 and f.ieee,
+    )
+    bias_ty = "*u8" if f.bias_mode == kernels.BIAS_BOOL else f"*{dt}"
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in values:
+            signature[name] = "constexpr"
+            constexprs[name] = values[name]
+        elif name.isupper():   # pointers
+            if name in _FP32_PTRS:
+                signature[name] = "*fp32"
+            elif name in _I32_PTRS:
+                signature[name] = "*i32"
+            elif name in ("BIAS", "DBIAS"):
+                signature[name] = bias_ty
+            else:
+                signature[name] = f"*{dt}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in _FLOAT_ARGS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride_") and name[-1] in "bsh" and not name.startswith(("stride_b", "stride_l")):
+                attrs[(i,)] = [["tt.divisibility", 16]]   # row strides of q/k/v/o/grads (H·D)
+    return signature, constexprs, attrs
+
+
+def _gpu_target(target: Target):
+    from triton.backends.compiler import GPUTarget
+    if target.vendor == "nvidia":
+        return GPUTarget("cuda", int(target.arch), 32)
+    return GPUTarget("hip", str(target.arch), 64)
+
+
+def _ast_source(fn, signature, constexprs, attrs):
+    """ASTSource across triton versions: constexprs in the signature (3.3+) or left out (older)."""
+    from triton.compiler import ASTSource
+    try:
+        return ASTSource(fn, signature, constexprs, attrs)
+    except (TypeError, KeyError, AssertionError):
+        plain = {k: v for k, v in signature.items() if v != "constexpr"}
+        return ASTSource(fn, plain, constexprs, attrs)
+
+
+def _nvidia_resources(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers, local-memory bytes per thread = spills/stack) from cuobjdump, if available."""
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = tool if os.path.exists(tool) else shutil.which("cuobjdump")
+    if not tool:
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        try:
+            text = subprocess.run([tool, "-res-usage", fh.name], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None, None
+    regs = re.search(r"REG:(\d+)", text)
+    local = re.search(r"LOCAL:(\d+)", text)
+    return (int(regs.group(1)) if regs else None, int(local.group(1)) if local else None)
+
+
+def _amd_resources(amdgcn: str) -> tuple[int | None, int | None]:
+    """(VGPRs, spilled VGPRs) from the AMDGPU assembly's metadata comments."""
+    vgpr = re.search(r";\s*NumVgprs:\s*(\d+)", amdgcn)
+    spills = [int(x) for x in re.findall(r"\.vgpr_spill_count:\s*(\d+)", amdgcn)]
+    return (int(vgpr.group(1)) if vgpr else None, sum(spills) if spills else None)
+
+
+def compile_case(case: Case) -> dict:
+    """Compile one case; returns a row of the report (``ok`` False on error or over the limit)."""
+    import triton
+    from . import kernels
+    fn = getattr(kernels, case.kernel)
+    row = dict(kernel=case.kernel, config=case.describe(), target=str(case.target), limit=case.smem_limit,
+               shared=None, regs=None, spills=None, ok=False, error="", seconds=0.0)
+    start = time.perf_counter()
+    try:
+        sig, consts, attrs = _signature(fn, case)
+        compiled = triton.compile(_ast_source(fn, sig, consts, attrs), target=_gpu_target(case.target),
+                                  options=case.config.launch_options())
+        shared = int(compiled.metadata.shared)
+        row["shared"] = shared
+        if case.target.vendor == "nvidia":
+            row["regs"], row["spills"] = _nvidia_resources(compiled.asm["cubin"])
+        else:
+            row["regs"], row["spills"] = _amd_resources(compiled.asm.get("amdgcn", ""))
+        if shared > case.smem_limit:
+            row["error"] = f"shared memory {shared} B > limit {case.smem_limit} B"
+        else:
+            row["ok"] = True
+    except Exception as exc:  # any compile error is a failed case, reported with its message
+        msg = f"{type(exc).__name__}: {exc}".strip().splitlines()
+        row["error"] = " | ".join(line for line in msg if line.strip())[-400:]
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    return row
+
+
+# ----- driver -------------------------------------------------------------------------------
+
+def _fmt(row: dict) -> str:
+    shared = "-" if row["shared"] is None else f"{row['shared']}"
+    regs = "-" if row["regs"] is None else str(row["regs"])
+    spills = "-" if row["spills"] is None else str(row["spills"])
+    status = "ok" if row["ok"] else "FAIL " + row["error"]
+    return (f"{row['kernel']:<20} {row['target']:<7} {row['config']:<64} {shared:>7}/{row['limit']:<6} "
+            f"{regs:>4} {spills:>6}  {row['seconds']:>5.1f}s {status}")
+
+
+def run(quick: bool = False, jobs: int = 2, out=sys.stdout, only: str | None = None) -> list[dict]:
+    """Compile every case (in ``jobs`` processes), print progress and the table; return the rows."""
+    todo = cases(quick)
+    if only:
+        todo = [c for c in todo if only in c.kernel or only in str(c.target) or only in c.describe()]
+    print(f"portability: {len(todo)} compiles, {jobs} job(s)", file=out, flush=True)
+    print(f"{'kernel':<20} {'target':<7} {'config':<64} {'shared/limit':>14} {'regs':>4} {'spills':>6}", file=out)
+    rows: list[dict] = []
+    if jobs <= 1:
+        for i, case in enumerate(todo, 1):
+            row = compile_case(case)
+            rows.append(row)
+            print(f"[{i}/{len(todo)}] {_fmt(row)}", file=out, flush=True)
+    else:
+        with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = [pool.submit(compile_case, c) for c in todo]
+            for i, fut in enumerate(cf.as_completed(futures), 1):
+                row = fut.result()
+                rows.append(row)
+                print(f"[{i}/{len(todo)}] {_fmt(row)}", file=out, flush=True)
+    failed = [r for r in rows if not r["ok"]]
+    print(f"portability: {len(rows) - len(failed)}/{len(rows)} ok", file=out)
+    for r in failed:
+        print(f"FAILED: {_fmt(r)}", file=out)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m portattn.backends.triton.portability", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one hard case per kernel and target")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel compiles (default 2)")
+    parser.add_argument("--only", default=None, help="keep cases whose kernel/target/config contains this text")
+    parser.add_argument("--json", default=None, help="write the rows to this file")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("portability: unset TRITON_INTERPRET (the interpreter cannot compile for GPU targets)", file=sys.stderr)
+        return 2
+    rows = run(quick=args.quick, jobs=args.jobs, only=args.only)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0 if rows and all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
