@@ -16,8 +16,6 @@ The translations are called by the exporter with onnxscript's tracing evaluator 
 
 from __future__ import annotations
 
-import math
-
 from .schema import ALIGNMENT_CODES, DOMAIN, OP_NAME, VERSION, op_schema, register_schema
 
 TARGETS = ("portattn", "standard")
@@ -47,7 +45,13 @@ def _is_bool(value) -> bool:
     return getattr(value, "dtype", None) == ir.DataType.BOOL
 
 
-def _reject_common(cu_seqlens_q, window_left, window_right, causal) -> None:
+def _is_double(value) -> bool:
+    import onnx_ir as ir
+
+    return getattr(value, "dtype", None) == ir.DataType.DOUBLE
+
+
+def _reject_varlen(cu_seqlens_q) -> None:
     if cu_seqlens_q is not None:
         raise UnsupportedFeatureError(
             "varlen (cu_seqlens_q/cu_seqlens_k) cannot be exported to ONNX: pad the batch to dense "
@@ -65,11 +69,13 @@ def make_portattn_translation(block_size: int = 256):
         import numpy as np
         from onnxscript import opset18 as op
 
-        _reject_common(cu_seqlens_q, window_left, window_right, causal)
+        _reject_varlen(cu_seqlens_q)
         bias = mask = None
         if attn_bias is not None:
             if _is_bool(attn_bias):
                 mask = attn_bias
+            elif _is_double(attn_bias):
+                bias = op.Cast(attn_bias, to=1)        # the op takes float/float16/bfloat16 bias
             else:
                 bias = attn_bias
         if bias is None:
@@ -109,7 +115,7 @@ def make_standard_translation():
         import numpy as np
         from onnxscript import opset23 as op
 
-        _reject_common(cu_seqlens_q, window_left, window_right, causal)
+        _reject_varlen(cu_seqlens_q)
         if alibi_slopes is not None:
             raise UnsupportedFeatureError(
                 "alibi cannot be exported with target='standard': ONNX Attention has no ALiBi input and "
@@ -189,6 +195,3 @@ def make_standard_translation():
 
     return standard_attention
 
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

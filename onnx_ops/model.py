@@ -79,11 +79,13 @@ def attribute_values(*, scale: float, causal: bool = False, alignment: str = "bo
 
 
 def one_node_model(*, dtype: str, bias_dtype: str, attributes: dict, opset: int = DEFAULT_OPSET,
-                   with_lse: bool = True):
+                   with_lse: bool = True, packed_heads: bool = False):
     """A model holding a single ``FlashAttention`` node with dynamic shapes.
 
     ``dtype``/``bias_dtype`` are ONNX element type names (``"float"``, ``"float16"``,
     ``"bfloat16"``); inputs are named Q, K, V, bias, mask, alibi_slopes, outputs Y (and LSE).
+    ``packed_heads=True`` declares Q, K, V as 3-D ``(B, S, H·D)`` (then the attributes
+    ``q_num_heads`` and ``kv_num_heads`` must be given).
     """
     import onnx
     from onnx import TensorProto, helper
@@ -97,10 +99,13 @@ def one_node_model(*, dtype: str, bias_dtype: str, attributes: dict, opset: int 
         if name not in elem:
             raise ValueError(f"{label}={name!r}: the op supports {sorted(elem)}")
     t, tb = elem[dtype], elem[bias_dtype]
+    if packed_heads and not (attributes.get("q_num_heads", 0) > 0 and attributes.get("kv_num_heads", 0) > 0):
+        raise ValueError("packed_heads=True needs the attributes q_num_heads and kv_num_heads (> 0)")
+    heads = (lambda h, d: [h + "·" + d]) if packed_heads else (lambda h, d: [h, d])
     inputs = [
-        helper.make_tensor_value_info("Q", t, ["B", "Sq", "Hq", "D"]),
-        helper.make_tensor_value_info("K", t, ["B", "Sk", "Hkv", "D"]),
-        helper.make_tensor_value_info("V", t, ["B", "Sk", "Hkv", "Dv"]),
+        helper.make_tensor_value_info("Q", t, ["B", "Sq", *heads("Hq", "D")]),
+        helper.make_tensor_value_info("K", t, ["B", "Sk", *heads("Hkv", "D")]),
+        helper.make_tensor_value_info("V", t, ["B", "Sk", *heads("Hkv", "Dv")]),
         helper.make_tensor_value_info("bias", tb, ["bB", "bH", "bSq", "bSk"]),
         helper.make_tensor_value_info("mask", TensorProto.BOOL, ["mB", "mH", "mSq", "mSk"]),
         helper.make_tensor_value_info("alibi_slopes", TensorProto.FLOAT, ["aB", "aH"]),

@@ -161,7 +161,7 @@ def test_unequal_lengths_and_features(target, kw, tmp_path):
 def test_portattn_target_every_feature(tmp_path):
     g = torch.Generator().manual_seed(4)
     q, k, v = torch.randn(2, 6, 4, 8, generator=g), torch.randn(2, 9, 1, 8, generator=g), torch.randn(2, 9, 1, 4, generator=g)
-    slopes, bias = torch.rand(4, generator=g), torch.randn(2, 4, 6, 9, generator=g)
+    slopes, bias = torch.rand(4, generator=g), torch.randn(2, 4, 6, 9, generator=g, dtype=torch.float64)  # cast in-graph
 
     class Everything(torch.nn.Module):
         def forward(self, q, k, v, slopes, bias):

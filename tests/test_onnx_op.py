@@ -177,3 +177,25 @@ def test_backend_imports_without_onnx():
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("opset", [18, 23])
+def test_packed_heads_and_opsets(opset):
+    """3-D (B, S, H·D) inputs with q_num_heads/kv_num_heads, in models of opset 18 and 23."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from portattn.onnx_ops.model import attribute_values, one_node_model
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(2, 5, 4, 8, generator=g), torch.randn(2, 7, 2, 8, generator=g), torch.randn(2, 7, 2, 6, generator=g)
+    spec = build_spec(q, k, v, causal=True)
+    attributes = {**attribute_values(scale=spec.scale, causal=True, block_size=3), "q_num_heads": 4, "kv_num_heads": 2}
+    model = one_node_model(dtype="float", bias_dtype="float", attributes=attributes, opset=opset, packed_heads=True)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    y, lse = session.run(None, dict(Q=q.reshape(2, 5, 32).numpy(), K=k.reshape(2, 7, 16).numpy(),
+                                    V=v.reshape(2, 7, 12).numpy(), bias=np.zeros((1, 1, 1, 1), np.float32),
+                                    mask=np.ones((1, 1, 1, 1), np.bool_), alibi_slopes=np.zeros((1, 1), np.float32)))
+    ref, ref_lse = reference_forward(spec)
+    assert compare("out", torch.from_numpy(y), ref, naive_forward(spec)[0]).passed
+    assert compare_lse(torch.from_numpy(lse), ref_lse).passed
