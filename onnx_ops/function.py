@@ -32,7 +32,7 @@ from onnxscript import opset18 as op
 from onnxscript import script
 from onnxscript.values import Opset
 
-from .schema import DOMAIN, OP_NAME, VERSION
+from .schema import DOMAIN, VERSION
 
 portattn_opset = Opset(DOMAIN, VERSION)
 
