@@ -44,16 +44,17 @@ BIAS_BOOL = 2
 # ----- small helpers ------------------------------------------------------------------------
 
 @triton.jit
-def _mm(a, b, IEEE: tl.constexpr):
-    """a @ b accumulated in float32; ``IEEE`` forces true float32 products for float32 inputs."""
+def _mm(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b in float32 (acc None: a fresh accumulator); ``IEEE`` forces true float32
+    products for float32 inputs (otherwise the target's default: TF32 on NVIDIA)."""
     if _INTERPRETER_BF16_DOT_FIX:
         if a.dtype == tl.bfloat16:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
     if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision="ieee")
     else:
-        return tl.dot(a, b)
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -197,7 +198,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs
     cols = start_n + offs_n
     # S = Q Kᵀ for this tile
     k = _load_tile(k_ptrs + start_n * stride_ks, cols, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
-    qk = _mm(q, tl.trans(k), IEEE)
+    qk = _mm(q, tl.trans(k), None, IEEE)
     s, _ = _logits(qk, offs_m, cols, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                    qk_scale2, softcap_scale, softcap2, window_left, window_right,
                    MASKED, SOFTCAP, ALIBI, BIAS_MODE)
@@ -209,7 +210,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs
     # rescale the running sum and accumulator, then add P V
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_tile(v_ptrs + start_n * stride_vs, cols, sk, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
-    acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, IEEE)
+    acc = _mm(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
     return acc, l_i, m_new
 
 
@@ -353,20 +354,20 @@ def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, LSE, DELTA, row_base, bias_ptrs, s
     do = _load_tile(do_ptrs + start_m * stride_dos, offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
     lse2, delta = _load_row_stats(LSE, DELTA, row_base, offs_m, sq)
     # recompute P = exp(S - lse) for this tile
-    qk = _mm(q, tl.trans(k), IEEE)
+    qk = _mm(q, tl.trans(k), None, IEEE)
     s, t = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                    qk_scale2, softcap_scale, softcap2, window_left, window_right,
                    MASKED, SOFTCAP, ALIBI, BIAS_MODE)
     p = tl.exp2(s - lse2[:, None])
     # dV += Pᵀ dO
-    dv += _mm(tl.trans(p.to(do.dtype)), do, IEEE)
+    dv = _mm(tl.trans(p.to(do.dtype)), do, dv, IEEE)
     # dS = P ∘ (dO Vᵀ - delta), through the softcap's derivative
-    dp = _mm(do, tl.trans(v), IEEE)
+    dp = _mm(do, tl.trans(v), None, IEEE)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
     # dK += dSᵀ Q
-    dk += _mm(tl.trans(ds.to(q.dtype)), q, IEEE)
+    dk = _mm(tl.trans(ds.to(q.dtype)), q, dk, IEEE)
     return dk, dv
 
 
@@ -466,13 +467,13 @@ def _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, star
     k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
     v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
     # recompute P
-    qk = _mm(q, tl.trans(k), IEEE)
+    qk = _mm(q, tl.trans(k), None, IEEE)
     s, t = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                    qk_scale2, softcap_scale, softcap2, window_left, window_right,
                    MASKED, SOFTCAP, ALIBI, BIAS_MODE)
     p = tl.exp2(s - lse2[:, None])
     # dS = P ∘ (dO Vᵀ - delta): the gradient of the (natural-log) score, i.e. dBias
-    dp = _mm(do, tl.trans(v), IEEE)
+    dp = _mm(do, tl.trans(v), None, IEEE)
     ds = p * (dp - delta[:, None])
     if BIAS_GRAD:
         db_ptrs = dbias_ptrs + offs_m[:, None] * stride_dbm + offs_n[None, :] * stride_dbn
@@ -480,7 +481,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, star
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
     # dQ += dS K
-    dq += _mm(ds.to(k.dtype), k, IEEE)
+    dq = _mm(ds.to(k.dtype), k, dq, IEEE)
     return dq
 
 
