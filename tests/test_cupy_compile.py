@@ -97,10 +97,13 @@ def test_all_configs_cover_every_choice_and_fit_shared_memory():
 
 def test_mma_tiles_match_kernel_constraints():
     for hd in configs.HEAD_DIM_BUCKETS:
-        warps, bn = configs.mma_tile(hd)
-        assert hd % 16 == 0 and bn % 16 == 0 and warps * 32 <= 1024
-        name = configs.KernelConfig("fwd_mma", "float16", hd).kernel_names()["plain"]
-        assert name == f"attn_fwd_mma<pa_half, {hd}, {warps}, {bn}, false>"
+        for extras in (False, True):
+            warps, bn, mt = configs.mma_tile(hd, extras)
+            assert hd % 16 == 0 and bn % 16 == 0 and warps * 32 <= 1024 and mt in (1, 2)
+            cfg = configs.KernelConfig("fwd_mma", "float16", hd)
+            role = "extras" if extras else "plain"
+            assert cfg.kernel_names()[role] == f"attn_fwd_mma<pa_half, {hd}, {warps}, {bn}, {mt}, {str(extras).lower()}>"
+            assert cfg.block_rows(role) == 16 * mt * warps and cfg.threads(role) == 32 * warps
 
 
 def test_cache_keys_distinguish_configs_and_devices():
@@ -144,7 +147,7 @@ def test_forward_plan_matches_signature(dtype, kw):
     assert launch.cfg.family == ("fwd_mma" if dtype != torch.float32 else "fwd_fma")
     assert len(launch.args) == _param_count(kernel)
     assert launch.role == ("extras" if "softcap" in kw and dtype != torch.float32 else "plain")
-    assert launch.grid == (-(-37 // launch.cfg.block_rows("plain")), 4, 2)
+    assert launch.grid == (-(-37 // launch.cfg.block_rows(launch.role)), 4, 2)
     out, lse = plan.outputs
     assert out.shape == spec.out_shape and lse.shape == spec.lse_shape and lse.dtype == torch.float32
     if dtype != torch.float32:   # D=40, Dv=24 are padded to multiples of 8 for cp.async

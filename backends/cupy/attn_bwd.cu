@@ -2,6 +2,7 @@
 //
 // With P = exp(s - lse) recomputed from q, k and the forward's lse:
 //   delta_i = sum_d dO_id O_id                      (attn_bwd_preprocess)
+// (natural-log units throughout: P = expf(s - lse), as the float32 forward computes it)
 //   dV_j    = sum_i P_ij dO_i                        (attn_bwd_dkdv)
 //   dS_ij   = P_ij (dO_i . v_j - delta_i)            natural-log logit gradient
 //   dot_ij  = dS_ij * scale * (1 - tanh^2)           softcap chain rule (1 without softcap)
@@ -11,14 +12,15 @@
 // of its GQA group and every query tile that can see its keys; dQ: one CTA per (16 rows, head,
 // batch) walks the visible key tiles. Arithmetic is IEEE float32 for every input dtype.
 
+// One thread per row, summing d = 0, 1, ... with fmaf: the same order as the dP = dO . v dots of
+// the kernels below, so that dP - delta is exactly 0 where it should be (e.g. one visible key).
 template <typename T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(128)
 attn_bwd_preprocess(const T* __restrict__ o, long long o_sb, long long o_ss, long long o_sh,
                     const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
                     float* __restrict__ delta, long long lse_sb, long long lse_sh,
                     const int* __restrict__ cu_q, int seqlen_q, int head_dim_v) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int b = blockIdx.z, h = blockIdx.y, i = blockIdx.x * 8 + warp;
+    const int b = blockIdx.z, h = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
     long long q0 = 0;
     int sq = seqlen_q;
     if (cu_q != nullptr) {
@@ -29,9 +31,8 @@ attn_bwd_preprocess(const T* __restrict__ o, long long o_sb, long long o_ss, lon
     const T* orow = o + b * o_sb + (q0 + i) * o_ss + h * o_sh;
     const T* drow = dout + b * do_sb + (q0 + i) * do_ss + h * do_sh;
     float acc = 0.f;
-    for (int d = lane; d < head_dim_v; d += 32) acc += Elem<T>::to_float(orow[d]) * Elem<T>::to_float(drow[d]);
-    for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) delta[b * lse_sb + h * lse_sh + q0 + i] = acc;
+    for (int d = 0; d < head_dim_v; ++d) acc = fmaf(Elem<T>::to_float(drow[d]), Elem<T>::to_float(orow[d]), acc);
+    delta[b * lse_sb + h * lse_sh + q0 + i] = acc;
 }
 
 // Copy rows [r0, r0 + ROWS) of a (tokens, head_dim) slice into shared float32, zero outside.
@@ -51,8 +52,8 @@ __device__ __forceinline__ void grad_entry(float dot, float dpv, float lse_i, fl
     float p = 0.f, ddot = 0.f;
     if (is_visible(s, i, j, left, right) && lse_i != PA_NEG_INF) {
         float th = 0.f;
-        const float x = score_log2(dot, mods, s, i, j, &th);
-        p = exp2f(x - lse_i * PA_LOG2E);
+        const float x = score_nat(dot, mods, s, i, j, &th);
+        p = expf(x - lse_i);
         ddot = p * (dpv - delta_i) * mods.scale;
         if (mods.softcap > 0.f) ddot *= 1.f - th * th;
     }
@@ -61,7 +62,7 @@ __device__ __forceinline__ void grad_entry(float dot, float dpv, float lse_i, fl
 }
 
 template <typename T, int HD>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 1)
 attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
               const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, long long dk_sb,
               long long dk_ss, long long dk_sh, T* __restrict__ dv, long long dv_sb, long long dv_ss,
@@ -151,7 +152,7 @@ attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lon
 }
 
 template <typename T, int HD>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 1)
 attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
             const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, long long dq_sb,
             long long dq_ss, long long dq_sh) {

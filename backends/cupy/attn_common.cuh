@@ -6,8 +6,10 @@
 // concatenates attn_common.cuh, attn_fwd.cu and attn_bwd.cu into one translation unit.
 //
 // Conventions used by every kernel:
-//  * scores are kept in base 2: s2 = log2(e) * score, so softmax uses exp2 and the scale is
-//    folded into one multiply (scale_log2 = scale * log2(e));
+//  * the tensor-core forward keeps scores in base 2: s2 = log2(e) * score, so softmax uses
+//    exp2 and the scale is folded into one multiply (scale_log2 = scale * log2(e)); the float32
+//    kernels stay in natural units (expf/logf), so that float32 results carry no extra
+//    rounding from the base change (DESIGN.md §3 compares them with plain float32 math);
 //  * a query row i of a sequence with Sq rows and Sk keys sees key j iff
 //      j < Sk  and  i' - left <= j <= i' + right,   i' = i + off_mask
 //    where off_mask = Sk - Sq (bottom-right alignment) or 0 (top-left); an unbounded side is
@@ -131,12 +133,11 @@ __device__ __forceinline__ bool is_visible(const SeqInfo& s, int i, int j, int l
 }
 
 // ----- optional score terms (softcap, ALiBi, bias) -----------------------------------------
-// Everything a kernel needs to turn q.k into the base-2 logit of one (b, h) pair.
+// Everything a kernel needs to turn q.k into the logit of one (b, h) pair.
 struct ScoreMods {
-    float scale_log2;     // scale * log2(e)
-    float scale;          // scale
+    float scale;          // softmax scale
     float softcap;        // c > 0, or 0 = off
-    float slope_log2;     // ALiBi slope * log2(e), or 0 = off
+    float slope;          // ALiBi slope, or 0 = off
     const void* bias;     // bias of this (b, h), or nullptr
     int bias_kind;
     long long bias_si, bias_sj;
@@ -148,9 +149,8 @@ __device__ __forceinline__ ScoreMods make_mods(float scale, float softcap, const
                                                long long bias_sj, int b, int h) {
     ScoreMods m;
     m.scale = scale;
-    m.scale_log2 = scale * PA_LOG2E;
     m.softcap = softcap;
-    m.slope_log2 = alibi != nullptr ? alibi[b * alibi_sb + h] * PA_LOG2E : 0.f;
+    m.slope = alibi != nullptr ? alibi[b * alibi_sb + h] : 0.f;
     m.bias_kind = bias != nullptr ? bias_kind : BIAS_NONE;
     m.bias = nullptr;
     if (m.bias_kind != BIAS_NONE) {
@@ -163,29 +163,30 @@ __device__ __forceinline__ ScoreMods make_mods(float scale, float softcap, const
     return m;
 }
 
-// Base-2 logit of query row i (in-sequence) and key j from the raw dot product q_i . k_j.
+// Natural-log logit of query row i (in-sequence) and key j from the raw dot product q_i . k_j,
+// in DESIGN.md §2's order: scale, softcap, ALiBi, bias (a False bool entry gives -inf).
 // `th` receives tanh(scale * dot / c) when softcap is on (the backward needs it).
 // Callers guarantee (i, j) is inside the sequence when bias is on.
-__device__ __forceinline__ float score_log2(float dot, const ScoreMods& m, const SeqInfo& s, int i,
-                                            int j, float* th) {
+__device__ __forceinline__ float score_nat(float dot, const ScoreMods& m, const SeqInfo& s, int i, int j,
+                                           float* th) {
     float x;
     if (m.softcap > 0.f) {
         float t = tanhf(dot * m.scale / m.softcap);
         *th = t;
-        x = m.softcap * PA_LOG2E * t;
+        x = m.softcap * t;
     } else {
-        x = dot * m.scale_log2;
+        x = dot * m.scale;
     }
-    if (m.slope_log2 != 0.f) {
+    if (m.slope != 0.f) {
         int dist = i + s.off_alibi - j;
-        x -= m.slope_log2 * (float)(dist < 0 ? -dist : dist);
+        x -= m.slope * (float)(dist < 0 ? -dist : dist);
     }
     if (m.bias_kind != BIAS_NONE) {
         long long off = (long long)i * m.bias_si + (long long)j * m.bias_sj;
         switch (m.bias_kind) {
-            case BIAS_F32: x += ((const float*)m.bias)[off] * PA_LOG2E; break;
-            case BIAS_F16: x += half_bits_to_float(((const pa_u16*)m.bias)[off]) * PA_LOG2E; break;
-            case BIAS_BF16: x += bf16_bits_to_float(((const pa_u16*)m.bias)[off]) * PA_LOG2E; break;
+            case BIAS_F32: x += ((const float*)m.bias)[off]; break;
+            case BIAS_F16: x += half_bits_to_float(((const pa_u16*)m.bias)[off]); break;
+            case BIAS_BF16: x += bf16_bits_to_float(((const pa_u16*)m.bias)[off]); break;
             default: if (((const unsigned char*)m.bias)[off] == 0) x = PA_NEG_INF; break;
         }
     }
@@ -207,15 +208,17 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-__device__ __forceinline__ void ldmatrix_x4(pa_u32* r, const void* p) {
+// ldmatrix on a 32-bit shared-memory address (kernels compute base addresses once and add
+// compile-time offsets, which keeps the address arithmetic out of the inner loops).
+__device__ __forceinline__ void ldmatrix_x4(pa_u32* r, pa_u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
+                 : "r"(addr));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(pa_u32* r, const void* p) {
+__device__ __forceinline__ void ldmatrix_x4_trans(pa_u32* r, pa_u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
+                 : "r"(addr));
 }
 
 // D(16x8, f32) += A(16x16) * B(16x8), A row-major, B column-major, fp16 or bf16 inputs.

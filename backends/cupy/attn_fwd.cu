@@ -1,15 +1,16 @@
 // portattn CuPy backend: forward kernels (FlashAttention-2 work partition).
 //
-// attn_fwd_mma<T, HD, NWARPS, BN, EXTRAS>  fp16/bf16 on tensor cores (mma.sync m16n8k16).
-//   One CTA per (Q tile of 16*NWARPS rows, query head, batch); warp w owns rows 16w..16w+15.
+// attn_fwd_mma<T, HD, NWARPS, BN, MT, EXTRAS>  fp16/bf16 on tensor cores (mma.sync m16n8k16).
+//   One CTA per (Q tile of 16*MT*NWARPS rows, query head, batch); warp w owns 16*MT rows
+//   (MT m16 tiles, so each K/V fragment read from shared memory feeds MT mma's).
 //   K/V tiles of BN keys go through shared memory with cp.async; Q, K and V fragments are
 //   read with ldmatrix; S = Q K^T and O += P V accumulate in float32 registers; P is
 //   re-packed from the S accumulators into A fragments without touching shared memory.
 //   HD is the head dim padded to a multiple of 32 (the tail of q/k/v is zero-filled).
 //   EXTRAS = softcap / ALiBi / bias are compiled in (masking is always available).
 //
-// attn_fwd_fma<T, HD>  the float32 path (IEEE float32 FMA, no TF32), any T: one CTA of 128
-//   threads per (16 rows, head, batch); 8 threads share a row.
+// attn_fwd_fma<T, HD>  the float32 path (IEEE float32 FMA, no TF32, natural-log softmax with
+//   expf/logf), any T: one CTA of 128 threads per (16 rows, head, batch); 8 threads share a row.
 
 // Global -> shared copy of a [ROWS x HD] tile of 16-byte chunks, zero-filling rows >= rows_valid
 // and columns >= cols_valid (a multiple of 8). Shared rows are padded to LDS elements.
@@ -25,15 +26,16 @@ __device__ __forceinline__ void load_tile_async(T* sm, const T* g, long long row
     }
 }
 
-template <typename T, int HD, int NWARPS, int BN, bool EXTRAS>
+template <typename T, int HD, int NWARPS, int BN, int MT, bool EXTRAS>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss, long long o_sh,
              float* __restrict__ lse) {
-    constexpr int BM = 16 * NWARPS;
+    constexpr int WM = 16 * MT;          // rows per warp (MT m16 tiles share each K/V fragment)
+    constexpr int BM = WM * NWARPS;
     constexpr int NT = NWARPS * 32;
     constexpr int LDS = HD + 8;          // padded row: ldmatrix rows fall in distinct banks
-    constexpr int NT_S = BN / 8;         // n-tiles of S per warp
-    constexpr int NT_O = HD / 8;         // n-tiles of O per warp
+    constexpr int NT_S = BN / 8;         // n-tiles of S per m-tile
+    constexpr int NT_O = HD / 8;         // n-tiles of O per m-tile
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + BM * LDS;
@@ -65,12 +67,22 @@ attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
         load_tile_async<T, BN, HD, LDS, NT>(sK, k_base + n_first * k_ss, k_ss, s.sk - n_first, head_dim, tid);
     cp_async_commit();
 
-    float acc[NT_O][4];                   // O accumulator: rows g, g+8 of this warp's 16
-    for (int i = 0; i < NT_O; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-    float m_i[2] = {PA_NEG_INF, PA_NEG_INF};   // running row max (base 2)
-    float l_i[2] = {0.f, 0.f};                 // running row sum (this thread's columns)
-    const int row_a = m0 + warp * 16 + g;      // the two rows this thread holds
-    const T* sQw = sQ + warp * 16 * LDS;
+    float acc[MT][NT_O][4];               // O accumulator: rows g, g+8 of each m-tile
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < NT_O; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
+    float m_i[MT][2], l_i[MT][2];         // running row max (base 2) and row sum (this thread's columns)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) m_i[mt][0] = m_i[mt][1] = PA_NEG_INF, l_i[mt][0] = l_i[mt][1] = 0.f;
+    const int row_w = m0 + warp * WM;     // first row of this warp
+    const T* sQw = sQ + warp * WM * LDS;
+    // ldmatrix addresses: per-lane byte offsets inside a 16x16 block (A: rows of Q; B: keys of
+    // K, keys of V transposed); the loops add compile-time block offsets.
+    constexpr int ES = sizeof(T);
+    const pa_u32 aQ = smem_addr(sQw) + ((lane % 16) * LDS + (lane / 16) * 8) * ES;
+    const pa_u32 aK = smem_addr(sK) + (((lane / 16) * 8 + lane % 8) * LDS + ((lane / 8) % 2) * 8) * ES;
+    const pa_u32 aV = smem_addr(sV) + ((((lane / 8) % 2) * 8 + lane % 8) * LDS + (lane / 16) * 8) * ES;
 
     for (int n0 = n_first; n0 < n_hi; n0 += BN) {
         // Stage 1: K tile landed (and every warp is done with the previous V); fetch V.
@@ -79,20 +91,27 @@ attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
         load_tile_async<T, BN, HD, LDS, NT>(sV, v_base + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
         cp_async_commit();
 
-        // Stage 2: S = Q K^T on tensor cores.
-        float sc[NT_S][4];
-        for (int i = 0; i < NT_S; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
+        // Stage 2: S = Q K^T on tensor cores; each K fragment feeds MT m-tiles.
+        float sc[MT][NT_S][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < NT_S; ++i) sc[mt][i][0] = sc[mt][i][1] = sc[mt][i][2] = sc[mt][i][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
-            pa_u32 a[4];
-            ldmatrix_x4(a, sQw + (lane % 16) * LDS + kk * 16 + (lane / 16) * 8);
+            pa_u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldmatrix_x4(a[mt], aQ + (mt * 16 * LDS + kk * 16) * ES);
 #pragma unroll
             for (int np = 0; np < BN / 16; ++np) {
                 pa_u32 bf[4];
-                const int mi = lane / 8, r = lane % 8;
-                ldmatrix_x4(bf, sK + (np * 16 + (mi / 2) * 8 + r) * LDS + kk * 16 + (mi % 2) * 8);
-                mma_16816<T>(sc[2 * np], a, bf[0], bf[1]);
-                mma_16816<T>(sc[2 * np + 1], a, bf[2], bf[3]);
+                ldmatrix_x4(bf, aK + (np * 16 * LDS + kk * 16) * ES);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(sc[mt][2 * np], a[mt], bf[0], bf[1]);
+                    mma_16816<T>(sc[mt][2 * np + 1], a[mt], bf[2], bf[3]);
+                }
             }
         }
 
@@ -101,45 +120,53 @@ attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
                                ((long long)n0 < (long long)(m0 + BM - 1) + s.off_mask - win_left) ||
                                ((long long)(n0 + BN - 1) > (long long)m0 + s.off_mask + win_right);
 #pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) {
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = row_a + (e / 2) * 8, j = n0 + nt * 8 + 2 * t4 + (e % 2);
-                float x;
-                if (EXTRAS) {
-                    float th;
-                    x = (i < s.sq && j < s.sk) ? score_log2(sc[nt][e], mods, s, i, j, &th) : PA_NEG_INF;
-                } else {
-                    x = sc[nt][e] * scale_log2;
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = row_w + mt * 16 + g + (e / 2) * 8, j = n0 + nt * 8 + 2 * t4 + (e % 2);
+                    float x;
+                    if (EXTRAS) {
+                        float th;
+                        x = (i < s.sq && j < s.sk) ? score_nat(sc[mt][nt][e], mods, s, i, j, &th) * PA_LOG2E
+                                                   : PA_NEG_INF;
+                    } else {
+                        x = sc[mt][nt][e] * scale_log2;
+                    }
+                    if (need_mask && !is_visible(s, i, j, win_left, win_right)) x = PA_NEG_INF;
+                    sc[mt][nt][e] = x;
                 }
-                if (need_mask && !is_visible(s, i, j, win_left, win_right)) x = PA_NEG_INF;
-                sc[nt][e] = x;
-            }
-        }
 
         // Stage 4: online softmax: new row max, rescale the running sum and accumulator.
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = m_i[r];
-            for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * r], sc[nt][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_use = mx == PA_NEG_INF ? 0.f : mx;
-            const float alpha = fast_exp2(m_i[r] - m_use);
-            m_i[r] = mx;
-            float rowsum = 0.f;
-            for (int nt = 0; nt < NT_S; ++nt) {
-                float p0 = fast_exp2(sc[nt][2 * r] - m_use), p1 = fast_exp2(sc[nt][2 * r + 1] - m_use);
-                sc[nt][2 * r] = p0;
-                sc[nt][2 * r + 1] = p1;
-                rowsum += p0 + p1;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = m_i[mt][r];
+#pragma unroll
+                for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(sc[mt][nt][2 * r], sc[mt][nt][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_use = mx == PA_NEG_INF ? 0.f : mx;
+                const float alpha = fast_exp2(m_i[mt][r] - m_use);
+                m_i[mt][r] = mx;
+                float rowsum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < NT_S; ++nt) {
+                    const float p0 = fast_exp2(sc[mt][nt][2 * r] - m_use);
+                    const float p1 = fast_exp2(sc[mt][nt][2 * r + 1] - m_use);
+                    sc[mt][nt][2 * r] = p0;
+                    sc[mt][nt][2 * r + 1] = p1;
+                    rowsum += p0 + p1;
+                }
+                l_i[mt][r] = l_i[mt][r] * alpha + rowsum;
+#pragma unroll
+                for (int dt = 0; dt < NT_O; ++dt) {
+                    acc[mt][dt][2 * r] *= alpha;
+                    acc[mt][dt][2 * r + 1] *= alpha;
+                }
             }
-            l_i[r] = l_i[r] * alpha + rowsum;
-            for (int dt = 0; dt < NT_O; ++dt) {
-                acc[dt][2 * r] *= alpha;
-                acc[dt][2 * r + 1] *= alpha;
-            }
-        }
 
         // Stage 5: V tile landed (and every warp is done with K); prefetch the next K tile.
         cp_async_wait_all();
@@ -152,53 +179,55 @@ attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
         // Stage 6: O += P V, P taken from the S accumulators as A fragments.
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            pa_u32 a[4];
-            a[0] = Elem<T>::pack2(sc[2 * kk][0], sc[2 * kk][1]);
-            a[1] = Elem<T>::pack2(sc[2 * kk][2], sc[2 * kk][3]);
-            a[2] = Elem<T>::pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            a[3] = Elem<T>::pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+            pa_u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt][0] = Elem<T>::pack2(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
+                a[mt][1] = Elem<T>::pack2(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
+                a[mt][2] = Elem<T>::pack2(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
+                a[mt][3] = Elem<T>::pack2(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int dp = 0; dp < HD / 16; ++dp) {
                 pa_u32 bf[4];
-                const int mi = lane / 8, r = lane % 8;
-                ldmatrix_x4_trans(bf, sV + (kk * 16 + (mi % 2) * 8 + r) * LDS + dp * 16 + (mi / 2) * 8);
-                mma_16816<T>(acc[2 * dp], a, bf[0], bf[1]);
-                mma_16816<T>(acc[2 * dp + 1], a, bf[2], bf[3]);
+                ldmatrix_x4_trans(bf, aV + (kk * 16 * LDS + dp * 16) * ES);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(acc[mt][2 * dp], a[mt], bf[0], bf[1]);
+                    mma_16816<T>(acc[mt][2 * dp + 1], a[mt], bf[2], bf[3]);
+                }
             }
         }
     }
 
     // Epilogue: O / l (0 for rows with no visible key), lse = (m + log2 l) ln 2.
     cp_async_wait_all();   // an empty key range leaves the Q copy pending
+    __syncwarp();
+    T* sO = const_cast<T*>(sQw);          // the warp's own Q rows stage its output rows
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_i[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        for (int dt = 0; dt < NT_O; ++dt) {
-            acc[dt][2 * r] *= inv;
-            acc[dt][2 * r + 1] *= inv;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float l = l_i[mt][r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const int rl = mt * 16 + g + r * 8, i = row_w + rl;
+            if (t4 == 0 && i < s.sq) {
+                const float v_lse = (l > 0.f) ? (m_i[mt][r] + fast_log2(l)) * PA_LN2 : PA_NEG_INF;
+                lse[b * lse_sb + h * lse_sh + s.q0 + i] = v_lse;
+            }
+#pragma unroll
+            for (int dt = 0; dt < NT_O; ++dt)
+                *reinterpret_cast<pa_u32*>(sO + rl * LDS + dt * 8 + 2 * t4) =
+                    Elem<T>::pack2(acc[mt][dt][2 * r] * inv, acc[mt][dt][2 * r + 1] * inv);
         }
-        const int i = row_a + r * 8;
-        if (t4 == 0 && i < s.sq) {
-            const float v_lse = (l > 0.f) ? (m_i[r] + fast_log2(l)) * PA_LN2 : PA_NEG_INF;
-            lse[b * lse_sb + h * lse_sh + s.q0 + i] = v_lse;
-        }
-    }
-    // Stage the warp's 16 output rows in its own rows of sQ, then store 16-byte chunks.
     __syncwarp();
-    T* sO = const_cast<T*>(sQw);
-    for (int dt = 0; dt < NT_O; ++dt) {
-        const int col = dt * 8 + 2 * t4;
-        *reinterpret_cast<pa_u32*>(sO + g * LDS + col) = Elem<T>::pack2(acc[dt][0], acc[dt][1]);
-        *reinterpret_cast<pa_u32*>(sO + (g + 8) * LDS + col) = Elem<T>::pack2(acc[dt][2], acc[dt][3]);
-    }
-    __syncwarp();
+    // Store the staged rows in 16-byte chunks.
     constexpr int CPR = HD / 8;
-    for (int c = lane; c < 16 * CPR; c += 32) {
+    for (int c = lane; c < WM * CPR; c += 32) {
         const int r = c / CPR, col = (c % CPR) * 8;
-        const int i = m0 + warp * 16 + r;
+        const int i = row_w + r;
         if (i < s.sq && col < head_dim_v) {
             T* dst = o + b * o_sb + (s.q0 + i) * o_ss + h * o_sh + col;
             *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(sO + r * LDS + col);
@@ -211,7 +240,7 @@ attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
 // key tile and output columns sub + 8c (sub = t % 8). Shared memory holds Q, a K tile, a V tile
 // and P, all in float32.
 template <typename T, int HD>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(128, 1)
 attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss, long long o_sh,
              float* __restrict__ lse) {
     constexpr int BM = 16, NT = 128;
@@ -259,7 +288,7 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
         }
         __syncthreads();
 
-        // Stage 2: this thread's scores s = q_i . k_j, turned into masked base-2 logits.
+        // Stage 2: this thread's scores s = q_i . k_j, turned into masked logits.
         float sc[KPT];
         #pragma unroll
         for (int c = 0; c < KPT; ++c) sc[c] = 0.f;
@@ -273,7 +302,7 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
         for (int c = 0; c < KPT; ++c) {
             const int j = n0 + sub + 8 * c;
             float th;
-            sc[c] = is_visible(s, i, j, win_left, win_right) ? score_log2(sc[c], mods, s, i, j, &th) : PA_NEG_INF;
+            sc[c] = is_visible(s, i, j, win_left, win_right) ? score_nat(sc[c], mods, s, i, j, &th) : PA_NEG_INF;
             mx = fmaxf(mx, sc[c]);
         }
 
@@ -282,12 +311,12 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
         const float m_use = mx == PA_NEG_INF ? 0.f : mx;
-        const float alpha = exp2f(m_i - m_use);
+        const float alpha = expf(m_i - m_use);
         m_i = mx;
         float rowsum = 0.f;
         #pragma unroll
         for (int c = 0; c < KPT; ++c) {
-            const float p = exp2f(sc[c] - m_use);
+            const float p = expf(sc[c] - m_use);
             sP[row * BN + sub + 8 * c] = p;
             rowsum += p;
         }
@@ -310,13 +339,13 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     l_i += __shfl_xor_sync(0xffffffffu, l_i, 2);
     l_i += __shfl_xor_sync(0xffffffffu, l_i, 4);
     if (i < s.sq) {
-        const float inv = l_i > 0.f ? 1.f / l_i : 0.f;
+        const float l_div = l_i > 0.f ? l_i : __int_as_float(0x7f800000);   // acc / inf = 0
         T* dst = o + b * o_sb + (s.q0 + i) * o_ss + h * o_sh;
         #pragma unroll
         for (int c = 0; c < CPT; ++c) {
             const int d = sub + 8 * c;
-            if (d < head_dim_v) dst[d] = Elem<T>::from_float(acc[c] * inv);
+            if (d < head_dim_v) dst[d] = Elem<T>::from_float(acc[c] / l_div);
         }
-        if (sub == 0) lse[b * lse_sb + h * lse_sh + s.q0 + i] = l_i > 0.f ? (m_i + log2f(l_i)) * PA_LN2 : PA_NEG_INF;
+        if (sub == 0) lse[b * lse_sb + h * lse_sh + s.q0 + i] = l_i > 0.f ? m_i + logf(l_i) : PA_NEG_INF;
     }
 }

@@ -31,7 +31,7 @@ NVRTC_OPTIONS = ("--std=c++17",)
 # Tile sizes of the backward and of the float32 forward (must match attn_bwd.cu / attn_fwd.cu).
 BWD_BLOCK_M, BWD_BLOCK_N, BWD_THREADS = 16, 32, 256
 FMA_BLOCK_M, FMA_THREADS = 16, 128
-PRE_ROWS, PRE_THREADS = 8, 256
+PRE_ROWS, PRE_THREADS = 128, 128
 
 
 def round_up(x: int, m: int) -> int:
@@ -47,13 +47,20 @@ def padded_head_dim(head_dim: int, head_dim_v: int) -> int | None:
     return None
 
 
-def mma_tile(hd: int) -> tuple[int, int]:
-    """(warps, BLOCK_N) of the tensor-core forward; BLOCK_M = 16 * warps.
+def mma_tile(hd: int, extras: bool = False) -> tuple[int, int, int]:
+    """(warps, BLOCK_N, MT) of the tensor-core forward; BLOCK_M = 16 * MT * warps.
 
-    128x64 tiles with 8 warps up to D = 128; 64x32 with 4 warps above, where the O
-    accumulator (HD / 2 floats per thread) leaves fewer registers for S.
+    Up to D = 128 the plain kernel runs 4 warps of 32 rows (MT = 2 m16 tiles per warp, so every
+    K/V fragment read from shared memory feeds two mma's). The EXTRAS kernel (softcap / ALiBi /
+    bias) needs more registers per score, so it keeps one m16 tile per warp. Above D = 128 the
+    O accumulator (HD / 2 floats per thread and m-tile) leaves room for one m-tile and 32 keys
+    (16 keys with extras at D = 256). Every choice compiles without spills (compile_check).
     """
-    return (8, 64) if hd <= 128 else (4, 32)
+    if hd <= 128:
+        return (8, 64, 1) if extras else (4, 64 if hd <= 64 else 32, 2)
+    if extras and hd > 224:
+        return (4, 16, 1)
+    return (4, 32, 1)
 
 
 def fma_block_n(hd: int) -> int:
@@ -72,11 +79,11 @@ class KernelConfig:
     family: str
     dtype: str
     head_dim: int
-    #: (warps, BLOCK_N) of the tensor-core forward; None = :func:`mma_tile` (benchmarks try others)
-    tile: tuple[int, int] | None = None
+    #: (warps, BLOCK_N, MT) of both tensor-core forwards; None = :func:`mma_tile` (benchmarks try others)
+    tile: tuple[int, int, int] | None = None
 
-    def mma_shape(self) -> tuple[int, int]:
-        return self.tile if self.tile is not None else mma_tile(self.head_dim)
+    def mma_shape(self, role: str = "plain") -> tuple[int, int, int]:
+        return self.tile if self.tile is not None else mma_tile(self.head_dim, extras=role == "extras")
 
     @property
     def ctype(self) -> str:
@@ -86,9 +93,9 @@ class KernelConfig:
         """Role -> NVRTC name expression of every kernel this config launches."""
         t, hd = self.ctype, self.head_dim
         if self.family == "fwd_mma":
-            warps, bn = self.mma_shape()
-            return {"plain": f"attn_fwd_mma<{t}, {hd}, {warps}, {bn}, false>",
-                    "extras": f"attn_fwd_mma<{t}, {hd}, {warps}, {bn}, true>"}
+            (w0, n0, m0), (w1, n1, m1) = self.mma_shape("plain"), self.mma_shape("extras")
+            return {"plain": f"attn_fwd_mma<{t}, {hd}, {w0}, {n0}, {m0}, false>",
+                    "extras": f"attn_fwd_mma<{t}, {hd}, {w1}, {n1}, {m1}, true>"}
         if self.family == "fwd_fma":
             return {"plain": f"attn_fwd_fma<{t}, {hd}>"}
         if self.family == "bwd":
@@ -103,7 +110,7 @@ class KernelConfig:
     # ----- launch geometry ---------------------------------------------------------------
     def threads(self, role: str) -> int:
         if self.family == "fwd_mma":
-            return 32 * self.mma_shape()[0]
+            return 32 * self.mma_shape(role)[0]
         if self.family == "fwd_fma":
             return FMA_THREADS
         return PRE_THREADS if role == "preprocess" else BWD_THREADS
@@ -111,7 +118,8 @@ class KernelConfig:
     def block_rows(self, role: str) -> int:
         """Rows (or keys, for dK/dV) one CTA covers along the grid's x axis."""
         if self.family == "fwd_mma":
-            return 16 * self.mma_shape()[0]
+            warps, _, mt = self.mma_shape(role)
+            return 16 * mt * warps
         if self.family == "fwd_fma":
             return FMA_BLOCK_M
         return {"preprocess": PRE_ROWS, "dkdv": BWD_BLOCK_N, "dq": BWD_BLOCK_M}[role]
@@ -120,8 +128,8 @@ class KernelConfig:
         """Dynamic shared memory of one CTA (mirrors the carve-up at the top of each kernel)."""
         hd = self.head_dim
         if self.family == "fwd_mma":
-            warps, bn = self.mma_shape()
-            return (16 * warps + 2 * bn) * (hd + 8) * CTYPES[self.dtype][1]
+            warps, bn, mt = self.mma_shape(role)
+            return (16 * mt * warps + 2 * bn) * (hd + 8) * CTYPES[self.dtype][1]
         if self.family == "fwd_fma":
             bn = fma_block_n(hd)
             return 4 * (FMA_BLOCK_M * hd + bn * (hd + 1) + bn * hd + FMA_BLOCK_M * bn)

@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 
 #: (warps, BLOCK_N) tile shapes tried at D = 128 by --bench, besides the default.
-VARIANT_TILES = ((8, 64), (4, 64), (4, 128), (8, 128), (8, 32))
+VARIANT_TILES = ((4, 64, 2), (4, 32, 2), (8, 32, 2), (4, 128, 1), (8, 128, 1), (8, 64, 1))
 
 
 def _compile_one(cfg_tuple):
@@ -48,7 +48,7 @@ def compile_all(workers: int = 16) -> int:
     from . import configs
 
     cfgs = [(c.family, c.dtype, c.head_dim) for c in configs.all_configs()]
-    cfgs += [("fwd_mma", "bfloat16", 128, t) for t in VARIANT_TILES if t != configs.mma_tile(128)]
+    cfgs += [("fwd_mma", "bfloat16", 128, t) for t in VARIANT_TILES]
     t0 = time.perf_counter()
     failures = 0
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
@@ -139,7 +139,7 @@ def bench(json_path: str | None = None) -> list[dict]:
         print(f"{r['seqlen']:>6} {r['batch']:>3} {str(r['causal']):>6} {r['cupy_tflops']:>10.1f} "
               f"{r['flash_tflops']:>10.1f} {r['ratio']:>6.2f} {r['max_abs_diff_vs_flash']:>8.1e}")
     for r in variant_rows:
-        print(f"tile warps={r['tile'][0]} BN={r['tile'][1]} causal={r['causal']}: {r['tflops']:.1f} TF/s "
+        print(f"tile warps={r['tile'][0]} BN={r['tile'][1]} MT={r['tile'][2]} causal={r['causal']}: {r['tflops']:.1f} TF/s "
               f"(diff vs default {r['diff']:.1e})")
     for r in bwd_rows:
         print(f"backward seqlen={r['seqlen']} causal={r['causal']}: {r['bwd_ms']:.2f} ms, {r['bwd_tflops']:.1f} TF/s")

@@ -200,9 +200,9 @@ def plan_forward(spec, cfg: configs.KernelConfig | None = None) -> Plan:
     out = torch.empty((*spec.q.shape[:-1], dv_alloc), dtype=spec.dtype, device=spec.device)
     args, keep = common_args(spec, q, k, v)
     args += [_ptr(out), *_strides3(out, spec.is_varlen), _ptr(lse)]
-    grid = (_cdiv(spec.seqlen_q, cfg.block_rows("plain")), spec.num_heads_q, spec.batch)
     extras = spec.softcap is not None or spec.alibi_slopes is not None or spec.attn_bias is not None
     role = "extras" if tensor_cores and extras else "plain"
+    grid = (_cdiv(spec.seqlen_q, cfg.block_rows(role)), spec.num_heads_q, spec.batch)
     if dv_alloc != spec.head_dim_v:
         out = out[..., : spec.head_dim_v]
     return Plan([Launch(cfg, role, grid, args)], (out, lse), keep)
