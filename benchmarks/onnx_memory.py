@@ -5,6 +5,8 @@ PyTorch with a dynamic sequence axis:
 
 * ``portattn``: ``portattn.attention`` exported with ``portattn.onnx.export(target="portattn")``
   — one ``portattn.FlashAttention`` node (tiled online softmax, ``block_size`` keys per tile);
+* ``standard``: the same call exported with ``target="standard"`` — one ONNX ``Attention`` node,
+  run by onnxruntime's own kernel (for comparison);
 * ``decomposed``: the plain formula ``softmax(q kᵀ · scale) v`` exported by
   ``torch.onnx.export(dynamo=True)`` — MatMul, Softmax, MatMul over the full ``S×S`` scores.
 
@@ -72,8 +74,10 @@ def export_models(directory: Path, heads: int, head_dim: int, block_size: int) -
     example = tuple(torch.randn(1, 64, heads, head_dim) for _ in range(3))
     seq = torch.export.Dim("seq", max=65536)
     dyn = {name: {1: seq} for name in ("q", "k", "v")}
-    paths = {"portattn": directory / "portattn.onnx", "decomposed": directory / "decomposed.onnx"}
+    paths = {"portattn": directory / "portattn.onnx", "standard": directory / "standard.onnx",
+             "decomposed": directory / "decomposed.onnx"}
     portattn.onnx.export(Fused(), example, paths["portattn"], dynamic_shapes=dyn, block_size=block_size)
+    portattn.onnx.export(Fused(), example, paths["standard"], target="standard", dynamic_shapes=dyn)
     program = torch.onnx.export(Decomposed(), example, dynamo=True, dynamic_shapes=dyn, opset_version=23)
     program.save(str(paths["decomposed"]))
     return paths
