@@ -3,6 +3,7 @@ for NVIDIA sm_80 / sm_90 and AMD gfx90a / gfx942, with no GPU.
 
     python -m portattn.backends.triton.portability            # the full set (CI)
     python -m portattn.backends.triton.portability --quick    # one hard case per kernel and target
+    python -m portattn.backends.triton.portability --smoke    # the forward kernel, once per target
     python -m portattn.backends.triton.portability --jobs 2 --json report.json
 
 Each case is ``triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget(...))``
@@ -103,35 +104,44 @@ def _odd_dims(block_d: int) -> tuple[int, int]:
     return (block_d * 3 // 4, block_d * 5 // 8) if block_d >= 32 else (12, 10)
 
 
-def cases(quick: bool = False) -> list[Case]:
-    """Every configuration the backend can choose (``quick``: the hardest one per kernel/target)."""
+def _with_odd_dims(features: Features, block_d: int) -> Features:
+    d, dv = _odd_dims(block_d)
+    return Features(**{**features.__dict__, "head_d": d, "head_dv": dv})
+
+
+def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
+    """Every configuration the backend can choose (``quick``: the hardest one per kernel and
+    target; ``smoke``: only the forward kernel with every feature, once per target).
+
+    Configs depend on (target, padded head dim, element size); for each target the full set
+    compiles every such config for the three main kernels: bf16 plain at D 16/32, fp16 with
+    every feature on (and non-power-of-two D ≠ Dv) at D 64/128/256, fp32 at D 64/256 (IEEE) and
+    128 (TF32), a bool mask with varlen at D 128; plus the delta preprocess kernel.
+    """
     out: list[Case] = []
     for target, limit in PORTABILITY_TARGETS:
+        def add(kernel, dtype, block_d, features=PLAIN):
+            out.append(Case(kernel, target, limit, dtype, block_d, _configs_for(kernel, target, block_d, dtype), features))
+
+        if smoke:
+            add("attn_fwd", torch.bfloat16, 128, _with_odd_dims(ALL_FEATURES_ON, 128))
+            continue
         if quick:
             for kernel in MAIN_KERNELS:
-                f = ALL_FEATURES_ON
-                d, dv = _odd_dims(128)
-                out.append(Case(kernel, target, limit, torch.bfloat16, 128, _configs_for(kernel, target, 128, torch.bfloat16),
-                                Features(**{**f.__dict__, "head_d": d, "head_dv": dv})))
-            out.append(Case("attn_fwd", target, limit, torch.float32, 256,
-                            _configs_for("attn_fwd", target, 256, torch.float32)))
+                add(kernel, torch.bfloat16, 128, _with_odd_dims(ALL_FEATURES_ON, 128))
+            add("attn_fwd", torch.float32, 256)
             continue
-        for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            for block_d in PADDED_DIMS:
-                out.append(Case("attn_bwd_preprocess", target, limit, dtype, block_d,
-                                _configs_for("attn_bwd_preprocess", target, block_d, dtype)))
-                for kernel in MAIN_KERNELS:
-                    cfg = _configs_for(kernel, target, block_d, dtype)
-                    if dtype != torch.float16:   # fp16 shares bf16's tables: its plain case is in the variants
-                        out.append(Case(kernel, target, limit, dtype, block_d, cfg))
-                    if dtype == torch.float16 and block_d in (64, 128, 256):
-                        d, dv = _odd_dims(block_d)
-                        feats = Features(**{**ALL_FEATURES_ON.__dict__, "head_d": d, "head_dv": dv})
-                        out.append(Case(kernel, target, limit, dtype, block_d, cfg, feats))
-                    if dtype == torch.float16 and block_d == 128:
-                        out.append(Case(kernel, target, limit, dtype, block_d, cfg, Features(bias_mode=2)))
-                    if dtype == torch.float32 and block_d == 128:
-                        out.append(Case(kernel, target, limit, dtype, block_d, cfg, Features(ieee=False)))
+        for kernel in MAIN_KERNELS:
+            for block_d in (16, 32):
+                add(kernel, torch.bfloat16, block_d)
+            for block_d in (64, 128, 256):
+                add(kernel, torch.float16, block_d, _with_odd_dims(ALL_FEATURES_ON, block_d))
+            add(kernel, torch.float32, 64)
+            add(kernel, torch.float32, 128, Features(ieee=False))
+            add(kernel, torch.float32, 256)
+            add(kernel, torch.bfloat16, 128, Features(varlen=True, bias_mode=2))
+        add("attn_bwd_preprocess", torch.bfloat16, 128)
+        add("attn_bwd_preprocess", torch.float32, 256)
     return out
 
 
@@ -264,9 +274,9 @@ def _fmt(row: dict) -> str:
             f"{regs:>4} {spills:>6}  {row['seconds']:>5.1f}s {status}")
 
 
-def run(quick: bool = False, jobs: int = 2, out=sys.stdout, only: str | None = None) -> list[dict]:
+def run(quick: bool = False, jobs: int = 2, out=sys.stdout, only: str | None = None, smoke: bool = False) -> list[dict]:
     """Compile every case (in ``jobs`` processes), print progress and the table; return the rows."""
-    todo = cases(quick)
+    todo = cases(quick, smoke)
     if only:
         todo = [c for c in todo if only in c.kernel or only in str(c.target) or only in c.describe()]
     print(f"portability: {len(todo)} compiles, {jobs} job(s)", file=out, flush=True)
@@ -294,6 +304,7 @@ def run(quick: bool = False, jobs: int = 2, out=sys.stdout, only: str | None = N
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m portattn.backends.triton.portability", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one hard case per kernel and target")
+    parser.add_argument("--smoke", action="store_true", help="the forward kernel with every feature, once per target")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel compiles (default 2)")
     parser.add_argument("--only", default=None, help="keep cases whose kernel/target/config contains this text")
     parser.add_argument("--json", default=None, help="write the rows to this file")
@@ -302,7 +313,7 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("portability: unset TRITON_INTERPRET (the interpreter cannot compile for GPU targets)", file=sys.stderr)
         return 2
-    rows = run(quick=args.quick, jobs=args.jobs, only=args.only)
+    rows = run(quick=args.quick, jobs=args.jobs, only=args.only, smoke=args.smoke)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

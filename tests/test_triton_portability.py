@@ -1,0 +1,77 @@
+"""The Triton portability check: every kernel config the backend can choose compiles for
+NVIDIA sm_80/sm_90 and AMD gfx90a/gfx942 without a GPU and fits the target's shared memory.
+
+By default only a smoke subset compiles (the forward kernel with every feature on, once per
+target); the full set (`python -m portattn.backends.triton.portability`, ~116 compiles) runs in
+CI through .ci/run and here under ``-m slow``. Compiles run in a subprocess because the test
+process has Triton's interpreter on (interpreted kernels cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from portattn.backends.triton import configs, portability  # noqa: E402
+
+
+def _run_cli(*args, timeout):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    return subprocess.run([sys.executable, "-m", "portattn.backends.triton.portability", *args],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_full_set_covers_every_config_the_backend_can_choose():
+    """Each (kernel, target, config) reachable from configs.py is compiled by the full set."""
+    compiled = {(c.kernel, str(c.target), c.config) for c in portability.cases()}
+    for target, _limit in configs.PORTABILITY_TARGETS:
+        for block_d in configs.PADDED_DIMS:
+            for elem in sorted(set(configs.ELEM_SIZES.values())):
+                fwd = configs.forward_config(target, block_d, elem)
+                bwd = configs.backward_configs(target, block_d, elem)
+                for kernel, cfg in (("attn_fwd", fwd), ("attn_bwd_dkdv", bwd.dkdv), ("attn_bwd_dq", bwd.dq)):
+                    assert (kernel, str(target), cfg) in compiled, (kernel, str(target), block_d, elem, cfg)
+    features = {c.features.label() for c in portability.cases()}
+    for name in ("varlen", "softcap", "alibi", "bias", "bool", "dbias", "top_left"):
+        assert any(name in f.split("+") for f in features), name
+
+
+def test_config_tables_stay_within_tl_dot_minimums():
+    for target, _ in configs.PORTABILITY_TARGETS + ((configs.Target("cpu"), 0),):
+        for block_d in configs.PADDED_DIMS:
+            for elem in (2, 4):
+                bwd = configs.backward_configs(target, block_d, elem)
+                for cfg in (configs.forward_config(target, block_d, elem), bwd.dkdv, bwd.dq):
+                    assert cfg.block_m >= 16 and cfg.block_n >= 16, (target, block_d, elem, cfg)
+
+
+def test_padded_dim():
+    assert [configs.padded_dim(d) for d in (1, 16, 24, 40, 72, 96, 128, 160, 256)] == \
+        [16, 16, 32, 64, 128, 128, 128, 256, 256]
+
+
+def test_smoke_compiles_for_all_four_targets(tmp_path):
+    report = tmp_path / "rows.json"
+    res = _run_cli("--smoke", "--jobs", "2", "--json", str(report), timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads(report.read_text())
+    assert {r["target"] for r in rows} == {"sm_80", "sm_90", "gfx90a", "gfx942"}
+    for r in rows:
+        assert r["ok"] and 0 < r["shared"] <= r["limit"], r
+
+
+@pytest.mark.slow
+def test_full_portability_set(request):
+    """~6 min on 2 cores: runs only when asked for (``-m slow``); CI runs the CLI instead."""
+    if "slow" not in (request.config.getoption("-m") or ""):
+        pytest.skip("full compile set: run with -m slow, or python -m portattn.backends.triton.portability")
+    res = _run_cli("--jobs", str(min(4, os.cpu_count() or 1)), timeout=1800)
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-3000:]
