@@ -27,7 +27,7 @@ from .spec import AttentionSpec
 #: ``reference``, unless registered with ``prefer=True``; PORTATTN_PRIORITY_<VENDOR> overrides.
 PRIORITY = {
     "nvidia": ["triton", "cupy", "sdpa", "onnx", "reference"],
-    "amd": ["triton", "sdpa", "onnx", "reference"],
+    "amd": ["triton", "sdpa", "reference"],
     # Triton on CPU means its interpreter (a test tool): pin it to use it, it is never automatic.
     "cpu": ["sdpa", "onnx", "reference"],
 }
