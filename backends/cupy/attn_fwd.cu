@@ -9,8 +9,9 @@
 //   HD is the head dim padded to a multiple of 32 (the tail of q/k/v is zero-filled).
 //   EXTRAS = softcap / ALiBi / bias are compiled in (masking is always available).
 //
-// attn_fwd_fma<T, HD>  the float32 path (IEEE float32 FMA, no TF32, natural-log softmax with
-//   expf/logf), any T: one CTA of 128 threads per (16 rows, head, batch); 8 threads share a row.
+// attn_fwd_fma<T, HD>  the float32 path (IEEE float32 FMA for Q K^T, no TF32, natural-log softmax
+//   with expf, P V and row sums accumulated in float64), any T: one CTA of 128 threads per
+//   (16 rows, head, batch); 8 threads share a row.
 
 // Global -> shared copy of a [ROWS x HD] tile of 16-byte chunks, zero-filling rows >= rows_valid
 // and columns >= cols_valid (a multiple of 8). Shared rows are padded to LDS elements.
@@ -273,10 +274,13 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     int n_lo, n_hi;
     key_range(s, m0, m0 + BM - 1, win_left, win_right, &n_lo, &n_hi);
 
-    float acc[CPT];
+    // P V and the row sum accumulate in float64: sums of hundreds of terms of either sign would
+    // otherwise lose a few float32 ulps against plain float32 math (DESIGN.md §3's yardstick).
+    double acc[CPT];
     #pragma unroll
-    for (int c = 0; c < CPT; ++c) acc[c] = 0.f;
-    float m_i = PA_NEG_INF, l_i = 0.f;
+    for (int c = 0; c < CPT; ++c) acc[c] = 0.0;
+    float m_i = PA_NEG_INF;
+    double l_i = 0.0;
 
     for (int n0 = (n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
         // Stage 1: K and V tiles into shared memory (float32, zero outside the sequence).
@@ -313,7 +317,7 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
         const float m_use = mx == PA_NEG_INF ? 0.f : mx;
         const float alpha = expf(m_i - m_use);
         m_i = mx;
-        float rowsum = 0.f;
+        double rowsum = 0.0;
         #pragma unroll
         for (int c = 0; c < KPT; ++c) {
             const float p = expf(sc[c] - m_use);
@@ -327,9 +331,9 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
         #pragma unroll
         for (int c = 0; c < CPT; ++c) acc[c] *= alpha;
         for (int j = 0; j < BN; ++j) {
-            const float p = sP[row * BN + j];
+            const double p = sP[row * BN + j];
             #pragma unroll
-            for (int c = 0; c < CPT; ++c) acc[c] = fmaf(p, sV[j * HD + sub + 8 * c], acc[c]);
+            for (int c = 0; c < CPT; ++c) acc[c] = fma(p, (double)sV[j * HD + sub + 8 * c], acc[c]);
         }
         __syncwarp();
     }
@@ -339,13 +343,13 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     l_i += __shfl_xor_sync(0xffffffffu, l_i, 2);
     l_i += __shfl_xor_sync(0xffffffffu, l_i, 4);
     if (i < s.sq) {
-        const float l_div = l_i > 0.f ? l_i : __int_as_float(0x7f800000);   // acc / inf = 0
+        const double l_div = l_i > 0.0 ? l_i : 1.0;   // acc is 0 for a row with no visible key
         T* dst = o + b * o_sb + (s.q0 + i) * o_ss + h * o_sh;
         #pragma unroll
         for (int c = 0; c < CPT; ++c) {
             const int d = sub + 8 * c;
-            if (d < head_dim_v) dst[d] = Elem<T>::from_float(acc[c] / l_div);
+            if (d < head_dim_v) dst[d] = Elem<T>::from_float((float)(acc[c] / l_div));
         }
-        if (sub == 0) lse[b * lse_sb + h * lse_sh + s.q0 + i] = l_i > 0.f ? m_i + logf(l_i) : PA_NEG_INF;
+        if (sub == 0) lse[b * lse_sb + h * lse_sh + s.q0 + i] = l_i > 0.0 ? m_i + (float)log(l_i) : PA_NEG_INF;
     }
 }

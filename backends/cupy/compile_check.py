@@ -11,8 +11,8 @@ portattn[nvrtc]``); no driver or device is needed. The source is the same text C
 at run time (:func:`configs.source`) and the name expressions come from
 :func:`configs.all_configs`, so what passes here is what the backend can choose. NVRTC is asked
 for cubin of each real architecture with ``-Xptxas -v``; the per-kernel registers, spills and
-stack frames it reports are printed in a table. Exit status 1 on any compile error, or when a
-kernel spills (``--allow-spills`` makes spills a warning).
+stack frames it reports are printed in a table. Exit status 1 on any compile error; spills are
+listed (``--fail-on-spills`` makes them an error too).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def select_names(quick: bool = False, head_dims=None) -> list[str]:
     return list(names)
 
 
-def run(archs=(80, 90), quick=False, head_dims=None, allow_spills=False, out=sys.stdout) -> int:
+def run(archs=(80, 90), quick=False, head_dims=None, fail_on_spills=False, out=sys.stdout) -> int:
     names = select_names(quick, head_dims)
     reports: list[KernelReport] = []
     for arch in archs:
@@ -144,7 +144,7 @@ def run(archs=(80, 90), quick=False, head_dims=None, allow_spills=False, out=sys
     if spilled:
         print(f"{len(spilled)} kernel(s) spill to local memory: "
               + ", ".join(f"{r.name} sm_{r.arch}" for r in spilled), file=out)
-        if not allow_spills:
+        if fail_on_spills:
             return 1
     return 0
 
@@ -154,10 +154,10 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="SM versions (default: 80 90)")
     p.add_argument("--quick", action="store_true", help="one head dim per tile shape (64, 256)")
     p.add_argument("--head-dims", type=int, nargs="+", help="only these padded head dims")
-    p.add_argument("--allow-spills", action="store_true", help="report spills without failing")
+    p.add_argument("--fail-on-spills", action="store_true", help="exit 1 when a kernel spills")
     args = p.parse_args(argv)
     try:
-        return run(args.arch, args.quick, args.head_dims, args.allow_spills)
+        return run(args.arch, args.quick, args.head_dims, args.fail_on_spills)
     except CompileError as exc:
         print(str(exc), file=sys.stderr)
         return 1
