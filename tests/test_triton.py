@@ -179,6 +179,15 @@ def test_reasons_for_head_dim_300_and_dtype():
     assert any("float64" in r for r in backend.not_supported_reasons(build_spec(q64, q64, q64)))
 
 
+def test_int32_offset_overflow_is_a_reason():
+    q = torch.empty(1, 1 << 23, 4, 64, device="meta")   # 2^23 rows × row stride 256 = 2^31: no memory used
+    spec = build_spec(q, q, q)
+    from portattn.backends.triton import _row_offset_reach
+    assert _row_offset_reach(spec) >= 2 ** 31
+    small = build_spec(*(torch.empty(1, 128, 4, 64, device="meta"),) * 3)
+    assert _row_offset_reach(small) < 2 ** 31
+
+
 def test_missing_triton_is_a_reason(monkeypatch):
     import importlib.util
     real = importlib.util.find_spec

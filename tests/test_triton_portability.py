@@ -2,7 +2,7 @@
 NVIDIA sm_80/sm_90 and AMD gfx90a/gfx942 without a GPU and fits the target's shared memory.
 
 By default only a smoke subset compiles (the forward kernel with every feature on, once per
-target); the full set (`python -m portattn.backends.triton.portability`, ~116 compiles) runs in
+target); the full set (`python -m portattn.backends.triton.portability`, ~96 compiles) runs in
 CI through .ci/run and here under ``-m slow``. Compiles run in a subprocess because the test
 process has Triton's interpreter on (interpreted kernels cannot be compiled).
 """

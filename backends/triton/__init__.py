@@ -19,6 +19,18 @@ from portattn.registry import ALL_FEATURES, Backend
 MAX_BATCH_HEADS = 65535
 
 
+def _row_offset_reach(spec) -> int:
+    """Largest in-sequence element offset the kernels form in int32 (rows × row stride)."""
+    seq_axis = 0 if spec.is_varlen else 1
+    reach = 0
+    for t, rows in ((spec.q, spec.seqlen_q), (spec.k, spec.seqlen_k), (spec.v, spec.seqlen_k)):
+        reach = max(reach, rows * max(t.stride(seq_axis), t.shape[-1] * t.shape[-2]))
+    if spec.attn_bias is not None:
+        b = spec.attn_bias
+        reach = max(reach, spec.seqlen_q * b.stride(2) + spec.seqlen_k * b.stride(3))
+    return reach
+
+
 def _ops():
     from . import ops   # imports triton and defines the kernels
     return ops
@@ -60,6 +72,10 @@ class TritonBackend(Backend):
             major, minor = torch.cuda.get_device_capability(spec.device)
             if major < 8:
                 reasons.append(f"NVIDIA sm_{major}{minor} is too old (needs sm_80 or newer: Ampere, Ada, Hopper, …)")
+        reach = _row_offset_reach(spec)
+        if reach >= 2 ** 31:
+            reasons.append(f"sequence length × row stride = {reach} does not fit in int32 offsets inside one "
+                           f"sequence; split the sequence or the heads into smaller calls")
         if spec.batch * spec.num_heads_q > MAX_BATCH_HEADS:
             reasons.append(f"batch × heads = {spec.batch * spec.num_heads_q} > {MAX_BATCH_HEADS} (grid limit); "
                            f"split the batch into chunks")
