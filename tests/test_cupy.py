@@ -32,6 +32,8 @@ CASES = {
     "causal_br": (2, 65, 190, 4, 4, 128, 128, {"causal": True}),
     "causal_br_sq_gt_sk": (1, 190, 65, 2, 2, 64, 64, {"causal": True}),
     "causal_tl": (1, 190, 65, 2, 2, 96, 96, {"causal": True, "causal_alignment": "top_left"}),
+    # whole CTAs (rows 0..279) see no key: their loop is empty (regression: staging race)
+    "causal_br_empty_ctas": (2, 300, 20, 4, 1, 128, 128, {"causal": True}),
     "window": (2, 300, 300, 2, 2, 96, 96, {"window": (32, 16)}),
     "window_tl": (1, 150, 260, 2, 2, 64, 64, {"window": (20, 5), "causal_alignment": "top_left"}),
     "gqa_causal": (2, 200, 200, 8, 2, 128, 128, {"causal": True}),

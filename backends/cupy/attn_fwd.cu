@@ -202,8 +202,11 @@ attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     }
 
     // Epilogue: O / l (0 for rows with no visible key), lse = (m + log2 l) ln 2.
-    cp_async_wait_all();   // an empty key range leaves the Q copy pending
-    __syncwarp();
+    // A CTA whose rows see no key skips the loop, so its Q copies (issued by every thread, into
+    // every warp's rows) may still be in flight: wait, and barrier the whole CTA, before the warps
+    // overwrite their Q rows with output.
+    cp_async_wait_all();
+    __syncthreads();
     T* sO = const_cast<T*>(sQw);          // the warp's own Q rows stage its output rows
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
