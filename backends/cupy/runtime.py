@@ -11,6 +11,7 @@ kept in :data:`_MODULES`; CuPy also keeps the binaries in its on-disk kernel cac
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -144,7 +145,9 @@ class _Launcher:
 
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.dev = cupy.cuda.Device(self.index)
-        self.stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(self.index).cuda_stream, self.index)
+        with warnings.catch_warnings():   # CuPy 14 deprecates ExternalStream; it still works
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(self.index).cuda_stream, self.index)
 
     def __enter__(self):
         self.dev.__enter__()
