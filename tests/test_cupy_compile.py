@@ -150,15 +150,20 @@ def test_forward_plan_matches_signature(dtype, kw):
         assert q_used.shape[-1] == 40 and q_used.stride(-2) % 8 == 0
 
 
-def test_backward_plan_matches_signatures():
-    spec = _spec(torch.bfloat16, causal=True)
-    out = torch.randn(spec.out_shape, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backward_plan_matches_signatures(dtype):
+    spec = _spec(dtype, causal=True)
+    out = torch.randn(spec.out_shape, dtype=dtype)
     lse = torch.randn(spec.lse_shape)
     plan = runtime.plan_backward(spec, out, lse, torch.randn_like(out))
     roles = {item.role: item for item in plan.launches}
-    assert set(roles) == {"preprocess", "dkdv", "dq"}
-    for role, kernel in (("preprocess", "attn_bwd_preprocess"), ("dkdv", "attn_bwd_dkdv"), ("dq", "attn_bwd_dq")):
+    first = "stats" if dtype == torch.float32 else "preprocess"   # float32: exact row statistics
+    assert [item.role for item in plan.launches] == [first, "dkdv", "dq"]
+    for role, kernel in ((first, f"attn_bwd_{first}"), ("dkdv", "attn_bwd_dkdv"), ("dq", "attn_bwd_dq")):
         assert len(roles[role].args) == _param_count(kernel), role
+    stats_ptrs = [int(a) for a in roles["dq"].args[-2:]]
+    assert (all(stats_ptrs) if dtype == torch.float32 else not any(stats_ptrs))
+    assert set(roles[first].cfg.kernel_names()) == {first, "dkdv", "dq"}
     assert roles["dkdv"].grid == (-(-50 // configs.BWD_BLOCK_N), 2, 2)
     dq, dk, dv = plan.outputs
     assert dq.shape == spec.q.shape and dk.shape == spec.k.shape and dv.shape == spec.v.shape

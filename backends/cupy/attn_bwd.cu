@@ -8,6 +8,7 @@
 //   dot_ij  = dS_ij * scale * (1 - tanh^2)           softcap chain rule (1 without softcap)
 //   dK_j    = sum_i dot_ij q_i                       (attn_bwd_dkdv)
 //   dQ_i    = sum_j dot_ij k_j                       (attn_bwd_dq)
+// float32 inputs run attn_bwd_stats instead of the preprocess (exact row statistics, below).
 // Deterministic: no atomics. dK/dV: one CTA per (32 keys, kv head, batch) walks every query head
 // of its GQA group and every query tile that can see its keys; dQ: one CTA per (16 rows, head,
 // batch) walks the visible key tiles. Arithmetic is IEEE float32 for every input dtype.
@@ -45,15 +46,22 @@ __device__ __forceinline__ void load_rows_f32(float* sm, const T* g, long long r
     }
 }
 
+// Row statistics one (i, j) entry needs: P = exp(s - lse), or with `exact` (float32 inputs)
+// P = exp(s - m) / l from attn_bwd_stats, which carries no rounding of lse.
+struct RowStats {
+    float lse, m, l, delta;
+};
+
 // P_ij and the gradient of the raw dot product q_i . k_j for one (i, j); 0 where j is masked.
-__device__ __forceinline__ void grad_entry(float dot, float dpv, float lse_i, float delta_i, const ScoreMods& mods,
+__device__ __forceinline__ void grad_entry(float dot, float dpv, const RowStats& row, bool exact, const ScoreMods& mods,
                                            const SeqInfo& s, int i, int j, int left, int right, float* p_out,
                                            float* ddot_out) {
     float p = 0.f, ddot = 0.f;
-    if (is_visible(s, i, j, left, right) && lse_i != PA_NEG_INF) {
+    const float delta_i = row.delta;
+    if (is_visible(s, i, j, left, right) && (exact ? row.l > 0.f : row.lse != PA_NEG_INF)) {
         float th = 0.f;
         const float x = score_nat(dot, mods, s, i, j, &th);
-        p = expf(x - lse_i);
+        p = exact ? expf(x - row.m) / row.l : expf(x - row.lse);
         ddot = p * (dpv - delta_i) * mods.scale;
         if (mods.softcap > 0.f) ddot *= 1.f - th * th;
     }
@@ -61,12 +69,105 @@ __device__ __forceinline__ void grad_entry(float dot, float dpv, float lse_i, fl
     *ddot_out = ddot;
 }
 
+// Row statistics for the float32 backward (`exact`): the softmax's row max m_i and sum l_i
+// recomputed with a float64 sum, so that P = exp(s - m) / l carries no rounding of the float32
+// lse, and delta_i = sum_j P_ij dP_ij, the softmax backward's own row sum (the order of plain
+// float32 math), instead of dO_i . O_i, which inherits O's rounding. One CTA per (16 rows, head,
+// batch), 16 threads per row (keys sub and sub + 16 of each tile); two passes over the keys.
+// With one visible key, P = 1 and delta equals dP bit for bit (same dot order as below).
+template <typename T, int HD>
+__global__ void __launch_bounds__(256, 1)
+attn_bwd_stats(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
+               float* __restrict__ row_m, float* __restrict__ row_l, float* __restrict__ delta) {
+    constexpr int BM = 16, BN = 32, NT = 256, LD = HD + 1;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* sQ = reinterpret_cast<float*>(smem_raw);   // BM x LD
+    float* sdO = sQ + BM * LD;                         // BM x LD
+    float* sK = sdO + BM * LD;                         // BN x LD
+    float* sV = sK + BN * LD;                          // BN x LD
+
+    const int tid = threadIdx.x, row = tid / 16, sub = tid % 16;
+    const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const int m0 = blockIdx.x * BM;
+    if (m0 >= s.sq) return;
+    const int i = m0 + row;
+    const ScoreMods mods =
+        make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, b, h);
+    const T* k_base = k + b * k_sb + s.k0 * k_ss + hk * k_sh;
+    const T* v_base = v + b * v_sb + s.k0 * v_ss + hk * v_sh;
+    load_rows_f32<T, BM, HD, LD, NT>(sQ, q + b * q_sb + (s.q0 + m0) * q_ss + h * q_sh, q_ss, s.sq - m0, head_dim, tid);
+    load_rows_f32<T, BM, HD, LD, NT>(sdO, dout + b * do_sb + (s.q0 + m0) * do_ss + h * do_sh, do_ss, s.sq - m0,
+                                     head_dim_v, tid);
+    int n_lo, n_hi;
+    key_range(s, m0, m0 + BM - 1, win_left, win_right, &n_lo, &n_hi);
+    const int n_first = (n_lo / BN) * BN;
+
+    // Pass 1: online row max and float64 sum over this thread's keys, then over the row's 16 threads.
+    float m_t = PA_NEG_INF;
+    double l_t = 0.0;
+    for (int n0 = n_first; n0 < n_hi; n0 += BN) {
+        __syncthreads();
+        load_rows_f32<T, BN, HD, LD, NT>(sK, k_base + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);
+        __syncthreads();
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int jl = sub + 16 * c, j = n0 + jl;
+            float dot = 0.f;
+            for (int d = 0; d < HD; ++d) dot = fmaf(sQ[row * LD + d], sK[jl * LD + d], dot);
+            if (!is_visible(s, i, j, win_left, win_right)) continue;
+            float th;
+            const float x = score_nat(dot, mods, s, i, j, &th);
+            if (x == PA_NEG_INF) continue;
+            if (x > m_t) {
+                l_t *= exp((double)m_t - (double)x);
+                m_t = x;
+            }
+            l_t += exp((double)x - (double)m_t);
+        }
+    }
+    float m = m_t;
+    for (int off = 1; off < 16; off *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    double l = m_t == PA_NEG_INF ? 0.0 : l_t * exp((double)m_t - (double)m);
+    for (int off = 1; off < 16; off *= 2) l += __shfl_xor_sync(0xffffffffu, l, off);
+    const float l_f = (float)l;
+
+    // Pass 2: delta = sum_j P_ij (dO_i . v_j) with P as the dK/dV and dQ kernels compute it.
+    double dsum = 0.0;
+    for (int n0 = n_first; n0 < n_hi; n0 += BN) {
+        __syncthreads();
+        load_rows_f32<T, BN, HD, LD, NT>(sK, k_base + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);
+        load_rows_f32<T, BN, HD, LD, NT>(sV, v_base + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
+        __syncthreads();
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int jl = sub + 16 * c, j = n0 + jl;
+            float dot = 0.f, dpv = 0.f;
+            for (int d = 0; d < HD; ++d) {
+                dot = fmaf(sQ[row * LD + d], sK[jl * LD + d], dot);
+                dpv = fmaf(sdO[row * LD + d], sV[jl * LD + d], dpv);
+            }
+            if (!is_visible(s, i, j, win_left, win_right) || !(l_f > 0.f)) continue;
+            float th;
+            const float p = expf(score_nat(dot, mods, s, i, j, &th) - m) / l_f;
+            dsum += (double)p * (double)dpv;
+        }
+    }
+    for (int off = 1; off < 16; off *= 2) dsum += __shfl_xor_sync(0xffffffffu, dsum, off);
+    if (sub == 0 && i < s.sq) {
+        const long long idx = b * lse_sb + h * lse_sh + s.q0 + i;
+        row_m[idx] = m;
+        row_l[idx] = l_f;
+        delta[idx] = (float)dsum;
+    }
+}
+
 template <typename T, int HD>
 __global__ void __launch_bounds__(256, 1)
 attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
               const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, long long dk_sb,
               long long dk_ss, long long dk_sh, T* __restrict__ dv, long long dv_sb, long long dv_ss,
-              long long dv_sh) {
+              long long dv_sh, const float* __restrict__ row_m, const float* __restrict__ row_l) {
     constexpr int BN = 32, BM = 16, NT = 256, LD = HD + 1, CPT = HD / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* sK = reinterpret_cast<float*>(smem_raw);   // BN x LD
@@ -75,7 +176,8 @@ attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lon
     float* sdO = sQ + BM * LD;                         // BM x LD
     float* sP = sdO + BM * LD;                         // BM x (BN + 1)
     float* sdS = sP + BM * (BN + 1);                   // BM x (BN + 1)
-    float* sRow = sdS + BM * (BN + 1);                 // lse[BM], delta[BM]
+    float* sRow = sdS + BM * (BN + 1);                 // lse[BM], delta[BM], m[BM], l[BM]
+    const bool exact = row_m != nullptr;
 
     const int tid = threadIdx.x, key_l = tid / 8, sub = tid % 8;
     const int b = blockIdx.z, hk = blockIdx.y;
@@ -109,6 +211,8 @@ attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lon
                 const long long idx = b * lse_sb + h * lse_sh + s.q0 + m0 + tid;
                 sRow[tid] = ok ? lse[idx] : PA_NEG_INF;
                 sRow[BM + tid] = ok ? delta[idx] : 0.f;
+                sRow[2 * BM + tid] = ok && exact ? row_m[idx] : 0.f;
+                sRow[3 * BM + tid] = ok && exact ? row_l[idx] : 0.f;
             }
             __syncthreads();
 
@@ -121,7 +225,8 @@ attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lon
                     dpv = fmaf(sdO[il * LD + d], sV[key_l * LD + d], dpv);
                 }
                 float p, ddot;
-                grad_entry(dot, dpv, sRow[il], sRow[BM + il], mods, s, m0 + il, j, win_left, win_right, &p, &ddot);
+                const RowStats row = {sRow[il], sRow[2 * BM + il], sRow[3 * BM + il], sRow[BM + il]};
+                grad_entry(dot, dpv, row, exact, mods, s, m0 + il, j, win_left, win_right, &p, &ddot);
                 sP[il * (BN + 1) + key_l] = p;
                 sdS[il * (BN + 1) + key_l] = ddot;
             }
@@ -155,7 +260,7 @@ template <typename T, int HD>
 __global__ void __launch_bounds__(256, 1)
 attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
             const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, long long dq_sb,
-            long long dq_ss, long long dq_sh) {
+            long long dq_ss, long long dq_sh, const float* __restrict__ row_m, const float* __restrict__ row_l) {
     constexpr int BM = 16, BN = 32, NT = 256, LD = HD + 1, CPT = HD / 16;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* sQ = reinterpret_cast<float*>(smem_raw);   // BM x LD
@@ -180,8 +285,16 @@ attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long 
     load_rows_f32<T, BM, HD, LD, NT>(sdO, dout + b * do_sb + (s.q0 + m0) * do_ss + h * do_sh, do_ss, s.sq - m0,
                                      head_dim_v, tid);
     const long long ridx = b * lse_sb + h * lse_sh + s.q0 + i;
-    const float lse_i = i < s.sq ? lse[ridx] : PA_NEG_INF;
-    const float delta_i = i < s.sq ? delta[ridx] : 0.f;
+    const bool exact = row_m != nullptr;
+    RowStats stats = {PA_NEG_INF, 0.f, 0.f, 0.f};
+    if (i < s.sq) {
+        stats.lse = lse[ridx];
+        stats.delta = delta[ridx];
+        if (exact) {
+            stats.m = row_m[ridx];
+            stats.l = row_l[ridx];
+        }
+    }
     int n_lo, n_hi;
     key_range(s, m0, m0 + BM - 1, win_left, win_right, &n_lo, &n_hi);
 
@@ -206,7 +319,7 @@ attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long 
                 dpv = fmaf(sdO[row * LD + d], sV[jl * LD + d], dpv);
             }
             float p, ddot;
-            grad_entry(dot, dpv, lse_i, delta_i, mods, s, i, n0 + jl, win_left, win_right, &p, &ddot);
+            grad_entry(dot, dpv, stats, exact, mods, s, i, n0 + jl, win_left, win_right, &p, &ddot);
             sdS[row * (BN + 1) + jl] = ddot;
         }
         __syncwarp();   // a row's 16 threads live in one warp

@@ -92,6 +92,11 @@ class KernelConfig:
     def ctype(self) -> str:
         return CTYPES[self.dtype][0]
 
+    @property
+    def exact_stats(self) -> bool:
+        """The backward recomputes row max/sum and delta = sum P dP (float32 inputs only)."""
+        return self.family == "bwd" and self.dtype == "float32"
+
     def kernel_names(self) -> dict[str, str]:
         """Role -> NVRTC name expression of every kernel this config launches."""
         t, hd = self.ctype, self.head_dim
@@ -102,9 +107,10 @@ class KernelConfig:
         if self.family == "fwd_fma":
             return {"plain": f"attn_fwd_fma<{t}, {hd}>"}
         if self.family == "bwd":
-            return {"preprocess": f"attn_bwd_preprocess<{t}>",
-                    "dkdv": f"attn_bwd_dkdv<{t}, {hd}>",
-                    "dq": f"attn_bwd_dq<{t}, {hd}>"}
+            # float32: exact row statistics (attn_bwd_stats) instead of delta = dO . O
+            first = ({"stats": f"attn_bwd_stats<{t}, {hd}>"} if self.exact_stats
+                     else {"preprocess": f"attn_bwd_preprocess<{t}>"})
+            return {**first, "dkdv": f"attn_bwd_dkdv<{t}, {hd}>", "dq": f"attn_bwd_dq<{t}, {hd}>"}
         raise ValueError(f"unknown kernel family {self.family!r}")
 
     def name_expressions(self) -> list[str]:
@@ -125,7 +131,7 @@ class KernelConfig:
             return 16 * mt * warps
         if self.family == "fwd_fma":
             return FMA_BLOCK_M
-        return {"preprocess": PRE_ROWS, "dkdv": BWD_BLOCK_N, "dq": BWD_BLOCK_M}[role]
+        return {"preprocess": PRE_ROWS, "dkdv": BWD_BLOCK_N, "dq": BWD_BLOCK_M, "stats": BWD_BLOCK_M}[role]
 
     def smem_bytes(self, role: str) -> int:
         """Dynamic shared memory of one CTA (mirrors the carve-up at the top of each kernel)."""
@@ -140,7 +146,9 @@ class KernelConfig:
         if role == "preprocess":
             return 0
         if role == "dkdv":
-            return 4 * ((2 * BWD_BLOCK_N + 2 * BWD_BLOCK_M) * ld + 2 * BWD_BLOCK_M * (BWD_BLOCK_N + 1) + 2 * BWD_BLOCK_M)
+            return 4 * ((2 * BWD_BLOCK_N + 2 * BWD_BLOCK_M) * ld + 2 * BWD_BLOCK_M * (BWD_BLOCK_N + 1) + 4 * BWD_BLOCK_M)
+        if role == "stats":
+            return 4 * (2 * BWD_BLOCK_M + 2 * BWD_BLOCK_N) * ld
         return 4 * ((2 * BWD_BLOCK_M + 2 * BWD_BLOCK_N) * ld + BWD_BLOCK_M * (BWD_BLOCK_N + 1))
 
     def max_smem_bytes(self) -> int:

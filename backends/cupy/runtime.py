@@ -230,16 +230,28 @@ def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
     args, keep = common_args(spec, q, k, v)
     lse_strides = args[-2:]
     do_args = [_ptr(dout), *_strides3(dout, varlen)]
-    plan = Plan(outputs=(dq, dk, dv), keep_alive=(keep, out, dout, lse, delta))
-    plan.launches.append(Launch(cfg, "preprocess", (_cdiv(spec.seqlen_q, configs.PRE_ROWS), spec.num_heads_q, spec.batch),
-                                [_ptr(out), *_strides3(out, varlen), *do_args, _ptr(delta), *lse_strides,
-                                 _ptr(spec.cu_seqlens_q), _i32(spec.seqlen_q), _i32(spec.head_dim_v)]))
+    if cfg.exact_stats:   # float32: row max/sum and delta = sum_j P dP recomputed (attn_bwd_stats)
+        row_m, row_l = torch.empty_like(lse), torch.empty_like(lse)
+        stats_ptrs = [_ptr(row_m), _ptr(row_l)]
+    else:
+        row_m = row_l = None
+        stats_ptrs = [_ptr(None), _ptr(None)]
+    plan = Plan(outputs=(dq, dk, dv), keep_alive=(keep, out, dout, lse, delta, row_m, row_l))
+    rows_grid = (_cdiv(spec.seqlen_q, configs.BWD_BLOCK_M), spec.num_heads_q, spec.batch)
+    if cfg.exact_stats:
+        plan.launches.append(Launch(cfg, "stats", rows_grid, args + do_args + [*stats_ptrs, _ptr(delta)]))
+    else:
+        plan.launches.append(Launch(cfg, "preprocess", (_cdiv(spec.seqlen_q, configs.PRE_ROWS), spec.num_heads_q,
+                                                        spec.batch),
+                                    [_ptr(out), *_strides3(out, varlen), *do_args, _ptr(delta), *lse_strides,
+                                     _ptr(spec.cu_seqlens_q), _i32(spec.seqlen_q), _i32(spec.head_dim_v)]))
     if spec.seqlen_k > 0:
         plan.launches.append(Launch(cfg, "dkdv", (_cdiv(spec.seqlen_k, configs.BWD_BLOCK_N), spec.num_heads_kv, spec.batch),
                                     args + do_args + [_ptr(lse), _ptr(delta), _ptr(dk), *_strides3(dk, varlen),
-                                                      _ptr(dv), *_strides3(dv, varlen)]))
-    plan.launches.append(Launch(cfg, "dq", (_cdiv(spec.seqlen_q, configs.BWD_BLOCK_M), spec.num_heads_q, spec.batch),
-                                args + do_args + [_ptr(lse), _ptr(delta), _ptr(dq), *_strides3(dq, varlen)]))
+                                                      _ptr(dv), *_strides3(dv, varlen), *stats_ptrs]))
+    plan.launches.append(Launch(cfg, "dq", rows_grid,
+                                args + do_args + [_ptr(lse), _ptr(delta), _ptr(dq), *_strides3(dq, varlen),
+                                                  *stats_ptrs]))
     return plan
 
 
