@@ -105,7 +105,8 @@ def test_catalogue_is_fixed_and_covers_the_semantics():
             assert max(c.problem.max_q, c.problem.max_k) <= 129 and max(c.problem.head_dim, c.problem.dv) <= 128, c.id
     assert {c.problem.dtype for c in quick} == {"float16", "bfloat16", "float32"}
     assert any(c.problem.is_varlen and 0 in c.problem.seqlens_q for c in quick)
-    assert select_cases(patterns=["varlen/*"]) and all(c.id.startswith("varlen/") for c in select_cases(patterns=["varlen/*"]))
+    varlen = select_cases(patterns=["varlen/*"])
+    assert varlen and all(c.id.startswith("varlen/") for c in varlen)
 
 
 # ----- reports ---------------------------------------------------------------------------------
@@ -173,10 +174,3 @@ def test_check_is_wired_into_the_portattn_command():
     from portattn import cli
     assert cli.main(["check", "--backends", "reference", "--cases", "masked/bool-rows", "--no-progress"]) == 0
     assert cli.main(["conformance", "list", "--quick"]) == 0
-
-
-@pytest.mark.slow
-def test_check_passes_on_every_available_backend():
-    """`portattn check` as CI runs it: the quick catalogue, every available backend."""
-    from portattn import cli
-    assert cli.main(["check", "--no-progress"]) == 0

@@ -79,7 +79,8 @@ def _assert_bit_equal(what: str, a, b) -> None:
         if not torch.equal(x.view(torch.uint8) if x.is_contiguous() else x.contiguous().view(torch.uint8),
                            y.view(torch.uint8) if y.is_contiguous() else y.contiguous().view(torch.uint8)):
             diff = (x.double() - y.double()).abs()
-            raise AssertionError(f"{what}: {name} differs bit-wise (max |diff| = {diff.nan_to_num(float('inf')).max():.3g})")
+            worst = diff.nan_to_num(float("inf")).max()
+            raise AssertionError(f"{what}: {name} differs bit-wise (max |diff| = {worst:.3g})")
 
 
 def _problems(device, **kw):

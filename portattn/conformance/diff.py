@@ -36,23 +36,29 @@ def _index(report: dict) -> dict[tuple[str, str], dict[str, dict]]:
 
 
 def _pairs(a: dict, b: dict):
-    """Yield (case, backend, device label, entry_a | None, entry_b | None)."""
+    """Yield (case, backend, device label, entry_a | None, entry_b | None).
+
+    Order of pairing per (case, backend): same device where both ran; then, if exactly one
+    device ran on each side and they differ, that cross-device pair (``"cuda~cpu"``); then the
+    remaining same-device pairs (one side skipped); leftovers are present in one report only.
+    """
     ia, ib = _index(a), _index(b)
     for key in sorted(set(ia) | set(ib)):
         da, db = dict(ia.get(key, {})), dict(ib.get(key, {}))
+
+        def ran(entries):
+            return sorted(d for d, e in entries.items() if e["verdict"] != "skip")
+
+        for dev in sorted(set(ran(da)) & set(ran(db))):
+            yield key[0], key[1], dev, da.pop(dev), db.pop(dev)
+        ran_a, ran_b = ran(da), ran(db)
+        if len(ran_a) == 1 and len(ran_b) == 1 and ran_a[0] != ran_b[0]:
+            yield key[0], key[1], f"{ran_a[0]}~{ran_b[0]}", da.pop(ran_a[0]), db.pop(ran_b[0])
         for dev in sorted(set(da) & set(db)):
-            ea, eb = da.pop(dev), db.pop(dev)
-            # an exact-device pair where one side skipped, while the other side ran elsewhere,
-            # is less informative than the cross-device pair: keep it only if nothing better exists
-            yield key[0], key[1], dev, ea, eb
-        ran_a = [d for d, e in da.items() if e["verdict"] != "skip"]
-        ran_b = [d for d, e in db.items() if e["verdict"] != "skip"]
-        if len(ran_a) == 1 and len(ran_b) == 1:
-            ea, eb = da.pop(ran_a[0]), db.pop(ran_b[0])
-            yield key[0], key[1], f"{ran_a[0]}~{ran_b[0]}", ea, eb
-        for dev, e in da.items():
+            yield key[0], key[1], dev, da.pop(dev), db.pop(dev)
+        for dev, e in sorted(da.items()):
             yield key[0], key[1], dev, e, None
-        for dev, e in db.items():
+        for dev, e in sorted(db.items()):
             yield key[0], key[1], dev, None, e
 
 

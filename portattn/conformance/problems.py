@@ -65,12 +65,13 @@ class Problem:
     """One attention problem (everything except tensor values, which come from ``seed``).
 
     Dense problems use ``batch``, ``seqlen_q``, ``seqlen_k``; varlen problems set ``seqlens_q``
-    and ``seqlens_k`` (per-sequence lengths, equal counts; ``batch`` is then their count).
+    and ``seqlens_k`` (per-sequence lengths, equal counts; ``batch`` is then ignored, see ``num_seqs``).
     ``window`` is ``(left, right)`` with ``None`` = unbounded; with ``causal`` the right side is 0.
     ``bias`` is one of :data:`BIAS_KINDS` (``float``: (B,Hq,Sq,Sk); ``float_keys``: (B,1,1,Sk);
     ``float_heads``: (1,Hq,Sq,Sk); ``bool_keys``: a key-padding mask (B,1,1,Sk); ``bool``:
-    (B,Hq,Sq,Sk) with some rows fully masked). ``alibi`` is ``head`` (Hq,) or ``batch`` (B,Hq).
-    ``magnitude`` multiplies q, k and v; ``extreme`` scales q and k so logits reach a few hundred.
+    (B,Hq,Sq,Sk) with some rows fully masked, always row 0 of head 0). ``alibi`` is ``head``
+    (Hq,) or ``batch`` (B,Hq).
+    ``magnitude`` multiplies q, k and v; ``extreme`` gives logits a large row offset (~150) with a moderate spread.
     ``grad``: gradients of q, k, v (and of a float bias when ``bias_grad``) are checked too.
     """
 
@@ -286,6 +287,29 @@ def _sequence_rows(lengths) -> list[slice]:
     return out
 
 
+def _draw_qk(p: Problem, gen: torch.Generator, q_shape, k_shape):
+    """q and k; with ``extreme``, logits get a large per-row offset and a moderate spread.
+
+    Extreme: every key of a (batch, kv head) shares a large component ``base``, so
+    ``scale * q_i . k_j`` = a row offset of standard deviation ~150 (``exp`` overflows without
+    the running max; float32 keeps only ~1e-5 absolute precision there) plus a spread of
+    standard deviation ~6 (a peaked but not one-hot softmax, so gradients stay well above the
+    dtype's resolution and the §3 yardstick does not degenerate to an exact zero).
+    """
+    if not p.extreme:
+        return _randn(gen, q_shape, p.magnitude), _randn(gen, k_shape, p.magnitude)
+    d = q_shape[-1]
+    eff_scale = p.scale if p.scale is not None else 1.0 / math.sqrt(d)
+    g = eff_scale * math.sqrt(d)             # score std per unit of q-std x k-std
+    sigma_q = 3.0
+    q = _randn(gen, q_shape, sigma_q)
+    base_shape = (1,) * (len(k_shape) - 2) + tuple(k_shape[-2:]) if len(k_shape) == 3 else \
+        (k_shape[0], 1, k_shape[2], k_shape[3])
+    base = _randn(gen, base_shape, 150.0 / (sigma_q * g))
+    k = base + _randn(gen, k_shape, 6.0 / (sigma_q * g))
+    return q, k
+
+
 def make_inputs(problem: Problem, device="cpu", *, requires_grad: bool = False, bias_requires_grad: bool = False,
                 perturb_except: int | None = None) -> Inputs:
     """Draw the tensors of ``problem`` from its seed on the CPU and move them to ``device``.
@@ -297,24 +321,19 @@ def make_inputs(problem: Problem, device="cpu", *, requires_grad: bool = False, 
     dt = p.torch_dtype
     gen = torch.Generator().manual_seed(p.seed)
     hq, hkv, d, dv = p.heads_q, p.heads_kv, p.head_dim, p.dv
-    qk_scale = p.magnitude
-    if p.extreme:
-        # logits ~ N(0, mag^4 * D * scale^2); aim for a standard deviation of ~60
-        eff_scale = p.scale if p.scale is not None else 1.0 / math.sqrt(d)
-        qk_scale = math.sqrt(60.0 / (eff_scale * math.sqrt(d)))
     if p.is_varlen:
         q_shape, k_shape, v_shape = (p.total_q, hq, d), (sum(p.seqlens_k), hkv, d), (sum(p.seqlens_k), hkv, dv)
         o_shape = (p.total_q, hq, dv)
     else:
         q_shape, k_shape = (p.batch, p.seqlen_q, hq, d), (p.batch, p.seqlen_k, hkv, d)
         v_shape, o_shape = (p.batch, p.seqlen_k, hkv, dv), (p.batch, p.seqlen_q, hq, dv)
-    q = _randn(gen, q_shape, qk_scale)
-    k = _randn(gen, k_shape, qk_scale)
+    q, k = _draw_qk(p, gen, q_shape, k_shape)
     v = _randn(gen, v_shape, p.magnitude)
     dout = _randn(gen, o_shape)
     if perturb_except is not None:
         other = torch.Generator().manual_seed(p.seed ^ 0x5EED)
-        q2, k2, v2 = _randn(other, q_shape, qk_scale), _randn(other, k_shape, qk_scale), _randn(other, v_shape, p.magnitude)
+        q2, k2 = _draw_qk(p, other, q_shape, k_shape)
+        v2 = _randn(other, v_shape, p.magnitude)
         if p.is_varlen:
             qrows, krows = _sequence_rows(p.seqlens_q), _sequence_rows(p.seqlens_k)
             keep_q = torch.zeros(q_shape[0], dtype=torch.bool)
