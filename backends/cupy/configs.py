@@ -53,7 +53,7 @@ def mma_tile(hd: int, extras: bool = False) -> tuple[int, int, int]:
     Up to D = 128 the plain kernel runs 4 warps of 32 rows (MT = 2 m16 tiles per warp, so every
     K/V fragment read from shared memory feeds two mma's) against 64-key tiles: measured on an
     H200 (2026-11-29, bf16, D = 128, S = 4096) 281 TFLOP/s against 266 for 32-key tiles and
-    233 for 128x128 tiles with one m-tile per warp, although ptxas spills ~76 bytes at D = 96/128
+    233 for 128x128 tiles with one m-tile per warp, although ptxas spills 76 bytes (sm_90; 32 on sm_80) at D = 128
     (outside the mma loops; compile_check lists it). The EXTRAS kernel (softcap / ALiBi / bias)
     needs more registers per score, so it keeps one m16 tile per warp. Above D = 128 the O
     accumulator (HD / 2 floats per thread and m-tile) leaves room for one m-tile and 32 keys
