@@ -6,11 +6,34 @@
 >>> print(portattn.explain(q, k, v, causal=True))     # which backend, and why not the others
 """
 
-from .api import attention, explain
-from .dispatch import Explanation, use_backend
-from .errors import BackendNotAvailableError
-from .registry import Backend, get_backend, list_backends, register_backend, unregister_backend
-from .spec import AttentionSpec, build_spec
+import importlib.util as _ilu
+import os as _os
+import sys as _sys
+
+
+def _map_source_tree_packages() -> None:
+    """In a source checkout used without installing (``PYTHONPATH=.``), ``backends/`` and
+    ``onnx_ops/`` sit beside ``portattn/``; installed (editable or not) they are
+    ``portattn.backends`` and ``portattn.onnx_ops``. Map them the same way here."""
+    root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    for name in ("backends", "onnx_ops"):
+        full = f"{__name__}.{name}"
+        init = _os.path.join(root, name, "__init__.py")
+        if full in _sys.modules or _ilu.find_spec(full) is not None or not _os.path.exists(init):
+            continue
+        spec = _ilu.spec_from_file_location(full, init, submodule_search_locations=[_os.path.dirname(init)])
+        module = _ilu.module_from_spec(spec)
+        _sys.modules[full] = module
+        spec.loader.exec_module(module)
+
+
+_map_source_tree_packages()
+
+from .api import attention, explain  # noqa: E402
+from .dispatch import Explanation, use_backend  # noqa: E402
+from .errors import BackendNotAvailableError  # noqa: E402
+from .registry import Backend, get_backend, list_backends, register_backend, unregister_backend  # noqa: E402
+from .spec import AttentionSpec, build_spec  # noqa: E402
 
 __version__ = "0.1.0"
 
