@@ -13,9 +13,13 @@ $PY -m portattn.cli info > "$OUT/info.txt" 2>&1; tail -25 "$OUT/info.txt"
 
 if [[ $what == all || $what == tests ]]; then
   t0=$(date +%s)
-  $PY -m pytest -q -p no:cacheprovider -n 8 tests/test_triton.py tests/test_cupy.py tests/test_sdpa.py \
-      tests/test_dispatch.py tests/test_properties.py tests/test_compile.py -x -q 2>&1 | tail -40 > "$OUT/pytest_gpu.txt"
+  $PY -m pytest -q -p no:cacheprovider -n 6 tests/test_triton.py tests/test_cupy.py tests/test_sdpa.py \
+      tests/test_dispatch.py tests/test_compile.py -rfEs 2>&1 | tail -60 > "$OUT/pytest_gpu.txt"
   echo "== GPU tests ($(( $(date +%s) - t0 ))s):"; tail -8 "$OUT/pytest_gpu.txt"
+fi
+if [[ $what == properties ]]; then
+  PORTATTN_HYPOTHESIS_PROFILE=${PROFILE:-ci} $PY -m pytest -q -p no:cacheprovider -n 6 tests/test_properties.py \
+      -rfE 2>&1 | tail -40 > "$OUT/pytest_properties.txt"; tail -8 "$OUT/pytest_properties.txt"
 fi
 if [[ $what == all || $what == conformance ]]; then
   t0=$(date +%s)
