@@ -63,8 +63,13 @@ class Outcome:
 
     @property
     def score(self) -> float | None:
+        """``max|out - ref| / max|naive - ref|`` of the output (None when it did not run)."""
         c = self.checks.get("out")
-        return None if c is None else c["score"]
+        if c is None:
+            return None
+        if c["max_err"] == 0:
+            return 0.0
+        return c["max_err"] / c["naive_err"] if c["naive_err"] > 0 else math.inf
 
     def summary(self) -> str:
         head = f"{self.backend}@{self.device}: {self.verdict}"
@@ -91,10 +96,13 @@ class Outcome:
 
 
 def _json_float(x):
+    """Floats for the JSON report: 5 significant digits, "inf"/"nan" as strings."""
     if x is None or isinstance(x, bool):
         return x
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)   # "inf" / "nan": JSON has no literal for them
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return str(x)   # JSON has no literal for them
+        return float(f"{x:.5g}")
     return x
 
 
@@ -279,7 +287,7 @@ class Checker:
                                                 factor=numerics.GRAD_FACTOR, zero_ref_scale=self._grad_scale))
         for c in results:
             checks[c.name] = {"passed": c.passed, "max_err": c.max_err, "naive_err": c.naive_err,
-                              "tolerance": c.tolerance, "score": c.score}
+                              "tolerance": c.tolerance}
             if not c.passed:
                 failures.append(str(c))
         # fully-masked rows: output exactly 0 (not merely close), lse -inf (compare_lse checks it)

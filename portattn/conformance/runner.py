@@ -239,12 +239,23 @@ def _num(x):
     return float(x)
 
 
+def report_text(report: dict) -> str:
+    """JSON with one case and one result per line (compact, and line-wise diffable in git)."""
+    def line(obj) -> str:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+
+    head = {k: v for k, v in report.items() if k not in ("cases", "results")}
+    text = json.dumps(head, indent=1, allow_nan=False)
+    cases = ",\n".join(f"  {json.dumps(cid)}:{line(c)}" for cid, c in report.get("cases", {}).items())
+    results = ",\n".join(f"  {line(r)}" for r in report.get("results", []))
+    return text[:-2] + f',\n "cases": {{\n{cases}\n }},\n "results": [\n{results}\n ]\n}}\n'
+
+
 def write_report(report: dict, path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     with open(path, "w") as f:
-        json.dump(report, f, indent=1, sort_keys=False, allow_nan=False)
-        f.write("\n")
+        f.write(report_text(report))
 
 
 def load_report(path: str) -> dict:
