@@ -60,6 +60,17 @@ def _alibi_bias(spec, dtype, device) -> torch.Tensor:
     return (-spec.alibi_slopes.view(spec.batch, spec.num_heads_q, 1, 1) * dist).to(dtype)
 
 
+def _fused_kernel_friendly(t: torch.Tensor) -> bool:
+    """True when SDPA's fused GPU kernels can read ``t`` as it is: unit stride on the last
+    dim, other strides and the base address 16-byte aligned. On the H200 (torch 2.11, 2026-11-29)
+    views with a padded head dim (row stride D + 3) gave NaN from the fused fp16/bf16 kernels
+    and "cutlassF: no kernel found" for fp32, so such views are copied first."""
+    size = t.element_size()
+    if t.stride(-1) != 1 or (t.data_ptr() % 16):
+        return False
+    return all((s * size) % 16 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+
+
 def _kernel_choice(spec):
     """On CPU, float32/float64 use SDPA's math kernel: the fused CPU kernel approximates exp,
     which breaks the IEEE-float32 promise (DESIGN.md §2); elsewhere torch chooses."""
@@ -150,6 +161,8 @@ class SdpaBackend(Backend):
     # ----- compute -----------------------------------------------------------------------
     def _sdpa(self, spec, q, k, v):
         """q/k/v in canonical (B, S, H, D); returns out (B, Sq, Hq, Dv)."""
+        if spec.device.type == "cuda":
+            q, k, v = (t if _fused_kernel_friendly(t) else t.contiguous() for t in (q, k, v))
         plan = _Plan(spec, q.dtype)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         kwargs = {}

@@ -55,8 +55,14 @@ def test_builtins_are_registered_through_entry_points():
     for name in ("reference", "sdpa", "triton", "cupy", "onnx"):
         assert name in names
     import importlib.metadata as md
-    eps = {ep.name: ep.value for ep in md.entry_points(group=registry.ENTRY_POINT_GROUP)}
+    try:
+        md.distribution("portattn")
+    except md.PackageNotFoundError:   # a source checkout on PYTHONPATH: the same table is used
+        eps = registry._SOURCE_TREE_ENTRY_POINTS
+    else:
+        eps = {ep.name: ep.value for ep in md.entry_points(group=registry.ENTRY_POINT_GROUP)}
     assert eps.get("sdpa") == "portattn.backends.sdpa:SdpaBackend"
+    assert eps == {**eps, **registry._SOURCE_TREE_ENTRY_POINTS}
 
 
 def test_cpu_default_is_sdpa_and_falls_back_with_reasons(clean_env):

@@ -72,3 +72,24 @@ def test_sdpa_reasons():
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     spec = build_spec(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, softcap=3.0)
     assert sdpa.not_supported_reasons(spec) == ["does not support softcap, varlen"]
+
+
+def test_views_the_fused_gpu_kernels_cannot_read_are_detected():
+    from portattn.backends.sdpa import _fused_kernel_friendly
+    buf = torch.randn(2, 40, 5, 51, dtype=torch.float16)        # padded head dim: row stride 51
+    assert not _fused_kernel_friendly(buf[..., :48])
+    assert not _fused_kernel_friendly(torch.randn(2, 40, 4, 48).transpose(-1, -2))
+    assert _fused_kernel_friendly(torch.randn(2, 40, 4, 48, dtype=torch.float16))
+    assert _fused_kernel_friendly(torch.randn(2, 4, 40, 48, dtype=torch.float16).transpose(1, 2))
+
+
+def test_sdpa_on_padded_strided_views_matches_reference():
+    g = torch.Generator().manual_seed(11)
+    buf = torch.full((24, 2, 5, 51), float("nan")).to(torch.bfloat16)
+    view = buf.permute(1, 0, 2, 3)[:, :, :4, :48]
+    view.copy_(torch.randn(view.shape, generator=g).to(torch.bfloat16))
+    kbuf = torch.full((40, 2, 3, 51), float("nan")).to(torch.bfloat16)
+    kview = kbuf.permute(1, 0, 2, 3)[:, :, :2, :48]
+    kview.copy_(torch.randn(kview.shape, generator=g).to(torch.bfloat16))
+    results = check_backend("sdpa", view, kview, kview, grad=True, causal=True)
+    assert all(r.passed for r in results), "\n".join(map(str, results))
