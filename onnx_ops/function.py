@@ -139,7 +139,7 @@ def FlashAttention(Q, K, V, bias, mask, alibi_slopes,
         j1_1d = op.Reshape(j1, [1])
         k_blk = op.Slice(kT5, j0_1d, j1_1d, [4])
         v_blk = op.Slice(v5, j0_1d, j1_1d, [3])
-        s = op.MatMul(q5, k_blk)                                   # (B, Hkv, G, Sq, blk)
+        s = op.Cast(op.MatMul(op.Cast(q5, to=11), op.Cast(k_blk, to=11)), to=1)   # (B, Hkv, G, Sq, blk)
         cols = op.Unsqueeze(op.Range(j0, j1, one), [0])            # (1, blk)
         # stage 2: softcap
         if use_softcap:

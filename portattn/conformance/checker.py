@@ -306,6 +306,8 @@ def check_problem(problem: Problem, backends=None, device="cpu", *, direct: bool
     """Judge every named (default: every registered) backend on ``problem``; skipped backends
     carry their reasons. ``reference`` itself is included: it must pass its own rule."""
     from ..registry import list_backends
+    if isinstance(backends, str):
+        backends = [backends]
     names = list(backends) if backends is not None else list_backends()
     checker = Checker(problem, device, direct=direct)
     return [checker.check(name) for name in names]
