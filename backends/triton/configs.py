@@ -67,7 +67,6 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class BackwardConfigs:
-    preprocess: KernelConfig
     dkdv: KernelConfig
     dq: KernelConfig
 
@@ -159,20 +158,18 @@ def forward_config(target: Target, block_d: int, elem_size: int) -> KernelConfig
 
 
 def backward_configs(target: Target, block_d: int, elem_size: int) -> BackwardConfigs:
-    """Configs of the three backward kernels (delta preprocess, dK/dV, dQ)."""
+    """Configs of the two backward kernels (dK/dV; delta + dQ)."""
     if target.vendor == "cpu":
-        return BackwardConfigs(_INTERPRETER, _INTERPRETER, _INTERPRETER)
+        return BackwardConfigs(_INTERPRETER, _INTERPRETER)
     if target.vendor == "amd":
         (m1, n1), (m2, n2), w, s, wpe = _BWD_AMD[block_d]
         amd = dict(waves_per_eu=wpe, matrix_instr_nonkdim=16, kpack=1)
-        pre = KernelConfig(64, 16, 4, 1, **amd)
     else:
         (m1, n1), (m2, n2), w, s = _BWD_NVIDIA[_nvidia_family(int(target.arch))][block_d]
         amd = {}
-        pre = KernelConfig(64, 16, 4, 1)
     m1, n1, s1 = _shrink(m1, n1, s, elem_size)
     m2, n2, s2 = _shrink(m2, n2, s, elem_size)
-    return BackwardConfigs(pre, KernelConfig(m1, n1, w, s1, **amd), KernelConfig(m2, n2, w, s2, **amd))
+    return BackwardConfigs(KernelConfig(m1, n1, w, s1, **amd), KernelConfig(m2, n2, w, s2, **amd))
 
 
 #: Targets the portability check compiles for, with their shared memory (LDS) limit in bytes.

@@ -145,7 +145,7 @@ def _sweep(report, q, k, v, dout, b, h, s, d, deadline):
         for (m1, n1), (m2, n2), w, st in bwd_candidates:
             if time.time() > deadline:
                 break
-            cfgs = BackwardConfigs(KernelConfig(64, 16, 4, 1), KernelConfig(m1, n1, w, st), KernelConfig(m2, n2, w, st))
+            cfgs = BackwardConfigs(KernelConfig(m1, n1, w, st), KernelConfig(m2, n2, w, st))
             ops.backward_configs_for = lambda spec, cfgs=cfgs: cfgs
             for causal in (False, True):
                 try:

@@ -58,6 +58,19 @@ def _mm(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """``x`` (float32) rounded to ``dtype``, to nearest even as the GPU does. Triton's 3.9
+    interpreter truncates float32 → bfloat16 (even with fp_downcast_rounding="rtne"), which
+    made CPU results one bf16 ulp off towards 0; there the rounding is done on the bits."""
+    if _INTERPRETER_BF16_DOT_FIX:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
 def _load_tile(ptrs, rows, row_limit, cols, HEAD: tl.constexpr, BLOCK: tl.constexpr, CHECK_ROWS: tl.constexpr):
     """Load a (rows, BLOCK) tile, zero-filling rows >= row_limit and head columns >= HEAD."""
     if CHECK_ROWS:
@@ -210,7 +223,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs
     # rescale the running sum and accumulator, then add P V
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_tile(v_ptrs + start_n * stride_vs, cols, sk, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
-    acc = _mm(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+    acc = _mm(_round_to(p, v.dtype), v, acc * alpha[:, None], IEEE)
     return acc, l_i, m_new
 
 
@@ -294,43 +307,12 @@ def attn_fwd(
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     o_ptrs = (O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
               + offs_m[:, None] * stride_os + offs_dv[None, :])
-    _store_tile(o_ptrs, out.to(O.dtype.element_ty), offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV)
+    _store_tile(o_ptrs, _round_to(out, O.dtype.element_ty), offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV)
     l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m
     tl.store(l_ptrs, lse, mask=offs_m < sq)
 
 
 # ----- backward -----------------------------------------------------------------------------
-
-@triton.jit
-def attn_bwd_preprocess(
-    O, DO, DELTA, CU_Q,
-    stride_ob, stride_os, stride_oh,
-    stride_dob, stride_dos, stride_doh,
-    stride_lb, stride_lh,
-    num_heads_q, seqlen_q,
-    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    """delta_i = Σ_d dO_id · O_id (float32), stored like lse."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // num_heads_q
-    h = pid_bh % num_heads_q
-    q_start, sq, _, _ = _seq_bounds(CU_Q, CU_Q, b, seqlen_q, seqlen_q, IS_VARLEN)
-    m0 = pid_m * BLOCK_M
-    if m0 >= sq:
-        return
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    b64 = b.to(tl.int64)
-    o_ptrs = (O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
-              + offs_m[:, None] * stride_os + offs_dv[None, :])
-    do_ptrs = (DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h.to(tl.int64) * stride_doh
-               + offs_m[:, None] * stride_dos + offs_dv[None, :])
-    o = _load_tile(o_ptrs, offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV, True).to(tl.float32)
-    do = _load_tile(do_ptrs, offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV, True).to(tl.float32)
-    delta = tl.sum(o * do, 1)
-    tl.store(DELTA + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m, delta, mask=offs_m < sq)
-
 
 @triton.jit
 def _load_row_stats(LSE, DELTA, row_base, offs_m, sq):
@@ -360,14 +342,14 @@ def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, LSE, DELTA, row_base, bias_ptrs, s
                    MASKED, SOFTCAP, ALIBI, BIAS_MODE)
     p = tl.exp2(s - lse2[:, None])
     # dV += Pᵀ dO
-    dv = _mm(tl.trans(p.to(do.dtype)), do, dv, IEEE)
+    dv = _mm(tl.trans(_round_to(p, do.dtype)), do, dv, IEEE)
     # dS = P ∘ (dO Vᵀ - delta), through the softcap's derivative
     dp = _mm(do, tl.trans(v), None, IEEE)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
     # dK += dSᵀ Q
-    dk = _mm(tl.trans(ds.to(q.dtype)), q, dk, IEEE)
+    dk = _mm(tl.trans(_round_to(ds, q.dtype)), q, dk, IEEE)
     return dk, dv
 
 
@@ -451,8 +433,28 @@ def attn_bwd_dkdv(
                + offs_n[:, None] * stride_dks + offs_d[None, :])
     dv_ptrs = (DV + b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv.to(tl.int64) * stride_dvh
                + offs_n[:, None] * stride_dvs + offs_dv[None, :])
-    _store_tile(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, sk, offs_d, HEAD_D, BLOCK_D)
-    _store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV)
+    _store_tile(dk_ptrs, _round_to(dk, DK.dtype.element_ty), offs_n, sk, offs_d, HEAD_D, BLOCK_D)
+    _store_tile(dv_ptrs, _round_to(dv, DV.dtype.element_ty), offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV)
+
+
+@triton.jit
+def _delta_tile(delta, q, do, lse2, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0,
+                offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
+                slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
+                IEEE: tl.constexpr):
+    """delta_i += Σ_j P_ij dP_ij over one K/V tile: rowsum(dO ∘ O) without O's rounding."""
+    offs_n = start_n + offs_n0
+    k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
+    v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
+    qk = _mm(q, tl.trans(k), None, IEEE)
+    s, _ = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
+                   qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                   MASKED, SOFTCAP, ALIBI, BIAS_MODE)
+    p = tl.exp2(s - lse2[:, None])
+    dp = _mm(do, tl.trans(v), None, IEEE)
+    return delta + tl.sum(p * dp, 1)
 
 
 @triton.jit
@@ -477,11 +479,11 @@ def _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, star
     ds = p * (dp - delta[:, None])
     if BIAS_GRAD:
         db_ptrs = dbias_ptrs + offs_m[:, None] * stride_dbm + offs_n[None, :] * stride_dbn
-        tl.store(db_ptrs, ds.to(dbias_ptrs.dtype.element_ty), mask=(offs_m[:, None] < sq) & (offs_n[None, :] < sk))
+        tl.store(db_ptrs, _round_to(ds, dbias_ptrs.dtype.element_ty), mask=(offs_m[:, None] < sq) & (offs_n[None, :] < sk))
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
     # dQ += dS K
-    dq = _mm(ds.to(k.dtype), k, dq, IEEE)
+    dq = _mm(_round_to(ds, k.dtype), k, dq, IEEE)
     return dq
 
 
@@ -503,8 +505,8 @@ def attn_bwd_dq(
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BIAS_MODE: tl.constexpr, BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """dQ (and dBias) of one (query tile, batch·head): Q, dO, lse, delta resident, loop over the
-    visible key tiles exactly like the forward."""
+    """delta, dQ (and dBias) of one (query tile, batch·head): Q, dO, lse resident; two passes over
+    the visible key tiles exactly like the forward (the first computes delta, stored for dK/dV)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
@@ -541,10 +543,33 @@ def attn_bwd_dq(
 
     q = _load_tile(q_ptrs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, True)
     do = _load_tile(do_ptrs, offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV, True)
-    lse2, delta = _load_row_stats(LSE, DELTA, b64 * stride_lb + h64 * stride_lh + q_start, offs_m, sq)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
+    row_base = b64 * stride_lb + h64 * stride_lh + q_start
+    lse2, _ = _load_row_stats(LSE, DELTA, row_base, offs_m, sq)
     lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
+
+    # delta_i = Σ_j P_ij dP_ij (= rowsum(dO ∘ O) in exact arithmetic), from the same P and dP as
+    # dS below: a rounded 16-bit O would leave |dO|·|O|·2⁻¹¹ in dS, which dominates dQ when the
+    # softmax is peaked, and a row with one visible key gets dS = 0 exactly, as the math says.
+    # Stored for the dK/dV kernel, which runs after this one.
+    delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start_n in range(lo, full_lo, BLOCK_N):
+        delta = _delta_tile(delta, q, do, lse2, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
+                            sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
+                            softcap_scale, softcap2, window_left, window_right,
+                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        delta = _delta_tile(delta, q, do, lse2, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
+                            sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
+                            softcap_scale, softcap2, window_left, window_right,
+                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        delta = _delta_tile(delta, q, do, lse2, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
+                            sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
+                            softcap_scale, softcap2, window_left, window_right,
+                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+    tl.store(DELTA + row_base + offs_m, delta, mask=offs_m < sq)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(lo, full_lo, BLOCK_N):
         dq = _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
                       offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
@@ -564,4 +589,4 @@ def attn_bwd_dq(
     dq = dq * sm_scale
     dq_ptrs = (DQ + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h64 * stride_dqh
                + offs_m[:, None] * stride_dqs + offs_d[None, :])
-    _store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), offs_m, sq, offs_d, HEAD_D, BLOCK_D)
+    _store_tile(dq_ptrs, _round_to(dq, DQ.dtype.element_ty), offs_m, sq, offs_d, HEAD_D, BLOCK_D)

@@ -116,14 +116,14 @@ def forward(spec) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
-    """Run delta preprocess, dK/dV and dQ: ``(dq, dk, dv, dbias or None)`` in canonical shapes."""
+    """Run dQ (which also computes delta) then dK/dV: ``(dq, dk, dv, dbias or None)``."""
     want_dbias = (spec.attn_bias is not None and spec.attn_bias.dtype != torch.bool
                   and spec.attn_bias.requires_grad)
     if spec.is_empty:
         dbias = torch.zeros(spec.attn_bias.shape, dtype=spec.attn_bias.dtype, device=spec.device) if want_dbias else None
         return torch.zeros_like(spec.q), torch.zeros_like(spec.k), torch.zeros_like(spec.v), dbias
     q, k, v = (_last_contiguous(t) for t in (spec.q, spec.k, spec.v))
-    out, dout = _last_contiguous(out), _last_contiguous(dout)
+    dout = _last_contiguous(dout)
     lse = lse.contiguous()
     varlen = spec.is_varlen
     dq = torch.empty(q.shape, dtype=spec.dtype, device=spec.device)
@@ -144,28 +144,9 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
     lse_strides = _lse_strides(spec)
     bh_q = spec.batch * spec.num_heads_q
 
-    # 1. delta = rowsum(dO ∘ O)
-    pre = cfgs.preprocess
-    kernels.attn_bwd_preprocess[(triton.cdiv(spec.seqlen_q, pre.block_m), bh_q)](
-        out, dout, delta, cu_q, *_seq_strides(out, varlen), *_seq_strides(dout, varlen), *lse_strides,
-        spec.num_heads_q, spec.seqlen_q,
-        HEAD_DV=spec.head_dim_v, BLOCK_DV=consts["BLOCK_DV"], BLOCK_M=pre.block_m, IS_VARLEN=varlen,
-        **pre.launch_options(),
-    )
     window = (scalars["qk_scale2"], scalars["softcap_scale"], scalars["softcap2"],
               scalars["window_left"], scalars["window_right"])
-    # 2. dK, dV: one program per (key tile, batch·kv head)
-    c1 = cfgs.dkdv
-    kernels.attn_bwd_dkdv[(triton.cdiv(spec.seqlen_k, c1.block_n), spec.batch * spec.num_heads_kv)](
-        q, k, v, dout, lse, delta, dk, dv, bias, slopes, cu_q, cu_k,
-        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
-        *_seq_strides(dout, varlen), *_seq_strides(dk, varlen), *_seq_strides(dv, varlen),
-        *lse_strides, *bias_strides,
-        spec.num_heads_q, spec.num_heads_kv, spec.gqa_ratio, spec.seqlen_q, spec.seqlen_k,
-        spec.scale, *window,
-        BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BIAS_MODE=bias_mode, **consts, **c1.launch_options(),
-    )
-    # 3. dQ (and dBias): one program per (query tile, batch·head)
+    # 1. delta, dQ (and dBias): one program per (query tile, batch·head)
     c2 = cfgs.dq
     kernels.attn_bwd_dq[(triton.cdiv(spec.seqlen_q, c2.block_m), bh_q)](
         q, k, v, dout, lse, delta, dq, bias, dbias_arg, slopes, cu_q, cu_k,
@@ -176,6 +157,17 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
         spec.scale, *window,
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BIAS_MODE=bias_mode, BIAS_GRAD=want_dbias,
         **consts, **c2.launch_options(),
+    )
+    # 2. dK, dV (reads the delta written by the dQ kernel): one program per (key tile, batch·kv head)
+    c1 = cfgs.dkdv
+    kernels.attn_bwd_dkdv[(triton.cdiv(spec.seqlen_k, c1.block_n), spec.batch * spec.num_heads_kv)](
+        q, k, v, dout, lse, delta, dk, dv, bias, slopes, cu_q, cu_k,
+        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
+        *_seq_strides(dout, varlen), *_seq_strides(dk, varlen), *_seq_strides(dv, varlen),
+        *lse_strides, *bias_strides,
+        spec.num_heads_q, spec.num_heads_kv, spec.gqa_ratio, spec.seqlen_q, spec.seqlen_k,
+        spec.scale, *window,
+        BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BIAS_MODE=bias_mode, **consts, **c1.launch_options(),
     )
     return dq, dk, dv, dbias
 

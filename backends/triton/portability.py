@@ -70,7 +70,7 @@ PLAIN = Features()
 
 @dataclass(frozen=True)
 class Case:
-    kernel: str            # attn_fwd | attn_bwd_preprocess | attn_bwd_dkdv | attn_bwd_dq
+    kernel: str            # attn_fwd | attn_bwd_dkdv | attn_bwd_dq
     target: Target
     smem_limit: int
     dtype: torch.dtype
@@ -91,7 +91,7 @@ def _configs_for(kernel: str, target: Target, block_d: int, dtype: torch.dtype) 
     if kernel == "attn_fwd":
         return forward_config(target, block_d, es)
     bwd = backward_configs(target, block_d, es)
-    return {"attn_bwd_preprocess": bwd.preprocess, "attn_bwd_dkdv": bwd.dkdv, "attn_bwd_dq": bwd.dq}[kernel]
+    return {"attn_bwd_dkdv": bwd.dkdv, "attn_bwd_dq": bwd.dq}[kernel]
 
 
 MAIN_KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
@@ -116,7 +116,7 @@ def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
     Configs depend on (target, padded head dim, element size) and the tables give D 16/32 the
     tiles of D 64, so for each target the full set compiles the three main kernels with fp16 and
     every feature on (non-power-of-two D ≠ Dv) at D 64/128/256, bf16 plain at D 128, fp32 at D 64, 128 (TF32)
-    and 256 (IEEE); a bool mask with varlen (fwd and dq) at D 32 and the delta preprocess kernel.
+    and 256 (IEEE); a bool mask with varlen (fwd and dq) at D 32.
     ``test_full_set_covers_every_config_the_backend_can_choose`` checks the coverage.
     """
     out: list[Case] = []
@@ -141,7 +141,6 @@ def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
             add(kernel, torch.float32, 256)
         add("attn_fwd", torch.bfloat16, 32, Features(varlen=True, bias_mode=2))
         add("attn_bwd_dq", torch.bfloat16, 32, Features(varlen=True, bias_mode=2))
-        add("attn_bwd_preprocess", torch.float32, 256)
     return out
 
 
