@@ -72,12 +72,13 @@ def _fused_kernel_friendly(t: torch.Tensor) -> bool:
 
 
 def _kernel_choice(spec):
-    """float32/float64 use SDPA's math kernel on every device: the fused CPU kernel
-    approximates exp, and on the H200 (2026-11-29) the fused CUDA float32 kernel missed the
-    §3 bound on small problems (e.g. 4.8e-7 on a one-key row the math gives exactly), which
-    breaks the IEEE-float32 promise of DESIGN.md §2. fp16/bf16: torch chooses."""
+    """SDPA's math kernel on CPU (every dtype) and for float32/float64 on GPUs; elsewhere torch
+    chooses. The fused CPU kernel approximates exp (fp16 with extreme logits: dq 13x the
+    naive error, found by the property suite), and on the H200 (2026-11-29) the fused CUDA
+    float32 kernel missed the §3 bound on small problems (e.g. 4.8e-7 on a one-key row the
+    math gives exactly): both break DESIGN.md §2/§3."""
     import contextlib
-    if spec.dtype in (torch.float32, torch.float64):
+    if spec.vendor == "cpu" or spec.dtype in (torch.float32, torch.float64):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         return sdpa_kernel([SDPBackend.MATH])
     return contextlib.nullcontext()
