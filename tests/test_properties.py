@@ -89,36 +89,6 @@ def _problems(device, **kw):
 
 # ----- the equivalence property ---------------------------------------------------------------
 
-#: Known limitations: failures the suite has found and that are not fixed yet. A matching
-#: failure is recorded as a Hypothesis event (and printed by ``--hypothesis-show-statistics``)
-#: instead of failing the property; each entry has a strict-xfail test below that reproduces
-#: it, so the entry must be removed once the backend is fixed. docs/conformance.md lists them.
-KNOWN_LIMITATIONS = [
-    # (backend, predicate on the problem, quantities it may affect, why)
-    ("triton", lambda p: p.dtype == "float32" and p.extreme, {"out", "dq", "dk", "dv", "dbias"},
-     "float32 with extreme logit offsets (~150): errors are set by the float32 rounding of scores "
-     "~150 (and the backward's P = exp2(S - lse) from a float32 lse ~200), not by the algorithm; the "
-     "naive float32 yardstick is one such rounding, so the factor-2/3 bound fails by chance (2026-11-29; "
-     "fix for the backward: keep the row max and sum separately)"),
-    ("triton", lambda p: p.extreme, {"dq", "dk", "dv", "dbias"},
-     "gradients with extreme logit offsets, any dtype: the backward recomputes P = exp2(S - lse) from a "
-     "float32 lse ~200-300, so a (nearly) one-hot row gets P = 1 +- 2e-5 and dS = P(1-P)dP != 0 where "
-     "the naive softmax gives exactly 0 (2026-11-29; same fix as above)"),
-    ("sdpa", lambda p: p.dtype == "float32" and p.extreme, {"out", "dq", "dk", "dv", "dbias"},
-     "float32 with extreme logit offsets: SDPA's math kernel scales q and k by sqrt(scale) each, a "
-     "different float32 rounding of scores ~150 than the naive (q*scale)@k; the factor-2 bound fails by "
-     "chance (2026-11-29)"),
-]
-
-
-def _known_limitation(problem, outcome):
-    failed = {name for name, c in outcome.checks.items() if not c.get("passed", True)}
-    for backend, applies, quantities, why in KNOWN_LIMITATIONS:
-        if outcome.backend == backend and applies(problem) and failed and failed <= quantities:
-            return why
-    return None
-
-
 def check_all(problem, device) -> list:
     """Judge every available backend on ``problem``; return the failing outcomes (failures that
     are a listed known limitation are recorded as events, not returned)."""
@@ -130,11 +100,9 @@ def check_all(problem, device) -> list:
         if outcome.verdict == "skip":
             _record_skip(outcome)
         elif outcome.verdict == "fail":
-            why = _known_limitation(problem, outcome)
-            if why is None:
-                failures.append(outcome)
-            else:
-                event(f"{name}@{checker.device}: known limitation: {why[:60]}")
+            failures.append(outcome)
+        elif outcome.verdict == "known":   # listed in portattn/conformance/known.py
+            event(f"{name}@{checker.device}: known limitation: {outcome.reasons[0][19:80]}")
         else:
             event(f"{name}@{checker.device} checked")
         for what in outcome.not_checked:
@@ -272,11 +240,11 @@ def test_strategy_respects_the_cpu_cap_and_reproduces(problem):
     ("sdpa", Problem(batch=1, seqlen_q=2, seqlen_k=2, heads_q=1, heads_kv=1, head_dim=8, dtype="float32",
                      extreme=True, grad=False, seed=0)),
 ], ids=["triton", "sdpa"])
-@pytest.mark.xfail(strict=True, reason="a listed known limitation (KNOWN_LIMITATIONS): must still reproduce")
 def test_known_limitations_still_reproduce(backend, problem):
-    """Each KNOWN_LIMITATIONS entry is real: this fails until the backend is fixed, and then
-    (strict xfail) turns red so that the entry is removed."""
+    """Each entry of portattn/conformance/known.py is real: the problem still fails the §3 rule
+    (verdict ``known``, never ``pass``). Once a backend is fixed this test turns red, and the
+    entry must be deleted."""
     if backend not in _available():
         pytest.skip(f"{backend} is not available here")
     outcome = Checker(problem, "cpu").check(backend)
-    assert outcome.verdict == "pass", outcome.summary()
+    assert outcome.verdict == "known", outcome.summary()

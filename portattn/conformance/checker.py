@@ -46,7 +46,7 @@ class Raw:
 class Outcome:
     """The verdict for one problem × backend × device.
 
-    ``verdict`` is ``pass``, ``fail`` or ``skip``; ``reasons`` holds the backend's reasons for a
+    ``verdict`` is ``pass``, ``fail``, ``known`` (a failure listed in :mod:`.known`) or ``skip``; ``reasons`` holds the backend's reasons for a
     skip, or the failure messages. ``checks`` maps ``out``/``lse``/``dq``... to the numbers of
     the comparison; ``not_checked`` says what could not be compared and why (e.g. a backend
     without backward is still checked forward-only).
@@ -271,6 +271,13 @@ class Checker:
         failures = self.judge(got, outcome.checks)
         outcome.verdict = "fail" if failures else "pass"
         outcome.reasons = failures
+        if failures:
+            from .known import known_limitation
+            failed = [name for name, c in outcome.checks.items() if not c.get("passed", True)]
+            why = known_limitation(self.problem, backend_name, failed)
+            if why is not None:
+                outcome.verdict = "known"
+                outcome.reasons = [f"known limitation: {why}"] + failures
         outcome.seconds = time.perf_counter() - start
         return outcome
 

@@ -209,12 +209,12 @@ def summarize(report: dict) -> dict:
     rows: dict[str, dict] = {}
     for r in report["results"]:
         key = f"{r['backend']}@{r['device']}"
-        row = rows.setdefault(key, {"pass": 0, "fail": 0, "skip": 0, "worst_score": 0.0, "worst_lse_err": 0.0,
-                                    "seconds": 0.0})
+        row = rows.setdefault(key, {"pass": 0, "fail": 0, "known": 0, "skip": 0, "worst_score": 0.0,
+                                    "worst_lse_err": 0.0, "seconds": 0.0})
         row[r["verdict"]] += 1
         row["seconds"] = round(row["seconds"] + r["seconds"], 3)
         score = _num(r.get("score"))
-        if score is not None and r["verdict"] != "skip":
+        if score is not None and r["verdict"] in ("pass", "fail"):
             row["worst_score"] = max(row["worst_score"], score)
         lse = r["checks"].get("lse", {}).get("max_err")
         if _num(lse) is not None:
@@ -225,6 +225,7 @@ def summarize(report: dict) -> dict:
                 row[key] = "inf"
     failed = sum(row["fail"] for row in rows.values())
     return {"by_backend": rows, "failed": failed, "passed": sum(row["pass"] for row in rows.values()),
+            "known": sum(row.get("known", 0) for row in rows.values()),
             "skipped": sum(row["skip"] for row in rows.values())}
 
 
@@ -296,7 +297,7 @@ def print_summary(report: dict, file=None, max_failures: int = 40) -> None:
     for key, row in report["summary"]["by_backend"].items():
         score = row["worst_score"]
         lse = row["worst_lse_err"]
-        rows.append([key, row["pass"], row["fail"], row["skip"],
+        rows.append([key, row["pass"], row["fail"], row.get("known", 0), row["skip"],
                      f"{score:.3g}" if isinstance(score, float) else score,
                      f"{lse:.2g}" if isinstance(lse, float) else lse, f"{row['seconds']:.1f}"])
     env = report["environment"]
@@ -304,7 +305,8 @@ def print_summary(report: dict, file=None, max_failures: int = 40) -> None:
     print(f"portattn conformance — catalogue v{report['catalogue_version']}, {len(report['cases'])} cases, "
           f"devices {', '.join(report['devices'])}, GPUs: {gpus}", file=file)
     print_table("verdicts per backend (score = max|out-ref| / max|naive-ref|; pass needs out <= 2x naive + floor)",
-                ["backend@device", "pass", "fail", "skip", "worst score", "worst lse err", "seconds"], rows, file)
+                ["backend@device", "pass", "fail", "known", "skip", "worst score", "worst lse err", "seconds"],
+                rows, file)
     unavailable = {n: b["reasons"] for n, b in report["backends"].items() if not b["available"]}
     for name, reasons in unavailable.items():
         print(f"  {name}: unavailable — {'; '.join(reasons)}", file=file)
@@ -313,8 +315,12 @@ def print_summary(report: dict, file=None, max_failures: int = 40) -> None:
         print(f"FAIL {r['case']} {r['backend']}@{r['device']}: {' | '.join(r['reasons'])[:400]}", file=file)
     if len(fails) > max_failures:
         print(f"... and {len(fails) - max_failures} more failures (see the JSON report)", file=file)
+    known = [r for r in report["results"] if r["verdict"] == "known"]
+    for r in known[:max_failures]:
+        print(f"KNOWN {r['case']} {r['backend']}@{r['device']}: {' | '.join(r['reasons'][1:])[:300]}", file=file)
     s = report["summary"]
-    print(f"{s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped in {report['seconds']}s", file=file)
+    print(f"{s['passed']} passed, {s['failed']} failed, {s.get('known', 0)} known limitation(s), "
+          f"{s['skipped']} skipped in {report['seconds']}s", file=file)
 
 
 def run_catalogue(*, quick: bool = False, patterns=None, backends=None, devices=None, progress=True,
