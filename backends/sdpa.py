@@ -21,6 +21,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from portattn.reference import visible_keys
 from portattn.registry import Backend
 
 _LSE_CHUNK_ELEMENTS = 1 << 26
@@ -38,18 +39,7 @@ _ENABLE_GQA = _has_enable_gqa()
 
 def _keep_mask(spec, device) -> torch.Tensor | None:
     """Bool (Sq, Sk) mask of keys visible under causal/window, or None if all are."""
-    if spec.window_left is None and spec.window_right is None:
-        return None
-    sq, sk = spec.seqlen_q, spec.seqlen_k
-    i = torch.arange(sq, device=device).unsqueeze(1)
-    j = torch.arange(sk, device=device).unsqueeze(0)
-    row = i + (sk - sq) if spec.alignment == "bottom_right" else i
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
-    if spec.window_left is not None:
-        keep = keep & (j >= row - spec.window_left)
-    if spec.window_right is not None:
-        keep = keep & (j <= row + spec.window_right)
-    return keep
+    return visible_keys(spec, spec.seqlen_q, spec.seqlen_k, device)
 
 
 def _alibi_bias(spec, dtype, device) -> torch.Tensor:

@@ -19,7 +19,7 @@ from .spec import AttentionSpec
 _CHUNK_ELEMENTS = 1 << 27
 
 
-def _visible(spec: AttentionSpec, sq: int, sk: int, device) -> torch.Tensor | None:
+def visible_keys(spec: AttentionSpec, sq: int, sk: int, device) -> torch.Tensor | None:
     """Bool (sq, sk) mask of visible keys from causal/window, or None when all are visible."""
     if spec.window_left is None and spec.window_right is None:
         return None
@@ -49,7 +49,7 @@ def _one_sequence(spec: AttentionSpec, q, k, v, bias, slopes, compute_dtype, nai
     qh = q.to(compute_dtype).transpose(0, 1)   # (H, Sq, D)
     kh = k.to(compute_dtype).transpose(0, 1)   # (H, Sk, D): K/V heads already matched to q's
     vh = v.to(compute_dtype).transpose(0, 1)   # (H, Sk, Dv)
-    keep = _visible(spec, sq, sk, q.device)
+    keep = visible_keys(spec, sq, sk, q.device)
     if naive:
         s = (qh * spec.scale) @ kh.transpose(1, 2)
     else:
