@@ -33,6 +33,7 @@ from hypothesis import strategies as st  # noqa: E402
 from portattn.conformance import Checker, cap_for, problem_strategy  # noqa: E402
 from portattn.conformance.checker import GRAD_NAMES  # noqa: E402
 from portattn.conformance.problems import Problem, _sequence_rows  # noqa: E402
+from portattn.conformance.known import KNOWN_LIMITATIONS  # noqa: E402
 from portattn.registry import get_backend, list_backends  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -234,16 +235,13 @@ def test_strategy_respects_the_cpu_cap_and_reproduces(problem):
         assert not bool(torch.isnan(x).any()), "NaN must stay outside the visible view"
 
 
-@pytest.mark.parametrize("backend,problem", [
-    ("triton", Problem(batch=1, seqlen_q=2, seqlen_k=2, heads_q=1, heads_kv=1, head_dim=16, dtype="float32",
-                       extreme=True, grad=True, seed=0)),
-    ("sdpa", Problem(batch=1, seqlen_q=2, seqlen_k=2, heads_q=1, heads_kv=1, head_dim=8, dtype="float32",
-                     extreme=True, grad=False, seed=0)),
-], ids=["triton", "sdpa"])
-def test_known_limitations_still_reproduce(backend, problem):
-    """Each entry of portattn/conformance/known.py is real: the problem still fails the §3 rule
+@pytest.mark.parametrize("entry", KNOWN_LIMITATIONS, ids=[f"{e.backend}-{i}" for i, e in enumerate(KNOWN_LIMITATIONS)])
+def test_known_limitations_still_reproduce(entry):
+    """Each entry of portattn/conformance/known.py is real: its example still fails the §3 rule
     (verdict ``known``, never ``pass``). Once a backend is fixed this test turns red, and the
     entry must be deleted."""
+    backend, problem = entry.backend, entry.example
+    assert entry.applies(problem), "the example must be covered by its own entry"
     if backend not in _available():
         pytest.skip(f"{backend} is not available here")
     outcome = Checker(problem, "cpu").check(backend)

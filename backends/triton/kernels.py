@@ -15,7 +15,11 @@ Conventions shared by all kernels (DESIGN.md §2):
   the band (no per-element mask at all), masked tiles at the band's end; tiles outside the
   band are never visited;
 * ``lse`` is stored in natural log; a row with no visible key has ``l_i = 0``: output 0 and
-  ``lse = -inf`` (the backward reads ``-inf`` as ``+inf`` so that its probabilities are 0).
+  ``lse = -inf``;
+* the backward does not read ``lse``: its first pass recomputes each row's max ``m`` (base 2)
+  and sum ``l`` exactly as the forward does and keeps them apart, so ``P = exp2(S - m) / l``
+  is the forward's softmax bit for bit in structure (a row with one visible key gets P = 1
+  exactly); folding them into a float32 ``lse`` cost ``ulp(|lse|)`` relative error in every P.
 
 Nothing here uses atomics: dK/dV and dQ are computed by separate kernels that each own their
 output tile, so gradients are bit-identical across runs by construction.
@@ -44,14 +48,14 @@ BIAS_BOOL = 2
 # ----- small helpers ------------------------------------------------------------------------
 
 @triton.jit
-def _mm(a, b, acc, IEEE: tl.constexpr):
+def _mm(a, b, acc, IEEE_: tl.constexpr):
     """acc + a @ b in float32 (acc None: a fresh accumulator); ``IEEE`` forces true float32
     products for float32 inputs (otherwise the target's default: TF32 on NVIDIA)."""
     if _INTERPRETER_BF16_DOT_FIX:
         if a.dtype == tl.bfloat16:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-    if IEEE:
+    if IEEE_:
         return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
@@ -96,8 +100,26 @@ def _store_tile(ptrs, x, rows, row_limit, cols, HEAD: tl.constexpr, BLOCK: tl.co
 
 @triton.jit
 def _tanh(x):
-    # tanh through exp2 (portable: no libdevice); saturates cleanly to ±1.
-    return 2.0 / (1.0 + tl.exp2(x * (-2.0 * LOG2E))) - 1.0
+    """tanh in float32 without libdevice (portable to every target and the interpreter).
+
+    |x| < 0.4: the odd Taylor polynomial to x¹³ (truncation < 2e-9 relative, below float32's
+    ulp); elsewhere sign(x)·(1 - e)/(1 + e) with e = exp(-2|x|) ∈ (0, 0.45], where 1 - e no
+    longer cancels. The old form 2/(1 + e) - 1 lost ~log2(1/|x|) bits for small |x|.
+    """
+    ax = tl.abs(x)
+    e = tl.exp2(ax * (-2.0 * LOG2E))
+    big = (1.0 - e) / (1.0 + e)
+    big = tl.where(x < 0, -big, big)
+    x2 = x * x
+    poly = -929569.0 / 638512875.0
+    poly = poly * x2 + 21844.0 / 6081075.0
+    poly = poly * x2 - 1382.0 / 155925.0
+    poly = poly * x2 + 62.0 / 2835.0
+    poly = poly * x2 - 17.0 / 315.0
+    poly = poly * x2 + 2.0 / 15.0
+    poly = poly * x2 - 1.0 / 3.0
+    small = x + x * x2 * poly
+    return tl.where(ax < 0.4, small, big)
 
 
 @triton.jit
@@ -160,14 +182,30 @@ def _query_phases(n0, sq, sk, off, window_left, window_right, BLOCK_M: tl.conste
 
 
 @triton.jit
+def _exp2_diff(s, m, qk_scale2, RAW_SCORES: tl.constexpr):
+    """exp2 of base-2 score minus max. With raw scores ``(qk - m)`` is formed first — exact for the
+    keys near the max (Sterbenz), so P carries the rounding of ``qk`` alone, as the naive
+    ``softmax((q·scale) kᵀ)`` does — and scaled after; scaling each ``qk`` first added one more
+    rounding of ``ulp(|s|)`` to every P (float32 at large logits: ~2x the naive error)."""
+    if RAW_SCORES:
+        return tl.exp2((s - m) * qk_scale2)
+    else:
+        return tl.exp2(s - m)
+
+
+@triton.jit
 def _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
             qk_scale2, softcap_scale, softcap2, window_left, window_right,
-            MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr):
+            MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
+            RAW_SCORES: tl.constexpr):
     """Scores in base 2 from raw ``qk = q·kᵀ`` for rows ``offs_m`` and keys ``offs_n``.
 
     Applies, in §2's order: scale, softcap, ALiBi, additive bias / bool mask, causal-window and
     bounds mask (``MASKED`` tiles only). Returns (s2, t) with ``t = tanh(scale·qk/c)`` when
     ``SOFTCAP`` (the backward needs it), else ``qk``.
+
+    ``RAW_SCORES`` (no softcap, ALiBi or float bias, so the score is ``qk_scale2·qk``): s is
+    ``qk`` itself, and the scale is applied after the max is subtracted (:func:`_exp2_diff`).
     """
     # 1-2. scale (and softcap c·tanh(s/c)), in base 2
     if SOFTCAP:
@@ -175,7 +213,10 @@ def _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, sl
         s = t * softcap2
     else:
         t = qk
-        s = qk * qk_scale2
+        if RAW_SCORES:
+            s = qk
+        else:
+            s = qk * qk_scale2
     # 3. ALiBi: -slope·|i + Sk - Sq - j| (always the bottom-right distance)
     if ALIBI:
         dist = (offs_m[:, None] + (sk - sq) - offs_n[None, :]).to(tl.float32)
@@ -206,7 +247,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs
               qk_scale2, softcap_scale, softcap2, window_left, window_right,
               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
-              IEEE: tl.constexpr):
+              IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
     """One K/V tile of the online softmax: update (m_i, l_i, acc)."""
     cols = start_n + offs_n
     # S = Q Kᵀ for this tile
@@ -214,12 +255,12 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs
     qk = _mm(q, tl.trans(k), None, IEEE)
     s, _ = _logits(qk, offs_m, cols, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                    qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                   MASKED, SOFTCAP, ALIBI, BIAS_MODE)
+                   MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES)
     # running max; a row with nothing visible yet keeps m = -inf and subtracts 0 instead
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    alpha = _exp2_diff(m_i, m_safe, qk_scale2, RAW_SCORES)
+    p = _exp2_diff(s, m_safe[:, None], qk_scale2, RAW_SCORES)
     # rescale the running sum and accumulator, then add P V
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_tile(v_ptrs + start_n * stride_vs, cols, sk, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
@@ -241,7 +282,7 @@ def attn_fwd(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    BIAS_MODE: tl.constexpr, IEEE: tl.constexpr,
+    BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
 ):
     """O = softmax(scale·QKᵀ + bias)V for one (query tile, batch·head); writes O and lse."""
     pid_m = tl.program_id(0)
@@ -286,24 +327,26 @@ def attn_fwd(
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
                                   offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
                                   slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
     # phase 2: tiles every row sees entirely (no element mask)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
                                   offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
                                   slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
     # phase 3: tiles cut by the band's right edge or the end of the keys (masked)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
                                   offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
                                   slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
 
     # normalise once; rows with no visible key output 0 and lse = -inf
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
+    if RAW_SCORES:
+        m_i = m_i * qk_scale2
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     o_ptrs = (O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
               + offs_m[:, None] * stride_os + offs_dv[None, :])
@@ -315,32 +358,40 @@ def attn_fwd(
 # ----- backward -----------------------------------------------------------------------------
 
 @triton.jit
-def _load_row_stats(LSE, DELTA, row_base, offs_m, sq):
-    """lse in base 2 (with -inf read as +inf so fully-masked rows get P = 0) and delta."""
-    lse = tl.load(LSE + row_base + offs_m, mask=offs_m < sq, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < sq, other=0.0)
-    return lse2, delta
+def _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq):
+    """(m, 1/l, delta) of rows ``offs_m`` as the dQ kernel stored them; rows with no visible key
+    (and rows past the end) read m = +inf, 1/l = 0, so that their probabilities are exactly 0."""
+    in_rows = offs_m < sq
+    m2 = tl.load(ROWMAX + row_base + offs_m, mask=in_rows, other=float("inf"))
+    inv_l = tl.load(ROWINV + row_base + offs_m, mask=in_rows, other=0.0)
+    delta = tl.load(DELTA + row_base + offs_m, mask=in_rows, other=0.0)
+    return m2, inv_l, delta
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, LSE, DELTA, row_base, bias_ptrs, start_m, offs_m0, offs_n,
+def _probs(s, m2, inv_l, qk_scale2, RAW_SCORES: tl.constexpr):
+    """P = exp2(S - m) / l from a row's separate max and reciprocal sum."""
+    return _exp2_diff(s, m2[:, None], qk_scale2, RAW_SCORES) * inv_l[:, None]
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0, offs_n,
                offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn, slope2,
                qk_scale2, softcap_scale, softcap2, window_left, window_right,
                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
-               IEEE: tl.constexpr):
+               IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
     """One Q tile against the resident K/V tile: accumulate dK (unscaled) and dV."""
     offs_m = start_m + offs_m0
     q = _load_tile(q_ptrs + start_m * stride_qs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, MASKED)
     do = _load_tile(do_ptrs + start_m * stride_dos, offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
-    lse2, delta = _load_row_stats(LSE, DELTA, row_base, offs_m, sq)
-    # recompute P = exp(S - lse) for this tile
+    m2, inv_l, delta = _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq)
+    # recompute P = exp2(S - m) / l for this tile
     qk = _mm(q, tl.trans(k), None, IEEE)
     s, t = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                    qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                   MASKED, SOFTCAP, ALIBI, BIAS_MODE)
-    p = tl.exp2(s - lse2[:, None])
+                   MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES)
+    p = _probs(s, m2, inv_l, qk_scale2, RAW_SCORES)
     # dV += Pᵀ dO
     dv = _mm(tl.trans(_round_to(p, do.dtype)), do, dv, IEEE)
     # dS = P ∘ (dO Vᵀ - delta), through the softcap's derivative
@@ -355,7 +406,7 @@ def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, LSE, DELTA, row_base, bias_ptrs, s
 
 @triton.jit
 def attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, SLOPES, CU_Q, CU_K,
+    Q, K, V, DO, ROWMAX, ROWINV, DELTA, DK, DV, BIAS, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -369,7 +420,7 @@ def attn_bwd_dkdv(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    BIAS_MODE: tl.constexpr, IEEE: tl.constexpr,
+    BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
 ):
     """dK, dV of one (key tile, batch·kv head): K/V resident, loop over the query heads of the
     GQA group and over their query tiles. Each program owns its output tile (no atomics)."""
@@ -413,20 +464,20 @@ def attn_bwd_dkdv(
             slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
         # masked query tiles at the band's top, unmasked middle, masked bottom
         for start_m in range(lo, full_lo, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, LSE, DELTA, row_base, bias_ptrs, start_m, offs_m0,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0,
                                 offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
                                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
         for start_m in range(full_lo, full_hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, LSE, DELTA, row_base, bias_ptrs, start_m, offs_m0,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0,
                                 offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
                                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
         for start_m in range(full_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, LSE, DELTA, row_base, bias_ptrs, start_m, offs_m0,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0,
                                 offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
                                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
 
     dk = dk * sm_scale
     dk_ptrs = (DK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv.to(tl.int64) * stride_dkh
@@ -438,32 +489,38 @@ def attn_bwd_dkdv(
 
 
 @triton.jit
-def _delta_tile(delta, q, do, lse2, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0,
+def _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0,
                 offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
-                IEEE: tl.constexpr):
-    """delta_i += Σ_j P_ij dP_ij over one K/V tile: rowsum(dO ∘ O) without O's rounding."""
+                IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
+    """One K/V tile of the backward's first pass: the forward's online (m, l) and, rescaled
+    alongside, dacc_i = Σ_j exp2(S_ij - m_i) dP_ij (so delta = dacc / l = Σ_j P_ij dP_ij)."""
     offs_n = start_n + offs_n0
     k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
     v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
     qk = _mm(q, tl.trans(k), None, IEEE)
     s, _ = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                    qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                   MASKED, SOFTCAP, ALIBI, BIAS_MODE)
-    p = tl.exp2(s - lse2[:, None])
+                   MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = _exp2_diff(m_i, m_safe, qk_scale2, RAW_SCORES)
+    p = _exp2_diff(s, m_safe[:, None], qk_scale2, RAW_SCORES)
     dp = _mm(do, tl.trans(v), None, IEEE)
-    return delta + tl.sum(p * dp, 1)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    dacc = dacc * alpha + tl.sum(p * dp, 1)
+    return m_new, l_i, dacc
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
+def _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
              offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm, stride_dbn,
              slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
              MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
-             BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr):
+             BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
     """One K/V tile against the resident Q tile: accumulate dQ (unscaled); write dBias."""
     offs_n = start_n + offs_n0
     k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
@@ -472,8 +529,8 @@ def _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, star
     qk = _mm(q, tl.trans(k), None, IEEE)
     s, t = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                    qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                   MASKED, SOFTCAP, ALIBI, BIAS_MODE)
-    p = tl.exp2(s - lse2[:, None])
+                   MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES)
+    p = _probs(s, m2, inv_l, qk_scale2, RAW_SCORES)
     # dS = P ∘ (dO Vᵀ - delta): the gradient of the (natural-log) score, i.e. dBias
     dp = _mm(do, tl.trans(v), None, IEEE)
     ds = p * (dp - delta[:, None])
@@ -489,7 +546,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, star
 
 @triton.jit
 def attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, BIAS, DBIAS, SLOPES, CU_Q, CU_K,
+    Q, K, V, DO, ROWMAX, ROWINV, DELTA, DQ, BIAS, DBIAS, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -503,10 +560,12 @@ def attn_bwd_dq(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    BIAS_MODE: tl.constexpr, BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr,
+    BIAS_MODE: tl.constexpr, BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
 ):
-    """delta, dQ (and dBias) of one (query tile, batch·head): Q, dO, lse resident; two passes over
-    the visible key tiles exactly like the forward (the first computes delta, stored for dK/dV)."""
+    """Row stats, dQ (and dBias) of one (query tile, batch·head): Q and dO resident; two passes
+    over the visible key tiles exactly like the forward. The first recomputes the row max m and
+    sum l and delta = Σ_j P_ij dP_ij, stored (m, 1/l, delta) for the dK/dV kernel; the second
+    accumulates dQ."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
@@ -544,47 +603,57 @@ def attn_bwd_dq(
     q = _load_tile(q_ptrs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, True)
     do = _load_tile(do_ptrs, offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV, True)
     row_base = b64 * stride_lb + h64 * stride_lh + q_start
-    lse2, _ = _load_row_stats(LSE, DELTA, row_base, offs_m, sq)
     lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
 
-    # delta_i = Σ_j P_ij dP_ij (= rowsum(dO ∘ O) in exact arithmetic), from the same P and dP as
-    # dS below: a rounded 16-bit O would leave |dO|·|O|·2⁻¹¹ in dS, which dominates dQ when the
-    # softmax is peaked, and a row with one visible key gets dS = 0 exactly, as the math says.
-    # Stored for the dK/dV kernel, which runs after this one.
-    delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # pass 1: m, l and delta_i = Σ_j P_ij dP_ij (= rowsum(dO ∘ O) in exact arithmetic), from the
+    # same P and dP as dS below: a rounded 16-bit O would leave |dO|·|O|·2⁻¹¹ in dS, which
+    # dominates dQ when the softmax is peaked, and a row with one visible key gets dS = 0
+    # exactly, as the math says. Stored for the dK/dV kernel, which runs after this one.
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    dacc = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, full_lo, BLOCK_N):
-        delta = _delta_tile(delta, q, do, lse2, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
+        m_i, l_i, dacc = _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
                             sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
                             softcap_scale, softcap2, window_left, window_right,
-                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
     for start_n in range(full_lo, full_hi, BLOCK_N):
-        delta = _delta_tile(delta, q, do, lse2, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
+        m_i, l_i, dacc = _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
                             sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
                             softcap_scale, softcap2, window_left, window_right,
-                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
+                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
     for start_n in range(full_hi, hi, BLOCK_N):
-        delta = _delta_tile(delta, q, do, lse2, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
+        m_i, l_i, dacc = _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
                             sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
                             softcap_scale, softcap2, window_left, window_right,
-                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE)
-    tl.store(DELTA + row_base + offs_m, delta, mask=offs_m < sq)
+                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+    empty = l_i == 0.0               # no visible key: P = 0 everywhere (m = +inf, 1/l = 0)
+    inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
+    m2 = tl.where(empty, float("inf"), m_i)
+    delta = dacc * inv_l
+    in_rows = offs_m < sq
+    tl.store(ROWMAX + row_base + offs_m, m2, mask=in_rows)
+    tl.store(ROWINV + row_base + offs_m, inv_l, mask=in_rows)
+    tl.store(DELTA + row_base + offs_m, delta, mask=in_rows)
+
+    # pass 2: dQ
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(lo, full_lo, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
+        dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
                       offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
                       stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE)
+                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
     for start_n in range(full_lo, full_hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
+        dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
                       offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
                       stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE)
+                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
     for start_n in range(full_hi, hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
+        dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
                       offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
                       stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE)
+                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
 
     dq = dq * sm_scale
     dq_ptrs = (DQ + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h64 * stride_dqh

@@ -62,6 +62,10 @@ def _common(spec):
         IS_VARLEN=spec.is_varlen, BOTTOM_RIGHT=spec.alignment == "bottom_right",
         SOFTCAP=softcap is not None, ALIBI=spec.alibi_slopes is not None,
         IEEE=spec.dtype == torch.float32 and not spec.allow_tf32,
+        # float32 and the score is qk_scale2·qk (scale > 0 is validated): keep qk and scale after
+        # subtracting the max (one rounding fewer in P; 16-bit P is rounded to 16 bits anyway)
+        RAW_SCORES=spec.dtype == torch.float32 and softcap is None and spec.alibi_slopes is None
+        and (spec.attn_bias is None or spec.attn_bias.dtype == torch.bool),
     )
     return scalars, consts
 
@@ -116,7 +120,8 @@ def forward(spec) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
-    """Run dQ (which also computes delta) then dK/dV: ``(dq, dk, dv, dbias or None)``."""
+    """Run dQ (which first recomputes the row stats) then dK/dV: ``(dq, dk, dv, dbias or None)``.
+    ``out`` and ``lse`` are accepted for the backend interface and not read."""
     want_dbias = (spec.attn_bias is not None and spec.attn_bias.dtype != torch.bool
                   and spec.attn_bias.requires_grad)
     if spec.is_empty:
@@ -124,21 +129,22 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
         return torch.zeros_like(spec.q), torch.zeros_like(spec.k), torch.zeros_like(spec.v), dbias
     q, k, v = (_last_contiguous(t) for t in (spec.q, spec.k, spec.v))
     dout = _last_contiguous(dout)
-    lse = lse.contiguous()
     varlen = spec.is_varlen
     dq = torch.empty(q.shape, dtype=spec.dtype, device=spec.device)
     dk = torch.empty(k.shape, dtype=spec.dtype, device=spec.device)
     dv = torch.empty(v.shape, dtype=spec.dtype, device=spec.device)
-    delta = torch.empty_like(lse)
+    # per-row (m, 1/l, delta), written by the dQ kernel's first pass and read by dK/dV; the
+    # forward's lse is not read (see kernels.py: P from separate m and l)
+    rowmax, rowinv, delta = (torch.empty(spec.lse_shape, dtype=torch.float32, device=spec.device) for _ in range(3))
     bias, bias_strides, bias_mode = _bias_args(spec, q)
     if want_dbias:   # positions outside every band (and varlen padding) keep gradient 0
         dbias = torch.zeros(spec.attn_bias.shape, dtype=spec.attn_bias.dtype, device=spec.device)
         dbias_arg, dbias_strides = dbias, tuple(dbias.stride())
     else:
         dbias, dbias_arg, dbias_strides = None, q, (0, 0, 0, 0)
-    slopes = spec.alibi_slopes if spec.alibi_slopes is not None else lse
-    cu_q = spec.cu_seqlens_q if varlen else lse
-    cu_k = spec.cu_seqlens_k if varlen else lse
+    slopes = spec.alibi_slopes if spec.alibi_slopes is not None else delta
+    cu_q = spec.cu_seqlens_q if varlen else delta
+    cu_k = spec.cu_seqlens_k if varlen else delta
     scalars, consts = _common(spec)
     cfgs = backward_configs_for(spec)
     lse_strides = _lse_strides(spec)
@@ -146,10 +152,10 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
 
     window = (scalars["qk_scale2"], scalars["softcap_scale"], scalars["softcap2"],
               scalars["window_left"], scalars["window_right"])
-    # 1. delta, dQ (and dBias): one program per (query tile, batch·head)
+    # 1. row stats, dQ (and dBias): one program per (query tile, batch·head)
     c2 = cfgs.dq
     kernels.attn_bwd_dq[(triton.cdiv(spec.seqlen_q, c2.block_m), bh_q)](
-        q, k, v, dout, lse, delta, dq, bias, dbias_arg, slopes, cu_q, cu_k,
+        q, k, v, dout, rowmax, rowinv, delta, dq, bias, dbias_arg, slopes, cu_q, cu_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
         *_seq_strides(dout, varlen), *_seq_strides(dq, varlen),
         *lse_strides, *bias_strides, *dbias_strides,
@@ -158,10 +164,10 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BIAS_MODE=bias_mode, BIAS_GRAD=want_dbias,
         **consts, **c2.launch_options(),
     )
-    # 2. dK, dV (reads the delta written by the dQ kernel): one program per (key tile, batch·kv head)
+    # 2. dK, dV (reads the row stats written by the dQ kernel): one program per (key tile, batch·kv head)
     c1 = cfgs.dkdv
     kernels.attn_bwd_dkdv[(triton.cdiv(spec.seqlen_k, c1.block_n), spec.batch * spec.num_heads_kv)](
-        q, k, v, dout, lse, delta, dk, dv, bias, slopes, cu_q, cu_k,
+        q, k, v, dout, rowmax, rowinv, delta, dk, dv, bias, slopes, cu_q, cu_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
         *_seq_strides(dout, varlen), *_seq_strides(dk, varlen), *_seq_strides(dv, varlen),
         *lse_strides, *bias_strides,

@@ -147,7 +147,7 @@ def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
 # ----- building one compile -----------------------------------------------------------------
 
 _FLOAT_ARGS = {"qk_scale2", "softcap_scale", "softcap2", "sm_scale"}
-_FP32_PTRS = {"LSE", "DELTA", "SLOPES"}
+_FP32_PTRS = {"LSE", "ROWMAX", "ROWINV", "DELTA", "SLOPES"}
 _I32_PTRS = {"CU_Q", "CU_K"}
 
 
@@ -164,6 +164,7 @@ def _signature(fn, case: Case):
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=f.varlen, BOTTOM_RIGHT=f.bottom_right,
         SOFTCAP=f.softcap, ALIBI=f.alibi, BIAS_MODE=f.bias_mode, BIAS_GRAD=f.bias_grad,
         IEEE=case.dtype == torch.float32 and f.ieee,
+        RAW_SCORES=case.dtype == torch.float32 and not f.softcap and not f.alibi and f.bias_mode != kernels.BIAS_ADD,
     )
     bias_ty = "*u8" if f.bias_mode == kernels.BIAS_BOOL else f"*{dt}"
     signature, constexprs, attrs = {}, {}, {}
