@@ -1,34 +1,55 @@
 #!/usr/bin/env bash
-# One GPU session on the H200 (device tool): GPU tests, the conformance report, the benchmark.
-# Everything lands under $OUT; the last lines printed are the summaries.
-#   bash benchmarks/h200_session.sh [tests|conformance|bench|all]
+# One GPU session on the H200 (device tool), in two calls of under ten minutes each:
+#   bash benchmarks/h200_session.sh verify   # GPU tests and the whole conformance catalogue, side by side
+#   bash benchmarks/h200_session.sh bench    # the shared benchmark alone (timings), then the GPU property profile
+# Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
+# (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/portattn-out}
+LIMIT=${LIMIT:-430}          # seconds each parallel part may run
 mkdir -p "$OUT"
-what=${1:-all}
+what=${1:-verify}
 PY=python3
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-$PY -m portattn.cli info > "$OUT/info.txt" 2>&1; tail -25 "$OUT/info.txt"
+{ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv; $PY -m portattn.cli info; } \
+    > "$OUT/env.txt" 2>&1
+tail -12 "$OUT/env.txt"
 
-if [[ $what == all || $what == tests ]]; then
+if [[ $what == verify ]]; then
   t0=$(date +%s)
-  $PY -m pytest -q -p no:cacheprovider -n 6 tests/test_triton.py tests/test_cupy.py tests/test_sdpa.py \
-      tests/test_dispatch.py tests/test_compile.py -rfEs 2>&1 | tail -60 > "$OUT/pytest_gpu.txt"
-  echo "== GPU tests ($(( $(date +%s) - t0 ))s):"; tail -8 "$OUT/pytest_gpu.txt"
+  shards=/tmp/portattn-shards; rm -rf "$shards"; mkdir -p "$shards"
+  # GPU tests: triton/cupy/sdpa at real sizes, dispatch, torch.compile (6 workers)
+  timeout "$LIMIT" $PY -m pytest -q -p no:cacheprovider -n 6 tests/test_triton.py tests/test_cupy.py \
+      tests/test_sdpa.py tests/test_dispatch.py tests/test_compile.py -rfEs > "$OUT/pytest_gpu.txt" 2>&1 &
+  # the catalogue: the fast backends over every case in one process, triton in five shards
+  # (its JIT compiles dominate, and they run on the CPU cores in parallel)
+  run_shard() {  # name, then conformance-run arguments
+    local name=$1; shift
+    timeout "$LIMIT" $PY -m portattn.cli conformance run --devices cuda --no-progress \
+        --out "$shards/$name.json" "$@" > "$shards/$name.log" 2>&1
+    echo "shard $name rc=$? ($(( $(date +%s) - t0 ))s)" >> "$shards/rc.txt"
+  }
+  run_shard others --backends reference sdpa cupy onnx &
+  run_shard t-core --backends triton --cases core/ &
+  run_shard t-large --backends triton --cases large/ &
+  run_shard t-values --backends triton --cases values/ headdim/ &
+  run_shard t-varlen --backends triton --cases varlen/ gqa/ layout/ masked/ &
+  run_shard t-rest --backends triton --cases bias/ alibi/ combo/ softcap/ window/ &
+  wait
+  echo "== GPU tests:"; tail -25 "$OUT/pytest_gpu.txt"
+  { cat "$shards/rc.txt"; for f in "$shards"/*.log; do echo "=== $f"; tail -40 "$f"; done; } > "$OUT/conformance_shards.txt"
+  $PY -m portattn.cli conformance merge "$shards"/*.json --out "$OUT/conformance-h200.json" > "$OUT/conformance.txt" 2>&1
+  echo "== conformance merge rc=$? ($(( $(date +%s) - t0 ))s):"; cat "$shards/rc.txt"; tail -40 "$OUT/conformance.txt"
 fi
-if [[ $what == properties ]]; then
-  PORTATTN_HYPOTHESIS_PROFILE=${PROFILE:-ci} $PY -m pytest -q -p no:cacheprovider -n 6 tests/test_properties.py \
-      -rfE 2>&1 | tail -40 > "$OUT/pytest_properties.txt"; tail -8 "$OUT/pytest_properties.txt"
-fi
-if [[ $what == all || $what == conformance ]]; then
+
+if [[ $what == bench ]]; then
   t0=$(date +%s)
-  $PY -m portattn.cli conformance run --devices cuda --no-progress --out "$OUT/conformance-h200.json" \
-      > "$OUT/conformance.txt" 2>&1
-  echo "== conformance rc=$? ($(( $(date +%s) - t0 ))s):"; tail -30 "$OUT/conformance.txt"
-fi
-if [[ $what == all || $what == bench ]]; then
-  t0=$(date +%s)
-  $PY benchmarks/bench_attention.py --backends triton,cupy --out "$OUT" > "$OUT/bench.txt" 2>&1
-  echo "== bench rc=$? ($(( $(date +%s) - t0 ))s):"; tail -25 "$OUT/bench.txt"
+  timeout "${BENCH_LIMIT:-400}" $PY benchmarks/bench_attention.py --backends triton,cupy --out "$OUT" > "$OUT/bench.txt" 2>&1
+  echo "== bench rc=$? ($(( $(date +%s) - t0 ))s):"; tail -30 "$OUT/bench.txt"
+  left=$(( ${TOTAL:-540} - ($(date +%s) - t0) ))
+  if (( left > 60 )); then
+    PORTATTN_HYPOTHESIS_PROFILE=gpu timeout $(( left - 15 )) $PY -m pytest -q -p no:cacheprovider -n 6 \
+        tests/test_properties.py -rfE > "$OUT/pytest_properties_gpu.txt" 2>&1
+    echo "== properties (gpu profile) rc=$? :"; tail -15 "$OUT/pytest_properties_gpu.txt"
+  fi
 fi

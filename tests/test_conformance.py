@@ -165,6 +165,26 @@ def test_diff_finds_verdicts_scores_and_bits(tmp_path, capsys):
     assert "pass in one report and fail in the other" in capsys.readouterr().out
 
 
+def test_merge_joins_shards_and_refuses_overlap(tmp_path, capsys):
+    """Shards run side by side (one per group of cases) merge into the report a single run makes."""
+    rc, a = _run(tmp_path, "a.json", "--backends", "reference", "sdpa", "--cases", "alibi/head/full")
+    rc2, b = _run(tmp_path, "b.json", "--backends", "reference", "--cases", "masked/bool-rows")
+    assert rc == rc2 == 0
+    out = tmp_path / "m.json"
+    assert conf_cli.main(["conformance", "merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                          "--out", str(out)]) == 0
+    m = load_report(str(out))
+    assert set(m["cases"]) == set(a["cases"]) | set(b["cases"])
+    assert len(m["results"]) == len(a["results"]) + len(b["results"])
+    assert set(m["backends"]) == {"reference", "sdpa"}
+    assert m["summary"]["passed"] == a["summary"]["passed"] + b["summary"]["passed"]
+    assert [s["cases"] for s in m["merged_from"]] == [len(a["cases"]), len(b["cases"])]
+    # the same case through the same backend twice is an overlap, not a merge
+    assert conf_cli.main(["conformance", "merge", str(tmp_path / "a.json"), str(tmp_path / "a.json"),
+                          "--out", str(tmp_path / "x.json")]) == 2
+    assert "shards overlap" in capsys.readouterr().err
+
+
 def _paired_devices(a, b, case, backend):
     from portattn.conformance.diff import _pairs
     return [dev for c, be, dev, ea, eb in _pairs(a, b) if c == case and be == backend and ea and eb]

@@ -69,6 +69,19 @@ def cmd_diff(args) -> int:
     return 1 if d["pass_fail"] else 0
 
 
+def cmd_merge(args) -> int:
+    from .runner import load_report, merge_reports, print_summary, write_report
+    try:
+        merged = merge_reports([load_report(path) for path in args.reports])
+    except ValueError as exc:
+        print(f"portattn conformance merge: {exc}", file=sys.stderr)
+        return 2
+    write_report(merged, args.out)
+    print_summary(merged)
+    print(f"report written to {args.out}")
+    return 1 if merged["summary"]["failed"] else 0
+
+
 def cmd_list(args) -> int:
     from .catalogue import CATALOGUE_VERSION, select_cases
     cases = select_cases(quick=args.quick, patterns=_split(args.cases))
@@ -118,6 +131,10 @@ def register(subparsers) -> None:
                    help="ignore score moves when both scores are below this (rounding noise)")
     p.set_defaults(func=cmd_diff)
 
+    p = csub.add_parser("merge", help="merge reports of shards run side by side into one")
+    p.add_argument("reports", nargs="+", metavar="SHARD.json")
+    p.add_argument("--out", required=True, metavar="REPORT.json")
+    p.set_defaults(func=cmd_merge)
     p = csub.add_parser("list", help="list the catalogue's cases")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--cases", nargs="+", metavar="PATTERN")

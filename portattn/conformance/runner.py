@@ -267,6 +267,38 @@ def load_report(path: str) -> dict:
     return report
 
 
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from shards of the same catalogue run side by side (e.g. one process per
+    group of cases on one GPU). Cases, results, backends and devices are unioned; the same
+    (case, backend, device) twice is an error; ``seconds`` is the longest shard's (they ran in
+    parallel) and ``merged_from`` records each shard's command, time and size."""
+    if not reports:
+        raise ValueError("merge_reports needs at least one report")
+    versions = {(r.get("format_version"), r.get("catalogue_version")) for r in reports}
+    if len(versions) != 1:
+        raise ValueError(f"cannot merge reports of different formats/catalogues: {sorted(versions, key=str)}")
+    merged = {k: v for k, v in reports[0].items() if k not in ("cases", "results", "summary")}
+    merged["cases"], merged["results"], merged["backends"], devices = {}, [], {}, []
+    seen: set[tuple] = set()
+    for r in reports:
+        merged["cases"].update(r["cases"])
+        merged["backends"].update(r.get("backends", {}))
+        devices += [d for d in r.get("devices", []) if d not in devices]
+        for res in r["results"]:
+            key = (res["case"], res["backend"], res["device"])
+            if key in seen:
+                raise ValueError(f"case {key[0]} ran twice through {key[1]}@{key[2]}: shards overlap")
+            seen.add(key)
+            merged["results"].append(res)
+    merged["devices"] = devices
+    merged["seconds"] = max(r.get("seconds", 0.0) for r in reports)
+    merged["command"] = f"merged from {len(reports)} shard(s) run side by side"
+    merged["merged_from"] = [{"command": r.get("command"), "created": r.get("created"), "seconds": r.get("seconds"),
+                              "cases": len(r["cases"]), "results": len(r["results"])} for r in reports]
+    merged["summary"] = summarize(merged)
+    return merged
+
+
 # ----- printing ------------------------------------------------------------------------------
 
 def print_table(title: str, header: list[str], rows: list[list[str]], file=None) -> None:
@@ -329,5 +361,5 @@ def run_catalogue(*, quick: bool = False, patterns=None, backends=None, devices=
                      direct=direct)
 
 
-__all__ = ["run_cases", "run_catalogue", "summarize", "write_report", "load_report", "print_summary",
+__all__ = ["run_cases", "run_catalogue", "merge_reports", "summarize", "write_report", "load_report", "print_summary",
            "print_table", "environment", "available_devices"]
