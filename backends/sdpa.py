@@ -152,10 +152,16 @@ class SdpaBackend(Backend):
         return reasons
 
     # ----- compute -----------------------------------------------------------------------
+    @staticmethod
+    def _friendly(spec, tensors):
+        """Copies of the views SDPA's fused CUDA kernels cannot read (see _fused_kernel_friendly).
+        Called on real tensors only: under torch.func.vjp they are wrappers without storage."""
+        if spec.device.type != "cuda":
+            return list(tensors)
+        return [t if _fused_kernel_friendly(t) else t.contiguous() for t in tensors]
+
     def _sdpa(self, spec, q, k, v):
-        """q/k/v in canonical (B, S, H, D); returns out (B, Sq, Hq, Dv)."""
-        if spec.device.type == "cuda":
-            q, k, v = (t if _fused_kernel_friendly(t) else t.contiguous() for t in (q, k, v))
+        """q/k/v in canonical (B, S, H, D), already made friendly; returns out (B, Sq, Hq, Dv)."""
         plan = _Plan(spec, q.dtype)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         kwargs = {}
@@ -196,7 +202,7 @@ class SdpaBackend(Backend):
 
     def forward(self, spec):
         with torch.no_grad():
-            out, _ = self._sdpa(spec, spec.q, spec.k, spec.v)
+            out, _ = self._sdpa(spec, *self._friendly(spec, (spec.q, spec.k, spec.v)))
             if spec.return_lse:
                 lse = self._lse(spec)
             else:   # not requested by the caller, and never read by this backend's backward
@@ -206,7 +212,8 @@ class SdpaBackend(Backend):
     def backward(self, spec, out, lse, dout):
         # Recompute SDPA under torch.func.vjp (works inside the custom op) and pull dout back.
         want_dbias = spec.attn_bias is not None and not spec.bias_is_mask and spec.attn_bias.requires_grad
-        primals = [spec.q.detach(), spec.k.detach(), spec.v.detach()]
+        # made friendly here, outside vjp (the copy is the identity, so are its gradients)
+        primals = self._friendly(spec, (spec.q.detach(), spec.k.detach(), spec.v.detach()))
         if want_dbias:
             primals.append(spec.attn_bias.detach())
 

@@ -1,4 +1,5 @@
-"""The sdpa backend against the float64 reference under DESIGN.md §3, on CPU."""
+"""The sdpa backend against the float64 reference under DESIGN.md §3, on CPU and, where one is
+visible, on the GPU (the fused CUDA kernels and the view copies run only there)."""
 
 import pytest
 import torch
@@ -6,6 +7,8 @@ import torch
 import portattn
 from portattn.spec import build_spec
 from portattn.testing import check_backend
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 FEATURES = {
     "plain": {},
@@ -20,27 +23,28 @@ FEATURES = {
 }
 
 
-def _kwargs(feature, b, sq, sk, hq, g):
+def _kwargs(feature, b, sq, sk, hq, g, device="cpu"):
     spec = FEATURES[feature]
     if spec == "alibi":
-        return dict(alibi_slopes=torch.rand(b, hq, generator=g), causal=True)
+        return dict(alibi_slopes=torch.rand(b, hq, generator=g).to(device), causal=True)
     if spec == "bias":
-        return dict(attn_bias=torch.randn(b, hq, sq, sk, generator=g))
+        return dict(attn_bias=torch.randn(b, hq, sq, sk, generator=g).to(device))
     if spec == "mask":
-        return dict(attn_bias=torch.rand(b, 1, 1, sk, generator=g) > 0.3)
+        return dict(attn_bias=(torch.rand(b, 1, 1, sk, generator=g) > 0.3).to(device))
     return dict(spec)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("sq,sk", [(1, 17), (17, 1), (13, 29), (33, 16)])
 @pytest.mark.parametrize("feature", list(FEATURES))
-def test_sdpa_matches_reference(feature, sq, sk, dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_sdpa_matches_reference(device, feature, sq, sk, dtype):
     g = torch.Generator().manual_seed(sq * 31 + sk)
     b, hq, hkv, d = 2, 4, 2, 16
-    q = torch.randn(b, sq, hq, d, generator=g).to(dtype)
-    k = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
-    v = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
-    results = check_backend("sdpa", q, k, v, grad=True, **_kwargs(feature, b, sq, sk, hq, g))
+    q = torch.randn(b, sq, hq, d, generator=g).to(device, dtype)
+    k = torch.randn(b, sk, hkv, d, generator=g).to(device, dtype)
+    v = torch.randn(b, sk, hkv, d, generator=g).to(device, dtype)
+    results = check_backend("sdpa", q, k, v, grad=True, **_kwargs(feature, b, sq, sk, hq, g, device))
     assert all(r.passed for r in results), "\n".join(map(str, results))
 
 
@@ -83,13 +87,16 @@ def test_views_the_fused_gpu_kernels_cannot_read_are_detected():
     assert _fused_kernel_friendly(torch.randn(2, 4, 40, 48, dtype=torch.float16).transpose(1, 2))
 
 
-def test_sdpa_on_padded_strided_views_matches_reference():
+@pytest.mark.parametrize("device", DEVICES)
+def test_sdpa_on_padded_strided_views_matches_reference(device):
+    """Forward and gradients through views with a padded head dim (row stride 51): on CUDA they
+    are copied for the fused kernels, outside torch.func.vjp in the backward."""
     g = torch.Generator().manual_seed(11)
-    buf = torch.full((24, 2, 5, 51), float("nan")).to(torch.bfloat16)
+    buf = torch.full((24, 2, 5, 51), float("nan")).to(device, torch.bfloat16)
     view = buf.permute(1, 0, 2, 3)[:, :, :4, :48]
-    view.copy_(torch.randn(view.shape, generator=g).to(torch.bfloat16))
-    kbuf = torch.full((40, 2, 3, 51), float("nan")).to(torch.bfloat16)
+    view.copy_(torch.randn(view.shape, generator=g).to(device, torch.bfloat16))
+    kbuf = torch.full((40, 2, 3, 51), float("nan")).to(device, torch.bfloat16)
     kview = kbuf.permute(1, 0, 2, 3)[:, :, :2, :48]
-    kview.copy_(torch.randn(kview.shape, generator=g).to(torch.bfloat16))
+    kview.copy_(torch.randn(kview.shape, generator=g).to(device, torch.bfloat16))
     results = check_backend("sdpa", view, kview, kview, grad=True, causal=True)
     assert all(r.passed for r in results), "\n".join(map(str, results))
