@@ -185,6 +185,30 @@ def test_merge_joins_shards_and_refuses_overlap(tmp_path, capsys):
     assert "shards overlap" in capsys.readouterr().err
 
 
+def test_a_run_stopped_by_sigterm_keeps_its_finished_cases(tmp_path):
+    """`timeout` on a GPU machine sends SIGTERM: the report still holds every finished case."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "partial.json"
+    env = {**os.environ, "PORTATTN_BACKEND": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "portattn.cli", "conformance", "run", "--backends", "reference",
+                             "onnx", "--devices", "cpu", "--no-progress", "--out", str(out)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(6.0)                    # the whole catalogue takes a minute or more: stop it early
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    report = load_report(str(out))
+    assert report["interrupted"] is True and report["not_run"], "the run should have been cut short"
+    assert report["cases"] and set(r["case"] for r in report["results"]) == set(report["cases"])
+    assert not set(report["not_run"]) & set(report["cases"])
+    assert "did not run" in err
+
+
 def _paired_devices(a, b, case, backend):
     from portattn.conformance.diff import _pairs
     return [dev for c, be, dev, ea, eb in _pairs(a, b) if c == case and be == backend and ea and eb]

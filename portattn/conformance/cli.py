@@ -36,6 +36,7 @@ def _run(args, *, quick: bool) -> int:
     if not args.no_interpret:
         _interpret_default()
     from .runner import print_summary, run_catalogue, write_report
+    _sigterm_interrupts()
     report = run_catalogue(quick=quick, patterns=_split(args.cases), backends=_split(args.backends),
                            devices=_split(args.devices), progress=not args.no_progress, direct=args.direct)
     if not report["results"]:
@@ -46,7 +47,21 @@ def _run(args, *, quick: bool) -> int:
     print_summary(report)
     if args.out:
         print(f"report written to {args.out}")
+    if report.get("interrupted"):
+        print(f"interrupted: {len(report['not_run'])} case(s) did not run", file=sys.stderr)
+        return 1
     return 1 if report["summary"]["failed"] else 0
+
+
+def _sigterm_interrupts() -> None:
+    """SIGTERM (e.g. from ``timeout``) stops a run like Ctrl-C: the cases done so far are still
+    summarised and written."""
+    import signal
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        def _raise(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, _raise)
 
 
 def cmd_check(args) -> int:
@@ -79,6 +94,10 @@ def cmd_merge(args) -> int:
     write_report(merged, args.out)
     print_summary(merged)
     print(f"report written to {args.out}")
+    if merged.get("interrupted"):
+        print(f"{len(merged['not_run'])} case(s) did not run in interrupted shards: "
+              f"{', '.join(merged['not_run'][:10])}{' ...' if len(merged['not_run']) > 10 else ''}")
+        return 1
     return 1 if merged["summary"]["failed"] else 0
 
 

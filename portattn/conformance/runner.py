@@ -165,14 +165,19 @@ def _large_skip(case: Case, device: str) -> list[str]:
 
 def run_cases(cases: list[Case], backends: list[str] | None = None, devices: list[str] | None = None, *,
               progress: bool = True, direct: bool = False) -> dict:
-    """Run ``cases`` through ``backends`` on ``devices``; return the report dict."""
+    """Run ``cases`` through ``backends`` on ``devices``; return the report dict.
+
+    Interrupted (Ctrl-C, or SIGTERM from ``timeout`` when the CLI installed its handler), the
+    report holds the cases that finished and ``"interrupted": true``: a time-boxed GPU run
+    keeps what it measured."""
     backends = list(backends) if backends else list_backends()
     devices = list(devices) if devices else available_devices()
     started = time.time()
-    results, failures = [], 0
+    results, failures, done, interrupted = [], 0, [], False
     bar = _Progress(len(cases) * len(devices), progress)
     try:
         for case in cases:
+            case_results = []
             for device in devices:
                 skip = _large_skip(case, device)
                 checker = Checker(case.problem, device, direct=direct)
@@ -182,8 +187,12 @@ def run_cases(cases: list[Case], backends: list[str] | None = None, devices: lis
                     else:
                         outcome = checker.check(name)
                     failures += outcome.verdict == "fail"
-                    results.append({"case": case.id, **outcome.to_dict()})
+                    case_results.append({"case": case.id, **outcome.to_dict()})
                 bar.advance(case.id, failures)
+            results += case_results        # whole cases only: all its devices and backends
+            done.append(case)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         bar.close()
     report = {
@@ -197,9 +206,12 @@ def run_cases(cases: list[Case], backends: list[str] | None = None, devices: lis
         "devices": [str(torch.device(d)) for d in devices],
         "backends": backend_table(backends),
         "cases": {c.id: {"tier": c.tier, "quick": c.quick, "problem": c.problem.to_dict(),
-                         "description": c.problem.describe()} for c in cases},
+                         "description": c.problem.describe()} for c in done},
         "results": results,
     }
+    if interrupted:
+        report["interrupted"] = True
+        report["not_run"] = [c.id for c in cases if c not in done]
     report["summary"] = summarize(report)
     return report
 
@@ -295,6 +307,12 @@ def merge_reports(reports: list[dict]) -> dict:
     merged["command"] = f"merged from {len(reports)} shard(s) run side by side"
     merged["merged_from"] = [{"command": r.get("command"), "created": r.get("created"), "seconds": r.get("seconds"),
                               "cases": len(r["cases"]), "results": len(r["results"])} for r in reports]
+    not_run = [c for r in reports for c in r.get("not_run", [])]
+    if any(r.get("interrupted") for r in reports):
+        merged["interrupted"], merged["not_run"] = True, not_run
+    else:
+        merged.pop("interrupted", None)
+        merged.pop("not_run", None)
     merged["summary"] = summarize(merged)
     return merged
 
