@@ -296,6 +296,22 @@ def test_problem_reasons_limits():
     assert any("shared memory" in r and "bwd" in r for r in small)
 
 
+def test_kernel_families_name_the_backward_path():
+    from portattn.backends.cupy import kernel_families
+
+    def spec(dtype, d):
+        q = torch.randn(1, 8, 2, d, dtype=dtype, requires_grad=True)
+        return build_spec(q, q, q)
+
+    assert kernel_families(spec(torch.bfloat16, 128))["backward"].startswith("bwd_mma (tensor-core backward")
+    assert kernel_families(spec(torch.float16, 40))["backward"].endswith("padded head dim 64")
+    assert kernel_families(spec(torch.float16, 160))["backward"].startswith("bwd (FMA backward")
+    assert kernel_families(spec(torch.float32, 64))["backward"].startswith("bwd (FMA backward")
+    assert kernel_families(spec(torch.float32, 64))["forward"].startswith("fwd_fma")
+    q = torch.randn(1, 8, 2, 64, dtype=torch.float16)
+    assert "backward" not in kernel_families(build_spec(q, q, q))
+
+
 def test_declared_capabilities():
     be = CupyBackend()
     assert be.vendors == frozenset({"nvidia"}) and be.has_backward and be.deterministic

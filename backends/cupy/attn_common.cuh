@@ -3,7 +3,8 @@
 // The source needs no header: element types, conversions, tensor-core and async-copy
 // instructions are written here with inline PTX, so NVRTC compiles it with no include path
 // (the CI compile check and CuPy at run time see exactly the same text). The Python side
-// concatenates attn_common.cuh, attn_fwd.cu and attn_bwd.cu into one translation unit.
+// concatenates attn_common.cuh, attn_fwd.cu, attn_bwd.cu and attn_bwd_mma.cu into one translation
+// unit (configs.SOURCE_FILES).
 //
 // Conventions used by every kernel:
 //  * the tensor-core forward keeps scores in base 2: s2 = log2(e) * score, so softmax uses
