@@ -11,6 +11,12 @@ import os as _os
 import sys as _sys
 
 
+def _same_tree(origin, root: str) -> bool:
+    if not origin:
+        return True   # namespace package or similar: leave the import system's answer alone
+    return _os.path.realpath(origin).startswith(_os.path.realpath(root) + _os.sep)
+
+
 def _map_source_tree_packages() -> None:
     """In a source checkout used without installing (``PYTHONPATH=.``), ``backends/`` and
     ``onnx_ops/`` sit beside ``portattn/``; installed (editable or not) they are
@@ -19,7 +25,12 @@ def _map_source_tree_packages() -> None:
     for name in ("backends", "onnx_ops"):
         full = f"{__name__}.{name}"
         init = _os.path.join(root, name, "__init__.py")
-        if full in _sys.modules or _ilu.find_spec(full) is not None or not _os.path.exists(init):
+        if full in _sys.modules or not _os.path.exists(init):
+            continue
+        found = _ilu.find_spec(full)
+        # An editable install of another checkout (e.g. a git worktree's main tree) also
+        # resolves portattn.backends; the tree this portattn/ came from wins.
+        if found is not None and _same_tree(found.origin, root):
             continue
         spec = _ilu.spec_from_file_location(full, init, submodule_search_locations=[_os.path.dirname(init)])
         module = _ilu.module_from_spec(spec)

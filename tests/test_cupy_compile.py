@@ -31,7 +31,8 @@ def test_compile_reduced_set_sm80_sm90():
     """Both tensor-core tile shapes and all three kernel families compile with no spills."""
     names_90 = compile_check.select_names(head_dims=(64,))
     names_80 = [configs.KernelConfig("fwd_mma", "bfloat16", 256).kernel_names()["extras"],
-                configs.KernelConfig("bwd", "float16", 256).kernel_names()["dkdv"]]
+                configs.KernelConfig("bwd", "float16", 256).kernel_names()["dkdv"],
+                configs.KernelConfig("bwd_mma", "float16", 128).kernel_names()["dkdv_extras"]]
     for arch, names in ((90, names_90), (80, names_80)):
         log, lowered = compile_check.compile_names(names, arch)
         reports = compile_check.parse_ptxas_log(log, lowered, arch)
@@ -74,7 +75,51 @@ def test_forward_config_families():
     assert configs.forward_config("float16", 40, 40).head_dim == 64
     assert configs.forward_config("float32", 128, 128).family == "fwd_fma"
     assert configs.forward_config("float32", 300, 300) is None
-    assert configs.backward_config("bfloat16", 96, 64) == configs.KernelConfig("bwd", "bfloat16", 96)
+    assert configs.backward_config("bfloat16", 96, 64) == configs.KernelConfig("bwd_mma", "bfloat16", 96)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("d,dv", [(1, 1), (8, 8), (32, 32), (40, 24), (64, 64), (72, 96), (128, 128), (100, 128),
+                                  (129, 64), (160, 160), (256, 256)])
+def test_backward_family_choice(dtype, d, dv):
+    """Tensor cores for fp16/bf16 up to padded head dim 128; the FMA kernels otherwise."""
+    cfg = configs.backward_config(dtype, d, dv)
+    hd = configs.padded_head_dim(d, dv)
+    mma = dtype != "float32" and hd <= configs.BWD_MMA_MAX_HEAD_DIM
+    assert cfg == configs.KernelConfig("bwd_mma" if mma else "bwd", dtype, hd)
+    assert configs.fma_backward_config(dtype, d, dv) == configs.KernelConfig("bwd", dtype, hd)
+    if mma:
+        names = cfg.kernel_names()
+        assert set(names) == {"preprocess", "dkdv", "dkdv_extras", "dq", "dq_extras"}
+        assert names["preprocess"] == f"attn_bwd_preprocess<{cfg.ctype}>"
+        assert names["dkdv"].startswith(f"attn_bwd_dkdv_mma<{cfg.ctype}, {hd}, ") and names["dkdv"].endswith("false>")
+        assert names["dq_extras"].startswith(f"attn_bwd_dq_mma<{cfg.ctype}, {hd}, ") and names["dq_extras"].endswith("true>")
+
+
+def test_bwd_mma_tiles_and_smem():
+    """Tile shapes fit the kernels' constraints; shared memory mirrors attn_bwd_mma.cu's carve-up
+    and stays under the sm_80 (163 KB) and sm_90 (227 KB) opt-in limits."""
+    for hd in (32, 64, 96, 128):
+        cfg = configs.KernelConfig("bwd_mma", "bfloat16", hd)
+        for role in ("dkdv", "dkdv_extras", "dq", "dq_extras"):
+            warps, tile = configs.bwd_mma_tile(hd, role)
+            assert tile % 16 == 0 and hd % 16 == 0 and warps * 32 == cfg.threads(role)
+            assert cfg.block_rows(role) == 16 * warps
+            lds = hd + 8
+            if role.startswith("dkdv"):
+                expect = 2 * (16 * warps) * lds * 2 + 2 * 2 * tile * lds * 2 + 2 * 2 * tile * 4
+            else:
+                expect = 2 * (16 * warps) * lds * 2 + 2 * 2 * tile * lds * 2
+            assert cfg.smem_bytes(role) == expect
+            assert expect <= min(configs.SMEM_LIMITS.values())
+    assert compile_check.smem_violations() == []
+    assert compile_check.smem_violations(archs=(80,), head_dims=(128,)) == []
+
+
+def test_smem_violations_reported(monkeypatch):
+    monkeypatch.setattr(configs, "SMEM_LIMITS", {80: 1000, 90: 227 * 1024})
+    bad = compile_check.smem_violations(archs=(80,), head_dims=(64,))
+    assert bad and all("sm_80" in b for b in bad)
 
 
 def test_all_configs_cover_every_choice_and_fit_shared_memory():
@@ -87,7 +132,10 @@ def test_all_configs_cover_every_choice_and_fit_shared_memory():
     assert len(names) == len(set(names))
     for cfg in cfgs:
         assert cfg.max_smem_bytes() <= 163 * 1024, (cfg, cfg.max_smem_bytes())   # A100 opt-in limit
-        assert cfg.threads("plain" if cfg.family != "bwd" else "dq") % 32 == 0
+        assert all(cfg.threads(role) % 32 == 0 for role in cfg.kernel_names())
+    for dtype in configs.CTYPES:   # the forced-FMA backward is launchable for every dtype, too
+        for d in range(1, configs.MAX_HEAD_DIM + 1, 7):
+            assert configs.fma_backward_config(dtype, d, d) in cfgs
 
 
 def test_mma_tiles_match_kernel_constraints():
@@ -152,10 +200,12 @@ def test_forward_plan_matches_signature(dtype, kw):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_backward_plan_matches_signatures(dtype):
+    """The FMA backward (float32; fp16/bf16 when forced)."""
     spec = _spec(dtype, causal=True)
     out = torch.randn(spec.out_shape, dtype=dtype)
     lse = torch.randn(spec.lse_shape)
-    plan = runtime.plan_backward(spec, out, lse, torch.randn_like(out))
+    fma = configs.fma_backward_config(runtime._DTYPE_NAMES[dtype], spec.head_dim, spec.head_dim_v)
+    plan = runtime.plan_backward(spec, out, lse, torch.randn_like(out), fma)
     roles = {item.role: item for item in plan.launches}
     first = "stats" if dtype == torch.float32 else "preprocess"   # float32: exact row statistics
     assert [item.role for item in plan.launches] == [first, "dkdv", "dq"]
@@ -167,6 +217,39 @@ def test_backward_plan_matches_signatures(dtype):
     assert roles["dkdv"].grid == (-(-50 // configs.BWD_BLOCK_N), 2, 2)
     dq, dk, dv = plan.outputs
     assert dq.shape == spec.q.shape and dk.shape == spec.k.shape and dv.shape == spec.v.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kw,suffix", [({"causal": True}, ""), ({"window": (4, 2)}, ""), ({"softcap": 3.0}, "_extras"),
+                                       ({"alibi_slopes": torch.rand(4)}, "_extras")])
+def test_backward_mma_plan_matches_signatures(dtype, kw, suffix):
+    """fp16/bf16 at D=40, Dv=24 (padded head dim 64) run the tensor-core backward."""
+    spec = _spec(dtype, **kw)
+    out = torch.randn(spec.out_shape, dtype=dtype)
+    lse = torch.randn(spec.lse_shape)
+    plan = runtime.plan_backward(spec, out, lse, torch.randn_like(out))
+    roles = [item.role for item in plan.launches]
+    assert roles == ["preprocess", "dkdv" + suffix, "dq" + suffix]
+    launches = dict(zip(roles, plan.launches))
+    cfg = plan.launches[0].cfg
+    assert cfg == configs.KernelConfig("bwd_mma", runtime._DTYPE_NAMES[dtype], 64)
+    for role, kernel in (("preprocess", "attn_bwd_preprocess"), ("dkdv" + suffix, "attn_bwd_dkdv_mma"),
+                         ("dq" + suffix, "attn_bwd_dq_mma")):
+        assert len(launches[role].args) == _param_count(kernel), role
+    assert launches["dkdv" + suffix].grid == (-(-50 // cfg.block_rows("dkdv")), 2, 2)
+    assert launches["dq" + suffix].grid == (-(-37 // cfg.block_rows("dq")), 4, 2)
+    dq, dk, dv = plan.outputs
+    assert dq.shape == spec.q.shape and dk.shape == spec.k.shape and dv.shape == spec.v.shape
+    # gradients are written at the 8-aligned widths the kernels store pairs into, then sliced
+    dq_buf, dk_buf, dv_buf = plan.keep_alive[-3:]
+    assert dq_buf.shape[-1] == 40 and dv_buf.shape[-1] == 24 and dk_buf.is_contiguous()
+    for buf in (dq_buf, dk_buf, dv_buf):
+        assert all(st % 8 == 0 for st in buf.stride()[:-1])
+    # dO with an unaligned row is padded, like q/k/v
+    spec3 = build_spec(*(torch.randn(1, 9, 2, 20, dtype=dtype) for _ in range(3)))
+    p3 = runtime.plan_backward(spec3, torch.randn(spec3.out_shape, dtype=dtype), torch.randn(spec3.lse_shape),
+                               torch.randn(spec3.out_shape, dtype=dtype))
+    assert p3.keep_alive[2].shape[-1] == 24 and [o.shape for o in p3.outputs] == [(1, 9, 2, 20)] * 3
 
 
 def test_varlen_plan_uses_packed_strides():
@@ -211,6 +294,22 @@ def test_problem_reasons_limits():
     q = torch.randn(1, 8, 2, 256, dtype=torch.float16, requires_grad=True)
     small = problem_reasons(build_spec(q, q, q), smem_limit=99 * 1024)
     assert any("shared memory" in r and "bwd" in r for r in small)
+
+
+def test_kernel_families_name_the_backward_path():
+    from portattn.backends.cupy import kernel_families
+
+    def spec(dtype, d):
+        q = torch.randn(1, 8, 2, d, dtype=dtype, requires_grad=True)
+        return build_spec(q, q, q)
+
+    assert kernel_families(spec(torch.bfloat16, 128))["backward"].startswith("bwd_mma (tensor-core backward")
+    assert kernel_families(spec(torch.float16, 40))["backward"].endswith("padded head dim 64")
+    assert kernel_families(spec(torch.float16, 160))["backward"].startswith("bwd (FMA backward")
+    assert kernel_families(spec(torch.float32, 64))["backward"].startswith("bwd (FMA backward")
+    assert kernel_families(spec(torch.float32, 64))["forward"].startswith("fwd_fma")
+    q = torch.randn(1, 8, 2, 64, dtype=torch.float16)
+    assert "backward" not in kernel_families(build_spec(q, q, q))
 
 
 def test_declared_capabilities():

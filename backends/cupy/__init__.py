@@ -1,13 +1,14 @@
 """The ``cupy`` backend: CUDA C++ FlashAttention-2 kernels compiled at run time by NVRTC.
 
-Kernels (``attn_fwd.cu``, ``attn_bwd.cu``, shared helpers in ``attn_common.cuh``):
+Kernels (``attn_fwd.cu``, ``attn_bwd.cu``, ``attn_bwd_mma.cu``, shared helpers in ``attn_common.cuh``):
 
 * forward, fp16/bf16: tensor cores through ``mma.sync.m16n8k16`` (inline PTX), ``ldmatrix``
   fragments, ``cp.async`` K/V tiles overlapping the matmuls, base-2 online softmax with the scale
   folded in; one CTA per (Q tile, head, batch), warps split along the Q rows;
 * forward, float32: IEEE float32 FMA (no TF32);
-* backward: delta preprocess, dK/dV and dQ kernels in float32 arithmetic, deterministic
-  (no atomics; GQA groups reduced inside the dK/dV CTA).
+* backward, deterministic (no atomics; GQA groups reduced inside the dK/dV CTA): delta
+  preprocess, then dK/dV and dQ kernels on tensor cores for fp16/bf16 up to padded head dim 128
+  (``attn_bwd_mma.cu``), in float32 FMA arithmetic otherwise (``attn_bwd.cu``).
 
 Importing this module never imports cupy: a missing cupy or device is a reason from
 :meth:`CupyBackend.unavailable_reasons`. See docs/cupy.md.
@@ -87,6 +88,28 @@ class CupyBackend(Backend):
         return runtime.backward(spec, out, lse, dout)
 
 
+#: What each kernel family is, for reasons and docs (which path runs: configs.backward_config).
+_FAMILY_LABELS = {
+    "fwd_mma": "tensor-core forward, fp16/bf16",
+    "fwd_fma": "float32 FMA forward",
+    "bwd_mma": "tensor-core backward, fp16/bf16 up to padded head dim 128",
+    "bwd": "FMA backward: float32, and fp16/bf16 above padded head dim 128",
+}
+
+
+def kernel_families(spec) -> dict[str, str]:
+    """Which kernel family runs the forward and (when a gradient is needed) the backward."""
+    dtype = _dtype_name(spec.dtype)
+    fwd = configs.forward_config(dtype, spec.head_dim, spec.head_dim_v)
+    if fwd is None:
+        return {}
+    out = {"forward": f"{fwd.family} ({_FAMILY_LABELS[fwd.family]}), padded head dim {fwd.head_dim}"}
+    if spec.needs_grad:
+        bwd = configs.backward_config(dtype, spec.head_dim, spec.head_dim_v)
+        out["backward"] = f"{bwd.family} ({_FAMILY_LABELS[bwd.family]}), padded head dim {bwd.head_dim}"
+    return out
+
+
 def problem_reasons(spec, smem_limit: int | None) -> list[str]:
     """Limits of the kernels for one problem (device-independent apart from ``smem_limit``)."""
     reasons = []
@@ -105,9 +128,10 @@ def problem_reasons(spec, smem_limit: int | None) -> list[str]:
                   ([fwd] + ([configs.backward_config(dtype, spec.head_dim, spec.head_dim_v)] if spec.needs_grad else []))]
         for cfg, n in needed:
             if n > smem_limit:
-                reasons.append(f"{cfg.family} kernels at padded head dim {cfg.head_dim} need {n} bytes of shared "
-                               f"memory per block; this GPU allows {smem_limit} (use head_dim <= 128 here)")
+                reasons.append(f"{cfg.family} kernels ({_FAMILY_LABELS[cfg.family]}) at padded head dim {cfg.head_dim} "
+                               f"need {n} bytes of shared memory per block; this GPU allows {smem_limit} "
+                               f"(use head_dim <= 128 here)")
     return reasons
 
 
-__all__ = ["CupyBackend", "problem_reasons"]
+__all__ = ["CupyBackend", "problem_reasons", "kernel_families"]

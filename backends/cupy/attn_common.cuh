@@ -3,7 +3,8 @@
 // The source needs no header: element types, conversions, tensor-core and async-copy
 // instructions are written here with inline PTX, so NVRTC compiles it with no include path
 // (the CI compile check and CuPy at run time see exactly the same text). The Python side
-// concatenates attn_common.cuh, attn_fwd.cu and attn_bwd.cu into one translation unit.
+// concatenates attn_common.cuh, attn_fwd.cu, attn_bwd.cu and attn_bwd_mma.cu into one translation
+// unit (configs.SOURCE_FILES).
 //
 // Conventions used by every kernel:
 //  * the tensor-core forward keeps scores in base 2: s2 = log2(e) * score, so softmax uses
@@ -236,6 +237,91 @@ template <> __device__ __forceinline__ void mma_16816<pa_bf16>(float* d, const p
         "{%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Global -> shared copy of a [ROWS x HD] tile of 16-byte chunks, zero-filling rows >= rows_valid
+// and columns >= cols_valid (a multiple of 8). Shared rows are padded to LDS elements.
+template <typename T, int ROWS, int HD, int LDS, int NT>
+__device__ __forceinline__ void load_tile_async(T* sm, const T* g, long long row_stride, int rows_valid,
+                                                int cols_valid, int tid) {
+    constexpr int CPR = HD / 8;   // 16-byte chunks per row
+    for (int c = tid; c < ROWS * CPR; c += NT) {
+        int r = c / CPR, col = (c % CPR) * 8;
+        bool ok = r < rows_valid && col < cols_valid;
+        const T* src = ok ? g + (long long)r * row_stride + col : g;
+        cp_async16(sm + r * LDS + col, src, ok ? 16 : 0);
+    }
+}
+
+// ----- warp-level tile matmuls (mma.m16n8k16 fragments) -------------------------------------
+// Fragment layout (g = lane / 4, t4 = lane % 4): A (16x16) regs a0..a3 hold rows g, g+8, g, g+8
+// and columns 2t4 + {0,1}, 2t4 + {0,1}, 8 + 2t4 + {0,1}, 8 + 2t4 + {0,1}; B (16x8, k x n) regs
+// b0, b1 hold k = 2t4 + {0,1} and 8 + 2t4 + {0,1} of column n = g; the accumulator C (16x8)
+// holds c0, c1 at row g, columns 2t4 + {0,1} and c2, c3 at row g + 8.
+// ldmatrix.x4: lanes 8m..8m+7 give the row addresses of 8x8 matrix m, which lands in reg m.
+// The helpers below return a lane's element offset inside a 16x16 block of a shared-memory
+// tile with row pitch `lds` elements (the callers add block offsets).
+
+// A operand from a matrix stored [m][k]: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7),
+// (rows 0-7, k 8-15), (rows 8-15, k 8-15) = a0..a3.
+__device__ __forceinline__ int ldm_a_offset(int lane, int lds) { return (lane % 16) * lds + (lane / 16) * 8; }
+// B operand of two n8 tiles from a matrix stored [n][k] (no transpose): regs {0, 1} = (b0, b1)
+// of n 0-7, regs {2, 3} = (b0, b1) of n 8-15 (the forward's K in S = Q K^T).
+__device__ __forceinline__ int ldm_b_offset(int lane, int lds) {
+    return ((lane / 16) * 8 + lane % 8) * lds + ((lane / 8) % 2) * 8;
+}
+// B operand of two n8 tiles from a matrix stored [k][n] (ldmatrix .trans): regs {0, 1} = n 0-7,
+// regs {2, 3} = n 8-15 (the forward's V in O += P V).
+__device__ __forceinline__ int ldm_bt_offset(int lane, int lds) {
+    return (((lane / 8) % 2) * 8 + lane % 8) * lds + (lane / 16) * 8;
+}
+
+// Two accumulator tiles C[:, 0:8] (c0) and C[:, 8:16] (c1) of a 16x16 float block, re-packed as
+// one 16-bit A fragment (the forward's P -> A conversion for P V).
+template <typename T>
+__device__ __forceinline__ void acc_to_a(pa_u32* a, const float* c0, const float* c1) {
+    a[0] = Elem<T>::pack2(c0[0], c0[1]);
+    a[1] = Elem<T>::pack2(c0[2], c0[3]);
+    a[2] = Elem<T>::pack2(c1[0], c1[1]);
+    a[3] = Elem<T>::pack2(c1[2], c1[3]);
+}
+
+// acc[16 x 16*NP] += A[16 x 16*KS] * B^T, A read from shared memory at a_addr (this lane's
+// ldm_a_offset included), B stored [n][k] at b_addr (ldm_b_offset included); row pitch LDS.
+template <typename T, int KS, int NP, int LDS>
+__device__ __forceinline__ void warp_mma_abt(float (*acc)[4], pa_u32 a_addr, pa_u32 b_addr) {
+    constexpr int ES = sizeof(T);
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        pa_u32 a[4];
+        ldmatrix_x4(a, a_addr + kk * 16 * ES);
+#pragma unroll
+        for (int np = 0; np < NP; ++np) {
+            pa_u32 bf[4];
+            ldmatrix_x4(bf, b_addr + (np * 16 * LDS + kk * 16) * ES);
+            mma_16816<T>(acc[2 * np], a, bf[0], bf[1]);
+            mma_16816<T>(acc[2 * np + 1], a, bf[2], bf[3]);
+        }
+    }
+}
+
+// acc[16 x 16*NP] += A[16 x 16*KS] * B, A taken from float accumulators `p` (2*KS n8 tiles,
+// rounded to T), B stored [k][n] at b_addr (ldm_bt_offset included); row pitch LDS.
+template <typename T, int KS, int NP, int LDS>
+__device__ __forceinline__ void warp_mma_pb(float (*acc)[4], const float (*p)[4], pa_u32 b_addr) {
+    constexpr int ES = sizeof(T);
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        pa_u32 a[4];
+        acc_to_a<T>(a, p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+        for (int dp = 0; dp < NP; ++dp) {
+            pa_u32 bf[4];
+            ldmatrix_x4_trans(bf, b_addr + (kk * 16 * LDS + dp * 16) * ES);
+            mma_16816<T>(acc[2 * dp], a, bf[0], bf[1]);
+            mma_16816<T>(acc[2 * dp + 1], a, bf[2], bf[3]);
+        }
+    }
 }
 
 // The argument list every kernel shares: layout of q/k/v, sequences, masking and score terms.

@@ -13,20 +13,6 @@
 //   with expf, P V and row sums accumulated in float64), any T: one CTA of 128 threads per
 //   (16 rows, head, batch); 8 threads share a row.
 
-// Global -> shared copy of a [ROWS x HD] tile of 16-byte chunks, zero-filling rows >= rows_valid
-// and columns >= cols_valid (a multiple of 8). Shared rows are padded to LDS elements.
-template <typename T, int ROWS, int HD, int LDS, int NT>
-__device__ __forceinline__ void load_tile_async(T* sm, const T* g, long long row_stride, int rows_valid,
-                                                int cols_valid, int tid) {
-    constexpr int CPR = HD / 8;   // 16-byte chunks per row
-    for (int c = tid; c < ROWS * CPR; c += NT) {
-        int r = c / CPR, col = (c % CPR) * 8;
-        bool ok = r < rows_valid && col < cols_valid;
-        const T* src = ok ? g + (long long)r * row_stride + col : g;
-        cp_async16(sm + r * LDS + col, src, ok ? 16 : 0);
-    }
-}
-
 template <typename T, int HD, int NWARPS, int BN, int MT, bool EXTRAS>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss, long long o_sh,

@@ -11,8 +11,10 @@ portattn[nvrtc]``); no driver or device is needed. The source is the same text C
 at run time (:func:`configs.source`) and the name expressions come from
 :func:`configs.all_configs`, so what passes here is what the backend can choose. NVRTC is asked
 for cubin of each real architecture with ``-Xptxas -v``; the per-kernel registers, spills and
-stack frames it reports are printed in a table. Exit status 1 on any compile error; spills are
-listed (``--fail-on-spills`` makes them an error too).
+stack frames it reports are printed in a table, with each kernel's dynamic shared memory from
+:meth:`configs.KernelConfig.smem_bytes`. Exit status 1 on any compile error and on any kernel
+whose shared memory exceeds the architecture's opt-in limit (:data:`configs.SMEM_LIMITS`: 227 KB
+on sm_90, 163 KB on sm_80); spills are listed (``--fail-on-spills`` makes them an error too).
 """
 
 from __future__ import annotations
@@ -127,8 +129,28 @@ def select_names(quick: bool = False, head_dims=None) -> list[str]:
     return list(names)
 
 
+def smem_by_name(head_dims=None) -> dict[str, int]:
+    """Dynamic shared memory of every name expression (the largest, should two configs share one)."""
+    out: dict[str, int] = {}
+    for cfg in configs.all_configs():
+        if head_dims is not None and cfg.head_dim not in head_dims:
+            continue
+        for role, name in cfg.kernel_names().items():
+            out[name] = max(out.get(name, 0), cfg.smem_bytes(role))
+    return out
+
+
+def smem_violations(archs=(80, 90), head_dims=None) -> list[str]:
+    """Kernels whose dynamic shared memory exceeds an architecture's opt-in limit."""
+    smem = smem_by_name(head_dims)
+    return [f"{name} sm_{arch}: {n} bytes > {configs.SMEM_LIMITS[arch]}"
+            for arch in archs for name, n in smem.items()
+            if n > configs.SMEM_LIMITS.get(arch, min(configs.SMEM_LIMITS.values()))]
+
+
 def run(archs=(80, 90), quick=False, head_dims=None, fail_on_spills=False, out=sys.stdout) -> int:
     names = select_names(quick, head_dims)
+    smem = smem_by_name(head_dims)
     reports: list[KernelReport] = []
     for arch in archs:
         t0 = time.perf_counter()
@@ -136,11 +158,16 @@ def run(archs=(80, 90), quick=False, head_dims=None, fail_on_spills=False, out=s
         reports += parse_ptxas_log(log, lowered, arch)
         print(f"sm_{arch}: {len(names)} kernels compiled in {time.perf_counter() - t0:.1f} s", file=out)
     spilled = [r for r in reports if r.spill_stores or r.spill_loads]
-    print(f"{'kernel':<48} {'arch':>5} {'regs':>5} {'spill st/ld':>12} {'stack':>6}", file=out)
+    print(f"{'kernel':<52} {'arch':>5} {'regs':>5} {'spill st/ld':>12} {'stack':>6} {'smem':>7}", file=out)
     for r in reports:
         fmt = lambda x: "-" if x is None else str(x)  # noqa: E731
-        print(f"{r.name:<48} {'sm_' + str(r.arch):>5} {fmt(r.registers):>5} "
-              f"{fmt(r.spill_stores) + '/' + fmt(r.spill_loads):>12} {fmt(r.stack):>6}", file=out)
+        print(f"{r.name:<52} {'sm_' + str(r.arch):>5} {fmt(r.registers):>5} "
+              f"{fmt(r.spill_stores) + '/' + fmt(r.spill_loads):>12} {fmt(r.stack):>6} {smem.get(r.name, 0):>7}",
+              file=out)
+    too_big = smem_violations(archs, head_dims)
+    if too_big:
+        print("shared memory over the opt-in limit: " + "; ".join(too_big), file=out)
+        return 1
     if spilled:
         print(f"{len(spilled)} kernel(s) spill to local memory: "
               + ", ".join(f"{r.name} sm_{r.arch}" for r in spilled), file=out)

@@ -24,7 +24,7 @@ CTYPES = {"float16": ("pa_half", 2), "bfloat16": ("pa_bf16", 2), "float32": ("fl
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 
 #: Source files, concatenated in this order into one NVRTC translation unit.
-SOURCE_FILES = ("attn_common.cuh", "attn_fwd.cu", "attn_bwd.cu")
+SOURCE_FILES = ("attn_common.cuh", "attn_fwd.cu", "attn_bwd.cu", "attn_bwd_mma.cu")
 #: NVRTC options (CuPy adds the architecture itself; the compile check adds it explicitly).
 NVRTC_OPTIONS = ("--std=c++17",)
 
@@ -32,6 +32,11 @@ NVRTC_OPTIONS = ("--std=c++17",)
 BWD_BLOCK_M, BWD_BLOCK_N, BWD_THREADS = 16, 32, 256
 FMA_BLOCK_M, FMA_THREADS = 16, 128
 PRE_ROWS, PRE_THREADS = 128, 128
+#: The tensor-core backward (family "bwd_mma") covers fp16/bf16 up to this padded head dim; above
+#: it (and for float32) the FMA backward (family "bwd") runs.
+BWD_MMA_MAX_HEAD_DIM = 128
+#: Opt-in shared memory per block: sm_80 (A100) and sm_90 (H100/H200); every instantiation must fit.
+SMEM_LIMITS = {80: 163 * 1024, 90: 227 * 1024}
 
 
 def round_up(x: int, m: int) -> int:
@@ -66,6 +71,20 @@ def mma_tile(hd: int, extras: bool = False) -> tuple[int, int, int]:
     return (4, 32, 1)
 
 
+def bwd_mma_tile(hd: int, role: str) -> tuple[int, int]:
+    """(warps, tile) of the tensor-core backward kernels (attn_bwd_mma.cu).
+
+    ``dkdv``: (warps, BLOCK_M): the CTA owns 16 keys per warp (dK and dV accumulators: HD / 2
+    floats per thread each) and walks query tiles of BLOCK_M rows (S^T and dP^T: BLOCK_M / 4
+    floats per thread each): 64-row tiles up to HD 64, 32-row tiles above, keeping the live
+    accumulators at <= 160 floats per thread. ``dq``: (warps, BLOCK_N): 16 query rows per warp
+    against 64-key tiles (dQ: HD / 2 floats, S and dP: 32 floats per thread).
+    """
+    if role.startswith("dkdv"):
+        return (4, 64) if hd <= 64 else (4, 32)
+    return (4, 64)
+
+
 def fma_block_n(hd: int) -> int:
     return 32 if hd <= 128 else 16
 
@@ -74,8 +93,10 @@ def fma_block_n(hd: int) -> int:
 class KernelConfig:
     """One compiled module: a kernel family at one element type and padded head dim.
 
-    ``family`` is ``"fwd_mma"`` (fp16/bf16 tensor cores), ``"fwd_fma"`` (float32) or ``"bwd"``
-    (preprocess, dK/dV and dQ). The cache key of the compiled module is the config itself
+    ``family`` is ``"fwd_mma"`` (fp16/bf16 tensor cores), ``"fwd_fma"`` (float32), ``"bwd"``
+    (FMA backward: preprocess or stats, dK/dV and dQ; every dtype) or ``"bwd_mma"`` (tensor-core
+    backward for fp16/bf16 at padded head dim <= 128: preprocess, dK/dV and dQ, each of the
+    latter two plain and with the score extras softcap / ALiBi / bias compiled in). The cache key of the compiled module is the config itself
     (plus the device, in :mod:`.runtime`).
     """
 
@@ -111,6 +132,13 @@ class KernelConfig:
             first = ({"stats": f"attn_bwd_stats<{t}, {hd}>"} if self.exact_stats
                      else {"preprocess": f"attn_bwd_preprocess<{t}>"})
             return {**first, "dkdv": f"attn_bwd_dkdv<{t}, {hd}>", "dq": f"attn_bwd_dq<{t}, {hd}>"}
+        if self.family == "bwd_mma":
+            names = {"preprocess": f"attn_bwd_preprocess<{t}>"}
+            for kernel in ("dkdv", "dq"):
+                warps, tile = bwd_mma_tile(hd, kernel)
+                for role, extras in ((kernel, "false"), (f"{kernel}_extras", "true")):
+                    names[role] = f"attn_bwd_{kernel}_mma<{t}, {hd}, {warps}, {tile}, {extras}>"
+            return names
         raise ValueError(f"unknown kernel family {self.family!r}")
 
     def name_expressions(self) -> list[str]:
@@ -122,6 +150,8 @@ class KernelConfig:
             return 32 * self.mma_shape(role)[0]
         if self.family == "fwd_fma":
             return FMA_THREADS
+        if self.family == "bwd_mma" and role != "preprocess":
+            return 32 * bwd_mma_tile(self.head_dim, role)[0]
         return PRE_THREADS if role == "preprocess" else BWD_THREADS
 
     def block_rows(self, role: str) -> int:
@@ -131,6 +161,8 @@ class KernelConfig:
             return 16 * mt * warps
         if self.family == "fwd_fma":
             return FMA_BLOCK_M
+        if self.family == "bwd_mma" and role != "preprocess":
+            return 16 * bwd_mma_tile(self.head_dim, role)[0]   # 16 keys (dK/dV) or rows (dQ) per warp
         return {"preprocess": PRE_ROWS, "dkdv": BWD_BLOCK_N, "dq": BWD_BLOCK_M, "stats": BWD_BLOCK_M}[role]
 
     def smem_bytes(self, role: str) -> int:
@@ -142,9 +174,15 @@ class KernelConfig:
         if self.family == "fwd_fma":
             bn = fma_block_n(hd)
             return 4 * (FMA_BLOCK_M * hd + bn * (hd + 1) + bn * hd + FMA_BLOCK_M * bn)
-        ld = hd + 1
         if role == "preprocess":
             return 0
+        if self.family == "bwd_mma":
+            warps, tile = bwd_mma_tile(hd, role)
+            lds, es = hd + 8, CTYPES[self.dtype][1]
+            if role.startswith("dkdv"):   # K, V [16*warps]; Q, dO [2][BLOCK_M]; lse2, delta [2][BLOCK_M]
+                return (2 * 16 * warps + 4 * tile) * lds * es + 4 * 4 * tile
+            return (2 * 16 * warps + 4 * tile) * lds * es   # Q, dO [16*warps]; K, V [2][BLOCK_N]
+        ld = hd + 1
         if role == "dkdv":
             return 4 * ((2 * BWD_BLOCK_N + 2 * BWD_BLOCK_M) * ld + 2 * BWD_BLOCK_M * (BWD_BLOCK_N + 1) + 4 * BWD_BLOCK_M)
         if role == "stats":
@@ -165,6 +203,19 @@ def forward_config(dtype: str, head_dim: int, head_dim_v: int) -> KernelConfig |
 
 
 def backward_config(dtype: str, head_dim: int, head_dim_v: int) -> KernelConfig | None:
+    """The backward module: tensor cores ("bwd_mma") for fp16/bf16 up to padded head dim 128,
+    the FMA kernels ("bwd") otherwise; None when the head dim is over the largest bucket."""
+    hd = padded_head_dim(head_dim, head_dim_v)
+    if hd is None or dtype not in CTYPES:
+        return None
+    if dtype in TENSOR_CORE_DTYPES and hd <= BWD_MMA_MAX_HEAD_DIM:
+        return KernelConfig("bwd_mma", dtype, hd)
+    return KernelConfig("bwd", dtype, hd)
+
+
+def fma_backward_config(dtype: str, head_dim: int, head_dim_v: int) -> KernelConfig | None:
+    """The FMA backward for any dtype (runtime.backward(..., force_fma=True); tests compare it
+    with the tensor-core one)."""
     hd = padded_head_dim(head_dim, head_dim_v)
     if hd is None or dtype not in CTYPES:
         return None
@@ -178,6 +229,9 @@ def all_configs() -> list[KernelConfig]:
         for dtype in CTYPES:
             out.append(forward_config(dtype, hd, hd))
             out.append(backward_config(dtype, hd, hd))
+            fma = fma_backward_config(dtype, hd, hd)
+            if fma not in out:   # the FMA backward stays launchable for every dtype (force_fma)
+                out.append(fma)
     return out
 
 

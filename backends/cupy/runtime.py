@@ -211,15 +211,28 @@ def plan_forward(spec, cfg: configs.KernelConfig | None = None) -> Plan:
     return Plan([Launch(cfg, role, grid, args)], (out, lse), keep)
 
 
-def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor) -> Plan:
-    """Allocate ``(dq, dk, dv)`` and describe the three backward launches."""
+def _grad_buffer(like: torch.Tensor, width: int) -> torch.Tensor:
+    """A zeroed, contiguous gradient of ``like``'s shape with the last dim widened to ``width``."""
+    return torch.zeros((*like.shape[:-1], width), dtype=like.dtype, device=like.device)
+
+
+def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                  cfg: configs.KernelConfig | None = None) -> Plan:
+    """Allocate ``(dq, dk, dv)`` and describe the three backward launches.
+
+    ``cfg`` overrides the configuration choice: ``configs.fma_backward_config(...)`` forces the
+    FMA kernels for fp16/bf16 (tests compare them with the tensor-core ones).
+    """
     dtype = _DTYPE_NAMES[spec.dtype]
-    cfg = configs.backward_config(dtype, spec.head_dim, spec.head_dim_v)
+    cfg = cfg or configs.backward_config(dtype, spec.head_dim, spec.head_dim_v)
+    if spec.is_empty or spec.seqlen_q == 0:
+        zeros = tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (spec.q, spec.k, spec.v))
+        return Plan(outputs=zeros)
+    if cfg.family == "bwd_mma":
+        return _plan_backward_mma(spec, out, lse, dout, cfg)
     dq = torch.zeros_like(spec.q, memory_format=torch.contiguous_format)
     dk = torch.zeros_like(spec.k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(spec.v, memory_format=torch.contiguous_format)
-    if spec.is_empty or spec.seqlen_q == 0:
-        return Plan(outputs=(dq, dk, dv))
     q, k, v = prepare_inputs(spec, tensor_cores=False)
     out = out if out.stride(-1) == 1 else out.contiguous()
     dout = dout.to(spec.dtype)
@@ -241,10 +254,7 @@ def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
     if cfg.exact_stats:
         plan.launches.append(Launch(cfg, "stats", rows_grid, args + do_args + [*stats_ptrs, _ptr(delta)]))
     else:
-        plan.launches.append(Launch(cfg, "preprocess", (_cdiv(spec.seqlen_q, configs.PRE_ROWS), spec.num_heads_q,
-                                                        spec.batch),
-                                    [_ptr(out), *_strides3(out, varlen), *do_args, _ptr(delta), *lse_strides,
-                                     _ptr(spec.cu_seqlens_q), _i32(spec.seqlen_q), _i32(spec.head_dim_v)]))
+        plan.launches.append(_preprocess_launch(spec, cfg, out, do_args, delta, lse_strides))
     if spec.seqlen_k > 0:
         plan.launches.append(Launch(cfg, "dkdv", (_cdiv(spec.seqlen_k, configs.BWD_BLOCK_N), spec.num_heads_kv, spec.batch),
                                     args + do_args + [_ptr(lse), _ptr(delta), _ptr(dk), *_strides3(dk, varlen),
@@ -252,6 +262,46 @@ def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
     plan.launches.append(Launch(cfg, "dq", rows_grid,
                                 args + do_args + [_ptr(lse), _ptr(delta), _ptr(dq), *_strides3(dq, varlen),
                                                   *stats_ptrs]))
+    return plan
+
+
+def _preprocess_launch(spec, cfg, out, do_args, delta, lse_strides) -> Launch:
+    """delta_i = dO_i . O_i (attn_bwd_preprocess), shared by both 16-bit backward families."""
+    return Launch(cfg, "preprocess", (_cdiv(spec.seqlen_q, configs.PRE_ROWS), spec.num_heads_q, spec.batch),
+                  [_ptr(out), *_strides3(out, spec.is_varlen), *do_args, _ptr(delta), *lse_strides,
+                   _ptr(spec.cu_seqlens_q), _i32(spec.seqlen_q), _i32(spec.head_dim_v)])
+
+
+def _plan_backward_mma(spec, out, lse, dout, cfg) -> Plan:
+    """The tensor-core backward (fp16/bf16): q, k, v and dO with 16-byte aligned rows (padded
+    copies only when needed, as in the forward), gradients allocated at the padded widths (so
+    the kernels store aligned pairs) and sliced back to the caller's head dims."""
+    q, k, v = prepare_inputs(spec, tensor_cores=True)
+    out = out if out.stride(-1) == 1 else out.contiguous()
+    dout = dout.to(spec.dtype)
+    if not _aligned_for_mma(dout):
+        dout = _pad_last(dout, configs.round_up(spec.head_dim_v, 8))
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    varlen = spec.is_varlen
+    dq = _grad_buffer(spec.q, q.shape[-1])
+    dk = _grad_buffer(spec.k, k.shape[-1])
+    dv = _grad_buffer(spec.v, v.shape[-1])
+    args, keep = common_args(spec, q, k, v)
+    do_args = [_ptr(dout), *_strides3(dout, varlen)]
+    extras = spec.softcap is not None or spec.alibi_slopes is not None or spec.attn_bias is not None
+    suffix = "_extras" if extras else ""
+    plan = Plan(outputs=(dq[..., : spec.head_dim], dk[..., : spec.head_dim], dv[..., : spec.head_dim_v]),
+                keep_alive=(keep, out, dout, lse, delta, dq, dk, dv))
+    plan.launches.append(_preprocess_launch(spec, cfg, out, do_args, delta, args[-2:]))
+    if spec.seqlen_k > 0:
+        role = "dkdv" + suffix
+        plan.launches.append(Launch(cfg, role, (_cdiv(spec.seqlen_k, cfg.block_rows(role)), spec.num_heads_kv, spec.batch),
+                                    args + do_args + [_ptr(lse), _ptr(delta), _ptr(dk), *_strides3(dk, varlen),
+                                                      _ptr(dv), *_strides3(dv, varlen)]))
+    role = "dq" + suffix
+    plan.launches.append(Launch(cfg, role, (_cdiv(spec.seqlen_q, cfg.block_rows(role)), spec.num_heads_q, spec.batch),
+                                args + do_args + [_ptr(lse), _ptr(delta), _ptr(dq), *_strides3(dq, varlen)]))
     return plan
 
 
@@ -270,8 +320,13 @@ def forward(spec) -> tuple[torch.Tensor, torch.Tensor]:
     return plan.outputs
 
 
-def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
-    """``(dq, dk, dv, None)``: deterministic (no atomics), float32 arithmetic."""
-    plan = plan_backward(spec, out, lse, dout)
+def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, force_fma: bool = False):
+    """``(dq, dk, dv, None)``: deterministic (no atomics). fp16/bf16 up to padded head dim 128 run
+    on tensor cores (float32 accumulation); ``force_fma`` (private: tests, benchmarks) runs the
+    FMA kernels instead, as every other case does."""
+    cfg = None
+    if force_fma:
+        cfg = configs.fma_backward_config(_DTYPE_NAMES[spec.dtype], spec.head_dim, spec.head_dim_v)
+    plan = plan_backward(spec, out, lse, dout, cfg)
     execute(plan, spec.device)
     return (*plan.outputs, None)

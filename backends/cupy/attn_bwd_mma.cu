@@ -1,0 +1,338 @@
+// portattn CuPy backend: FlashAttention-2 backward on tensor cores (fp16/bf16, mma.sync m16n8k16).
+//
+// FA2 notation, one (batch, query head) pair, natural-log logits s_ij (score_nat's chain:
+// scale, softcap, ALiBi, bias), lse_i from the forward, delta_i = dO_i . O_i from
+// attn_bwd_preprocess (attn_bwd.cu):
+//   P_ij  = exp(s_ij - lse_i)               evaluated as exp2(s_ij log2 e - lse_i log2 e); 0 for a
+//                                           row with lse = -inf (no visible key) or a masked (i, j)
+//   dP_ij = dO_i . v_j
+//   dS_ij = P_ij (dP_ij - delta_i) * scale * (1 - tanh^2)    (the last factor only with softcap):
+//                                           the gradient of the raw dot product q_i . k_j
+//   dV_j = sum_i P_ij dO_i,   dK_j = sum_i dS_ij q_i,   dQ_i = sum_j dS_ij k_j
+// These are exactly the FMA kernels' formulas (attn_bwd.cu, 16-bit branch); only the matmuls
+// move to tensor cores: P and dS are rounded to T before their mma, as in FA2.
+//
+// attn_bwd_dkdv_mma<T, HD, NWARPS, BM, EXTRAS>: one CTA per (BN = 16*NWARPS keys, kv head,
+//   batch); warp w owns keys 16w..16w+15, so its dK/dV rows never leave it. K and V stay in
+//   shared memory; the CTA walks every query head of its GQA group and every BM-row query tile
+//   that can see its keys (row_range), Q/dO tiles double-buffered with cp.async. Per tile a warp
+//   computes the transposed products, so that P^T and dS^T come out of the accumulators as the
+//   A operand of the next mma:
+//     S^T  = K_w Q^T      (A: K rows, ldmatrix; B: Q stored [query][d], ldmatrix)
+//     dP^T = V_w dO^T     (A: V rows;            B: dO stored [query][d], ldmatrix)
+//     dV_w += P^T dO      (A: P^T re-packed;     B: dO stored [query][d], ldmatrix.trans)
+//     dK_w += dS^T Q      (A: dS^T re-packed;    B: Q, ldmatrix.trans)
+// attn_bwd_dq_mma<T, HD, NWARPS, BN, EXTRAS>: one CTA per (BM = 16*NWARPS query rows, head,
+//   batch), warp w owns rows 16w..16w+15; Q and dO stay in shared memory; the visible key tiles
+//   (key_range) of BN keys are double-buffered with cp.async:
+//     S = Q_w K^T, dP = dO_w V^T (B operands: K, V stored [key][d], ldmatrix),
+//     dQ_w += dS K (A: dS re-packed; B: K, ldmatrix.trans).
+// Deterministic: no atomics; every CTA writes only its own rows. HD is the padded head dim
+// (multiple of 16); the tails of q/k/v/dO are zero-filled by the copies and never stored.
+
+#define PA_POS_INF __int_as_float(0x7f800000)
+
+// lse_i in base 2 as the kernels subtract it: +inf for a row that has no visible key or lies
+// past the sequence end, so that P = exp2(x - lse2) is exactly 0 there (also for x = -inf).
+__device__ __forceinline__ float lse_log2(const float* lse, long long idx, bool valid) {
+    const float l = valid ? lse[idx] : PA_NEG_INF;
+    return l == PA_NEG_INF ? PA_POS_INF : l * PA_LOG2E;
+}
+
+// P_ij and dS_ij (the gradient of the raw dot q_i . k_j) for one accumulator element.
+// `check` = the tile crosses a mask or sequence boundary (EXTRAS always checks, since the bias
+// may only be read inside the sequence).
+template <bool EXTRAS>
+__device__ __forceinline__ void grad_entry_mma(float dot, float dp, float lse2, float delta_i, const ScoreMods& mods,
+                                               float scale_log2, const SeqInfo& s, int i, int j, bool check,
+                                               int left, int right, float* p_out, float* ds_out) {
+    if ((EXTRAS || check) && !is_visible(s, i, j, left, right)) {
+        *p_out = 0.f;
+        *ds_out = 0.f;
+        return;
+    }
+    float x2, dfac = mods.scale;
+    if (EXTRAS) {
+        float th = 0.f;
+        x2 = score_nat(dot, mods, s, i, j, &th) * PA_LOG2E;
+        if (mods.softcap > 0.f) dfac *= 1.f - th * th;
+    } else {
+        x2 = dot * scale_log2;
+    }
+    const float p = fast_exp2(x2 - lse2);
+    *p_out = p;
+    *ds_out = p * (dp - delta_i) * dfac;
+}
+
+// Does any (query row, key) pair of the tile rows [m0, m0+bm) x keys [n0, n0+bn) need masking
+// (causal / window boundary, sequence end)? Same test as the forward's.
+__device__ __forceinline__ bool tile_needs_mask(const SeqInfo& s, int m0, int bm, int n0, int bn, int left, int right) {
+    return (n0 + bn > s.sk) || (m0 + bm > s.sq) ||
+           ((long long)n0 < (long long)(m0 + bm - 1) + s.off_mask - left) ||
+           ((long long)(n0 + bn - 1) > (long long)m0 + s.off_mask + right);
+}
+
+// Store a warp's 16 x HD float accumulator (rows g and g + 8 of each n8 tile) as T pairs:
+// rows < rows_valid, columns < cols_valid (a multiple of 8, so a pair never straddles it).
+template <typename T, int NT_D>
+__device__ __forceinline__ void store_acc_rows(T* base, long long row_stride, const float (*acc)[4], int rows_valid,
+                                               int cols_valid, int g, int t4) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        if (row >= rows_valid) continue;
+#pragma unroll
+        for (int dt = 0; dt < NT_D; ++dt) {
+            const int col = dt * 8 + 2 * t4;
+            if (col < cols_valid)
+                *reinterpret_cast<pa_u32*>(base + row * row_stride + col) =
+                    Elem<T>::pack2(acc[dt][2 * r], acc[dt][2 * r + 1]);
+        }
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void zero_acc(float (*acc)[4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
+// ----- dK, dV --------------------------------------------------------------------------------
+// Issue the copies of one query tile (Q, dO rows m0..m0+BM-1 of head h) into buffer `buf`, and
+// write its rows' lse2 / delta into shared memory (plain stores, visible after the next barrier).
+template <typename T, int HD, int BM, int LDS, int NT>
+__device__ __forceinline__ void dkdv_load_query_tile(T* sQ, T* sdO, float* sL, const T* q, long long q_sb,
+                                                     long long q_ss, long long q_sh, const T* dout, long long do_sb,
+                                                     long long do_ss, long long do_sh, const float* lse,
+                                                     const float* delta, long long lse_sb, long long lse_sh,
+                                                     const SeqInfo& s, int b, int h, int m0, int head_dim,
+                                                     int head_dim_v, int tid) {
+    load_tile_async<T, BM, HD, LDS, NT>(sQ, q + b * q_sb + (s.q0 + m0) * q_ss + h * q_sh, q_ss, s.sq - m0, head_dim,
+                                        tid);
+    load_tile_async<T, BM, HD, LDS, NT>(sdO, dout + b * do_sb + (s.q0 + m0) * do_ss + h * do_sh, do_ss, s.sq - m0,
+                                        head_dim_v, tid);
+    for (int r = tid; r < BM; r += NT) {
+        const bool ok = m0 + r < s.sq;
+        const long long idx = b * lse_sb + h * lse_sh + s.q0 + m0 + r;
+        sL[r] = lse_log2(lse, idx, ok);
+        sL[BM + r] = ok ? delta[idx] : 0.f;
+    }
+}
+
+template <typename T, int HD, int NWARPS, int BM, bool EXTRAS>
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+attn_bwd_dkdv_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
+                  const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, long long dk_sb,
+                  long long dk_ss, long long dk_sh, T* __restrict__ dv, long long dv_sb, long long dv_ss,
+                  long long dv_sh) {
+    constexpr int BN = 16 * NWARPS;      // keys per CTA, 16 per warp
+    constexpr int NT = NWARPS * 32;
+    constexpr int LDS = HD + 8;          // padded row: ldmatrix rows fall in distinct banks
+    constexpr int ES = sizeof(T);
+    constexpr int NT_S = BM / 8;         // n8 tiles of S^T / dP^T (queries) per warp
+    constexpr int NT_D = HD / 8;         // n8 tiles of dK / dV (head dim) per warp
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sK = reinterpret_cast<T*>(smem_raw);                        // [BN][LDS]
+    T* sV = sK + BN * LDS;                                         // [BN][LDS]
+    T* sQ = sV + BN * LDS;                                         // [2][BM][LDS]
+    T* sdO = sQ + 2 * BM * LDS;                                    // [2][BM][LDS]
+    float* sL = reinterpret_cast<float*>(sdO + 2 * BM * LDS);      // [2][lse2 BM | delta BM]
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t4 = lane % 4;
+    const int b = blockIdx.z, hk = blockIdx.y;
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const int n0 = blockIdx.x * BN;
+    if (n0 >= s.sk) return;
+    const float scale_log2 = scale * PA_LOG2E;
+
+    // Stage 0: this CTA's K and V tiles (resident for the whole walk) and the first query tile.
+    load_tile_async<T, BN, HD, LDS, NT>(sK, k + b * k_sb + (s.k0 + n0) * k_ss + hk * k_sh, k_ss, s.sk - n0, head_dim,
+                                        tid);
+    load_tile_async<T, BN, HD, LDS, NT>(sV, v + b * v_sb + (s.k0 + n0) * v_ss + hk * v_sh, v_ss, s.sk - n0,
+                                        head_dim_v, tid);
+    // Query rows that can see any of these keys, walked in BM tiles, for each head of the group:
+    // iteration `it` is (head hk*gqa_ratio + it / n_mt, rows m_first + (it % n_mt) * BM).
+    int r_lo, r_hi;
+    row_range(s, n0, n0 + BN - 1, win_left, win_right, &r_lo, &r_hi);
+    const int m_first = (r_lo / BM) * BM;
+    const int n_mt = r_hi > r_lo ? (r_hi - m_first + BM - 1) / BM : 0;
+    const int n_iter = n_mt * gqa_ratio;
+    if (n_iter > 0)
+        dkdv_load_query_tile<T, HD, BM, LDS, NT>(sQ, sdO, sL, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh, lse,
+                                                 delta, lse_sb, lse_sh, s, b, hk * gqa_ratio, m_first, head_dim,
+                                                 head_dim_v, tid);
+    cp_async_commit();
+
+    float dk_acc[NT_D][4], dv_acc[NT_D][4];
+    zero_acc<NT_D>(dk_acc);
+    zero_acc<NT_D>(dv_acc);
+    // ldmatrix addresses: A = this warp's 16 K / V rows; B = Q / dO tiles (offsets per buffer).
+    const pa_u32 aK = smem_addr(sK + warp * 16 * LDS) + ldm_a_offset(lane, LDS) * ES;
+    const pa_u32 aV = smem_addr(sV + warp * 16 * LDS) + ldm_a_offset(lane, LDS) * ES;
+    const pa_u32 offB = ldm_b_offset(lane, LDS) * ES, offBt = ldm_bt_offset(lane, LDS) * ES;
+    const int jl0 = warp * 16 + g;       // this lane's first key (in the CTA tile); +8 for c2, c3
+
+    for (int it = 0; it < n_iter; ++it) {
+        const int buf = it & 1;
+        const int h = hk * gqa_ratio + it / n_mt, m0 = m_first + (it % n_mt) * BM;
+        // Stage 1: tile `it` landed, and every warp is done with the other buffer: prefetch it + 1.
+        cp_async_wait_all();
+        __syncthreads();
+        if (it + 1 < n_iter) {
+            const int h1 = hk * gqa_ratio + (it + 1) / n_mt, m1 = m_first + ((it + 1) % n_mt) * BM;
+            dkdv_load_query_tile<T, HD, BM, LDS, NT>(sQ + (buf ^ 1) * BM * LDS, sdO + (buf ^ 1) * BM * LDS,
+                                                     sL + (buf ^ 1) * 2 * BM, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss,
+                                                     do_sh, lse, delta, lse_sb, lse_sh, s, b, h1, m1, head_dim,
+                                                     head_dim_v, tid);
+            cp_async_commit();
+        }
+        const pa_u32 q_addr = smem_addr(sQ + buf * BM * LDS), do_addr = smem_addr(sdO + buf * BM * LDS);
+        const float* lse2_t = sL + buf * 2 * BM;
+        const float* delta_t = lse2_t + BM;
+
+        // Stage 2: S^T = K_w Q^T and dP^T = V_w dO^T (16 keys x BM queries per warp).
+        float st[NT_S][4], dpt[NT_S][4];
+        zero_acc<NT_S>(st);
+        zero_acc<NT_S>(dpt);
+        warp_mma_abt<T, HD / 16, BM / 16, LDS>(st, aK, q_addr + offB);
+        warp_mma_abt<T, HD / 16, BM / 16, LDS>(dpt, aV, do_addr + offB);
+
+        // Stage 3: P^T and dS^T in place (element e of n-tile nt: key jl0 + 8*(e/2), query
+        // nt*8 + 2*t4 + e%2 of the tile).
+        ScoreMods mods;
+        mods.scale = scale;
+        if (EXTRAS)
+            mods = make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, b, h);
+        const bool check = tile_needs_mask(s, m0, BM, n0, BN, win_left, win_right);
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int il = nt * 8 + 2 * t4 + (e % 2);
+                const int j = n0 + jl0 + 8 * (e / 2);
+                grad_entry_mma<EXTRAS>(st[nt][e], dpt[nt][e], lse2_t[il], delta_t[il], mods, scale_log2, s, m0 + il,
+                                       j, check, win_left, win_right, &st[nt][e], &dpt[nt][e]);
+            }
+
+        // Stage 4: dV_w += P^T dO and dK_w += dS^T Q (P^T, dS^T re-packed as A fragments).
+        warp_mma_pb<T, BM / 16, HD / 16, LDS>(dv_acc, st, do_addr + offBt);
+        warp_mma_pb<T, BM / 16, HD / 16, LDS>(dk_acc, dpt, q_addr + offBt);
+    }
+    cp_async_wait_all();   // a CTA with no query tile still has its K/V copies in flight
+
+    // Epilogue: the warp's 16 rows of dK and dV (keys past the sequence end are not stored).
+    const int key_w = n0 + warp * 16;
+    store_acc_rows<T, NT_D>(dk + b * dk_sb + (s.k0 + key_w) * dk_ss + hk * dk_sh, dk_ss, dk_acc, s.sk - key_w,
+                            head_dim, g, t4);
+    store_acc_rows<T, NT_D>(dv + b * dv_sb + (s.k0 + key_w) * dv_ss + hk * dv_sh, dv_ss, dv_acc, s.sk - key_w,
+                            head_dim_v, g, t4);
+}
+
+// ----- dQ ------------------------------------------------------------------------------------
+template <typename T, int HD, int NWARPS, int BN, bool EXTRAS>
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+attn_bwd_dq_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
+                const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, long long dq_sb,
+                long long dq_ss, long long dq_sh) {
+    constexpr int BM = 16 * NWARPS;      // query rows per CTA, 16 per warp
+    constexpr int NT = NWARPS * 32;
+    constexpr int LDS = HD + 8;
+    constexpr int ES = sizeof(T);
+    constexpr int NT_S = BN / 8;         // n8 tiles of S / dP (keys) per warp
+    constexpr int NT_D = HD / 8;         // n8 tiles of dQ (head dim) per warp
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);   // [BM][LDS]
+    T* sdO = sQ + BM * LDS;                    // [BM][LDS]
+    T* sK = sdO + BM * LDS;                    // [2][BN][LDS]
+    T* sV = sK + 2 * BN * LDS;                 // [2][BN][LDS]
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t4 = lane % 4;
+    const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const int m0 = blockIdx.x * BM;
+    if (m0 >= s.sq) return;
+    const float scale_log2 = scale * PA_LOG2E;
+    const T* k_base = k + b * k_sb + s.k0 * k_ss + hk * k_sh;
+    const T* v_base = v + b * v_sb + s.k0 * v_ss + hk * v_sh;
+    ScoreMods mods;
+    mods.scale = scale;
+    if (EXTRAS)
+        mods = make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, b, h);
+
+    // Stage 0: Q and dO rows (resident) and the first K/V tile.
+    load_tile_async<T, BM, HD, LDS, NT>(sQ, q + b * q_sb + (s.q0 + m0) * q_ss + h * q_sh, q_ss, s.sq - m0, head_dim,
+                                        tid);
+    load_tile_async<T, BM, HD, LDS, NT>(sdO, dout + b * do_sb + (s.q0 + m0) * do_ss + h * do_sh, do_ss, s.sq - m0,
+                                        head_dim_v, tid);
+    int n_lo, n_hi;
+    key_range(s, m0, m0 + BM - 1, win_left, win_right, &n_lo, &n_hi);
+    const int n_first = (n_lo / BN) * BN;
+    if (n_first < n_hi) {
+        load_tile_async<T, BN, HD, LDS, NT>(sK, k_base + n_first * k_ss, k_ss, s.sk - n_first, head_dim, tid);
+        load_tile_async<T, BN, HD, LDS, NT>(sV, v_base + n_first * v_ss, v_ss, s.sk - n_first, head_dim_v, tid);
+    }
+    cp_async_commit();
+
+    // This lane's rows: i0 = row_w + g and i0 + 8 (accumulator elements e / 2 = 0, 1).
+    const int row_w = m0 + warp * 16;
+    float lse2[2], delta_r[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = row_w + g + 8 * r;
+        const long long idx = b * lse_sb + h * lse_sh + s.q0 + i;
+        lse2[r] = lse_log2(lse, idx, i < s.sq);
+        delta_r[r] = i < s.sq ? delta[idx] : 0.f;
+    }
+
+    float dq_acc[NT_D][4];
+    zero_acc<NT_D>(dq_acc);
+    const pa_u32 aQ = smem_addr(sQ + warp * 16 * LDS) + ldm_a_offset(lane, LDS) * ES;
+    const pa_u32 adO = smem_addr(sdO + warp * 16 * LDS) + ldm_a_offset(lane, LDS) * ES;
+    const pa_u32 offB = ldm_b_offset(lane, LDS) * ES, offBt = ldm_bt_offset(lane, LDS) * ES;
+
+    for (int n0 = n_first, it = 0; n0 < n_hi; n0 += BN, ++it) {
+        const int buf = it & 1;
+        // Stage 1: K/V tile landed, every warp is done with the other buffer: prefetch the next.
+        cp_async_wait_all();
+        __syncthreads();
+        if (n0 + BN < n_hi) {
+            const int n1 = n0 + BN;
+            load_tile_async<T, BN, HD, LDS, NT>(sK + (buf ^ 1) * BN * LDS, k_base + n1 * k_ss, k_ss, s.sk - n1,
+                                                head_dim, tid);
+            load_tile_async<T, BN, HD, LDS, NT>(sV + (buf ^ 1) * BN * LDS, v_base + n1 * v_ss, v_ss, s.sk - n1,
+                                                head_dim_v, tid);
+            cp_async_commit();
+        }
+        const pa_u32 k_addr = smem_addr(sK + buf * BN * LDS), v_addr = smem_addr(sV + buf * BN * LDS);
+
+        // Stage 2: S = Q_w K^T and dP = dO_w V^T (16 rows x BN keys per warp).
+        float sc[NT_S][4], dp[NT_S][4];
+        zero_acc<NT_S>(sc);
+        zero_acc<NT_S>(dp);
+        warp_mma_abt<T, HD / 16, BN / 16, LDS>(sc, aQ, k_addr + offB);
+        warp_mma_abt<T, HD / 16, BN / 16, LDS>(dp, adO, v_addr + offB);
+
+        // Stage 3: dS in place of dP (element e of n-tile nt: row row_w + g + 8*(e/2), key
+        // n0 + nt*8 + 2*t4 + e%2).
+        const bool check = tile_needs_mask(s, m0, BM, n0, BN, win_left, win_right);
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e / 2;
+                float p;
+                grad_entry_mma<EXTRAS>(sc[nt][e], dp[nt][e], lse2[r], delta_r[r], mods, scale_log2, s,
+                                       row_w + g + 8 * r, n0 + nt * 8 + 2 * t4 + (e % 2), check, win_left, win_right,
+                                       &p, &dp[nt][e]);
+            }
+
+        // Stage 4: dQ_w += dS K (dS re-packed as A fragments; K read transposed).
+        warp_mma_pb<T, BN / 16, HD / 16, LDS>(dq_acc, dp, k_addr + offBt);
+    }
+    cp_async_wait_all();   // a CTA whose rows see no key still has its Q/dO copies in flight
+
+    store_acc_rows<T, NT_D>(dq + b * dq_sb + (s.q0 + row_w) * dq_ss + h * dq_sh, dq_ss, dq_acc, s.sq - row_w,
+                            head_dim, g, t4);
+}
