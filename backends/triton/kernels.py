@@ -39,12 +39,6 @@ LN2 = tl.constexpr(0.6931471805599453)
 # is on (read, like triton does, when the kernels are defined) bf16 operands are widened first.
 _INTERPRETER_BF16_DOT_FIX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"))
 
-# Integer arguments triton would otherwise specialise on (== 1, divisible by 16): one compiled
-# kernel per combination of sequence lengths, heads, window sides and head dims multiplied the
-# JIT work of a run over many shapes; none of them feeds a vectorised access. Strides stay
-# specialised (their divisibility lets loads vectorise).
-_NO_SPECIALIZE = ["seqlen_q", "seqlen_k", "num_heads_q", "gqa_ratio", "window_left", "window_right", "head_d", "head_dv"]
-
 # bias modes (constexpr BIAS_MODE)
 BIAS_NONE = 0
 BIAS_ADD = 1
@@ -81,28 +75,27 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(ptrs, rows, row_limit, cols, head, EVEN: tl.constexpr, CHECK_ROWS: tl.constexpr):
-    """Load a (rows, block) tile, zero-filling rows >= row_limit and head columns >= ``head``
-    (``EVEN``: the head dim fills the block, no column mask)."""
+def _load_tile(ptrs, rows, row_limit, cols, HEAD: tl.constexpr, BLOCK: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Load a (rows, BLOCK) tile, zero-filling rows >= row_limit and head columns >= HEAD."""
     if CHECK_ROWS:
-        if EVEN:
+        if HEAD == BLOCK:
             x = tl.load(ptrs, mask=rows[:, None] < row_limit, other=0.0)
         else:
-            x = tl.load(ptrs, mask=(rows[:, None] < row_limit) & (cols[None, :] < head), other=0.0)
+            x = tl.load(ptrs, mask=(rows[:, None] < row_limit) & (cols[None, :] < HEAD), other=0.0)
     else:
-        if EVEN:
+        if HEAD == BLOCK:
             x = tl.load(ptrs)
         else:
-            x = tl.load(ptrs, mask=cols[None, :] < head, other=0.0)
+            x = tl.load(ptrs, mask=cols[None, :] < HEAD, other=0.0)
     return x
 
 
 @triton.jit
-def _store_tile(ptrs, x, rows, row_limit, cols, head, EVEN: tl.constexpr):
-    if EVEN:
+def _store_tile(ptrs, x, rows, row_limit, cols, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+    if HEAD == BLOCK:
         tl.store(ptrs, x, mask=rows[:, None] < row_limit)
     else:
-        tl.store(ptrs, x, mask=(rows[:, None] < row_limit) & (cols[None, :] < head))
+        tl.store(ptrs, x, mask=(rows[:, None] < row_limit) & (cols[None, :] < HEAD))
 
 
 @triton.jit
@@ -252,13 +245,13 @@ def _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, sl
 def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
               sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2,
               qk_scale2, softcap_scale, softcap2, window_left, window_right,
-              head_d, head_dv, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
               IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
     """One K/V tile of the online softmax: update (m_i, l_i, acc)."""
     cols = start_n + offs_n
     # S = Q Kᵀ for this tile
-    k = _load_tile(k_ptrs + start_n * stride_ks, cols, sk, offs_d, head_d, EVEN_D, MASKED)
+    k = _load_tile(k_ptrs + start_n * stride_ks, cols, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
     qk = _mm(q, tl.trans(k), None, IEEE)
     s, _ = _logits(qk, offs_m, cols, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                    qk_scale2, softcap_scale, softcap2, window_left, window_right,
@@ -270,12 +263,12 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs
     p = _exp2_diff(s, m_safe[:, None], qk_scale2, RAW_SCORES)
     # rescale the running sum and accumulator, then add P V
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(v_ptrs + start_n * stride_vs, cols, sk, offs_dv, head_dv, EVEN_DV, MASKED)
+    v = _load_tile(v_ptrs + start_n * stride_vs, cols, sk, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
     acc = _mm(_round_to(p, v.dtype), v, acc * alpha[:, None], IEEE)
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+@triton.jit
 def attn_fwd(
     Q, K, V, O, LSE, BIAS, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
@@ -286,7 +279,7 @@ def attn_fwd(
     stride_bb, stride_bh, stride_bm, stride_bn,
     num_heads_q, gqa_ratio, seqlen_q, seqlen_k,
     qk_scale2, softcap_scale, softcap2, window_left, window_right,
-    head_d, head_dv, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
@@ -323,7 +316,7 @@ def attn_fwd(
 
     # the query tile stays resident for the whole key loop
     q = _load_tile(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, sq, offs_d,
-                   head_d, EVEN_D, True)
+                   HEAD_D, BLOCK_D, True)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -334,19 +327,19 @@ def attn_fwd(
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
                                   offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
                                   slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                  head_d, head_dv, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
     # phase 2: tiles every row sees entirely (no element mask)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
                                   offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
                                   slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                  head_d, head_dv, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
     # phase 3: tiles cut by the band's right edge or the end of the keys (masked)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
                                   offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
                                   slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                  head_d, head_dv, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
 
     # normalise once; rows with no visible key output 0 and lse = -inf
     empty = l_i == 0.0
@@ -357,7 +350,7 @@ def attn_fwd(
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     o_ptrs = (O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
               + offs_m[:, None] * stride_os + offs_dv[None, :])
-    _store_tile(o_ptrs, _round_to(out, O.dtype.element_ty), offs_m, sq, offs_dv, head_dv, EVEN_DV)
+    _store_tile(o_ptrs, _round_to(out, O.dtype.element_ty), offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV)
     l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m
     tl.store(l_ptrs, lse, mask=offs_m < sq)
 
@@ -385,13 +378,13 @@ def _probs(s, m2, inv_l, qk_scale2, RAW_SCORES: tl.constexpr):
 def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0, offs_n,
                offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn, slope2,
                qk_scale2, softcap_scale, softcap2, window_left, window_right,
-               head_d, head_dv, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
                IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
     """One Q tile against the resident K/V tile: accumulate dK (unscaled) and dV."""
     offs_m = start_m + offs_m0
-    q = _load_tile(q_ptrs + start_m * stride_qs, offs_m, sq, offs_d, head_d, EVEN_D, MASKED)
-    do = _load_tile(do_ptrs + start_m * stride_dos, offs_m, sq, offs_dv, head_dv, EVEN_DV, MASKED)
+    q = _load_tile(q_ptrs + start_m * stride_qs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, MASKED)
+    do = _load_tile(do_ptrs + start_m * stride_dos, offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
     m2, inv_l, delta = _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq)
     # recompute P = exp2(S - m) / l for this tile
     qk = _mm(q, tl.trans(k), None, IEEE)
@@ -411,7 +404,7 @@ def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, b
     return dk, dv
 
 
-@triton.jit(do_not_specialize=_NO_SPECIALIZE + ["num_heads_kv"])
+@triton.jit
 def attn_bwd_dkdv(
     Q, K, V, DO, ROWMAX, ROWINV, DELTA, DK, DV, BIAS, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
@@ -424,7 +417,7 @@ def attn_bwd_dkdv(
     stride_bb, stride_bh, stride_bm, stride_bn,
     num_heads_q, num_heads_kv, gqa_ratio, seqlen_q, seqlen_k,
     sm_scale, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-    head_d, head_dv, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
@@ -452,8 +445,8 @@ def attn_bwd_dkdv(
     k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv.to(tl.int64) * stride_vh
     # the K/V tile stays resident for every query head and query tile
-    k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, sk, offs_d, head_d, EVEN_D, True)
-    v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, sk, offs_dv, head_dv, EVEN_DV, True)
+    k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, sk, offs_d, HEAD_D, BLOCK_D, True)
+    v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
@@ -474,39 +467,39 @@ def attn_bwd_dkdv(
             dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0,
                                 offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
                                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                head_d, head_dv, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
         for start_m in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0,
                                 offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
                                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                head_d, head_dv, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
         for start_m in range(full_hi, hi, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0,
                                 offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
                                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                head_d, head_dv, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
 
     dk = dk * sm_scale
     dk_ptrs = (DK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv.to(tl.int64) * stride_dkh
                + offs_n[:, None] * stride_dks + offs_d[None, :])
     dv_ptrs = (DV + b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv.to(tl.int64) * stride_dvh
                + offs_n[:, None] * stride_dvs + offs_dv[None, :])
-    _store_tile(dk_ptrs, _round_to(dk, DK.dtype.element_ty), offs_n, sk, offs_d, head_d, EVEN_D)
-    _store_tile(dv_ptrs, _round_to(dv, DV.dtype.element_ty), offs_n, sk, offs_dv, head_dv, EVEN_DV)
+    _store_tile(dk_ptrs, _round_to(dk, DK.dtype.element_ty), offs_n, sk, offs_d, HEAD_D, BLOCK_D)
+    _store_tile(dv_ptrs, _round_to(dv, DV.dtype.element_ty), offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV)
 
 
 @triton.jit
 def _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0,
                 offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                head_d, head_dv, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
                 IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
     """One K/V tile of the backward's first pass: the forward's online (m, l) and, rescaled
     alongside, dacc_i = Σ_j exp2(S_ij - m_i) dP_ij (so delta = dacc / l = Σ_j P_ij dP_ij)."""
     offs_n = start_n + offs_n0
-    k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, head_d, EVEN_D, MASKED)
-    v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_dv, head_dv, EVEN_DV, MASKED)
+    k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
+    v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
     qk = _mm(q, tl.trans(k), None, IEEE)
     s, _ = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                    qk_scale2, softcap_scale, softcap2, window_left, window_right,
@@ -525,13 +518,13 @@ def _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_
 def _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
              offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm, stride_dbn,
              slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-             head_d, head_dv, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+             HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
              MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
              BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
     """One K/V tile against the resident Q tile: accumulate dQ (unscaled); write dBias."""
     offs_n = start_n + offs_n0
-    k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, head_d, EVEN_D, MASKED)
-    v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_dv, head_dv, EVEN_DV, MASKED)
+    k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
+    v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
     # recompute P
     qk = _mm(q, tl.trans(k), None, IEEE)
     s, t = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
@@ -551,7 +544,7 @@ def _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs,
     return dq
 
 
-@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+@triton.jit
 def attn_bwd_dq(
     Q, K, V, DO, ROWMAX, ROWINV, DELTA, DQ, BIAS, DBIAS, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
@@ -564,7 +557,7 @@ def attn_bwd_dq(
     stride_dbb, stride_dbh, stride_dbm, stride_dbn,
     num_heads_q, gqa_ratio, seqlen_q, seqlen_k,
     sm_scale, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-    head_d, head_dv, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BIAS_MODE: tl.constexpr, BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
@@ -607,8 +600,8 @@ def attn_bwd_dq(
     if ALIBI:
         slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
 
-    q = _load_tile(q_ptrs, offs_m, sq, offs_d, head_d, EVEN_D, True)
-    do = _load_tile(do_ptrs, offs_m, sq, offs_dv, head_dv, EVEN_DV, True)
+    q = _load_tile(q_ptrs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, True)
+    do = _load_tile(do_ptrs, offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV, True)
     row_base = b64 * stride_lb + h64 * stride_lh + q_start
     lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
 
@@ -623,17 +616,17 @@ def attn_bwd_dq(
         m_i, l_i, dacc = _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
                             sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
                             softcap_scale, softcap2, window_left, window_right,
-                            head_d, head_dv, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         m_i, l_i, dacc = _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
                             sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
                             softcap_scale, softcap2, window_left, window_right,
-                            head_d, head_dv, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
     for start_n in range(full_hi, hi, BLOCK_N):
         m_i, l_i, dacc = _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
                             sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
                             softcap_scale, softcap2, window_left, window_right,
-                            head_d, head_dv, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
     empty = l_i == 0.0               # no visible key: P = 0 everywhere (m = +inf, 1/l = 0)
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     m2 = tl.where(empty, float("inf"), m_i)
@@ -650,19 +643,19 @@ def attn_bwd_dq(
         dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
                       offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
                       stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                      head_d, head_dv, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
+                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
                       offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
                       stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                      head_d, head_dv, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, False, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
+                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
                       offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
                       stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                      head_d, head_dv, BLOCK_D, BLOCK_DV, EVEN_D, EVEN_DV, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
+                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
 
     dq = dq * sm_scale
     dq_ptrs = (DQ + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h64 * stride_dqh
                + offs_m[:, None] * stride_dqs + offs_d[None, :])
-    _store_tile(dq_ptrs, _round_to(dq, DQ.dtype.element_ty), offs_m, sq, offs_d, head_d, EVEN_D)
+    _store_tile(dq_ptrs, _round_to(dq, DQ.dtype.element_ty), offs_m, sq, offs_d, HEAD_D, BLOCK_D)

@@ -58,8 +58,7 @@ def _common(spec):
     )
     block_d, block_dv = padded_dim(spec.head_dim), padded_dim(spec.head_dim_v)
     consts = dict(
-        head_d=spec.head_dim, head_dv=spec.head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        EVEN_D=spec.head_dim == block_d, EVEN_DV=spec.head_dim_v == block_dv,
+        HEAD_D=spec.head_dim, HEAD_DV=spec.head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         IS_VARLEN=spec.is_varlen, BOTTOM_RIGHT=spec.alignment == "bottom_right",
         SOFTCAP=softcap is not None, ALIBI=spec.alibi_slopes is not None,
         IEEE=spec.dtype == torch.float32 and not spec.allow_tf32,
