@@ -234,6 +234,24 @@ def _amd_resources(amdgcn: str) -> tuple[int | None, int | None]:
     return (int(vgpr.group(1)) if vgpr else None, sum(spills) if spills else None)
 
 
+def ptx_instructions(kernel: str, dtype: torch.dtype, features: Features = PLAIN, arch: int = 90,
+                     block_d: int = 64) -> dict[str, int]:
+    """Counts of the division/exp/reciprocal instructions in one kernel's PTX for sm_``arch``
+    (no GPU needed): how the kernels' float32 arithmetic is actually compiled."""
+    import collections
+
+    import triton
+    from . import kernels
+    target = next(t for t, _ in PORTABILITY_TARGETS if t.vendor == "nvidia" and int(t.arch) == arch)
+    limit = dict(PORTABILITY_TARGETS)[target]
+    case = Case(kernel, target, limit, dtype, block_d, _configs_for(kernel, target, block_d, dtype), features)
+    fn = getattr(kernels, kernel)
+    compiled = triton.compile(_ast_source(fn, *_signature(fn, case)), target=_gpu_target(target),
+                              options=case.config.launch_options())
+    ops = re.findall(r"\b((?:div|ex2|rcp|lg2)\.[a-z0-9.]+)", compiled.asm["ptx"])
+    return dict(collections.Counter(ops))
+
+
 def compile_case(case: Case) -> dict:
     """Compile one case; returns a row of the report (``ok`` False on error or over the limit)."""
     import triton
