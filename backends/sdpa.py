@@ -61,6 +61,12 @@ def _fused_kernel_friendly(t: torch.Tensor) -> bool:
     return all((s * size) % 16 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
 
 
+def _copies_unfriendly_views(spec) -> bool:
+    """Only SDPA's fused CUDA kernels misread unaligned views (a function, so that a CPU test can
+    turn the copy path on)."""
+    return spec.device.type == "cuda"
+
+
 def _kernel_choice(spec):
     """SDPA's math kernel on CPU (every dtype) and for float32/float64 on GPUs; elsewhere torch
     chooses. The fused CPU kernel approximates exp (fp16 with extreme logits: dq 13x the
@@ -156,7 +162,7 @@ class SdpaBackend(Backend):
     def _friendly(spec, tensors):
         """Copies of the views SDPA's fused CUDA kernels cannot read (see _fused_kernel_friendly).
         Called on real tensors only: under torch.func.vjp they are wrappers without storage."""
-        if spec.device.type != "cuda":
+        if not _copies_unfriendly_views(spec):
             return list(tensors)
         return [t if _fused_kernel_friendly(t) else t.contiguous() for t in tensors]
 

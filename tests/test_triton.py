@@ -301,3 +301,17 @@ def test_spec_level_forward_matches_reference():
     from portattn.reference import naive_forward
     assert compare("out", out, ref, naive_forward(spec)[0]).passed
     assert compare_lse(lse, ref_lse).passed
+
+
+@pytest.mark.parametrize("d,dv", [(40, 24), (16, 128), (128, 64), (57, 57)])
+def test_one_tile_width_for_d_and_dv(d, dv):
+    """D and Dv share one tile width (the larger, padded): on the H200 with triton 3.6 different
+    widths (fp16, D 40 / Dv 24 -> 64 / 32) gave NaN, wrong values and an illegal memory access."""
+    from portattn.backends.triton import ops
+    from portattn.backends.triton.configs import padded_dim
+    q = torch.randn(1, 5, 2, d, dtype=torch.float16)
+    v = torch.randn(1, 7, 2, dv, dtype=torch.float16)
+    _, consts = ops._common(build_spec(q, torch.randn(1, 7, 2, d, dtype=torch.float16), v))
+    width = max(padded_dim(d), padded_dim(dv))
+    assert consts["BLOCK_D"] == consts["BLOCK_DV"] == width
+    assert (consts["HEAD_D"], consts["HEAD_DV"]) == (d, dv)
