@@ -316,3 +316,17 @@ def test_declared_capabilities():
     be = CupyBackend()
     assert be.vendors == frozenset({"nvidia"}) and be.has_backward and be.deterministic
     assert "bias_grad" not in be.features and be.head_dims == (1, 256)
+
+
+@needs_nvrtc
+def test_scores_are_rounded_before_the_max_is_subtracted():
+    """The float32 backward takes the row max and sum over rounded scores, so the exponent must
+    use the same rounded score: the score product is __fmul_rn (``mul.rn.f32`` in the PTX), which
+    nvrtc never contracts into fma(dot, scale, -m) (that made dq 26x the naive error at extreme
+    logits on the H200, 2026-11-29)."""
+    names = ["attn_bwd_stats<float, 32>", "attn_bwd_dq<float, 32>"]
+    ptx = compile_check.ptx_for(names, 90)
+    entries = re.split(r"\.entry ", ptx)[1:]
+    assert len(entries) == len(names)
+    for entry in entries:
+        assert "mul.rn.f32" in entry, entry.split("(")[0]

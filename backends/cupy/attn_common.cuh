@@ -170,13 +170,19 @@ __device__ __forceinline__ ScoreMods make_mods(float scale, float softcap, const
 // Callers guarantee (i, j) is inside the sequence when bias is on.
 __device__ __forceinline__ float score_nat(float dot, const ScoreMods& m, const SeqInfo& s, int i, int j,
                                            float* th) {
+    // __fmul_rn: the products are rounded here, never contracted into an fma with a later
+    // `x - m`. Otherwise nvrtc (--fmad=true) may compute the exponent as fma(dot, scale, -m) from
+    // the unrounded product while the row max m and sum l were taken over the rounded x: then
+    // sum_j P_ij != 1 by ~ulp(|x|), the softmax gradient's rows no longer sum to 0, and dQ picks
+    // up |k| * ulp(|x|) (float32 at logits ~150: dq 26x the naive error on the H200, 2026-11-29;
+    // a float32 emulation of both orders reproduces 1.0x vs 52x).
     float x;
     if (m.softcap > 0.f) {
         float t = tanhf(dot * m.scale / m.softcap);
         *th = t;
-        x = m.softcap * t;
+        x = __fmul_rn(m.softcap, t);
     } else {
-        x = dot * m.scale;
+        x = __fmul_rn(dot, m.scale);
     }
     if (m.slope != 0.f) {
         int dist = i + s.off_alibi - j;

@@ -88,6 +88,27 @@ def compile_names(names: list[str], arch: int, extra_options=()) -> tuple[str, d
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+def ptx_for(names: list[str], arch: int = 90) -> str:
+    """The PTX NVRTC makes for ``names`` (virtual ``compute_<arch>``): what the CUDA C++ compiles
+    to before ptxas, e.g. to check that a product is rounded (``mul.rn``) rather than fused."""
+    nvrtc = _nvrtc()
+    prog = _check(nvrtc.nvrtcCreateProgram(configs.source().encode(), b"portattn_cupy.cu", 0, [], []),
+                  "nvrtcCreateProgram")
+    try:
+        for n in names:
+            _check(nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"nvrtcAddNameExpression({n})")
+        opts = [o.encode() for o in (*configs.NVRTC_OPTIONS, f"--gpu-architecture=compute_{arch}")]
+        result = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if int(result[0]) != 0:
+            raise CompileError(f"NVRTC failed for compute_{arch}")
+        size = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+        buf = b" " * size
+        _check(nvrtc.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
+        return buf.decode(errors="replace").rstrip("\x00")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
 _FUNC_RE = re.compile(r"Compiling entry function '([^']+)'")
 _PROPS_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED_RE = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
