@@ -18,12 +18,12 @@ tail -12 "$OUT/env.txt"
 if [[ $what == verify ]]; then
   t0=$(date +%s)
   shards=/tmp/portattn-shards; rm -rf "$shards"; mkdir -p "$shards"
-  # GPU tests: triton/cupy/sdpa at real sizes, dispatch, torch.compile (6 workers)
-  timeout "$LIMIT" $PY -m pytest -q -p no:cacheprovider -n 6 tests/test_triton.py tests/test_cupy.py \
+  # GPU tests: triton/cupy/sdpa at real sizes, dispatch, torch.compile (4 workers)
+  timeout "$LIMIT" $PY -m pytest -q -p no:cacheprovider -n 4 tests/test_triton.py tests/test_cupy.py \
       tests/test_sdpa.py tests/test_dispatch.py tests/test_compile.py -rfEs > "$OUT/pytest_gpu.txt" 2>&1 &
-  # the catalogue: the fast backends over every case in one process, triton in five shards
-  # (a shard stopped by `timeout` still writes the cases it finished: "interrupted" in the report)
-  # (its JIT compiles dominate, and they run on the CPU cores in parallel)
+  # the catalogue: the fast backends over every case in one process, triton in nine shards
+  # (its JIT compiles dominate, ~5 s a case, and run on the CPU cores side by side; a shard
+  # stopped by `timeout` still writes the cases it finished: "interrupted" in the report)
   run_shard() {  # name, then conformance-run arguments
     local name=$1; shift
     timeout "$LIMIT" $PY -m portattn.cli conformance run --devices cuda --no-progress \
@@ -32,11 +32,15 @@ if [[ $what == verify ]]; then
   }
   run_shard others --backends reference sdpa cupy onnx &
   # (globs: a plain pattern matches anywhere in the id, so 'varlen/' would also take large/varlen/...)
-  run_shard t-core --backends triton --cases 'core/*' &
+  run_shard t-c16 --backends triton --cases 'core/fp16/*' &
+  run_shard t-cb16 --backends triton --cases 'core/bf16/*' &
+  run_shard t-c32 --backends triton --cases 'core/fp32/*' &
   run_shard t-large --backends triton --cases 'large/*' &
-  run_shard t-values --backends triton --cases 'values/*' 'headdim/*' &
+  run_shard t-values --backends triton --cases 'values/*' 'softcap/*' &
+  run_shard t-headdim --backends triton --cases 'headdim/*' &
   run_shard t-varlen --backends triton --cases 'varlen/*' 'gqa/*' 'layout/*' 'masked/*' &
-  run_shard t-rest --backends triton --cases 'bias/*' 'alibi/*' 'combo/*' 'softcap/*' 'window/*' &
+  run_shard t-bias --backends triton --cases 'bias/*' 'alibi/*' &
+  run_shard t-window --backends triton --cases 'window/*' 'combo/*' &
   wait
   echo "== GPU tests:"; tail -25 "$OUT/pytest_gpu.txt"
   { cat "$shards/rc.txt"; for f in "$shards"/*.log; do echo "=== $f"; tail -40 "$f"; done; } > "$OUT/conformance_shards.txt"
