@@ -14,6 +14,9 @@ Conventions shared by all kernels (DESIGN.md §2):
 * key loops run in three phases: masked tiles at the band's start, unmasked tiles fully inside
   the band (no per-element mask at all), masked tiles at the band's end; tiles outside the
   band are never visited;
+* one tile width ``BLOCK_D`` (a power of two ≥ 16) for both head dims: Q/K columns are masked at
+  ``HEAD_D``, V/O columns at ``HEAD_DV`` (separate widths gave NaN and illegal memory accesses
+  for fp16/bf16 on the H200 with triton 3.6, 2026-11-29);
 * ``lse`` is stored in natural log; a row with no visible key has ``l_i = 0``: output 0 and
   ``lse = -inf``;
 * the backward does not read ``lse``: its first pass recomputes each row's max ``m`` (base 2)
@@ -206,6 +209,20 @@ def _exp2_diff(s, m, qk_scale2, RAW_SCORES: tl.constexpr):
 
 
 @triton.jit
+def _online_max(m_i, s, qk_scale2, RAW_SCORES: tl.constexpr):
+    """One tile's step of the online softmax, shared by the forward and the backward's statistics
+    pass so that both see the same (m, P): ``(m_new, alpha, p)`` with the running max ``m_new``,
+    the rescale ``alpha = exp2(m_i - m_new)`` of what was summed so far and the tile's
+    unnormalised ``p = exp2(s - m_new)``. A row with nothing visible yet keeps m = -inf and
+    subtracts 0 instead (no -inf - -inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = _exp2_diff(m_i, m_safe, qk_scale2, RAW_SCORES)
+    p = _exp2_diff(s, m_safe[:, None], qk_scale2, RAW_SCORES)
+    return m_new, alpha, p
+
+
+@triton.jit
 def _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
             qk_scale2, softcap_scale, softcap2, window_left, window_right,
             MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
@@ -257,7 +274,7 @@ def _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, sl
 def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
               sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2,
               qk_scale2, softcap_scale, softcap2, window_left, window_right,
-              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
               MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
               IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
     """One K/V tile of the online softmax: update (m_i, l_i, acc)."""
@@ -268,14 +285,10 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs
     s, _ = _logits(qk, offs_m, cols, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                    qk_scale2, softcap_scale, softcap2, window_left, window_right,
                    MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
-    # running max; a row with nothing visible yet keeps m = -inf and subtracts 0 instead
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = _exp2_diff(m_i, m_safe, qk_scale2, RAW_SCORES)
-    p = _exp2_diff(s, m_safe[:, None], qk_scale2, RAW_SCORES)
+    m_new, alpha, p = _online_max(m_i, s, qk_scale2, RAW_SCORES)
     # rescale the running sum and accumulator, then add P V
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(v_ptrs + start_n * stride_vs, cols, sk, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
+    v = _load_tile(v_ptrs + start_n * stride_vs, cols, sk, offs_dv, HEAD_DV, BLOCK_D, MASKED)
     acc = _mm(_round_to(p, v.dtype), v, acc * alpha[:, None], IEEE)
     return acc, l_i, m_new
 
@@ -291,7 +304,7 @@ def attn_fwd(
     stride_bb, stride_bh, stride_bm, stride_bn,
     num_heads_q, gqa_ratio, seqlen_q, seqlen_k,
     qk_scale2, softcap_scale, softcap2, window_left, window_right,
-    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
@@ -314,7 +327,7 @@ def attn_fwd(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = tl.arange(0, BLOCK_D)
     b64 = b.to(tl.int64)
     q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
     k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv.to(tl.int64) * stride_kh
@@ -331,7 +344,7 @@ def attn_fwd(
                    HEAD_D, BLOCK_D, True)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
     # phase 1: tiles cut by the band's left edge (masked)
@@ -339,19 +352,19 @@ def attn_fwd(
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
                                   offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
                                   slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                                  HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
     # phase 2: tiles every row sees entirely (no element mask)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
                                   offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
                                   slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                                  HEAD_D, HEAD_DV, BLOCK_D, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
     # phase 3: tiles cut by the band's right edge or the end of the keys (masked)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
                                   offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
                                   slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                                  HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
 
     # normalise once; rows with no visible key output 0 and lse = -inf
     empty = l_i == 0.0
@@ -362,7 +375,7 @@ def attn_fwd(
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     o_ptrs = (O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
               + offs_m[:, None] * stride_os + offs_dv[None, :])
-    _store_tile(o_ptrs, _round_to(out, O.dtype.element_ty), offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV)
+    _store_tile(o_ptrs, _round_to(out, O.dtype.element_ty), offs_m, sq, offs_dv, HEAD_DV, BLOCK_D)
     l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m
     tl.store(l_ptrs, lse, mask=offs_m < sq)
 
@@ -390,13 +403,13 @@ def _probs(s, m2, inv_l, qk_scale2, RAW_SCORES: tl.constexpr):
 def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0, offs_n,
                offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn, slope2,
                qk_scale2, softcap_scale, softcap2, window_left, window_right,
-               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
                MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
                IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
     """One Q tile against the resident K/V tile: accumulate dK (unscaled) and dV."""
     offs_m = start_m + offs_m0
     q = _load_tile(q_ptrs + start_m * stride_qs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, MASKED)
-    do = _load_tile(do_ptrs + start_m * stride_dos, offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
+    do = _load_tile(do_ptrs + start_m * stride_dos, offs_m, sq, offs_dv, HEAD_DV, BLOCK_D, MASKED)
     m2, inv_l, delta = _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq)
     # recompute P = exp2(S - m) / l for this tile
     qk = _mm(q, tl.trans(k), None, IEEE)
@@ -429,7 +442,7 @@ def attn_bwd_dkdv(
     stride_bb, stride_bh, stride_bm, stride_bn,
     num_heads_q, num_heads_kv, gqa_ratio, seqlen_q, seqlen_k,
     sm_scale, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
@@ -452,15 +465,15 @@ def attn_bwd_dkdv(
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = tl.arange(0, BLOCK_D)
     b64 = b.to(tl.int64)
     k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv.to(tl.int64) * stride_vh
     # the K/V tile stays resident for every query head and query tile
     k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, sk, offs_d, HEAD_D, BLOCK_D, True)
-    v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV, True)
+    v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, sk, offs_dv, HEAD_DV, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = _query_phases(n0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
     for g in range(0, gqa_ratio):
@@ -479,17 +492,17 @@ def attn_bwd_dkdv(
             dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0,
                                 offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
                                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                                HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
         for start_m in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0,
                                 offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
                                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                                HEAD_D, HEAD_DV, BLOCK_D, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
         for start_m in range(full_hi, hi, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0,
                                 offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
                                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                                HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
 
     dk = dk * sm_scale
     dk_ptrs = (DK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv.to(tl.int64) * stride_dkh
@@ -497,29 +510,26 @@ def attn_bwd_dkdv(
     dv_ptrs = (DV + b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv.to(tl.int64) * stride_dvh
                + offs_n[:, None] * stride_dvs + offs_dv[None, :])
     _store_tile(dk_ptrs, _round_to(dk, DK.dtype.element_ty), offs_n, sk, offs_d, HEAD_D, BLOCK_D)
-    _store_tile(dv_ptrs, _round_to(dv, DV.dtype.element_ty), offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV)
+    _store_tile(dv_ptrs, _round_to(dv, DV.dtype.element_ty), offs_n, sk, offs_dv, HEAD_DV, BLOCK_D)
 
 
 @triton.jit
 def _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0,
                 offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
                 MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
                 IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
     """One K/V tile of the backward's first pass: the forward's online (m, l) and, rescaled
     alongside, dacc_i = Σ_j exp2(S_ij - m_i) dP_ij (so delta = dacc / l = Σ_j P_ij dP_ij)."""
     offs_n = start_n + offs_n0
     k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
-    v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
+    v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_dv, HEAD_DV, BLOCK_D, MASKED)
     qk = _mm(q, tl.trans(k), None, IEEE)
     s, _ = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                    qk_scale2, softcap_scale, softcap2, window_left, window_right,
                    MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = _exp2_diff(m_i, m_safe, qk_scale2, RAW_SCORES)
-    p = _exp2_diff(s, m_safe[:, None], qk_scale2, RAW_SCORES)
+    m_new, alpha, p = _online_max(m_i, s, qk_scale2, RAW_SCORES)
     dp = _mm(do, tl.trans(v), None, IEEE)
     l_i = l_i * alpha + tl.sum(p, 1)
     dacc = dacc * alpha + tl.sum(p * dp, 1)
@@ -530,13 +540,13 @@ def _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_
 def _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
              offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm, stride_dbn,
              slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-             HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+             HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
              MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
              BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
     """One K/V tile against the resident Q tile: accumulate dQ (unscaled); write dBias."""
     offs_n = start_n + offs_n0
     k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
-    v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_dv, HEAD_DV, BLOCK_DV, MASKED)
+    v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_dv, HEAD_DV, BLOCK_D, MASKED)
     # recompute P
     qk = _mm(q, tl.trans(k), None, IEEE)
     s, t = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
@@ -569,7 +579,7 @@ def attn_bwd_dq(
     stride_dbb, stride_dbh, stride_dbm, stride_dbn,
     num_heads_q, gqa_ratio, seqlen_q, seqlen_k,
     sm_scale, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BIAS_MODE: tl.constexpr, BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
@@ -595,7 +605,7 @@ def attn_bwd_dq(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = tl.arange(0, BLOCK_D)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     q_ptrs = (Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h64 * stride_qh
@@ -613,7 +623,7 @@ def attn_bwd_dq(
         slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
 
     q = _load_tile(q_ptrs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, True)
-    do = _load_tile(do_ptrs, offs_m, sq, offs_dv, HEAD_DV, BLOCK_DV, True)
+    do = _load_tile(do_ptrs, offs_m, sq, offs_dv, HEAD_DV, BLOCK_D, True)
     row_base = b64 * stride_lb + h64 * stride_lh + q_start
     lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
 
@@ -628,17 +638,17 @@ def attn_bwd_dq(
         m_i, l_i, dacc = _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
                             sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
                             softcap_scale, softcap2, window_left, window_right,
-                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                            HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         m_i, l_i, dacc = _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
                             sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
                             softcap_scale, softcap2, window_left, window_right,
-                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                            HEAD_D, HEAD_DV, BLOCK_D, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
     for start_n in range(full_hi, hi, BLOCK_N):
         m_i, l_i, dacc = _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
                             sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
                             softcap_scale, softcap2, window_left, window_right,
-                            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+                            HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
     empty = l_i == 0.0               # no visible key: P = 0 everywhere (m = +inf, 1/l = 0)
     inv_l = tl.where(empty, 0.0, _div(tl.full([BLOCK_M], 1.0, tl.float32), tl.where(empty, 1.0, l_i), IEEE))
     m2 = tl.where(empty, float("inf"), m_i)
@@ -655,17 +665,17 @@ def attn_bwd_dq(
         dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
                       offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
                       stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
+                      HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
                       offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
                       stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, False, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
+                      HEAD_D, HEAD_DV, BLOCK_D, False, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
                       offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
                       stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
+                      HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
 
     dq = dq * sm_scale
     dq_ptrs = (DQ + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h64 * stride_dqh

@@ -56,12 +56,10 @@ def _common(spec):
         window_left=UNBOUNDED if spec.window_left is None else spec.window_left,
         window_right=UNBOUNDED if spec.window_right is None else spec.window_right,
     )
-    # One tile width for D and Dv (the larger one padded; the tails are masked): on the H200
-    # (triton 3.6, 2026-11-29) fp16/bf16 with different widths (D 40 / Dv 24 → 64 / 32) gave
-    # NaN, wrong outputs and an illegal memory access, while equal widths (and float32) were right.
-    block_d = block_dv = max(padded_dim(spec.head_dim), padded_dim(spec.head_dim_v))
+    # one tile width for D and Dv (see kernels.py), the larger one padded
+    block_d = _block_d(spec)
     consts = dict(
-        HEAD_D=spec.head_dim, HEAD_DV=spec.head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        HEAD_D=spec.head_dim, HEAD_DV=spec.head_dim_v, BLOCK_D=block_d,
         IS_VARLEN=spec.is_varlen, BOTTOM_RIGHT=spec.alignment == "bottom_right",
         SOFTCAP=softcap is not None, ALIBI=spec.alibi_slopes is not None,
         IEEE=spec.dtype == torch.float32 and not spec.allow_tf32,

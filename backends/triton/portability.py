@@ -160,7 +160,7 @@ def _signature(fn, case: Case):
     head_d = f.head_d or case.block_d
     head_dv = f.head_dv or case.block_d
     values = dict(
-        HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=case.block_d, BLOCK_DV=case.block_d,
+        HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=case.block_d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=f.varlen, BOTTOM_RIGHT=f.bottom_right,
         SOFTCAP=f.softcap, ALIBI=f.alibi, BIAS_MODE=f.bias_mode, BIAS_GRAD=f.bias_grad,
         IEEE=case.dtype == torch.float32 and f.ieee,
