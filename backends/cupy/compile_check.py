@@ -20,6 +20,7 @@ on sm_90, 163 KB on sm_80); spills are listed (``--fail-on-spills`` makes them a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 import time
@@ -59,54 +60,50 @@ def _check(result, what: str, log: str = ""):
     return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
 
 
-def compile_names(names: list[str], arch: int, extra_options=()) -> tuple[str, dict[str, str]]:
-    """Compile the backend source for ``sm_<arch>`` instantiating ``names``.
-
-    Returns (NVRTC log, {name expression: lowered (mangled) name}). Raises CompileError.
-    """
-    nvrtc = _nvrtc()
-    src = configs.source().encode()
-    prog = _check(nvrtc.nvrtcCreateProgram(src, b"portattn_cupy.cu", 0, [], []), "nvrtcCreateProgram")
-    try:
-        for n in names:
-            _check(nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"nvrtcAddNameExpression({n})")
-        opts = [o.encode() for o in (*configs.NVRTC_OPTIONS, f"--gpu-architecture=sm_{arch}",
-                                     "--ptxas-options=-v", *extra_options)]
-        result = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        buf = b" " * size
-        _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-        log = buf.decode(errors="replace").rstrip("\x00 \n")
-        if int(result[0]) != 0:
-            raise CompileError(f"NVRTC failed for sm_{arch}:\n{log}")
-        lowered = {}
-        for n in names:
-            low = _check(nvrtc.nvrtcGetLoweredName(prog, n.encode()), f"nvrtcGetLoweredName({n})")
-            lowered[n] = low.decode() if isinstance(low, bytes) else str(low)
-        return log, lowered
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-
-
-def ptx_for(names: list[str], arch: int = 90) -> str:
-    """The PTX NVRTC makes for ``names`` (virtual ``compute_<arch>``): what the CUDA C++ compiles
-    to before ptxas, e.g. to check that a product is rounded (``mul.rn``) rather than fused."""
+@contextlib.contextmanager
+def _program(names: list[str], options):
+    """An NVRTC program of the backend source instantiating ``names``, compiled with ``options``:
+    yields (nvrtc, program, log); raises CompileError when NVRTC fails; destroyed afterwards."""
     nvrtc = _nvrtc()
     prog = _check(nvrtc.nvrtcCreateProgram(configs.source().encode(), b"portattn_cupy.cu", 0, [], []),
                   "nvrtcCreateProgram")
     try:
         for n in names:
             _check(nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"nvrtcAddNameExpression({n})")
-        opts = [o.encode() for o in (*configs.NVRTC_OPTIONS, f"--gpu-architecture=compute_{arch}")]
+        opts = [o.encode() for o in (*configs.NVRTC_OPTIONS, *options)]
         result = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        buf = b" " * size
+        _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+        log = buf.decode(errors="replace").rstrip("\x00 \n")
         if int(result[0]) != 0:
-            raise CompileError(f"NVRTC failed for compute_{arch}")
+            raise CompileError(f"NVRTC failed ({' '.join(options)}):\n{log}")
+        yield nvrtc, prog, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_names(names: list[str], arch: int, extra_options=()) -> tuple[str, dict[str, str]]:
+    """Compile the backend source for ``sm_<arch>`` instantiating ``names``.
+
+    Returns (NVRTC log, {name expression: lowered (mangled) name}). Raises CompileError.
+    """
+    with _program(names, (f"--gpu-architecture=sm_{arch}", "--ptxas-options=-v", *extra_options)) as (nvrtc, prog, log):
+        lowered = {}
+        for n in names:
+            low = _check(nvrtc.nvrtcGetLoweredName(prog, n.encode()), f"nvrtcGetLoweredName({n})")
+            lowered[n] = low.decode() if isinstance(low, bytes) else str(low)
+        return log, lowered
+
+
+def ptx_for(names: list[str], arch: int = 90) -> str:
+    """The PTX NVRTC makes for ``names`` (virtual ``compute_<arch>``): what the CUDA C++ compiles
+    to before ptxas, e.g. to check that a product is rounded (``mul.rn``) rather than fused."""
+    with _program(names, (f"--gpu-architecture=compute_{arch}",)) as (nvrtc, prog, _log):
         size = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
         buf = b" " * size
         _check(nvrtc.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
         return buf.decode(errors="replace").rstrip("\x00")
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
 
 
 _FUNC_RE = re.compile(r"Compiling entry function '([^']+)'")
