@@ -90,15 +90,20 @@ def gather(acc, n_tiles, rows=16):
                 out[g + 8 * (e // 2), nt * 8 + 2 * t + e % 2] = acc[L][nt][e]
     return out
 
+def _smem_tile(X, lds):
+    """A (rows, HD) tile as the kernels stage it in shared memory: rows padded to ``lds``, flat."""
+    m = np.zeros((X.shape[0], lds))
+    m[:, :X.shape[1]] = X
+    return m.ravel()
+
+
 @pytest.mark.parametrize("HD,NWARPS,BM,warp", [(32, 2, 32, 0), (64, 4, 64, 3), (96, 2, 32, 1), (128, 1, 32, 0)])
 def test_dkdv_fragments(HD, NWARPS, BM, warp):
     BN, LDS = 16 * NWARPS, HD + 8
     K, V = rng.standard_normal((BN, HD)), rng.standard_normal((BN, HD))
     Q, dO = rng.standard_normal((BM, HD)), rng.standard_normal((BM, HD))
-    def tile(X, rows):
-        m = np.zeros((rows, LDS)); m[:, :HD] = X; return m.ravel()
     # one flat smem: sK | sV | sQ | sdO (element offsets)
-    mem = np.concatenate([tile(K, BN), tile(V, BN), tile(Q, BM), tile(dO, BM)])
+    mem = np.concatenate([_smem_tile(X, LDS) for X in (K, V, Q, dO)])
     oK, oV, oQ, odO = 0, BN * LDS, 2 * BN * LDS, 2 * BN * LDS + BM * LDS
     aK = [oK + warp * 16 * LDS + ldm_a_offset(L, LDS) for L in range(32)]
     aV = [oV + warp * 16 * LDS + ldm_a_offset(L, LDS) for L in range(32)]
@@ -131,9 +136,7 @@ def test_dq_fragments(HD, NWARPS, BN, warp):
     BM, LDS = 16 * NWARPS, HD + 8
     Q, dO = rng.standard_normal((BM, HD)), rng.standard_normal((BM, HD))
     K, V = rng.standard_normal((BN, HD)), rng.standard_normal((BN, HD))
-    def tile(X, rows):
-        m = np.zeros((rows, LDS)); m[:, :HD] = X; return m.ravel()
-    mem = np.concatenate([tile(Q, BM), tile(dO, BM), tile(K, BN), tile(V, BN)])
+    mem = np.concatenate([_smem_tile(X, LDS) for X in (Q, dO, K, V)])
     oQ, odO, oK, oV = 0, BM * LDS, 2 * BM * LDS, 2 * BM * LDS + BN * LDS
     aQ = [oQ + warp * 16 * LDS + ldm_a_offset(L, LDS) for L in range(32)]
     adO = [odO + warp * 16 * LDS + ldm_a_offset(L, LDS) for L in range(32)]
