@@ -15,21 +15,28 @@ PY=python3
     > "$OUT/env.txt" 2>&1
 tail -12 "$OUT/env.txt"
 
+# Conformance shards run side by side (triton's JIT compiles dominate, ~5 s a case, and use the CPU
+# cores); a shard stopped by `timeout` still writes the cases it finished ("interrupted").
+shards=/tmp/portattn-shards
+run_shard() {  # name, then conformance-run arguments
+  local name=$1; shift
+  timeout "$LIMIT" $PY -m portattn.cli conformance run --devices cuda --no-progress \
+      --out "$shards/$name.json" "$@" > "$shards/$name.log" 2>&1
+  echo "shard $name rc=$? ($(( $(date +%s) - t0 ))s)" >> "$shards/rc.txt"
+}
+merge_shards() {  # the merged report's file name under $OUT
+  { cat "$shards/rc.txt"; for f in "$shards"/*.log; do echo "=== $f"; tail -40 "$f"; done; } > "$OUT/conformance_shards.txt"
+  $PY -m portattn.cli conformance merge "$shards"/*.json --out "$OUT/$1" > "$OUT/conformance.txt" 2>&1
+  echo "== conformance merge rc=$? ($(( $(date +%s) - t0 ))s):"; cat "$shards/rc.txt"; tail -40 "$OUT/conformance.txt"
+}
+
 if [[ $what == verify ]]; then
   t0=$(date +%s)
-  shards=/tmp/portattn-shards; rm -rf "$shards"; mkdir -p "$shards"
+  rm -rf "$shards"; mkdir -p "$shards"
   # GPU tests: triton/cupy/sdpa at real sizes, dispatch, torch.compile (4 workers)
   timeout "$LIMIT" $PY -m pytest -q -p no:cacheprovider -n 4 tests/test_triton.py tests/test_cupy.py \
       tests/test_sdpa.py tests/test_dispatch.py tests/test_compile.py -rfEs > "$OUT/pytest_gpu.txt" 2>&1 &
   # the catalogue: the fast backends over every case in one process, triton in nine shards
-  # (its JIT compiles dominate, ~5 s a case, and run on the CPU cores side by side; a shard
-  # stopped by `timeout` still writes the cases it finished: "interrupted" in the report)
-  run_shard() {  # name, then conformance-run arguments
-    local name=$1; shift
-    timeout "$LIMIT" $PY -m portattn.cli conformance run --devices cuda --no-progress \
-        --out "$shards/$name.json" "$@" > "$shards/$name.log" 2>&1
-    echo "shard $name rc=$? ($(( $(date +%s) - t0 ))s)" >> "$shards/rc.txt"
-  }
   run_shard others --backends reference sdpa cupy onnx &
   # (globs: a plain pattern matches anywhere in the id, so 'varlen/' would also take large/varlen/...)
   run_shard t-c16 --backends triton --cases 'core/fp16/*' &
@@ -43,30 +50,21 @@ if [[ $what == verify ]]; then
   run_shard t-window --backends triton --cases 'window/*' 'combo/*' &
   wait
   echo "== GPU tests:"; tail -25 "$OUT/pytest_gpu.txt"
-  { cat "$shards/rc.txt"; for f in "$shards"/*.log; do echo "=== $f"; tail -40 "$f"; done; } > "$OUT/conformance_shards.txt"
-  $PY -m portattn.cli conformance merge "$shards"/*.json --out "$OUT/conformance-h200.json" > "$OUT/conformance.txt" 2>&1
-  echo "== conformance merge rc=$? ($(( $(date +%s) - t0 ))s):"; cat "$shards/rc.txt"; tail -40 "$OUT/conformance.txt"
+  merge_shards conformance-h200.json
 fi
 
 if [[ $what == final ]]; then
   # the triton cases the first call's shards did not finish (its JIT compiles dominate: 8 shards,
   # nothing else running), then the quick benchmark alone on the GPU
   t0=$(date +%s)
-  shards=/tmp/portattn-shards; rm -rf "$shards"; mkdir -p "$shards"
-  run_shard() {
-    local name=$1; shift
-    timeout "${CONF_LIMIT:-270}" $PY -m portattn.cli conformance run --devices cuda --no-progress --backends triton \
-        --out "$shards/$name.json" --cases "$@" > "$shards/$name.log" 2>&1
-    echo "shard $name rc=$? ($(( $(date +%s) - t0 ))s)" >> "$shards/rc.txt"
-  }
-  run_shard c16 'core/fp16/*' & run_shard cb16 'core/bf16/*' & run_shard c32 'core/fp32/*' &
-  run_shard val 'values/*' & run_shard hd 'headdim/*' &
-  run_shard bias 'bias/*' 'alibi/*' & run_shard win 'window/*' 'combo/*' & run_shard cap 'softcap/*' &
+  rm -rf "$shards"; mkdir -p "$shards"
+  LIMIT=${CONF_LIMIT:-270}
+  run_shard c16 --backends triton --cases 'core/fp16/*' & run_shard cb16 --backends triton --cases 'core/bf16/*' &
+  run_shard c32 --backends triton --cases 'core/fp32/*' & run_shard val --backends triton --cases 'values/*' &
+  run_shard hd --backends triton --cases 'headdim/*' & run_shard bias --backends triton --cases 'bias/*' 'alibi/*' &
+  run_shard win --backends triton --cases 'window/*' 'combo/*' & run_shard cap --backends triton --cases 'softcap/*' &
   wait
-  { cat "$shards/rc.txt"; for f in "$shards"/*.log; do echo "=== $f"; tail -25 "$f"; done; } > "$OUT/conformance_shards.txt"
-  $PY -m portattn.cli conformance merge "$shards"/*.json --out "$OUT/conformance-h200-triton-rest.json" \
-      > "$OUT/conformance.txt" 2>&1
-  echo "== conformance rc=$? ($(( $(date +%s) - t0 ))s):"; cat "$shards/rc.txt"; tail -30 "$OUT/conformance.txt"
+  merge_shards conformance-h200-triton-rest.json
   t1=$(date +%s)
   timeout "${BENCH_LIMIT:-200}" $PY benchmarks/bench_attention.py --quick --backends triton,cupy --out "$OUT" \
       > "$OUT/bench.txt" 2>&1

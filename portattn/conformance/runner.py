@@ -211,7 +211,8 @@ def run_cases(cases: list[Case], backends: list[str] | None = None, devices: lis
     }
     if interrupted:
         report["interrupted"] = True
-        report["not_run"] = [c.id for c in cases if c not in done]
+        finished = {c.id for c in done}
+        report["not_run"] = [c.id for c in cases if c.id not in finished]
     report["summary"] = summarize(report)
     return report
 
