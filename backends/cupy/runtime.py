@@ -203,12 +203,16 @@ def plan_forward(spec, cfg: configs.KernelConfig | None = None) -> Plan:
     out = torch.empty((*spec.q.shape[:-1], dv_alloc), dtype=spec.dtype, device=spec.device)
     args, keep = common_args(spec, q, k, v)
     args += [_ptr(out), *_strides3(out, spec.is_varlen), _ptr(lse)]
-    extras = spec.softcap is not None or spec.alibi_slopes is not None or spec.attn_bias is not None
-    role = "extras" if tensor_cores and extras else "plain"
+    role = "extras" if tensor_cores and _needs_extras(spec) else "plain"
     grid = (_cdiv(spec.seqlen_q, cfg.block_rows(role)), spec.num_heads_q, spec.batch)
     if dv_alloc != spec.head_dim_v:
         out = out[..., : spec.head_dim_v]
     return Plan([Launch(cfg, role, grid, args)], (out, lse), keep)
+
+
+def _needs_extras(spec) -> bool:
+    """The tensor-core kernels' EXTRAS instantiation: softcap, ALiBi or a bias/mask to apply."""
+    return spec.softcap is not None or spec.alibi_slopes is not None or spec.attn_bias is not None
 
 
 def _grad_buffer(like: torch.Tensor, width: int) -> torch.Tensor:
@@ -289,8 +293,7 @@ def _plan_backward_mma(spec, out, lse, dout, cfg) -> Plan:
     dv = _grad_buffer(spec.v, v.shape[-1])
     args, keep = common_args(spec, q, k, v)
     do_args = [_ptr(dout), *_strides3(dout, varlen)]
-    extras = spec.softcap is not None or spec.alibi_slopes is not None or spec.attn_bias is not None
-    suffix = "_extras" if extras else ""
+    suffix = "_extras" if _needs_extras(spec) else ""
     plan = Plan(outputs=(dq[..., : spec.head_dim], dk[..., : spec.head_dim], dv[..., : spec.head_dim_v]),
                 keep_alive=(keep, out, dout, lse, delta, dq, dk, dv))
     plan.launches.append(_preprocess_launch(spec, cfg, out, do_args, delta, args[-2:]))
