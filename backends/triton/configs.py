@@ -130,9 +130,11 @@ _BWD_AMD = {16: ((32, 64), (64, 32), 4, 1, 1), 32: ((32, 64), (64, 32), 4, 1, 1)
 _INTERPRETER = KernelConfig(32, 32, 4, 1)
 
 
-def _shrink(m: int, n: int, stages: int, elem_size: int) -> tuple[int, int, int]:
+def _shrink(m: int, n: int, stages: int, elem_size: int, block_d: int) -> tuple[int, int, int]:
     """float32 tiles are twice the bytes: halve both sides of large tiles, else the larger side
-    (not below 16), and pipeline one stage less (fp32 D256 on sm_90 spilled 9.5 KB at 2 stages)."""
+    (not below 16), and pipeline one stage less (fp32 D256 on sm_90 spilled 9.5 KB at 2 stages).
+    At D 256 the larger side is halved once more: the float32 scores' float64 operands
+    (kernels._scores) made the sm_80 forward's M64 N32 tiles 172 KB of shared memory."""
     if elem_size <= 2:
         return m, n, stages
     if m >= 64 and n >= 64:
@@ -141,6 +143,11 @@ def _shrink(m: int, n: int, stages: int, elem_size: int) -> tuple[int, int, int]
         m //= 2
     elif n > 16:
         n //= 2
+    if block_d >= 256:
+        if m >= n and m > 16:
+            m //= 2
+        elif n > 16:
+            n //= 2
     return m, n, max(1, stages - 1)
 
 
@@ -150,10 +157,10 @@ def forward_config(target: Target, block_d: int, elem_size: int) -> KernelConfig
         return _INTERPRETER
     if target.vendor == "amd":
         m, n, w, s, wpe = _FWD_AMD[block_d]
-        m, n, s = _shrink(m, n, s, elem_size)
+        m, n, s = _shrink(m, n, s, elem_size, block_d)
         return KernelConfig(m, n, w, s, waves_per_eu=wpe, matrix_instr_nonkdim=16, kpack=1)
     m, n, w, s = _FWD_NVIDIA[_nvidia_family(int(target.arch))][block_d]
-    m, n, s = _shrink(m, n, s, elem_size)
+    m, n, s = _shrink(m, n, s, elem_size, block_d)
     return KernelConfig(m, n, w, s)
 
 
@@ -167,8 +174,8 @@ def backward_configs(target: Target, block_d: int, elem_size: int) -> BackwardCo
     else:
         (m1, n1), (m2, n2), w, s = _BWD_NVIDIA[_nvidia_family(int(target.arch))][block_d]
         amd = {}
-    m1, n1, s1 = _shrink(m1, n1, s, elem_size)
-    m2, n2, s2 = _shrink(m2, n2, s, elem_size)
+    m1, n1, s1 = _shrink(m1, n1, s, elem_size, block_d)
+    m2, n2, s2 = _shrink(m2, n2, s, elem_size, block_d)
     return BackwardConfigs(KernelConfig(m1, n1, w, s1, **amd), KernelConfig(m2, n2, w, s2, **amd))
 
 

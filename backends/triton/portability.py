@@ -236,7 +236,7 @@ def _amd_resources(amdgcn: str) -> tuple[int | None, int | None]:
 
 def ptx_instructions(kernel: str, dtype: torch.dtype, features: Features = PLAIN, arch: int = 90,
                      block_d: int = 64) -> dict[str, int]:
-    """Counts of the division/exp/reciprocal instructions in one kernel's PTX for sm_``arch``
+    """Counts of the division/exp/reciprocal/fma/mma instructions in one kernel's PTX for sm_``arch``
     (no GPU needed): how the kernels' float32 arithmetic is actually compiled."""
     import collections
 
@@ -248,7 +248,7 @@ def ptx_instructions(kernel: str, dtype: torch.dtype, features: Features = PLAIN
     fn = getattr(kernels, kernel)
     compiled = triton.compile(_ast_source(fn, *_signature(fn, case)), target=_gpu_target(target),
                               options=case.config.launch_options())
-    ops = re.findall(r"\b((?:div|ex2|rcp|lg2)\.[a-z0-9.]+)", compiled.asm["ptx"])
+    ops = re.findall(r"\b((?:div|ex2|rcp|lg2|fma|mma)\.[a-z0-9.]+)", compiled.asm["ptx"])
     return dict(collections.Counter(ops))
 
 
