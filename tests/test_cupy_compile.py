@@ -330,3 +330,18 @@ def test_scores_are_rounded_before_the_max_is_subtracted():
     assert len(entries) == len(names)
     for entry in entries:
         assert "mul.rn.f32" in entry, entry.split("(")[0]
+
+
+@needs_nvrtc
+def test_float32_scores_accumulate_in_float64():
+    """The float32 kernels sum q . k in float64 (``fma.rn.f64`` in the PTX): the float32 FMA chain
+    over D gave dV 5.9x the naive error on the H200 (Sq=1, D=32, 2026-11-29). 16-bit inputs keep
+    the float32 chain (no float64 arithmetic in their backward)."""
+    names = ["attn_fwd_fma<float, 32>", "attn_bwd_dq<float, 32>", "attn_bwd_dkdv<float, 32>",
+             "attn_bwd_dq<pa_bf16, 256>"]
+    ptx = compile_check.ptx_for(names, 90)
+    entries = re.split(r"\.entry ", ptx)[1:]
+    assert len(entries) == len(names)
+    f64 = {entry.split("(")[0].strip(): "fma.rn.f64" in entry for entry in entries}
+    assert sum(f64.values()) == 3, f64
+    assert not [name for name, has in f64.items() if "bf16" in name and has], f64

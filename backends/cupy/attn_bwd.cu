@@ -113,8 +113,7 @@ attn_bwd_stats(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lo
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
             const int jl = sub + 16 * c, j = n0 + jl;
-            float dot = 0.f;
-            for (int d = 0; d < HD; ++d) dot = fmaf(sQ[row * LD + d], sK[jl * LD + d], dot);
+            const float dot = score_dot<T, HD>(&sQ[row * LD], &sK[jl * LD]);
             if (!is_visible(s, i, j, win_left, win_right)) continue;
             float th;
             const float x = score_nat(dot, mods, s, i, j, &th);
@@ -142,11 +141,9 @@ attn_bwd_stats(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lo
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
             const int jl = sub + 16 * c, j = n0 + jl;
-            float dot = 0.f, dpv = 0.f;
-            for (int d = 0; d < HD; ++d) {
-                dot = fmaf(sQ[row * LD + d], sK[jl * LD + d], dot);
-                dpv = fmaf(sdO[row * LD + d], sV[jl * LD + d], dpv);
-            }
+            const float dot = score_dot<T, HD>(&sQ[row * LD], &sK[jl * LD]);
+            float dpv = 0.f;
+            for (int d = 0; d < HD; ++d) dpv = fmaf(sdO[row * LD + d], sV[jl * LD + d], dpv);
             if (!is_visible(s, i, j, win_left, win_right) || !(l_f > 0.f)) continue;
             float th;
             const float p = expf(score_nat(dot, mods, s, i, j, &th) - m) / l_f;
@@ -219,11 +216,9 @@ attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lon
             // Stage 2: recompute P and the score gradient for rows sub, sub + 8 against key j.
             for (int rr = 0; rr < 2; ++rr) {
                 const int il = sub + 8 * rr;
-                float dot = 0.f, dpv = 0.f;
-                for (int d = 0; d < HD; ++d) {
-                    dot = fmaf(sQ[il * LD + d], sK[key_l * LD + d], dot);
-                    dpv = fmaf(sdO[il * LD + d], sV[key_l * LD + d], dpv);
-                }
+                const float dot = score_dot<T, HD>(&sQ[il * LD], &sK[key_l * LD]);
+                float dpv = 0.f;
+                for (int d = 0; d < HD; ++d) dpv = fmaf(sdO[il * LD + d], sV[key_l * LD + d], dpv);
                 float p, ddot;
                 const RowStats row = {sRow[il], sRow[2 * BM + il], sRow[3 * BM + il], sRow[BM + il]};
                 grad_entry(dot, dpv, row, exact, mods, s, m0 + il, j, win_left, win_right, &p, &ddot);
@@ -313,11 +308,9 @@ attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long 
         #pragma unroll
         for (int c = 0; c < 2; ++c) {
             const int jl = sub + 16 * c;
-            float dot = 0.f, dpv = 0.f;
-            for (int d = 0; d < HD; ++d) {
-                dot = fmaf(sQ[row * LD + d], sK[jl * LD + d], dot);
-                dpv = fmaf(sdO[row * LD + d], sV[jl * LD + d], dpv);
-            }
+            const float dot = score_dot<T, HD>(&sQ[row * LD], &sK[jl * LD]);
+            float dpv = 0.f;
+            for (int d = 0; d < HD; ++d) dpv = fmaf(sdO[row * LD + d], sV[jl * LD + d], dpv);
             float p, ddot;
             grad_entry(dot, dpv, stats, exact, mods, s, i, n0 + jl, win_left, win_right, &p, &ddot);
             sdS[row * (BN + 1) + jl] = ddot;

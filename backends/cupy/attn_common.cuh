@@ -164,6 +164,26 @@ __device__ __forceinline__ ScoreMods make_mods(float scale, float softcap, const
     return m;
 }
 
+// Accumulator of the FMA kernels' score dot products q_i . k_j: float64 for float32 inputs.
+// A float32 FMA chain of D terms rounds at every step, and after the exponential that error is a
+// relative error of every P: on the H200 it alone gave dV 5.9x the naive error at Sq=1, D=32
+// (2026-11-29; a float32 emulation of the chain reproduces it to four digits). Products of
+// floats are exact in float64, so the score becomes the float32 rounding of the exact sum.
+// 16-bit inputs keep float32: their naive yardstick's own rounding is far larger.
+template <typename T> struct ScoreAcc { typedef float type; };
+template <> struct ScoreAcc<float> { typedef double type; };
+__device__ __forceinline__ float acc_fma(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double acc_fma(double a, double b, double c) { return fma(a, b, c); }
+
+// q_i . k_j over HD (zero-padded) columns of two shared-memory rows, accumulated as ScoreAcc<T>.
+template <typename T, int HD>
+__device__ __forceinline__ float score_dot(const float* a, const float* b) {
+    typedef typename ScoreAcc<T>::type acc_t;
+    acc_t acc = 0;
+    for (int d = 0; d < HD; ++d) acc = acc_fma((acc_t)a[d], (acc_t)b[d], acc);
+    return (float)acc;
+}
+
 // Natural-log logit of query row i (in-sequence) and key j from the raw dot product q_i . k_j,
 // in DESIGN.md §2's order: scale, softcap, ALiBi, bias (a False bool entry gives -inf).
 // `th` receives tanh(scale * dot / c) when softcap is on (the backward needs it).

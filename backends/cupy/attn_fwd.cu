@@ -282,20 +282,23 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
         __syncthreads();
 
         // Stage 2: this thread's scores s = q_i . k_j, turned into masked logits.
-        float sc[KPT];
+        // (ScoreAcc: float64 sums for float32 inputs, see attn_common.cuh)
+        typedef typename ScoreAcc<T>::type acc_t;
+        acc_t dots[KPT];
         #pragma unroll
-        for (int c = 0; c < KPT; ++c) sc[c] = 0.f;
+        for (int c = 0; c < KPT; ++c) dots[c] = 0;
         for (int d = 0; d < HD; ++d) {
-            const float qd = sQ[row * HD + d];
+            const acc_t qd = sQ[row * HD + d];
             #pragma unroll
-            for (int c = 0; c < KPT; ++c) sc[c] = fmaf(qd, sK[(sub + 8 * c) * LDK + d], sc[c]);
+            for (int c = 0; c < KPT; ++c) dots[c] = acc_fma(qd, (acc_t)sK[(sub + 8 * c) * LDK + d], dots[c]);
         }
+        float sc[KPT];
         float mx = m_i;
         #pragma unroll
         for (int c = 0; c < KPT; ++c) {
             const int j = n0 + sub + 8 * c;
             float th;
-            sc[c] = is_visible(s, i, j, win_left, win_right) ? score_nat(sc[c], mods, s, i, j, &th) : PA_NEG_INF;
+            sc[c] = is_visible(s, i, j, win_left, win_right) ? score_nat((float)dots[c], mods, s, i, j, &th) : PA_NEG_INF;
             mx = fmaxf(mx, sc[c]);
         }
 
