@@ -3,6 +3,7 @@
 #   bash benchmarks/h200_session.sh verify   # GPU tests and the whole conformance catalogue, side by side
 #   bash benchmarks/h200_session.sh bench    # the shared benchmark alone (timings), then the GPU property profile
 #   PREV=report.json bash benchmarks/h200_session.sh reverify   # after a float32-path change (below)
+#   PROFILE=ci bash benchmarks/h200_session.sh properties       # the Hypothesis suite on cpu and cuda
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -29,6 +30,12 @@ merge_shards() {  # the merged report's file name under $OUT
   { cat "$shards/rc.txt"; for f in "$shards"/*.log; do echo "=== $f"; tail -40 "$f"; done; } > "$OUT/conformance_shards.txt"
   $PY -m portattn.cli conformance merge "$shards"/*.json --out "$OUT/$1" > "$OUT/conformance.txt" 2>&1
   echo "== conformance merge rc=$? ($(( $(date +%s) - t0 ))s):"; cat "$shards/rc.txt"; tail -40 "$OUT/conformance.txt"
+}
+
+run_properties() {  # seconds; SIGINT at the limit so that pytest still prints its failures
+  PORTATTN_HYPOTHESIS_PROFILE=${PROFILE:-ci} timeout -s INT -k 30 "$1" $PY -m pytest -q -p no:cacheprovider \
+      -n "${WORKERS:-8}" tests/test_properties.py -rfE --tb=short > "$OUT/pytest_properties_gpu.txt" 2>&1
+  echo "== properties (${PROFILE:-ci} profile) rc=$? :"; grep -v "Warning\|warner" "$OUT/pytest_properties_gpu.txt" | tail -60
 }
 
 if [[ $what == verify ]]; then
@@ -97,8 +104,11 @@ if [[ $what == bench ]]; then
   echo "== bench rc=$? ($(( $(date +%s) - t0 ))s):"; tail -30 "$OUT/bench.txt"
   left=$(( ${TOTAL:-540} - ($(date +%s) - t0) ))
   if (( left > 60 )); then
-    PORTATTN_HYPOTHESIS_PROFILE=gpu timeout $(( left - 15 )) $PY -m pytest -q -p no:cacheprovider -n 6 \
-        tests/test_properties.py -rfE > "$OUT/pytest_properties_gpu.txt" 2>&1
-    echo "== properties (gpu profile) rc=$? :"; tail -15 "$OUT/pytest_properties_gpu.txt"
+    PROFILE=gpu run_properties $(( left - 15 ))
   fi
+fi
+
+if [[ $what == properties ]]; then
+  # the property suite alone (PROFILE=ci: 25 derandomised examples a test; gpu: 300)
+  run_properties "${LIMIT}"
 fi

@@ -245,4 +245,6 @@ def test_known_limitations_still_reproduce(entry):
     if backend not in _available():
         pytest.skip(f"{backend} is not available here")
     outcome = Checker(problem, "cpu").check(backend)
+    if outcome.verdict == "skip":   # e.g. triton on CPU tensors without the interpreter (GPU machines)
+        pytest.skip(f"{backend} cannot run the example on CPU here: {'; '.join(outcome.reasons)[:200]}")
     assert outcome.verdict == "known", outcome.summary()
