@@ -51,8 +51,10 @@ class KernelConfig:
     kpack: int | None = None                 # AMD only
 
     def launch_options(self) -> dict:
-        """Keyword arguments for ``kernel[grid](..., **options)`` (and ``triton.compile``)."""
-        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        """Keyword arguments for ``kernel[grid](..., **options)`` (and ``triton.compile``).
+        ``enable_fp_fusion`` is pinned on (a*b+c as one fma, what the kernels were validated with):
+        triton 3.9 warns that its default turns off in 3.10."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages, "enable_fp_fusion": True}
         for key in ("waves_per_eu", "matrix_instr_nonkdim", "kpack"):
             value = getattr(self, key)
             if value is not None:
