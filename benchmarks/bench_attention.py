@@ -5,7 +5,8 @@
     python benchmarks/bench_attention.py --quick                 # a few cases
 
 Conventions (shared/GPU.md): bf16 by default; FLOPs = 4·B·H·Sq·Sk·D forward, halved for
-causal; backward = 2.5 × forward; medians of ``triton.testing.do_bench`` after warm-up, on
+causal; backward = 2.5 × forward; medians of ``triton.testing.do_bench`` after warm-up, each
+implementation timed twice, interleaved, with the spread recorded, on
 random data; each implementation's output is checked against SDPA-flash before it is timed.
 The JSON written holds the GPU, driver, library versions and date.
 """
@@ -17,6 +18,7 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -72,8 +74,45 @@ def make_fn(impl, q, k, v, causal, mode):
     return fwd_bwd
 
 
-def bench_case(case, impls, mode, dtype, check_ref):
+#: each implementation is timed this many times, interleaved (METHOD.md: time the same version
+#: twice; a difference smaller than that spread is noise)
+ROUNDS = 2
+#: a cell whose rounds differ by more than this (relative) is marked noisy in the table
+NOISY = 0.05
+
+
+def _do_bench_median(fn) -> float:
     import triton.testing
+    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+
+
+def time_rounds(fns: dict, rounds: int, timer) -> dict:
+    """Time every callable of ``fns`` ``rounds`` times, interleaved (round r visits them in order,
+    odd rounds in reverse, so that none is always first or last). Returns per name
+    ``{"ms": median of the rounds, "ms_rounds": [...], "spread": (max - min) / ms}`` or
+    ``{"error": ...}`` if a timing raised."""
+    names = list(fns)
+    times = {n: [] for n in names}
+    errors = {}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            if name in errors:
+                continue
+            try:
+                times[name].append(float(timer(fns[name])))
+            except Exception as exc:
+                errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    out = {}
+    for name in names:
+        if name in errors:
+            out[name] = {"error": errors[name]}
+            continue
+        ms = statistics.median(times[name])
+        out[name] = {"ms": ms, "ms_rounds": times[name], "spread": (max(times[name]) - min(times[name])) / ms}
+    return out
+
+
+def bench_case(case, impls, mode, dtype, check_ref):
     name, b, h, hkv, sq, sk, d, causal = case
     g = torch.Generator(device="cuda").manual_seed(0)
     need_grad = mode == "fwd+bwd"
@@ -86,6 +125,7 @@ def bench_case(case, impls, mode, dtype, check_ref):
             ref = make_fn("sdpa-flash", q, k, v, causal, "fwd")()
     row = {"case": name, "mode": mode, "B": b, "H": h, "Hkv": hkv, "Sq": sq, "Sk": sk, "D": d, "causal": causal,
            "results": {}}
+    fns = {}
     for impl in impls:
         entry = {}
         try:
@@ -93,13 +133,15 @@ def bench_case(case, impls, mode, dtype, check_ref):
                 with torch.no_grad():
                     out = make_fn(impl, q, k, v, causal, "fwd")()
                 entry["max_abs_diff_vs_sdpa_flash"] = (out.float() - ref.float()).abs().max().item()
-            fn = make_fn(impl, q, k, v, causal, mode)
-            ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
-            entry["ms"] = ms
-            entry["tflops"] = flops(b, h, sq, sk, d, causal, mode) / (ms * 1e-3) / 1e12
+            fns[impl] = make_fn(impl, q, k, v, causal, mode)
         except Exception as exc:   # a backend that cannot run this case: record why
             entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         row["results"][impl] = entry
+    for impl, timing in time_rounds(fns, ROUNDS, _do_bench_median).items():
+        entry = row["results"][impl]
+        entry.update(timing)
+        if "ms" in timing:
+            entry["tflops"] = flops(b, h, sq, sk, d, causal, mode) / (timing["ms"] * 1e-3) / 1e12
     return row
 
 
@@ -136,7 +178,8 @@ def table(rows, impls):
     lines.append(header)
     for r in rows:
         res = r["results"]
-        cells = "".join(f"{res[i]['tflops']:>12.1f}" if "tflops" in res[i] else f"{'-':>12}" for i in impls)
+        cells = "".join(f"{res[i]['tflops']:>11.1f}{'~' if res[i].get('spread', 0.0) > NOISY else ' '}"
+                        if "tflops" in res[i] else f"{'-':>12}" for i in impls)
         ratios = []
         for i in impls:
             if i in SDPA_KERNELS or "tflops" not in res[i]:
@@ -146,6 +189,7 @@ def table(rows, impls):
             ratios.append(f"{i} {res[i]['tflops'] / fa if fa else float('nan'):.2f}/"
                           f"{res[i]['tflops'] / cu if cu else float('nan'):.2f}")
         lines.append(f"{r['case']:<28} {r['mode']:<8}{cells}   {'  '.join(ratios)}")
+    lines.append(f"~: the {ROUNDS} interleaved timings of that cell differ by more than {NOISY:.0%}")
     return "\n".join(lines)
 
 
