@@ -37,10 +37,11 @@ KNOWN_LIMITATIONS = (
         Problem(batch=1, seqlen_q=1, seqlen_k=31, heads_q=2, heads_kv=2, head_dim=8, dtype="float32",
                 magnitude=5.0, grad=True, seed=31)),
     KnownLimitation(
-        "sdpa", lambda p: p.dtype == "float32" and p.extreme, frozenset({"out"}) | _GRADS,
-        "float32 with extreme logit offsets: SDPA's math kernel scales q and k by sqrt(scale) each, another "
-        "float32 rounding of scores ~150 than the naive (q*scale)@k, so the factor-2 bound fails by chance "
-        "(found 2026-11-29)",
+        "sdpa", lambda p: p.dtype == "float32" and (p.extreme or p.magnitude >= 3), frozenset({"out"}) | _GRADS,
+        "float32 with large logits (inputs x3..x5, or extreme offsets): SDPA's math kernel scales q and k by "
+        "sqrt(scale) each, another float32 rounding of large scores than the naive (q*scale)@k, so the factor-2 "
+        "bound fails by chance: on CPU 10 of 80 random x5 problems (out 2.1-3.2x naive) and 9 of 80 extreme ones "
+        "(2026-11-29)",
         Problem(batch=1, seqlen_q=2, seqlen_k=2, heads_q=1, heads_kv=1, head_dim=8, dtype="float32",
                 extreme=True, grad=False, seed=0)),
 )
