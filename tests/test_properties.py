@@ -20,6 +20,7 @@ well as on the CPU.
 from __future__ import annotations
 
 import os
+import types
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -33,7 +34,7 @@ from hypothesis import strategies as st  # noqa: E402
 from portattn.conformance import Checker, cap_for, problem_strategy  # noqa: E402
 from portattn.conformance.checker import GRAD_NAMES  # noqa: E402
 from portattn.conformance.problems import Problem, _sequence_rows  # noqa: E402
-from portattn.conformance.known import KNOWN_LIMITATIONS  # noqa: E402
+from portattn.conformance.known import KNOWN_LIMITATIONS, known_limitation  # noqa: E402
 from portattn.registry import get_backend, list_backends  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -76,9 +77,11 @@ def _deterministic_mode():
 def _assert_bit_equal(what: str, a, b) -> None:
     """Raw results ``a`` and ``b`` must have identical bits (NaN == NaN)."""
     pairs = [("out", a.out, b.out), ("lse", a.lse, b.lse)] + [(n, a.grads[n], b.grads[n]) for n in a.grads]
+    def bits(t):   # flatten first: a "contiguous" tensor with a size-1 last dim may have stride != 1
+        return t.detach().flatten().contiguous().view(torch.uint8)
+
     for name, x, y in pairs:
-        if not torch.equal(x.view(torch.uint8) if x.is_contiguous() else x.contiguous().view(torch.uint8),
-                           y.view(torch.uint8) if y.is_contiguous() else y.contiguous().view(torch.uint8)):
+        if not torch.equal(bits(x), bits(y)):
             diff = (x.double() - y.double()).abs()
             worst = diff.nan_to_num(float("inf")).max()
             raise AssertionError(f"{what}: {name} differs bit-wise (max |diff| = {worst:.3g})")
@@ -202,13 +205,9 @@ def test_sequences_are_independent(device, data):
                 f"{name}: sequence {b}'s {label} changed when the other sequences did ({problem.describe()})"
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@FEW
-@given(data=st.data())
-def test_fully_masked_rows_are_exactly_zero(device, data):
-    """Rows with no visible key: output exactly 0 and lse = -inf, in every backend."""
-    problem = data.draw(_problems(device, need=frozenset({"bool_mask"})), label="problem")
-    note(f"problem: {problem!r}")
+def _check_masked_rows(problem, device, record=lambda message: None) -> None:
+    """Rows with no visible key: output exactly 0 and lse = -inf in every backend; the visible
+    rows pass §3 or fail as a listed known limitation (passed to ``record``: Hypothesis' event)."""
     checker = Checker(problem, device)
     assert bool(torch.isneginf(checker.reference.lse).any()), "the strategy must plant fully-masked rows"
     for name, grads, bias_grad in _runnable(checker):
@@ -218,7 +217,41 @@ def test_fully_masked_rows_are_exactly_zero(device, data):
         assert checks["masked_rows"]["rows"] > 0
         assert checks["masked_rows"]["nonzero"] == 0, f"{name}: {failures}"
         assert torch.equal(torch.isneginf(got.lse), torch.isneginf(checker.reference.lse)), f"{name}: lse -inf rows"
+        failed = [n for n, c in checks.items() if not c.get("passed", True)]
+        why = known_limitation(problem, name, failed) if failures else None
+        if why is not None:   # a listed limitation of the visible rows (portattn/conformance/known.py)
+            record(f"{name}@{device}: known limitation")
+            continue
         assert not failures, f"{name}: {failures}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@FEW
+@given(data=st.data())
+def test_fully_masked_rows_are_exactly_zero(device, data):
+    """Rows with no visible key: output exactly 0 and lse = -inf, in every backend."""
+    problem = data.draw(_problems(device, need=frozenset({"bool_mask"})), label="problem")
+    note(f"problem: {problem!r}")
+    _check_masked_rows(problem, device, event)
+
+
+def test_masked_rows_of_a_known_limitation_problem():
+    """Found by the 300-example profile (2026-11-29): sdpa's float32 extreme-offset limitation on
+    the visible rows of a masked problem made this test fail although the limitation is listed."""
+    _check_masked_rows(Problem(batch=2, seqlen_q=1, seqlen_k=2, heads_q=4, heads_kv=2, head_dim=8, head_dim_v=16,
+                               dtype="float32", bias="bool", extreme=True, grad=False, seed=1), "cpu")
+
+
+def test_bit_comparison_of_a_size_one_last_dim_with_stride_two():
+    """Found by the 300-example profile (2026-11-29): D = 1 outputs are "contiguous" with a last
+    stride of 2, which ``Tensor.view(torch.uint8)`` refused."""
+    x = torch.arange(4, dtype=torch.float16).as_strided((2, 1), (1, 2))
+    assert x.is_contiguous() and x.stride(-1) == 2
+    raw = types.SimpleNamespace(out=x, lse=x.float(), grads={})
+    _assert_bit_equal("same", raw, raw)
+    other = types.SimpleNamespace(out=x + 1, lse=x.float(), grads={})
+    with pytest.raises(AssertionError, match="out differs bit-wise"):
+        _assert_bit_equal("changed", raw, other)
 
 
 # ----- the generator itself -------------------------------------------------------------------
