@@ -137,19 +137,16 @@ def _shrink(m: int, n: int, stages: int, elem_size: int, block_d: int) -> tuple[
     (not below 16), and pipeline one stage less (fp32 D256 on sm_90 spilled 9.5 KB at 2 stages).
     At D 256 the larger side is halved once more: the float32 scores' float64 operands
     (kernels._scores) made the sm_80 forward's M64 N32 tiles 172 KB of shared memory."""
+    def halve_larger(m, n):
+        if m >= n and m > 16:
+            return m // 2, n
+        return m, (n // 2 if n > 16 else n)
+
     if elem_size <= 2:
         return m, n, stages
-    if m >= 64 and n >= 64:
-        m, n = m // 2, n // 2
-    elif m >= n and m > 16:
-        m //= 2
-    elif n > 16:
-        n //= 2
+    m, n = (m // 2, n // 2) if m >= 64 and n >= 64 else halve_larger(m, n)
     if block_d >= 256:
-        if m >= n and m > 16:
-            m //= 2
-        elif n > 16:
-            n //= 2
+        m, n = halve_larger(m, n)
     return m, n, max(1, stages - 1)
 
 
