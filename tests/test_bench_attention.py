@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from _scripts import load_script
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
-_spec = importlib.util.spec_from_file_location("bench_attention", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script("bench_attention")
 
 
 def test_rounds_are_interleaved_and_summarised():

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from portattn.conformance.catalogue import build_catalogue
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_shards.py"
-_spec = importlib.util.spec_from_file_location("plan_shards", _PATH)
-plan_shards = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plan_shards)
+from _scripts import load_script
+
+plan_shards = load_script("plan_shards")
 
 
 def _report():
