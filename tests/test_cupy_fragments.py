@@ -90,6 +90,19 @@ def gather(acc, n_tiles, rows=16):
                 out[g + 8 * (e // 2), nt * 8 + 2 * t + e % 2] = acc[L][nt][e]
     return out
 
+def scatter(acc, M):
+    """The inverse of :func:`gather`: write dense ``M`` (16 x 8*n_tiles) into the fragments
+    ``acc`` in place, as the kernels overwrite S/dP accumulators with P/dS."""
+    for L in range(32):
+        g, t = L // 4, L % 4
+        for nt in range(M.shape[1] // 8):
+            for e in range(4):
+                acc[L][nt][e] = M[g + 8 * (e // 2), nt * 8 + 2 * t + e % 2]
+
+def _lanes(base, offset, lds):
+    """Per-lane shared-memory element addresses: ``base + offset(L, lds)`` for the 32 lanes."""
+    return [base + offset(L, lds) for L in range(32)]
+
 def _smem_tile(X, lds):
     """A (rows, HD) tile as the kernels stage it in shared memory: rows padded to ``lds``, flat."""
     m = np.zeros((X.shape[0], lds))
@@ -105,12 +118,10 @@ def test_dkdv_fragments(HD, NWARPS, BM, warp):
     # one flat smem: sK | sV | sQ | sdO (element offsets)
     mem = np.concatenate([_smem_tile(X, LDS) for X in (K, V, Q, dO)])
     oK, oV, oQ, odO = 0, BN * LDS, 2 * BN * LDS, 2 * BN * LDS + BM * LDS
-    aK = [oK + warp * 16 * LDS + ldm_a_offset(L, LDS) for L in range(32)]
-    aV = [oV + warp * 16 * LDS + ldm_a_offset(L, LDS) for L in range(32)]
-    bQ = [oQ + ldm_b_offset(L, LDS) for L in range(32)]
-    bdO = [odO + ldm_b_offset(L, LDS) for L in range(32)]
-    btQ = [oQ + ldm_bt_offset(L, LDS) for L in range(32)]
-    btdO = [odO + ldm_bt_offset(L, LDS) for L in range(32)]
+    aK = _lanes(oK + warp * 16 * LDS, ldm_a_offset, LDS)
+    aV = _lanes(oV + warp * 16 * LDS, ldm_a_offset, LDS)
+    bQ, bdO = _lanes(oQ, ldm_b_offset, LDS), _lanes(odO, ldm_b_offset, LDS)
+    btQ, btdO = _lanes(oQ, ldm_bt_offset, LDS), _lanes(odO, ldm_bt_offset, LDS)
     Kw, Vw = K[16 * warp: 16 * warp + 16], V[16 * warp: 16 * warp + 16]
     st, dpt = zeros(BM // 8), zeros(BM // 8)
     warp_mma_abt(st, mem, aK, bQ, HD // 16, BM // 16, LDS)
@@ -118,13 +129,10 @@ def test_dkdv_fragments(HD, NWARPS, BM, warp):
     assert np.allclose(gather(st, BM // 8), Kw @ Q.T), "S^T"
     assert np.allclose(gather(dpt, BM // 8), Vw @ dO.T), "dP^T"
     # elementwise: replace with arbitrary values keyed by coordinates (as the kernel does in place)
+    # (kernel: fragment row = key jl0 + 8*(e/2), column = query il)
     P = rng.standard_normal((16, BM)); dS = rng.standard_normal((16, BM))
-    for L in range(32):
-        g, t = L // 4, L % 4
-        for nt in range(BM // 8):
-            for e in range(4):
-                jl, il = g + 8 * (e // 2), nt * 8 + 2 * t + e % 2    # kernel: key jl0 + 8*(e/2), query il
-                st[L][nt][e], dpt[L][nt][e] = P[jl, il], dS[jl, il]
+    scatter(st, P)
+    scatter(dpt, dS)
     dv, dk = zeros(HD // 8), zeros(HD // 8)
     warp_mma_pb(dv, st, mem, btdO, BM // 16, HD // 16, LDS)
     warp_mma_pb(dk, dpt, mem, btQ, BM // 16, HD // 16, LDS)
@@ -138,20 +146,16 @@ def test_dq_fragments(HD, NWARPS, BN, warp):
     K, V = rng.standard_normal((BN, HD)), rng.standard_normal((BN, HD))
     mem = np.concatenate([_smem_tile(X, LDS) for X in (Q, dO, K, V)])
     oQ, odO, oK, oV = 0, BM * LDS, 2 * BM * LDS, 2 * BM * LDS + BN * LDS
-    aQ = [oQ + warp * 16 * LDS + ldm_a_offset(L, LDS) for L in range(32)]
-    adO = [odO + warp * 16 * LDS + ldm_a_offset(L, LDS) for L in range(32)]
+    aQ = _lanes(oQ + warp * 16 * LDS, ldm_a_offset, LDS)
+    adO = _lanes(odO + warp * 16 * LDS, ldm_a_offset, LDS)
     sc, dp = zeros(BN // 8), zeros(BN // 8)
-    warp_mma_abt(sc, mem, aQ, [oK + ldm_b_offset(L, LDS) for L in range(32)], HD // 16, BN // 16, LDS)
-    warp_mma_abt(dp, mem, adO, [oV + ldm_b_offset(L, LDS) for L in range(32)], HD // 16, BN // 16, LDS)
+    warp_mma_abt(sc, mem, aQ, _lanes(oK, ldm_b_offset, LDS), HD // 16, BN // 16, LDS)
+    warp_mma_abt(dp, mem, adO, _lanes(oV, ldm_b_offset, LDS), HD // 16, BN // 16, LDS)
     Qw, dOw = Q[16 * warp: 16 * warp + 16], dO[16 * warp: 16 * warp + 16]
     assert np.allclose(gather(sc, BN // 8), Qw @ K.T), "S"
     assert np.allclose(gather(dp, BN // 8), dOw @ V.T), "dP"
     dS = rng.standard_normal((16, BN))
-    for L in range(32):
-        g, t = L // 4, L % 4
-        for nt in range(BN // 8):
-            for e in range(4):
-                dp[L][nt][e] = dS[g + 8 * (e // 2), nt * 8 + 2 * t + e % 2]   # row row_w+g+8*(e/2), key nt*8+2t4+e%2
+    scatter(dp, dS)   # (kernel: fragment row = query row_w + g + 8*(e/2), column = key)
     dq = zeros(HD // 8)
-    warp_mma_pb(dq, dp, mem, [oK + ldm_bt_offset(L, LDS) for L in range(32)], BN // 16, HD // 16, LDS)
+    warp_mma_pb(dq, dp, mem, _lanes(oK, ldm_bt_offset, LDS), BN // 16, HD // 16, LDS)
     assert np.allclose(gather(dq, HD // 8), dS @ K), "dQ"
