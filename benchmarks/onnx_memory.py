@@ -12,10 +12,12 @@ PyTorch with a dynamic sequence axis:
 
 Each (model, S) runs in a fresh subprocess (Linux): it creates the session and the inputs, resets
 the kernel's peak-RSS counter (``/proc/self/clear_refs`` = 5), runs the model once and reads the
-peak (``VmHWM``); peak minus the resident set before the run is the memory the run needed. Results go to ``benchmarks/results/onnx_memory.json``::
+peak (``VmHWM``); peak minus the resident set before the run is the memory the run needed. The
+report is printed; ``--out`` writes it (the committed one is ``benchmarks/results/onnx_memory.json``)::
 
-    python benchmarks/onnx_memory.py                 # S = 1024 .. 8192
+    python benchmarks/onnx_memory.py                 # S = 1024 .. 8192, printed
     python benchmarks/onnx_memory.py --seqlens 8192 --heads 2
+    python benchmarks/onnx_memory.py --out benchmarks/results/onnx_memory.json   # replace the committed report
 """
 
 from __future__ import annotations
@@ -99,7 +101,9 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = default)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "onnx_memory.json"))
+    parser.add_argument("--out", default=None,
+                        help="write the JSON report here (the committed one is benchmarks/results/onnx_memory.json: "
+                             "name it to replace it); default: print only")
     args = parser.parse_args(argv)
 
     import onnxruntime
@@ -124,6 +128,9 @@ def main(argv=None) -> int:
         "block_size": args.block_size, "method": "VmHWM (reset via /proc/self/clear_refs) minus VmRSS before one session.run, fresh subprocess",
         "rows": rows,
     }
+    if args.out is None:
+        print(json.dumps(report, indent=2))
+        return 0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

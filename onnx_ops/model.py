@@ -18,7 +18,7 @@ DEFAULT_OPSET = 23
 IR_VERSION = 10
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _function_bytes(opset: int) -> bytes:
     from . import function
 

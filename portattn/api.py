@@ -15,7 +15,6 @@ from typing import Optional
 import torch
 
 from . import dispatch
-from .registry import get_backend
 from .spec import AttentionSpec, build_spec
 
 Tensor = torch.Tensor

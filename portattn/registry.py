@@ -31,7 +31,6 @@ from typing import ClassVar
 import torch
 
 from . import config
-from .errors import BackendNotAvailableError
 
 ENTRY_POINT_GROUP = "portattn.backends"
 
@@ -50,8 +49,9 @@ ALL_FEATURES = frozenset({
     "head_dim_v",  # head_dim of v differs from q/k
 })
 
-#: Built-in backends, used only when portattn runs from a source tree without installed
-#: metadata (``PYTHONPATH=.``): same names and targets as pyproject's entry points.
+#: Built-in backends, used when portattn runs from a source tree without installed metadata
+#: (``PYTHONPATH=.``) or with metadata that lacks some: same names and targets as pyproject's
+#: entry points (tests/test_dispatch.py checks that the two lists agree).
 _SOURCE_TREE_ENTRY_POINTS = {
     "reference": "portattn.reference:ReferenceBackend",
     "sdpa": "portattn.backends.sdpa:SdpaBackend",
@@ -198,9 +198,11 @@ def _discover() -> None:
             return
         eps = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
         own = [ep for ep in eps if ep.dist is not None and ep.dist.name == "portattn"]
-        if not own:  # running from a source tree: same targets as pyproject declares
-            own = [importlib.metadata.EntryPoint(n, v, ENTRY_POINT_GROUP)
-                   for n, v in _SOURCE_TREE_ENTRY_POINTS.items()]
+        # A source tree (no metadata) or an install older than the tree (an editable install's
+        # metadata is written once): the built-ins it lacks, same targets as pyproject declares.
+        named = {ep.name for ep in own}
+        own += [importlib.metadata.EntryPoint(n, v, ENTRY_POINT_GROUP)
+                for n, v in _SOURCE_TREE_ENTRY_POINTS.items() if n not in named]
         others = [] if config.entry_points_disabled() else [ep for ep in eps if ep not in own]
         for ep in own + others:
             if ep.name not in _entry_points and ep.name not in _backends:

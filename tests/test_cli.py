@@ -4,8 +4,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from portattn.cli import main
 
 

@@ -11,9 +11,8 @@ import re
 
 import pytest
 import torch
+from portattn.backends.cupy import CupyBackend, compile_check, configs, problem_reasons, runtime
 
-from portattn.backends.cupy import CupyBackend, configs, problem_reasons
-from portattn.backends.cupy import compile_check, runtime
 from portattn.spec import build_spec
 
 try:

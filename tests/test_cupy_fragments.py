@@ -11,7 +11,6 @@ import re
 
 import numpy as np
 import pytest
-
 from portattn.backends.cupy import configs
 
 rng = np.random.default_rng(0)
@@ -42,7 +41,7 @@ def ldmatrix_x4(mem, addrs, trans=False):
 
 def mma(acc, a, b0, b1):
     """acc[lane] = [c0..c3], a[lane] = 4 pairs, b0/b1[lane] = pair."""
-    A = np.zeros((16, 16)); B = np.zeros((16, 8)); C = np.zeros((16, 8))
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
     for L in range(32):
         g, t = L // 4, L % 4
         for r, (row, col) in enumerate(((g, 2*t), (g+8, 2*t), (g, 2*t+8), (g+8, 2*t+8))):
@@ -63,7 +62,8 @@ def warp_mma_abt(acc, mem, a_addr, b_addr, KS, NP, LDS):
             for nt, (i0, i1) in ((2*np_, (0, 1)), (2*np_+1, (2, 3))):
                 cur = [acc[L][nt] for L in range(32)]
                 mma(cur, a, [bf[L][i0] for L in range(32)], [bf[L][i1] for L in range(32)])
-                for L in range(32): acc[L][nt] = cur[L]
+                for L in range(32):
+                    acc[L][nt] = cur[L]
 
 def acc_to_a(c0, c1):
     return [(c0[0], c0[1]), (c0[2], c0[3]), (c1[0], c1[1]), (c1[2], c1[3])]
@@ -76,7 +76,8 @@ def warp_mma_pb(acc, p, mem, b_addr, KS, NP, LDS):
             for nt, (i0, i1) in ((2*dp, (0, 1)), (2*dp+1, (2, 3))):
                 cur = [acc[L][nt] for L in range(32)]
                 mma(cur, a, [bf[L][i0] for L in range(32)], [bf[L][i1] for L in range(32)])
-                for L in range(32): acc[L][nt] = cur[L]
+                for L in range(32):
+                    acc[L][nt] = cur[L]
 
 def zeros(n): return [[[0.0] * 4 for _ in range(n)] for _ in range(32)]
 
@@ -130,7 +131,7 @@ def test_dkdv_fragments(HD, NWARPS, BM, warp):
     assert np.allclose(gather(dpt, BM // 8), Vw @ dO.T), "dP^T"
     # elementwise: replace with arbitrary values keyed by coordinates (as the kernel does in place)
     # (kernel: fragment row = key jl0 + 8*(e/2), column = query il)
-    P = rng.standard_normal((16, BM)); dS = rng.standard_normal((16, BM))
+    P, dS = rng.standard_normal((16, BM)), rng.standard_normal((16, BM))
     scatter(st, P)
     scatter(dpt, dS)
     dv, dk = zeros(HD // 8), zeros(HD // 8)

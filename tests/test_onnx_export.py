@@ -13,10 +13,11 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
+from portattn.onnx_ops import DOMAIN, OP_NAME
+
 import portattn
 import portattn.onnx
 from portattn.numerics import compare, compare_lse
-from portattn.onnx_ops import DOMAIN, OP_NAME
 from portattn.reference import naive_forward, reference_forward
 from portattn.spec import build_spec
 

@@ -17,12 +17,11 @@ pytest.importorskip("onnxruntime")
 
 from hypothesis import given
 from hypothesis import strategies as st
+from portattn.backends.onnx import OnnxBackend
 
 from portattn.numerics import compare, compare_lse
 from portattn.reference import naive_forward, reference_forward
 from portattn.spec import build_spec
-
-from portattn.backends.onnx import OnnxBackend
 
 
 def _backend(block_size=256):
@@ -145,7 +144,6 @@ def test_reasons_name_what_is_missing():
 
 def test_function_body_is_a_loop_and_model_checks():
     import onnx
-
     from portattn.onnx_ops import DOMAIN, OP_NAME, register_schema
     from portattn.onnx_ops.model import attribute_values, function_proto, one_node_model
 
@@ -184,7 +182,6 @@ def test_packed_heads_and_opsets(opset):
     """3-D (B, S, H·D) inputs with q_num_heads/kv_num_heads, in models of opset 18 and 23."""
     import numpy as np
     import onnxruntime as ort
-
     from portattn.onnx_ops.model import attribute_values, one_node_model
 
     g = torch.Generator().manual_seed(5)

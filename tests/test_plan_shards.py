@@ -1,16 +1,15 @@
-"""benchmarks/plan_shards.py: which cases a re-run takes, and how they are spread over shards."""
+"""tools/plan_shards.py: which cases a re-run takes, and how they are spread over shards."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from _scripts import load_script
 
 from portattn.conformance.catalogue import build_catalogue
 
-from _scripts import load_script
-
-plan_shards = load_script("plan_shards")
+plan_shards = load_script("plan_shards", "tools")
 
 
 def _report():

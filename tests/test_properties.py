@@ -33,8 +33,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from portattn.conformance import Checker, cap_for, problem_strategy  # noqa: E402
 from portattn.conformance.checker import GRAD_NAMES  # noqa: E402
-from portattn.conformance.problems import Problem, _sequence_rows  # noqa: E402
 from portattn.conformance.known import KNOWN_LIMITATIONS, known_limitation  # noqa: E402
+from portattn.conformance.problems import Problem, _sequence_rows  # noqa: E402
 from portattn.registry import get_backend, list_backends  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 

@@ -54,7 +54,7 @@ class OnnxBackend(Backend):
     # ----- availability ------------------------------------------------------------------
     def unavailable_reasons(self) -> list[str]:
         reasons = []
-        for module, extra in (("onnx", "onnx"), ("onnxscript", "onnxscript"), ("onnxruntime", "onnxruntime")):
+        for module in ("onnx", "onnxscript", "onnxruntime"):
             try:
                 __import__(module)
             except ImportError as exc:
@@ -84,7 +84,6 @@ class OnnxBackend(Backend):
             if session is not None:
                 return session
         import onnxruntime
-
         from portattn.onnx_ops.model import one_node_model
 
         model = one_node_model(dtype=_ONNX_NAMES[dtype], bias_dtype=_ONNX_NAMES[bias_dtype], attributes=attributes)

@@ -32,7 +32,7 @@ def _row_offset_reach(spec) -> int:
 
 
 def _ops():
-    from . import ops   # imports triton and defines the kernels
+    from . import ops  # imports triton and defines the kernels
     return ops
 
 

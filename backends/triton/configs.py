@@ -17,7 +17,7 @@ this module can return is known to compile and to fit the target's shared memory
 
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 import torch
 

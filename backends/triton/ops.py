@@ -10,8 +10,16 @@ import torch
 import triton
 
 from . import kernels
-from .configs import ELEM_SIZES, BackwardConfigs, KernelConfig, Target, backward_configs, device_target, \
-    forward_config, padded_dim
+from .configs import (
+    ELEM_SIZES,
+    BackwardConfigs,
+    KernelConfig,
+    Target,
+    backward_configs,
+    device_target,
+    forward_config,
+    padded_dim,
+)
 
 #: stands for an unbounded window side inside the kernels (|row ± window| stays far from int32 limits)
 UNBOUNDED = 1 << 30

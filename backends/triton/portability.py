@@ -35,8 +35,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .configs import ELEM_SIZES, PADDED_DIMS, PORTABILITY_TARGETS, KernelConfig, Target, backward_configs, \
-    forward_config
+from .configs import (
+    ELEM_SIZES,
+    PORTABILITY_TARGETS,
+    KernelConfig,
+    Target,
+    backward_configs,
+    forward_config,
+)
 
 _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -121,7 +127,7 @@ def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
     """
     out: list[Case] = []
     for target, limit in PORTABILITY_TARGETS:
-        def add(kernel, dtype, block_d, features=PLAIN):
+        def add(kernel, dtype, block_d, features=PLAIN, target=target, limit=limit):
             out.append(Case(kernel, target, limit, dtype, block_d, _configs_for(kernel, target, block_d, dtype), features))
 
         if smoke:
@@ -241,6 +247,7 @@ def ptx_instructions(kernel: str, dtype: torch.dtype, features: Features = PLAIN
     import collections
 
     import triton
+
     from . import kernels
     target = next(t for t, _ in PORTABILITY_TARGETS if t.vendor == "nvidia" and int(t.arch) == arch)
     limit = dict(PORTABILITY_TARGETS)[target]
@@ -255,6 +262,7 @@ def ptx_instructions(kernel: str, dtype: torch.dtype, features: Features = PLAIN
 def compile_case(case: Case) -> dict:
     """Compile one case; returns a row of the report (``ok`` False on error or over the limit)."""
     import triton
+
     from . import kernels
     fn = getattr(kernels, case.kernel)
     row = dict(kernel=case.kernel, config=case.describe(), target=str(case.target), limit=case.smem_limit,

@@ -8,8 +8,8 @@ a strict xfail, so an entry must be deleted as soon as the backend is fixed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .problems import Problem
 

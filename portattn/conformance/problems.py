@@ -210,7 +210,7 @@ class Problem:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Problem":
+    def from_dict(cls, d: dict) -> Problem:
         d = dict(d)
         for key in ("seqlens_q", "seqlens_k", "window"):
             if d.get(key) is not None:

@@ -128,8 +128,14 @@ class _Progress:
         self._last_print = 0.0
         if enabled and sys.stderr.isatty():
             try:
-                from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                           TimeElapsedColumn, TimeRemainingColumn)
+                from rich.progress import (
+                    BarColumn,
+                    MofNCompleteColumn,
+                    Progress,
+                    TextColumn,
+                    TimeElapsedColumn,
+                    TimeRemainingColumn,
+                )
                 self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
                 self._task = self._bar.add_task("conformance", total=total)

@@ -1,7 +1,7 @@
 """GPU smoke run of the triton backend: correctness at a benchmark size, timing against torch
 SDPA (flash and cuDNN), and a small sweep of tile configurations — one command, one JSON.
 
-    python -m portattn.backends.triton.gpu_smoke --out results/ [--sweep] [--budget 150]
+    python tools/triton_gpu_smoke.py --out results/ [--sweep] [--budget 150]
 
 Sizes: B=4, H=16, S=4096, D=128, bf16 (FLOPs 4·B·H·S²·D forward, halved for causal; backward
 2.5× forward). Timing: medians of ``triton.testing.do_bench`` after warm-up, on random data;
@@ -121,8 +121,8 @@ def main(argv=None) -> int:
 
 def _sweep(report, q, k, v, dout, b, h, s, d, deadline):
     """Time alternative forward/backward configs by overriding the table (same kernels)."""
-    from . import ops
-    from .configs import BackwardConfigs, KernelConfig
+    from portattn.backends.triton import ops
+    from portattn.backends.triton.configs import BackwardConfigs, KernelConfig
     fwd_candidates = [KernelConfig(128, 64, 8, 3), KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 8, 3),
                       KernelConfig(64, 64, 4, 3), KernelConfig(128, 32, 4, 4), KernelConfig(128, 128, 8, 2)]
     bwd_candidates = [((64, 128), (128, 64), 8, 2), ((32, 128), (128, 32), 4, 3), ((64, 64), (64, 64), 4, 3),

@@ -1,6 +1,6 @@
 """Split the conformance cases one backend must (re-)run into balanced shards.
 
-    python benchmarks/plan_shards.py REPORT.json --backend triton --dtype float32 --shards 11
+    python tools/plan_shards.py REPORT.json --backend triton --dtype float32 --shards 11
 
 prints one line per shard, ``name case-id case-id ...``, for ``h200_session.sh reverify``: the
 cases of ``--dtype`` (those a float32-path change touches) plus every case the report lists as

@@ -2,7 +2,7 @@
 GPU: the case, then variants with one feature changed, each reported as the count of non-finite
 outputs and the max error against the float64 reference.
 
-    PYTHONPATH=. python benchmarks/diag_dv_width.py [variant ...]
+    PYTHONPATH=. python tools/diag_dv_width.py [variant ...]
 
 Made for the H200 finding of 2026-11-29 (fp16/bf16 with D 40 / Dv 24 tile widths 64 / 32 gave NaN,
 wrong values and an illegal memory access); raw output in

@@ -1,7 +1,7 @@
 """Developer tool for the GPU machine: compile every kernel, then time the forward against
 torch SDPA's flash backend (FA2) side by side.
 
-    python -m portattn.backends.cupy.gpu_dev [--compile] [--bench] [--json PATH]
+    python tools/cupy_gpu_dev.py [--compile] [--bench] [--json PATH]
 
 ``--compile`` builds every configuration of :func:`configs.all_configs` through CuPy in a pool
 of processes (filling CuPy's on-disk kernel cache, so later processes load the binaries) and
@@ -19,15 +19,13 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-
 #: (warps, BLOCK_N) tile shapes tried at D = 128 by --bench, besides the default.
 VARIANT_TILES = ((4, 64, 2), (4, 32, 2))
 
 
 def _compile_one(cfg_tuple):
     import cupy
-
-    from . import configs
+    from portattn.backends.cupy import configs
 
     cfg = configs.KernelConfig(*cfg_tuple)
     t0 = time.perf_counter()
@@ -45,7 +43,7 @@ def _compile_one(cfg_tuple):
 def compile_all(workers: int = 16) -> int:
     import multiprocessing as mp
 
-    from . import configs
+    from portattn.backends.cupy import configs
 
     cfgs = [(c.family, c.dtype, c.head_dim) for c in configs.all_configs()]
     cfgs += [("fwd_mma", "bfloat16", 128, t) for t in VARIANT_TILES]
@@ -65,11 +63,10 @@ def compile_all(workers: int = 16) -> int:
 def bench(json_path: str | None = None) -> list[dict]:
     import torch
     import triton
+    from portattn.backends.cupy import CupyBackend
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from portattn.spec import build_spec
-
-    from . import CupyBackend
 
     be = CupyBackend()
     rows = []
@@ -103,7 +100,7 @@ def bench(json_path: str | None = None) -> list[dict]:
                    flash_tflops=flops / t_f * 1e-9, ratio=t_f / t_c, max_abs_diff_vs_flash=err)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    from . import configs, runtime
+    from portattn.backends.cupy import configs, runtime
 
     variant_rows = []
     for causal in (False, True):

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session on the H200 (device tool), in two calls of under ten minutes each:
-#   bash benchmarks/h200_session.sh verify   # GPU tests and the whole conformance catalogue, side by side
-#   bash benchmarks/h200_session.sh bench    # the shared benchmark alone (timings), then the GPU property profile
-#   PREV=report.json bash benchmarks/h200_session.sh reverify   # after a float32-path change (below)
-#   PROFILE=ci bash benchmarks/h200_session.sh properties       # the Hypothesis suite on cpu and cuda
+#   bash tools/h200_session.sh verify   # GPU tests and the whole conformance catalogue, side by side
+#   bash tools/h200_session.sh bench    # the shared benchmark alone (timings), then the GPU property profile
+#   PREV=report.json bash tools/h200_session.sh reverify   # after a float32-path change (below)
+#   PROFILE=ci bash tools/h200_session.sh properties       # the Hypothesis suite on cpu and cuda
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -64,7 +64,7 @@ fi
 if [[ $what == reverify ]]; then
   # after a float32-path kernel change: the GPU tests of the two kernel backends, cupy over the
   # whole catalogue, and triton over every float32 case plus those PREV did not run, in shards
-  # balanced by PREV's per-case seconds (benchmarks/plan_shards.py)
+  # balanced by PREV's per-case seconds (tools/plan_shards.py)
   t0=$(date +%s)
   rm -rf "$shards"; mkdir -p "$shards"
   PREV=${PREV:?set PREV to the previous conformance report}
@@ -74,7 +74,7 @@ if [[ $what == reverify ]]; then
   while read -r name ids; do
     # shellcheck disable=SC2086  # ids: one word per case id
     run_shard "t-$name" --backends triton --cases $ids &
-  done < <($PY benchmarks/plan_shards.py "$PREV" --backend triton --dtype float32 --shards "${SHARDS:-11}")
+  done < <($PY tools/plan_shards.py "$PREV" --backend triton --dtype float32 --shards "${SHARDS:-11}")
   wait
   echo "== GPU tests:"; tail -25 "$OUT/pytest_gpu.txt"
   merge_shards conformance-h200-reverify.json
