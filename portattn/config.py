@@ -13,7 +13,10 @@ _FALSE = {"", "0", "false", "no", "off"}
 
 #: name -> one-line description (docs/env.md and ``portattn info`` print this table).
 VARIABLES = {
-    "PORTATTN_BACKEND": "pin a backend by name for every call (an unknown name is an error listing the known ones)",
+    "PORTATTN_BACKEND": "pin a backend by name for every call (an unknown name is an error listing the known ones); "
+                        "'fastest' = the fastest-backend policy",
+    "PORTATTN_POLICY": "how calls that pin nothing choose: 'priority' (default: first backend of the device's list "
+                       "that can run) or 'fastest' (timed once per shape class, remembered in the cache directory)",
     "PORTATTN_DETERMINISTIC": "1 = backends use their deterministic mode (bit-identical gradients across runs)",
     "PORTATTN_ALLOW_TF32": "1 = float32 inputs may use TF32 matrix units (default: IEEE float32)",
     "PORTATTN_DISABLE_ENTRY_POINTS": "1 = do not discover third-party backends through entry points",
@@ -38,6 +41,11 @@ def backend() -> str | None:
     """The backend pinned through ``PORTATTN_BACKEND``, or None."""
     value = os.environ.get("PORTATTN_BACKEND", "").strip()
     return value or None
+
+
+def policy() -> str:
+    """``PORTATTN_POLICY`` (default ``"priority"``); dispatch validates the name."""
+    return os.environ.get("PORTATTN_POLICY", "").strip().lower() or "priority"
 
 
 def deterministic() -> bool:
