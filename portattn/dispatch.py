@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from dataclasses import dataclass, field
 
 from . import config, registry
@@ -171,8 +170,7 @@ _FITS_LIMIT = 4096
 
 
 def _fitting(spec: AttentionSpec, names: tuple[str, ...]) -> tuple[Backend, ...]:
-    key = (spec.capability_key, names, registry.generation(),
-           os.environ.get(f"PORTATTN_PRIORITY_{spec.vendor.upper()}"))
+    key = (spec.capability_key, names, registry.generation(), config.priority_raw(spec.vendor))
     fits = _fits.get(key)
     if fits is None:
         fits = tuple(b for b in map(get_backend, _candidates(spec, names)) if not b.static_reasons(spec))
