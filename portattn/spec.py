@@ -248,15 +248,18 @@ def _norm_window(name: str, w) -> int | None:
     return w
 
 
+def _check_cu_type(name: str, cu) -> None:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D int32 torch.Tensor of length B + 1 on q's device, got "
+                        f"{type(cu).__name__}; build it with torch.tensor([0, len0, len0+len1, ...], "
+                        f"dtype=torch.int32, device=q.device)")
+
+
 def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor, total: int, max_name: str,
                       max_len: int | None) -> int:
     """Validate one cu_seqlens tensor; return the max sequence length (computed if not given).
     Its contents are read on the host only in eager mode outside CUDA-graph capture; under
     torch.compile or capture ``max_len`` must be given, and the kernels clamp what they read."""
-    if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be a 1-D int32 torch.Tensor of length B + 1 on q's device, got "
-                        f"{type(cu).__name__}; build it with torch.tensor([0, len0, len0+len1, ...], "
-                        f"dtype=torch.int32, device=q.device)")
     if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
         raise ValueError(
             f"{name} must be a 1-D int32 tensor of length B + 1 >= 2 starting at 0, got "
@@ -317,6 +320,8 @@ def build_spec(q, k, v, *, causal=False, causal_alignment="bottom_right", window
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dim() != 3:
                 raise ValueError(f"with cu_seqlens, {name} must be 3-D (total, heads, head_dim); got {describe(t)}")
+        _check_cu_type("cu_seqlens_q", cu_seqlens_q)
+        _check_cu_type("cu_seqlens_k", cu_seqlens_k)
         if cu_seqlens_q.shape != cu_seqlens_k.shape:
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length B + 1; got "
                              f"{describe(cu_seqlens_q)} and {describe(cu_seqlens_k)}")
