@@ -20,7 +20,7 @@ from portattn.reference import naive_forward, reference_forward
 from portattn.registry import get_backend
 from portattn.spec import build_spec
 
-BACKENDS = ["reference", "sdpa"]
+BACKENDS = ["reference", "sdpa", "triton"]
 
 
 def _randn(*shape, dtype, gen):
@@ -84,8 +84,11 @@ def _loss_grads(fn, inputs, g, h):
     return torch.autograd.grad(loss, inputs)
 
 
-def _check(backend, q, k, v, kw, seed=1):
-    """Compare the backend's gradients of Σ out·g + Σ lse·h with the float64 reference's."""
+def check_lse_grads(backend, q, k, v, *, seed=1, **kw):
+    """Assert that the backend's gradients of ``Σ out·g + Σ lse·h`` (random g, h) in q, k, v
+    (and a float ``attn_bias``) pass the equivalence rule against float64 autograd through
+    ``reference_forward``; skip when the backend cannot run the problem. Any device (the GPU
+    tests of test_triton.py / test_cupy.py use it too). Returns the backend's gradients."""
     bias = kw.get("attn_bias")
     bias_grad = bias is not None and bias.is_floating_point()
     spec = build_spec(q, k, v, return_lse=True, **kw)
@@ -93,8 +96,8 @@ def _check(backend, q, k, v, kw, seed=1):
     if reasons:
         pytest.skip(f"{backend}: {'; '.join(reasons)}")
     gen = torch.Generator().manual_seed(seed)
-    g = torch.randn(spec.out_shape, generator=gen).to(q.dtype)
-    h = torch.randn(spec.lse_shape, generator=gen)
+    g = torch.randn(spec.out_shape, generator=gen).to(device=q.device, dtype=q.dtype)
+    h = torch.randn(spec.lse_shape, generator=gen).to(q.device)
 
     def run(dtype, forward):
         def fn(q_, k_, v_, b_=bias):
@@ -120,7 +123,8 @@ def _check(backend, q, k, v, kw, seed=1):
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_out_and_lse_gradients_match_reference(backend, name):
-    _check(backend, *_make(name))
+    q, k, v, kw = _make(name)
+    check_lse_grads(backend, q, k, v, **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
