@@ -170,11 +170,14 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, alibi, bias, cu_q, cu_k)
     ctx.args = (max_q, max_k, scale, causal, alignment, wl, wr, softcap, backend)
     ctx.bias_requires_grad = bias is not None and bias.requires_grad
+    ctx.return_lse = return_lse
     ctx.set_materialize_grads(False)
 
 
 def _op_backward(ctx, dout, dlse):
     q, k, v, out, lse, alibi, bias, cu_q, cu_k = ctx.saved_tensors
+    if not ctx.return_lse:   # lse was not handed to the caller: any gradient it has is a materialised 0
+        dlse = None
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv, dbias = _attention_backward_op(dout, dlse, q, k, v, out, lse, alibi, bias, cu_q, cu_k, *ctx.args,
