@@ -75,9 +75,16 @@ def export(model, args, path=None, *, target: str = "portattn", dynamic_shapes=N
     if "dynamo" in export_kwargs and not export_kwargs.pop("dynamo"):
         raise ValueError("portattn.onnx.export needs the dynamo exporter (dynamo=True)")
 
-    translation = (translations.make_portattn_translation(block_size) if target == "portattn"
-                   else translations.make_standard_translation())
-    table = {torch.ops.portattn.attention.default: translation}
+    from portattn.onnx_ops import kvcache_op  # noqa: F401  (defines torch.ops.portattn.attention_with_kvcache)
+
+    if target == "portattn":
+        translation = translations.make_portattn_translation(block_size)
+        kv_translation = translations.make_kvcache_translation(block_size)
+    else:
+        translation = translations.make_standard_translation()
+        kv_translation = translations.make_standard_kvcache_translation()
+    table = {torch.ops.portattn.attention.default: translation,
+             torch.ops.portattn.attention_with_kvcache.default: kv_translation}
     try:
         program = torch.onnx.export(model, tuple(args), kwargs=kwargs, dynamo=True, opset_version=opset,
                                     dynamic_shapes=dynamic_shapes, custom_translation_table=table,
