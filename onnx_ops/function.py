@@ -309,8 +309,11 @@ def FlashAttentionKVCache(Q, K_cache, V_cache, K_new, V_new, cache_seqlens, alib
     slots = op.Concat(op.Unsqueeze(rows_b, [2]), op.Unsqueeze(pos, [2]), axis=2)   # (B, T, 2)
     src_i = op.Unsqueeze(src, [2])
     pos_i = op.Unsqueeze(pos, [2])
-    k_val = op.Where(fits, op.GatherND(K_new, src_i, batch_dims=1), op.GatherND(K_cache, pos_i, batch_dims=1))
-    v_val = op.Where(fits, op.GatherND(V_new, src_i, batch_dims=1), op.GatherND(V_cache, pos_i, batch_dims=1))
+    # the choice in float32 (exact for every T; onnxruntime's CPU Where has no bfloat16), only (B, T) rows
+    k_val = op.CastLike(op.Where(fits, op.Cast(op.GatherND(K_new, src_i, batch_dims=1), to=1),
+                                 op.Cast(op.GatherND(K_cache, pos_i, batch_dims=1), to=1)), K_cache)
+    v_val = op.CastLike(op.Where(fits, op.Cast(op.GatherND(V_new, src_i, batch_dims=1), to=1),
+                                 op.Cast(op.GatherND(V_cache, pos_i, batch_dims=1), to=1)), V_cache)
     K_present = op.ScatterND(K_cache, slots, k_val)
     V_present = op.ScatterND(V_cache, slots, v_val)
     n_keys = op.Min(op.Add(start, n_new), cap)                                  # (B,) L_b
