@@ -114,6 +114,18 @@ def _key_range(spec, sq: int, sk: int, i0: int, i1: int) -> tuple[int, int]:
     return lo, max(lo, hi)
 
 
+def _key_chunks(spec, sq: int, sk: int, i0: int, i1: int, lo: int, hi: int, keys: int):
+    """Key chunks ``(j0, j1)`` covering ``[lo, hi)``, split where the rows ``[i0, i1)`` stop
+    seeing every key, so that only the chunks on the band's edges need a mask."""
+    off = sk - sq if spec.alignment == "bottom_right" else 0
+    full_lo = lo if spec.window_left is None else max(lo, i1 - 1 + off - spec.window_left)
+    full_hi = hi if spec.window_right is None else min(hi, i0 + off + spec.window_right + 1)
+    cuts = [lo, full_lo, full_hi, hi] if full_lo < full_hi else [lo, hi]
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        for j0 in range(a, b, keys):
+            yield j0, min(b, j0 + keys)
+
+
 def _tiles(spec, nb: int, sq: int, sk: int) -> tuple[int, int]:
     """``(rows, keys)`` per chunk so that ``nb · Hq · rows · keys <= _ELEMENT_BUDGET`` where possible."""
     h = nb * spec.num_heads_q
@@ -133,6 +145,25 @@ def _tiles(spec, nb: int, sq: int, sk: int) -> tuple[int, int]:
     return rows, max(1, budget // (h * rows))
 
 
+class _Scratch:
+    """Chunk-sized buffers reused across the chunks of a call (one allocation per slot instead
+    of one per chunk, so the allocator does not fragment and the peak stays one chunk each)."""
+
+    def __init__(self, dtype, device):
+        self.dtype, self.device = dtype, device
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def take(self, slot: str, shape) -> torch.Tensor:
+        n = 1
+        for x in shape:
+            n *= x
+        buf = self._bufs.get(slot)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=self.dtype, device=self.device)
+            self._bufs[slot] = buf
+        return buf[:n].view(shape)
+
+
 class _Chunk:
     """Scores of query rows ``[i0, i1)`` against keys ``[j0, j1)`` of one group, masked.
 
@@ -142,15 +173,21 @@ class _Chunk:
     ``(nb, Hkv, keys, 1)`` of key columns no row of the chunk sees (None when there are none).
     """
 
-    def __init__(self, spec, g: _Group, qc, kc, i0, i1, j0, j1, cd):
+    def __init__(self, spec, g: _Group, qc, kc, i0, i1, j0, j1, cd, scratch: _Scratch, *, backward=False):
         nb, hq, hkv = qc.shape[0], spec.num_heads_q, spec.num_heads_kv
         rows, keys = i1 - i0, j1 - j0
-        s = torch.matmul(qc, kc.transpose(-1, -2)).view(nb, hq, rows, keys)
-        s.mul_(spec.scale)
+        # s = (q·k)·scale in one gemm (alpha), like the reference's (q @ kᵀ) * scale
+        s = scratch.take("s", (nb * hkv, qc.shape[2], keys))
+        s.baddbmm_(qc.reshape(nb * hkv, -1, qc.shape[-1]), kc.reshape(nb * hkv, keys, -1).transpose(1, 2),
+                   beta=0.0, alpha=spec.scale)
+        s = s.view(nb, hq, rows, keys)
         self.tanh = None
         if spec.softcap is not None:
-            self.tanh = torch.tanh(s / spec.softcap)
-            s = self.tanh * spec.softcap
+            if backward:   # dS needs 1 - tanh²
+                self.tanh = torch.div(s, spec.softcap, out=scratch.take("tanh", s.shape)).tanh_()
+                s.copy_(self.tanh).mul_(spec.softcap)
+            else:
+                s.div_(spec.softcap).tanh_().mul_(spec.softcap)
         device = s.device
         off = g.sk - g.sq
         if g.slopes is not None:
@@ -215,6 +252,7 @@ def _forward_group(spec, g: _Group, cd, *, with_out: bool = True):
     kh = _heads_first(g.k, cd)                  # (nb, Hkv, Sk, D): one copy, linear in Sk
     vh = _heads_first(g.v, cd) if with_out else None
     rows, keys = _tiles(spec, nb, g.sq, g.sk)
+    scratch = _Scratch(cd, device)
     for i0 in range(0, g.sq, rows):
         i1 = min(g.sq, i0 + rows)
         lo, hi = _key_range(spec, g.sq, g.sk, i0, i1)
@@ -222,9 +260,8 @@ def _forward_group(spec, g: _Group, cd, *, with_out: bool = True):
             continue                              # no row of this chunk sees a key: 0 and -inf
         qc = _grouped(_heads_first(g.q[:, i0:i1], cd), hkv)
         m = l = acc = None
-        for j0 in range(lo, hi, keys):
-            j1 = min(hi, j0 + keys)
-            ch = _Chunk(spec, g, qc, kh[:, :, j0:j1], i0, i1, j0, j1, cd)
+        for j0, j1 in _key_chunks(spec, g.sq, g.sk, i0, i1, lo, hi, keys):
+            ch = _Chunk(spec, g, qc, kh[:, :, j0:j1], i0, i1, j0, j1, cd, scratch)
             s = ch.s
             m_new = s.amax(dim=-1, keepdim=True)
             if m is not None:
@@ -243,6 +280,7 @@ def _forward_group(spec, g: _Group, cd, *, with_out: bool = True):
                 if with_out:
                     acc = acc.mul_(alpha).add_(pv)
             m = m_new
+            del ch, s, p   # free this chunk's scores before the next one is allocated
         m_use = m.masked_fill(m == _NEG_INF, 0.0)
         lse[:, :, i0:i1] = (m_use + torch.log(l)).squeeze(-1)
         if with_out:
@@ -346,6 +384,7 @@ class ChunkedBackend(Backend):
             lse = lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1)   # rows without keys: P = 0
             kh, vh = _heads_first(g.k, cd), _heads_first(g.v, cd)
             rows, keys = _tiles(spec, nb, g.sq, g.sk)
+            scratch = _Scratch(cd, g.q.device)
             for i0 in range(0, g.sq, rows):
                 i1 = min(g.sq, i0 + rows)
                 lo, hi = _key_range(spec, g.sq, g.sk, i0, i1)
@@ -360,14 +399,14 @@ class ChunkedBackend(Backend):
                 do = _grouped(do, hkv)
                 lse_c = lse[:, :, i0:i1]
                 dq_c = torch.zeros((nb, hq, n, d), dtype=cd, device=g.q.device)
-                for j0 in range(lo, hi, keys):
-                    j1 = min(hi, j0 + keys)
-                    ch = _Chunk(spec, g, qc, kh[:, :, j0:j1], i0, i1, j0, j1, cd)
+                for j0, j1 in _key_chunks(spec, g.sq, g.sk, i0, i1, lo, hi, keys):
+                    ch = _Chunk(spec, g, qc, kh[:, :, j0:j1], i0, i1, j0, j1, cd, scratch, backward=True)
                     p = ch.s.sub_(lse_c).exp_()                                  # (nb, Hq, n, keys)
                     kc, vc = ch.clean(kh[:, :, j0:j1]), ch.clean(vh[:, :, j0:j1])
                     pg = _grouped(p, hkv)
                     dv[:, :, j0:j1] += torch.matmul(pg.transpose(-1, -2), do)
-                    ds = torch.matmul(do, vc.transpose(-1, -2)).view(nb, hq, n, j1 - j0)
+                    ds = torch.bmm(do.reshape(nb * hkv, -1, dvd), vc.reshape(nb * hkv, j1 - j0, dvd).transpose(1, 2),
+                                   out=scratch.take("ds", (nb * hkv, do.shape[2], j1 - j0))).view(nb, hq, n, j1 - j0)
                     ds.sub_(delta).mul_(p)
                     if ch.keep is not None:   # hidden entries: exactly 0, whatever V holds there
                         ds.masked_fill_(~ch.keep, 0.0)
@@ -379,6 +418,7 @@ class ChunkedBackend(Backend):
                     dsg = _grouped(ds, hkv)
                     dq_c += torch.matmul(dsg, kc).view(nb, hq, n, d)
                     dk[:, :, j0:j1] += torch.matmul(dsg.transpose(-1, -2), qc)
+                    del ch, p, pg, ds, dsg   # free this chunk's buffers before the next one
                 dq[:, :, i0:i1] = dq_c
         dq.mul_(spec.scale)
         dk.mul_(spec.scale)
