@@ -407,9 +407,7 @@ class ChunkedBackend(Backend):
                     dv[:, :, j0:j1] += torch.matmul(pg.transpose(-1, -2), do)
                     ds = torch.bmm(do.reshape(nb * hkv, -1, dvd), vc.reshape(nb * hkv, j1 - j0, dvd).transpose(1, 2),
                                    out=scratch.take("ds", (nb * hkv, do.shape[2], j1 - j0))).view(nb, hq, n, j1 - j0)
-                    ds.sub_(delta).mul_(p)
-                    if ch.keep is not None:   # hidden entries: exactly 0, whatever V holds there
-                        ds.masked_fill_(~ch.keep, 0.0)
+                    ds.sub_(delta).mul_(p)   # hidden entries: P = 0 (their V columns are clean or seen by a row)
                     if dbias is not None:
                         idx = _bias_index(dbias, g.batch, i0, i1, j0, j1)
                         dbias[idx] += ds.sum_to_size(dbias[idx].shape)
