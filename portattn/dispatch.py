@@ -41,7 +41,7 @@ PRIORITY = {
     "nvidia": ["triton", "cupy", "sdpa", "onnx", "reference"],
     "amd": ["triton", "sdpa", "reference"],
     # Triton on CPU means its interpreter (a test tool): pin it to use it, it is never automatic.
-    "cpu": ["sdpa", "onnx", "reference"],
+    "cpu": ["chunked", "sdpa", "onnx", "reference"],
 }
 _DEFAULT_PRIORITY = ["sdpa", "reference"]
 PRIORITY_ALL = frozenset(n for names in PRIORITY.values() for n in names)

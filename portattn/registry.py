@@ -43,6 +43,7 @@ ENTRY_POINT_GROUP = "portattn.backends"
 _SOURCE_TREE_ENTRY_POINTS = {
     "reference": "portattn.reference:ReferenceBackend",
     "sdpa": "portattn.backends.sdpa:SdpaBackend",
+    "chunked": "portattn.backends.chunked:ChunkedBackend",
     "triton": "portattn.backends.triton:TritonBackend",
     "cupy": "portattn.backends.cupy:CupyBackend",
     "onnx": "portattn.backends.onnx:OnnxBackend",
