@@ -259,3 +259,24 @@ def test_bad_argument_types_are_named(kw, match):
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(TypeError, match=match):
         fa.flash_attn_func(q, q, q, **kw)
+
+
+def test_compiles_fullgraph_without_recompiles():
+    from torch._dynamo.utils import counters
+
+    def block(q, k, v, cu, alibi):
+        dense = fa.flash_attn_func(q, k, v, causal=True, window_size=(3, -1), softcap=2.0, alibi_slopes=alibi)
+        packed = fa.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 6, 6,
+                                           causal=True)
+        return dense + packed.unflatten(0, (2, 6))
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(2, 6, 2, 8, generator=g) for _ in range(3))
+        alibi = torch.rand(2, generator=g)
+        torch.testing.assert_close(compiled(q, k, v, cu, alibi), block(q, k, v, cu, alibi))
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

@@ -183,3 +183,22 @@ def test_route_sdpa_does_not_recurse_through_the_sdpa_backend():
         out = F.scaled_dot_product_attention(q, q, q)
     assert stats.routed == 1
     torch.testing.assert_close(out, TORCH_SDPA(q, q, q))
+
+
+def test_compiles_fullgraph_without_recompiles():
+    from torch._dynamo.utils import counters
+
+    def block(q, k, v, mask):
+        return compat.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True) + \
+            compat.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)
+        mask = torch.rand(2, 1, 5, 5, generator=g) > 0.3
+        mask[..., 0] = True
+        torch.testing.assert_close(compiled(q, k, v, mask), block(q, k, v, mask))
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
