@@ -212,7 +212,7 @@ def test_defaults_and_positional_order_are_flash_attn_s():
     # causal with a positive right window: flash-attn forces right = 0, so does the compat layer
     torch.testing.assert_close(fa.flash_attn_func(q, k, v, causal=True, window_size=(-1, 3)),
                                fa.flash_attn_func(q, k, v, causal=True), rtol=0, atol=0)
-    torch.testing.assert_close(fa.flash_attn_func(q, k, v, deterministic=True), plain, rtol=0, atol=0)
+    torch.testing.assert_close(fa.flash_attn_func(q, k, v, deterministic=True), plain)   # may pick another backend
 
 
 def test_rows_without_keys_are_zero_with_lse_minus_inf():

@@ -249,6 +249,28 @@ def test_static_cache_decoding_uses_the_dense_mask():
     assert all(c["causal"] is False and c["bias"] == (torch.bool, (2, 1, SEQ, SEQ + 4)) for c in calls)
 
 
+def test_switching_back_to_eager_is_one_line():
+    t = Trio("qwen2")
+    ids, mask = _batch()
+    switched = copy.deepcopy(t.portattn)
+    switched.set_attn_implementation("eager")
+    torch.testing.assert_close(_logits(switched, ids, mask), _logits(t.naive, ids, mask), rtol=0, atol=0)
+
+
+def test_route_sdpa_sends_an_sdpa_model_to_portattn():
+    from portattn.compat.sdpa import route_sdpa
+
+    t = Trio("llama")
+    sdpa_model = _build("llama", "sdpa", torch.float32, "cpu", t.portattn.state_dict())
+    ids, mask = _batch()
+    with route_sdpa() as stats:
+        out = _logits(sdpa_model, ids, mask)
+    assert stats.routed == t.portattn.config.num_hidden_layers and stats.fell_back == 0, stats
+    keep = mask.bool()
+    result = compare("logits", out[keep], _logits(t.ref, ids, mask)[keep], _logits(t.naive, ids, mask)[keep])
+    assert result.passed, result
+
+
 def test_dropout_is_refused_by_name():
     cfg = _config("llama")
     cfg.attention_dropout = 0.1
