@@ -280,10 +280,11 @@ def test_dropout_is_refused_by_name():
         model(input_ids=ids, attention_mask=mask)
 
 
-def test_compile_fullgraph_no_graph_break_no_recompile():
+@pytest.mark.parametrize("name", ["llama", "gemma2"])      # key-mask path; softcap + dense sliding masks
+def test_compile_fullgraph_no_graph_break_no_recompile(name):
     from torch._dynamo.utils import counters
 
-    t = Trio("mistral")
+    t = Trio(name)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(t.portattn, fullgraph=True, backend="aot_eager")

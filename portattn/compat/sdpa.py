@@ -223,5 +223,6 @@ def route_sdpa(backend: str | None = None):
         _route.reset(token)
         with _install_lock:
             _install_count -= 1
-            if _install_count == 0:
+            # put torch's function back, unless someone replaced ours in the meantime (leave theirs)
+            if _install_count == 0 and torch.nn.functional.scaled_dot_product_attention is _routed_sdpa:
                 torch.nn.functional.scaled_dot_product_attention = _TORCH_SDPA

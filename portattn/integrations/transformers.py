@@ -23,10 +23,11 @@ packed sequences, chunked attention, ``or/and`` mask overlays, bidirectional mas
 window under ``torch.compile`` (its mask function cannot be recognised while tracing) and single
 query rows with padding — gets transformers' dense boolean mask ``(B, 1, Sq, Sk)``, passed as
 ``attn_bias`` with ``causal=False``. A 4-D mask the caller passes to the model is used as it is
-(bool: True = keep, float: added).
+(bool: True = keep, float: added; a bool ``(B, 1, 1, Sk)`` mask with ``Sq > 1`` is read as a
+key-padding mask on top of the layer's causal/window).
 
 Not supported (``ValueError``): attention dropout > 0 (``config.attention_dropout`` while
-training), attention sinks (``s_aux``), ``position_bias``. ``output_attentions=True`` returns
+training), attention sinks (``s_aux``), ``position_bias``, continuous batching (paged caches). ``output_attentions=True`` returns
 ``None`` weights, as transformers' SDPA path does.
 """
 
@@ -129,6 +130,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if kwargs.get(name) is not None:
             raise ValueError(f"{name} is not supported by attn_implementation='portattn' "
                              f"(module {type(module).__name__}); use attn_implementation='eager' for this model")
+    if attention_mask is None and kwargs.get("cu_seq_lens_q") is not None:
+        raise ValueError("attn_implementation='portattn' does not support continuous batching / paged caches "
+                         "(cu_seq_lens_q without a mask); use generate() with a DynamicCache or StaticCache")
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4):
         raise ValueError(f"attn_implementation='portattn' needs a 4-D attention mask or None, got "
                          f"{type(attention_mask).__name__} {getattr(attention_mask, 'shape', '')}")
