@@ -24,6 +24,9 @@ Semantics (flash-attn's, which are portattn's defaults — docs/semantics.md):
   its dropout-mask tensor as the third item, which is empty unless ``dropout_p > 0``; portattn has
   no dropout, so the third item is ``None``.
 
+``flash_attn_with_kvcache`` (decoding) is implemented in ``portattn.kvcache`` and served from this
+module too (``from portattn.compat.flash_attn import flash_attn_with_kvcache``).
+
 Differences from flash-attn (see docs/integrations.md):
 
 * ``dropout_p > 0`` raises ``ValueError`` (portattn has no attention dropout);
@@ -199,3 +202,18 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                 softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
                 return_attn_probs=return_attn_probs, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def __getattr__(name):
+    # flash_attn_with_kvcache lives with the KV-cache code (portattn/kvcache.py); served from here
+    # as well so that the flash-attn import line stays the only change.
+    if name == "flash_attn_with_kvcache":
+        try:
+            from ..kvcache import flash_attn_with_kvcache
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__.rpartition('.')[0]}.kvcache":
+                raise
+            raise AttributeError("flash_attn_with_kvcache needs portattn.kvcache, which this portattn does not "
+                                 "have yet") from exc
+        return flash_attn_with_kvcache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

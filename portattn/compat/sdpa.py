@@ -118,7 +118,7 @@ def _restore(out: torch.Tensor, shape) -> torch.Tensor:
     return out.reshape(*lead, ev) if out.dim() != len(lead) + 1 or tuple(out.shape[:-1]) != tuple(lead) else out
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                                  enable_gqa=False):
     """``torch.nn.functional.scaled_dot_product_attention`` computed by :func:`portattn.attention`.
 
@@ -161,7 +161,7 @@ _install_lock = threading.Lock()
 _install_count = 0
 
 
-def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False,
                  **torch_only):
     """Installed as ``torch.nn.functional.scaled_dot_product_attention`` while some thread is inside
     :func:`route_sdpa`; outside such a block (in this thread) it is torch's function."""
