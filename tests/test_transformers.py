@@ -239,6 +239,60 @@ def test_layers_get_portattn_arguments_not_a_dense_mask():
     assert all(c["bias"] is None for c in _recorded_calls(t.portattn, input_ids=ids, attention_mask=torch.ones_like(mask)))
 
 
+def _implied_mask(returned, q_length, kv_length, window):
+    """The (B, 1, Sq, Sk) mask attention_forward computes from what the mask function returned
+    (causal layer, transformers' sliding window ``window`` or None)."""
+    if returned is not None and not (returned.shape[-2] == 1 and q_length > 1):
+        return returned.expand(2, 1, q_length, kv_length)              # dense: used as it is
+    i = torch.arange(q_length).view(-1, 1) + kv_length - q_length      # bottom-right aligned rows
+    j = torch.arange(kv_length).view(1, -1)
+    keep = j <= i
+    if window:
+        keep &= j >= i - (window - 1)
+    keep = keep.view(1, 1, q_length, kv_length)
+    return (keep if returned is None else keep & returned).expand(2, 1, q_length, kv_length)
+
+
+@pytest.mark.parametrize("case", [
+    dict(q=6, kv=6),                                  # prefill, no cache
+    dict(q=1, kv=9, q_offset=8),                      # decoding, DynamicCache
+    dict(q=3, kv=9, q_offset=6),                      # chunked prefill into a DynamicCache
+    dict(q=1, kv=4, q_offset=8, kv_offset=5, window=4),       # sliding-window cache: kept keys only
+    dict(q=3, kv=6, q_offset=6, kv_offset=3, window=4),
+    dict(q=6, kv=6, window=3),
+    dict(q=4, kv=10),                                 # StaticCache prefill: keys past the queries
+    dict(q=1, kv=10, q_offset=4, tensor_offset=True),         # StaticCache decoding
+    dict(q=6, kv=6, mask_len=4),                      # keys beyond the 2-D mask count as padding
+])
+@pytest.mark.parametrize("padded", [False, True])
+def test_mask_function_means_what_transformers_means(case, padded):
+    """Whatever the portattn mask function returns, read the way attention_forward reads it, is
+    transformers' own dense mask (masking_utils.sdpa_mask) for the same arguments."""
+    from transformers import masking_utils as mu
+
+    q_length, kv_length, window = case["q"], case["kv"], case.get("window")
+    q_offset, kv_offset = case.get("q_offset", 0), case.get("kv_offset", 0)
+    length = case.get("mask_len", kv_offset + kv_length)
+    mask2d = torch.ones(2, length, dtype=torch.bool)
+    if padded:
+        mask2d[0, :2] = False
+    fn = mu.sliding_window_causal_mask_function(window) if window else mu.causal_mask_function
+    args = dict(batch_size=2, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                mask_function=fn, attention_mask=mask2d, local_size=window)
+    expected = mu.sdpa_mask(**args, allow_is_causal_skip=False)
+    if case.get("tensor_offset"):
+        args["q_offset"] = torch.tensor(q_offset)
+    returned = hf.attention_mask(**args)
+    assert torch.equal(_implied_mask(returned, q_length, kv_length, window),
+                       expected.expand(2, 1, q_length, kv_length)), returned
+    aligned = q_offset + q_length == kv_offset + kv_length and not case.get("tensor_offset")
+    padding_seen = not torch.nn.functional.pad(mask2d, (0, 16))[:, kv_offset:kv_offset + kv_length].all()
+    if aligned and not padding_seen:
+        assert returned is None                    # the structured case builds nothing
+    if aligned and padding_seen and q_length > 1:
+        assert returned.shape == (2, 1, 1, kv_length)     # a key mask, not (Sq, Sk)
+
+
 def test_static_cache_decoding_uses_the_dense_mask():
     """A StaticCache holds keys past the current position: bottom-right alignment does not hold, so
     the dense mask is passed (and causal is off)."""

@@ -100,7 +100,9 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
     if aligned and _is_plain_causal(mask_function, local_size, use_vmap):
         if attention_mask is None:
             return None
-        if not torch.compiler.is_compiling() and bool(attention_mask[:, kv_offset:kv_offset + kv_length].all()):
+        covered = attention_mask.shape[-1] >= kv_offset + kv_length     # keys past the 2-D mask count as padding
+        if (covered and not torch.compiler.is_compiling()
+                and bool(attention_mask[:, kv_offset:kv_offset + kv_length].all())):
             return None                      # no padding among these keys (eager only: reads values)
         if q_length > 1:
             return _key_padding(attention_mask, kv_length, kv_offset)
