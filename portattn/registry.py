@@ -55,6 +55,10 @@ ALL_FEATURES = frozenset({
 _SOURCE_TREE_ENTRY_POINTS = {
     "reference": "portattn.reference:ReferenceBackend",
     "sdpa": "portattn.backends.sdpa:SdpaBackend",
+    "sdpa_cudnn": "portattn.backends.sdpa_kernels:SdpaCudnnBackend",
+    "sdpa_flash": "portattn.backends.sdpa_kernels:SdpaFlashBackend",
+    "sdpa_efficient": "portattn.backends.sdpa_kernels:SdpaEfficientBackend",
+    "sdpa_math": "portattn.backends.sdpa_kernels:SdpaMathBackend",
     "triton": "portattn.backends.triton:TritonBackend",
     "cupy": "portattn.backends.cupy:CupyBackend",
     "onnx": "portattn.backends.onnx:OnnxBackend",
