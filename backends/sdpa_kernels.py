@@ -36,6 +36,9 @@ import torch
 from portattn.backends.sdpa import _ENABLE_GQA, SdpaBackend, _fused_kernel_friendly
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
+#: torch's verdicts per _verdict_key (bounded)
+_verdicts: dict[tuple, tuple[str, ...]] = {}
+_VERDICTS_LIMIT = 4096
 
 
 def _sdp_backend(name: str):
@@ -63,10 +66,7 @@ def _lower_right_causal(spec) -> bool:
 def _without_trivial_causal(spec):
     if not _trivial_causal(spec):
         return spec
-    new = dataclasses.replace(spec)
-    object.__setattr__(new, "causal", False)
-    object.__setattr__(new, "window_right", None)
-    return new
+    return dataclasses.replace(spec, causal=False, window_right=None)
 
 
 def _sdpa_view(t: torch.Tensor, needs_grad: bool) -> torch.Tensor | None:
@@ -126,8 +126,7 @@ class _PinnedSdpaBackend(SdpaBackend):
         into a bool mask (torch's causal_lower_right would fall back with a warning per call)."""
         spec = _without_trivial_causal(spec)
         if self.kernel == "CUDNN_ATTENTION" and _lower_right_causal(spec):
-            spec = dataclasses.replace(spec)
-            object.__setattr__(spec, "causal", False)
+            spec = dataclasses.replace(spec, causal=False)   # window_right stays 0
         return spec
 
     def _params(self, spec):
@@ -156,21 +155,44 @@ class _PinnedSdpaBackend(SdpaBackend):
             mask = torch.zeros((), dtype=spec.dtype if additive else torch.bool, device=spec.device).expand(shape)
         return SDPAParams(q, k, v, mask, 0.0, is_causal, gqa)
 
+    def _verdict_key(self, spec) -> tuple:
+        """Everything torch's check reads: shapes, strides, alignment, dtype, device, grad,
+        masking, determinism (cheaper than building the check's arguments)."""
+        def geometry(t):
+            return tuple(t.shape), t.stride(), (t.storage_offset() * t.element_size()) % 16
+        return (self.name, spec.capability_key, spec.alignment, spec.window_left, spec.window_right,
+                geometry(spec.q), geometry(spec.k), geometry(spec.v),
+                torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+
     def _torch_reasons(self, spec) -> list[str]:
+        """torch's own verdict on this kernel for the call _sdpa will make, memoised (asking
+        costs ~20x more than the key). Asked under this backend's sdpa_kernel pin, so a kernel
+        disabled globally with torch.backends.cuda.enable_*_sdp(False) still runs when pinned."""
+        key = self._verdict_key(spec)
+        cached = _verdicts.get(key)
+        if cached is None:
+            cached = self._ask_torch(spec)
+            if len(_verdicts) >= _VERDICTS_LIMIT:
+                _verdicts.clear()
+            _verdicts[key] = cached
+        return list(cached)
+
+    def _ask_torch(self, spec) -> tuple[str, ...]:
         import torch.backends.cuda as tbc
+        from torch.nn.attention import sdpa_kernel
         check = getattr(tbc, self.torch_check, None)
         if check is None:   # an older torch: the declared limits above are all we know
-            return []
+            return ()
         try:
             params = self._params(spec)
-            if params is None or check(params, debug=False):
-                return []
+            with sdpa_kernel([_sdp_backend(self.kernel)]):
+                if params is None or check(params, debug=False):
+                    return ()
         except Exception as exc:   # torch's own check failing is a reason too, never a crash
-            return [f"torch.backends.cuda.{self.torch_check} failed: {type(exc).__name__}: {exc}"]
-        return [f"torch {torch.__version__} refuses this problem for its {self.kernel} kernel "
+            return (f"torch.backends.cuda.{self.torch_check} failed: {type(exc).__name__}: {exc}",)
+        return (f"torch {torch.__version__} refuses this problem for its {self.kernel} kernel "
                 f"(torch.backends.cuda.{self.torch_check}(params, debug=True) prints why: GPU architecture, "
-                f"head dims, strides, cuDNN version, or torch.backends.cuda.enable_*_sdp(False)); "
-                f"use backend='sdpa' to let torch choose a kernel"]
+                f"head dims, strides, cuDNN version); use backend='sdpa' to let torch choose a kernel",)
 
     # ----- compute -----------------------------------------------------------------------
     def _sdpa(self, spec, q, k, v):

@@ -479,10 +479,32 @@ def lookup(spec: AttentionSpec) -> str | None:
     return order[0] if order else None
 
 
-def timings_for(spec: AttentionSpec) -> dict | None:
-    """What is remembered for ``spec``'s class (for ``portattn explain``): ``{"class", "device",
-    "winner", "mode", "results": {backend: {"ms", "runs", "failed"/"error"/"skipped"}}, ...}``, or
-    None when the class was never timed."""
+def cached_choice(spec: AttentionSpec, candidates: list[str]) -> str | None:
+    """What :func:`choose` would return from what is remembered (None when the class was never
+    timed): no timing, no device sync (``explain`` uses it)."""
+    return _pick(_store(spec.device).entries.get(shape_class(spec)), candidates)
+
+
+def timings_for(spec: AttentionSpec) -> dict[str, float] | None:
+    """Seconds per call measured for ``spec``'s class, per backend (``inf`` for one that failed
+    the equivalence check or could not run; untimed ones such as ``reference`` left out), or None
+    when the class was never timed. :func:`timing_details` has the whole record."""
+    entry = _store(spec.device).entries.get(shape_class(spec))
+    if entry is None:
+        return None
+    out = {}
+    for name, r in entry["results"].items():
+        if r.get("skipped"):
+            continue
+        ok = r.get("ms") is not None and not r.get("failed") and not r.get("error")
+        out[name] = r["ms"] * 1e-3 if ok else math.inf
+    return out
+
+
+def timing_details(spec: AttentionSpec) -> dict | None:
+    """The remembered record of ``spec``'s class: ``{"class", "device", "winner", "order", "mode",
+    "problem", "tuned_at", "tuning_s", "results": {backend: {"ms", "runs"} or {"failed"} /
+    {"error"} / {"skipped"}}}``, or None when the class was never timed."""
     entry = _store(spec.device).entries.get(shape_class(spec))
     if entry is None:
         return None
@@ -490,7 +512,7 @@ def timings_for(spec: AttentionSpec) -> dict | None:
 
 
 def format_timings(info: dict | None) -> str:
-    """A few lines for ``explain``: each backend's time or why it was not chosen."""
+    """A few lines from :func:`timing_details`: each backend's time, or why it is not chosen."""
     if not info:
         return "fastest: this shape class was never timed (the first call times it)"
     lines = [f"fastest: class {info['class']} on {info['device']} ({info.get('mode')}), "
@@ -697,7 +719,7 @@ def run(args) -> int:
                 else:
                     print(f"[{i + 1}/{len(jobs)}] {label}: {name}", flush=True)
             entry = tune(spec, candidates, progress=step)
-            rows.append((label, entry.get("winner"), format_timings(timings_for(spec)).split("\n", 1)[-1]))
+            rows.append((label, entry.get("winner"), format_timings(timing_details(spec)).split("\n", 1)[-1]))
             if bar:
                 bar.advance(task)
             del q, k, v

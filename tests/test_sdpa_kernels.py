@@ -120,12 +120,16 @@ def test_torch_check_params_are_built_and_refusals_are_reasons(name, kw, monkeyp
     assert len(reasons) == 1 and f"torch.backends.cuda.{backend.torch_check}(params, debug=True)" in reasons[0]
     assert "backend='sdpa'" in reasons[0]
     monkeypatch.setattr(torch.backends.cuda, backend.torch_check, lambda params, debug=False: True)
+    assert backend._torch_reasons(spec) != []              # memoised per geometry
+    sk._verdicts.clear()
     assert backend._torch_reasons(spec) == []
 
     def broken(params, debug=False):
         raise RuntimeError("boom")
     monkeypatch.setattr(torch.backends.cuda, backend.torch_check, broken)
+    sk._verdicts.clear()
     assert "failed: RuntimeError: boom" in backend._torch_reasons(spec)[0]
+    sk._verdicts.clear()
 
 
 def test_decode_causal_is_dropped_and_cudnn_lower_right_becomes_a_window():

@@ -99,7 +99,7 @@ def toys(tmp_path, monkeypatch):
 
     def fake_clock(name, spec, first_only=None):
         real(name, spec, first_only=0.0)        # one run (plus warm-up), so calls are counted
-        return COST[name] * (3 if spec.needs_grad else 1), 1
+        return COST.get(name, 50.0) * (3 if spec.needs_grad else 1), 1
     monkeypatch.setattr(tuning, "time_backend", fake_clock)
     tuning.clear()
     made = {cls.name: portattn.register_backend(cls) for cls in TOYS}
@@ -151,8 +151,11 @@ def test_choose_times_once_and_picks_the_fastest_correct(toys):
     spec = _spec()
     names = ["toy_wrong", "toy_slow", "toy_fast"]
     assert tuning.choose(spec, names) == "toy_fast"
-    info = tuning.timings_for(spec)
+    info = tuning.timing_details(spec)
     assert info["winner"] == "toy_fast" and info["order"] == ["toy_fast", "toy_slow"]
+    seconds = tuning.timings_for(spec)
+    assert seconds["toy_fast"] == pytest.approx(COST["toy_fast"] * 1e-3) and seconds["toy_wrong"] == float("inf")
+    assert tuning.cached_choice(spec, ["toy_slow", "toy_wrong"]) == "toy_slow"
     assert "failed" in info["results"]["toy_wrong"] and "out: FAIL" in info["results"]["toy_wrong"]["failed"]
     assert info["results"]["toy_slow"]["ms"] > info["results"]["toy_fast"]["ms"]
     text = tuning.format_timings(info)
@@ -181,7 +184,7 @@ def test_planted_wrong_backend_is_never_chosen_even_first_and_alone_with_a_fallb
 def test_gradient_classes_check_and_time_the_backward(toys):
     spec = _spec(grad=True)
     assert tuning.choose(spec, ["toy_wrong", "toy_fast", "toy_slow"]) == "toy_fast"
-    info = tuning.timings_for(spec)
+    info = tuning.timing_details(spec)
     assert info["mode"] == "fwd+bwd"
     assert toys["toy_slow"].calls >= 4          # the check's and the timing's forward and backward
 
@@ -193,7 +196,7 @@ def test_real_clock_measures_forward_and_backward(toys, monkeypatch):
     monkeypatch.setattr(SlowToy, "delay", 0.25)
     spec = _spec(sq=4, sk=4, grad=True)
     assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
-    slow = tuning.timings_for(spec)["results"]["toy_slow"]
+    slow = tuning.timing_details(spec)["results"]["toy_slow"]
     assert slow["ms"] >= 2 * 250 * 0.95 and slow["runs"] >= 2          # forward + backward sleep, median
 
 
@@ -213,7 +216,7 @@ def test_no_timing_during_compile_or_capture(toys, monkeypatch):
     spec = _spec(sq=64, sk=64)
     assert tuning.choose(spec, names) == "toy_slow"          # priority list's first, nothing run
     assert sum(_calls(toys).values()) == 0
-    assert tuning.timings_for(spec) is None
+    assert tuning.timings_for(spec) is None and tuning.cached_choice(spec, names) is None
     monkeypatch.setattr(tuning, "_is_compiling", lambda: False)
     assert tuning.choose(spec, names) == "toy_fast"          # eager: timed
     # capture: the cached winner, no timing, no sync
@@ -254,6 +257,81 @@ def test_pinned_backend_never_consults_the_policy(toys, monkeypatch):
     with portattn.use_backend("toy_fast"):
         portattn.attention(spec_q, spec_q, spec_q, causal=True)
     assert toys["toy_fast"].calls == 1
+
+
+# ----- end to end: portattn.attention with the fastest policy -----------------------------
+
+@pytest.fixture
+def only_toys(toys, monkeypatch):
+    """CPU candidates restricted to the toys and reference (no onnx sessions built here)."""
+    for var in ("PORTATTN_BACKEND", "PORTATTN_POLICY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PORTATTN_PRIORITY_CPU", "toy_wrong,toy_slow,toy_fast,reference")
+    yield toys
+    portattn.set_policy(None)
+
+
+def _qkv(sq=12, sk=12, grad=False):
+    g = torch.Generator().manual_seed(sq + 7 * sk)
+    return (torch.randn(1, sq, 2, 8, generator=g).requires_grad_(grad), torch.randn(1, sk, 2, 8, generator=g),
+            torch.randn(1, sk, 2, 8, generator=g))
+
+
+@pytest.mark.parametrize("how", ["backend=", "use_backend", "PORTATTN_BACKEND", "set_policy", "PORTATTN_POLICY"])
+def test_every_way_to_ask_for_fastest_runs_the_fastest_correct(only_toys, monkeypatch, how):
+    q, k, v = _qkv()
+    kwargs = {}
+    ctx = torch.enable_grad()
+    if how == "backend=":
+        kwargs["backend"] = "fastest"
+    elif how == "use_backend":
+        ctx = portattn.use_backend("fastest")
+    elif how == "PORTATTN_BACKEND":
+        monkeypatch.setenv("PORTATTN_BACKEND", "fastest")
+    elif how == "set_policy":
+        portattn.set_policy("fastest")
+    else:
+        monkeypatch.setenv("PORTATTN_POLICY", "fastest")
+    with ctx:
+        out = portattn.attention(q, k, v, causal=True, **kwargs)
+        assert tuning.lookup(build_spec(q, k, v, causal=True)) == "toy_fast"
+        fast_calls = only_toys["toy_fast"].calls
+        out2 = portattn.attention(q, k, v, causal=True, **kwargs)       # remembered: one more call only
+        assert only_toys["toy_fast"].calls == fast_calls + 1
+        exp = portattn.explain(q, k, v, causal=True, **kwargs)
+    torch.testing.assert_close(out, out2)
+    torch.testing.assert_close(out, portattn.attention(q, k, v, causal=True, backend="reference"))
+    assert exp.selected == "toy_fast" and exp.timings["toy_fast"] == pytest.approx(1e-3)
+    text = str(exp)
+    assert "policy: fastest" in text and "[failed the check]" in text        # toy_wrong
+
+
+def test_fastest_backward_runs_on_the_forward_backend(only_toys):
+    q, k, v = _qkv(sq=10, sk=20, grad=True)
+    out = portattn.attention(q, k, v, causal=True, backend="fastest")
+    before = only_toys["toy_fast"].calls
+    out.sum().backward()
+    assert only_toys["toy_fast"].calls == before + 1 and q.grad is not None
+    ref_q = q.detach().double().requires_grad_(True)
+    portattn.attention(ref_q, k.double(), v.double(), causal=True, backend="reference").sum().backward()
+    torch.testing.assert_close(q.grad.double(), ref_q.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_pinning_is_untouched_by_the_fastest_policy(only_toys, monkeypatch):
+    portattn.set_policy("fastest")
+    q, k, v = _qkv(sq=6, sk=6)
+
+    def boom(*a, **k):
+        raise AssertionError("the policy was consulted for a pinned backend")
+    monkeypatch.setattr(tuning, "choose", boom)
+    portattn.attention(q, k, v, causal=True, backend="toy_slow")
+    assert only_toys["toy_slow"].calls == 1 and only_toys["toy_fast"].calls == 0
+    with portattn.use_backend("toy_wrong"):                     # even the wrong one, when pinned
+        portattn.attention(q, k, v, causal=True)
+    assert only_toys["toy_wrong"].calls == 1
+    monkeypatch.setenv("PORTATTN_BACKEND", "toy_slow")
+    portattn.attention(q, k, v, causal=True)
+    assert only_toys["toy_slow"].calls == 2
 
 
 # ----- the cache file ----------------------------------------------------------------------
