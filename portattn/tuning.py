@@ -97,6 +97,7 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(index)
 
 
+
 # ----- versions and the cache file ---------------------------------------------------------
 
 def _dist_version(*names: str) -> str | None:
@@ -222,14 +223,22 @@ class _Store:
                               f"(set PORTATTN_CACHE_DIR to a writable directory)", RuntimeWarning, stacklevel=3)
 
 
+_store_index: dict[tuple, _Store] = {}
+
+
 def _store(device: torch.device) -> _Store:
-    path = cache_path(device)
-    store = _stores.get(path)
-    if store is None:
-        with _lock:
-            store = _stores.get(path)
-            if store is None:
-                store = _stores[path] = _Store(path, software_versions(device))
+    """The store of ``device``'s cache file (memoised per cache directory and device: this is on
+    the call path)."""
+    index = (config.cache_dir(), device.type, device.index)
+    store = _store_index.get(index)
+    if store is not None:
+        return store
+    with _lock:
+        path = cache_path(device)
+        store = _stores.get(path)
+        if store is None:
+            store = _stores[path] = _Store(path, software_versions(device))
+        _store_index[index] = store
     return store
 
 
@@ -239,6 +248,7 @@ def clear(*, disk: bool = False) -> list[str]:
     removed = []
     with _lock:
         _stores.clear()
+        _store_index.clear()
         if disk:
             directory = os.path.join(config.cache_dir(), "tuning")
             if os.path.isdir(directory):
@@ -622,6 +632,20 @@ def _ints(text: str) -> list[int]:
         raise ValueError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _model_config(path: str) -> tuple[int, int, int]:
+    """(heads, kv_heads, head_dim) from a Hugging Face ``config.json``."""
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg = cfg.get("text_config", cfg)
+    try:
+        heads = int(cfg["num_attention_heads"])
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"--config {path}: needs num_attention_heads and head_dim or hidden_size "
+                         f"(and optionally num_key_value_heads); {type(exc).__name__}: {exc}") from None
+    return heads, kv, head_dim
+
 def add_arguments(parser) -> None:
     """The arguments of ``portattn tune`` (the lead's cli.py adds the subcommand)."""
     parser.description = ("Pre-fill the fastest policy's cache (PORTATTN_CACHE_DIR) for shapes given as "
@@ -629,6 +653,7 @@ def add_arguments(parser) -> None:
                           "--batch, --seqlen (training/prefill: Sq = Sk) and --kv-len/--q-len (decoding).")
     parser.add_argument("--shape", action="append", default=[], metavar="B,Sq,Sk,Hq,Hkv,D[,Dv]",
                         help="one problem shape (repeatable)")
+    parser.add_argument("--config", help="model: a Hugging Face config.json (heads, kv heads, head dim)")
     parser.add_argument("--heads", type=int, help="model: query heads")
     parser.add_argument("--kv-heads", type=int, help="model: key/value heads (default: --heads)")
     parser.add_argument("--head-dim", type=int, help="model: head dim")
@@ -654,6 +679,8 @@ def _shapes(args) -> list[tuple[int, ...]]:
         if len(dims) not in (6, 7) or min(dims) < 1:
             raise ValueError(f"--shape {text!r}: expected B,Sq,Sk,Hq,Hkv,D[,Dv], all >= 1")
         shapes.append(tuple(dims) if len(dims) == 7 else (*dims, dims[5]))
+    if getattr(args, "config", None):
+        args.heads, args.kv_heads, args.head_dim = _model_config(args.config)
     if args.heads or args.head_dim:
         if not (args.heads and args.head_dim):
             raise ValueError("a model needs both --heads and --head-dim")
@@ -710,7 +737,7 @@ def run(args) -> int:
             if restrict is not None:
                 candidates = [n for n in candidates if n in restrict]
             if not candidates:
-                rows.append((label, None, "no candidate backend"))
+                rows.append((label, None, "  no candidate backend can run it (portattn explain says why)"))
                 continue
 
             def step(name, label=label, i=i):

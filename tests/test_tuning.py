@@ -497,5 +497,76 @@ def test_tune_cli_fills_the_cache(toys, capsys):
     assert "6 classes" in capsys.readouterr().out
     with pytest.raises(ValueError, match="expected B,Sq,Sk,Hq,Hkv,D"):
         tuning.run(parser.parse_args(["--shape", "1,2,3"]))
+    # a model's config.json, through the portattn command line
+    cfg = Path(os.environ["PORTATTN_CACHE_DIR"]) / "config.json"
+    cfg.write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 32}))
+    from portattn import cli
+    assert cli.main(["tune", "--config", str(cfg), "--seqlen", "16", "--dtype", "fp32", "--device", "cpu",
+                     "--causal", "--backends", "toy_slow,toy_fast"]) == 0
+    assert "B=1 Sq=16 Sk=16 H=4/4 D=8 fwd: toy_fast" in capsys.readouterr().out
+    cfg.write_text("{}")
+    assert cli.main(["tune", "--config", str(cfg), "--seqlen", "16"]) == 2
+    assert "needs num_attention_heads" in capsys.readouterr().err
     with pytest.raises(ValueError, match="nothing to tune"):
         tuning.run(parser.parse_args([]))
+
+
+# ----- benchmarks/bench_fastest.py's GPU-free parts ----------------------------------------
+
+def _bench():
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _scripts import load_script
+    return load_script("bench_fastest")
+
+
+def test_bench_grids_are_the_issue_grids():
+    bench = _bench()
+    train = bench.training_cells()
+    assert len(train) == 18
+    assert {(c["D"], c["Sq"], c["causal"]) for c in train} == {(d, s, c) for d in (64, 128, 256)
+                                                              for s in (1024, 4096, 16384) for c in (False, True)}
+    assert all(c["B"] * c["Sq"] == 16384 and c["H"] * c["D"] == 2048 and c["Sq"] == c["Sk"] for c in train)
+    decode = bench.decode_cells()
+    assert len(decode) == 12 and all(c["H"] == 32 and c["Hkv"] == 4 and c["D"] == 128 and c["causal"] for c in decode)
+    assert {(c["Sq"], c["B"], c["Sk"]) for c in decode} == {(q, b, k) for q in (1, 8) for b in (1, 8)
+                                                           for k in (8192, 32768, 131072)}
+    work = bench.jobs()
+    assert len(work) == 12 + 18 + 18 and [m for _, m in work].count("fwd+bwd") == 18
+    assert work[0][0]["kind"] == "decode"
+
+
+def test_bench_slice_check_catches_a_wrong_output_and_gradient():
+    bench = _bench()
+    cell = dict(name="t", kind="decode", B=2, H=4, Hkv=2, Sq=3, Sk=20, D=16, causal=True)
+    q, k, v, dout = bench.make_inputs(cell, "fwd+bwd", torch.float32, torch.device("cpu"))
+    pack = bench.reference_slice(q, k, v, True, dout)
+    out, grads = bench.run_once("sdpa", q, k, v, True, dout)
+    results = bench.compare_slice(pack, out, grads)
+    assert [r.name for r in results] == ["out", "dq", "dk", "dv"] and all(r.passed for r in results)
+    wrong = out.clone()
+    wrong[0, :, 1] += 0.01                      # query head 1 reads KV head 0: inside the slice
+    assert not bench.compare_slice(pack, wrong)[0].passed
+    bad_dk = grads[1].clone()
+    bad_dk[0, 5, 0] += 0.01
+    assert not bench.compare_slice(pack, out, (grads[0], bad_dk, grads[2]))[2].passed
+
+
+def test_bench_summary_ratios_and_totals_on_the_same_cells():
+    bench = _bench()
+
+    def row(case, **ms):
+        return {"case": case, "mode": "fwd", "policy_choice": "a", "policy_first_call_s": 0.5,
+                "results": {n: ({"ms": t, "check": "ok"} if t is not None else {"error": "x"}) for n, t in ms.items()}}
+    rows = [row("c1", a=1.0, b=2.0, fastest=1.01), row("c2", a=3.0, b=1.0, fastest=1.1),
+            row("c3", a=2.0, b=None, fastest=2.0)]
+    rows[2]["results"]["b"] = {"ms": 0.1, "check": "FAIL out"}       # fast but wrong: not the best
+    s = bench.summarize(rows, ["a", "b"])
+    assert [c["best"] for c in s["cells"]] == ["a", "b", "a"]
+    assert s["cells"][1]["ratio"] == pytest.approx(1.1) and s["cells_over_target"] == ["c2 fwd"]
+    assert s["totals"]["a"] == {"cells": 3, "total_ms": 6.0, "fastest_total_ms": pytest.approx(4.11),
+                                "fastest_over_backend": pytest.approx(4.11 / 6.0)}
+    assert s["totals"]["b"]["cells"] == 2 and s["totals"]["b"]["total_ms"] == 3.0   # c3 failed its check
+    assert s["below_every_backend_total"] is True and s["tuning_s_total"] == pytest.approx(1.5)
+    text = bench.table(rows, ["a", "b"], s)
+    assert "| c2 | fwd | 3.000 | 1.000 | 1.100 | a | 1.100 ! | 0.50 |" in text
+    assert "x 0.100" in text and "| b | 2 | 3.00 |" in text
