@@ -71,22 +71,32 @@ def bucket(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+def _class_tuple(spec: AttentionSpec) -> tuple:
+    """The shape class as a tuple (cheap: the call path's in-memory key)."""
+    window = None
+    if spec.has_window:
+        window = (bucket(spec.window_left) if spec.window_left is not None else -1,
+                  bucket(spec.window_right) if spec.window_right is not None else -1)
+    return (spec.dtype, spec.head_dim, spec.head_dim_v, spec.features(), spec.gqa_ratio, spec.needs_grad,
+            spec.return_lse, spec.deterministic, spec.allow_tf32 and spec.dtype == torch.float32, window,
+            bucket(spec.batch * spec.num_heads_q), bucket(spec.seqlen_q), bucket(spec.seqlen_k))
+
+
+def _class_string(t: tuple) -> str:
+    dtype, d, dv, feats, gqa, grad, lse, det, tf32, window, bh, sq, sk = t
+    key = (f"{str(dtype).replace('torch.', '')}|D{d}/{dv}|{','.join(sorted(feats)) or '-'}|gqa{gqa}"
+           f"|{'grad' if grad else 'fwd'}{'|lse' if lse else ''}{'|det' if det else ''}{'|tf32' if tf32 else ''}")
+    if window is not None:
+        key += "|w" + ":".join("inf" if w < 0 else str(w) for w in window)
+    return key + f"|bh{bh}|sq{sq}|sk{sk}"
+
+
 def shape_class(spec: AttentionSpec) -> str:
     """The key under which a winner is remembered (the device is the cache file's, see
-    :func:`cache_path`). Two problems of one class run on the same backend."""
-    feats = ",".join(sorted(spec.features())) or "-"
-    key = (f"{str(spec.dtype).replace('torch.', '')}|D{spec.head_dim}/{spec.head_dim_v}|{feats}"
-           f"|gqa{spec.gqa_ratio}|{'grad' if spec.needs_grad else 'fwd'}")
-    if spec.return_lse:
-        key += "|lse"
-    if spec.deterministic:
-        key += "|det"
-    if spec.allow_tf32 and spec.dtype == torch.float32:
-        key += "|tf32"
-    if spec.has_window:
-        key += f"|w{bucket(spec.window_left) if spec.window_left is not None else 'inf'}" \
-               f":{bucket(spec.window_right) if spec.window_right is not None else 'inf'}"
-    return key + f"|bh{bucket(spec.batch * spec.num_heads_q)}|sq{bucket(spec.seqlen_q)}|sk{bucket(spec.seqlen_k)}"
+    :func:`cache_path`): dtype, head dims, features, GQA ratio, needs-grad, return_lse,
+    determinism, TF32, and batch·heads, Sq, Sk and window sizes rounded up to powers of two.
+    Two problems of one class run on the same backend."""
+    return _class_string(_class_tuple(spec))
 
 
 def device_name(device: torch.device) -> str:
@@ -224,6 +234,23 @@ class _Store:
 
 
 _store_index: dict[tuple, _Store] = {}
+#: (cache dir, device, class tuple) -> entry: the call path's lookup (filled on first sight)
+_hot: dict[tuple, dict] = {}
+_HOT_LIMIT = 8192
+
+
+def _entry(spec: AttentionSpec) -> dict | None:
+    """The remembered entry of ``spec``'s class, or None (memory first, then the cache file)."""
+    device = spec.device
+    hot = (config.cache_dir(), device, _class_tuple(spec))
+    entry = _hot.get(hot)
+    if entry is None:
+        entry = _store(device).entries.get(_class_string(hot[2]))
+        if entry is not None:
+            if len(_hot) >= _HOT_LIMIT:
+                _hot.clear()
+            _hot[hot] = entry
+    return entry
 
 
 def _store(device: torch.device) -> _Store:
@@ -249,6 +276,7 @@ def clear(*, disk: bool = False) -> list[str]:
     with _lock:
         _stores.clear()
         _store_index.clear()
+        _hot.clear()
         if disk:
             directory = os.path.join(config.cache_dir(), "tuning")
             if os.path.isdir(directory):
@@ -484,7 +512,7 @@ def _fallback(key: str, candidates: list[str], entry: dict | None) -> str:
 def lookup(spec: AttentionSpec) -> str | None:
     """The remembered winner of ``spec``'s class, or None — no timing, no device sync (the fast
     path: dispatch may try it first and verify that the winner has no reasons)."""
-    entry = _store(spec.device).entries.get(shape_class(spec))
+    entry = _entry(spec)
     order = entry.get("order") if entry else None
     return order[0] if order else None
 
@@ -492,14 +520,14 @@ def lookup(spec: AttentionSpec) -> str | None:
 def cached_choice(spec: AttentionSpec, candidates: list[str]) -> str | None:
     """What :func:`choose` would return from what is remembered (None when the class was never
     timed): no timing, no device sync (``explain`` uses it)."""
-    return _pick(_store(spec.device).entries.get(shape_class(spec)), candidates)
+    return _pick(_entry(spec), candidates)
 
 
 def timings_for(spec: AttentionSpec) -> dict[str, float] | None:
     """Seconds per call measured for ``spec``'s class, per backend (``inf`` for one that failed
     the equivalence check or could not run; untimed ones such as ``reference`` left out), or None
     when the class was never timed. :func:`timing_details` has the whole record."""
-    entry = _store(spec.device).entries.get(shape_class(spec))
+    entry = _entry(spec)
     if entry is None:
         return None
     out = {}
@@ -515,7 +543,7 @@ def timing_details(spec: AttentionSpec) -> dict | None:
     """The remembered record of ``spec``'s class: ``{"class", "device", "winner", "order", "mode",
     "problem", "tuned_at", "tuning_s", "results": {backend: {"ms", "runs"} or {"failed"} /
     {"error"} / {"skipped"}}}``, or None when the class was never timed."""
-    entry = _store(spec.device).entries.get(shape_class(spec))
+    entry = _entry(spec)
     if entry is None:
         return None
     return dict(entry, **{"class": shape_class(spec), "device": device_name(spec.device)})
@@ -581,6 +609,7 @@ def _tune(spec: AttentionSpec, candidates: list[str], key: str, store: _Store, p
         "tuning_s": round(time.perf_counter() - t_start + (old or {}).get("tuning_s", 0.0), 3),
     }
     store.entries[key] = entry
+    _hot.clear()   # entries are replaced, not updated: forget the old objects
     store.save([key])
     return entry
 
@@ -611,16 +640,19 @@ def choose(spec: AttentionSpec, candidates: list[str]) -> str:
         raise ValueError("choose() needs at least one candidate backend")
     if len(candidates) == 1 or getattr(_busy, "active", False):
         return candidates[0]
-    key = shape_class(spec)
-    store = _store(spec.device)
-    entry = store.entries.get(key)
-    if entry is not None and all(n in entry["results"] for n in candidates):
-        return _pick(entry, candidates) or _fallback(key, candidates, entry)
+    entry = _entry(spec)
+    if entry is not None:
+        results = entry["results"]
+        if all(n in results for n in candidates):   # the call path after the first call of a class
+            for name in entry["order"]:
+                if name in candidates:
+                    return name
+            return _fallback(shape_class(spec), candidates, entry)
     if _timing_forbidden(spec):
-        return _pick(entry, candidates) or _fallback(key, candidates, entry)
+        return _pick(entry, candidates) or _fallback(shape_class(spec), candidates, entry)
     with _lock:
-        entry = _tune(spec, candidates, key, store)
-    return _pick(entry, candidates) or _fallback(key, candidates, entry)
+        entry = _tune(spec, candidates, shape_class(spec), _store(spec.device))
+    return _pick(entry, candidates) or _fallback(shape_class(spec), candidates, entry)
 
 
 # ----- portattn tune -----------------------------------------------------------------------
