@@ -148,10 +148,11 @@ class _PinnedSdpaBackend(SdpaBackend):
         elif _lower_right_causal(spec):
             pass   # causal_lower_right calls flash/efficient with no mask (their own bottom-right causal)
         elif spec.has_window or spec.causal or spec.attn_bias is not None or spec.alibi_slopes is not None:
-            # a stand-in of the dtype and shape of the mask _Plan builds (a stride-0 view: no memory)
+            # a stand-in of the dtype and shape of the mask _Plan builds (a stride-0 view: no
+            # memory); torch picks the kernel from the mask as given (bool or additive)
             additive = spec.alibi_slopes is not None or (spec.attn_bias is not None and not spec.bias_is_mask)
-            shape = ((spec.batch, spec.num_heads_q) if additive or spec.attn_bias is not None else ()) \
-                + (spec.seqlen_q, spec.seqlen_k)
+            per_head = spec.alibi_slopes is not None or spec.attn_bias is not None
+            shape = ((spec.batch, spec.num_heads_q) if per_head else ()) + (spec.seqlen_q, spec.seqlen_k)
             mask = torch.zeros((), dtype=spec.dtype if additive else torch.bool, device=spec.device).expand(shape)
         return SDPAParams(q, k, v, mask, 0.0, is_causal, gqa)
 
