@@ -200,6 +200,18 @@ def test_real_clock_measures_forward_and_backward(toys, monkeypatch):
     assert slow["ms"] >= 2 * 250 * 0.95 and slow["runs"] >= 2          # forward + backward sleep, median
 
 
+def test_near_ties_are_timed_twice(toys, monkeypatch):
+    monkeypatch.setitem(COST, "toy_slow", COST["toy_fast"] * 1.03)
+    spec = _spec(sq=8, sk=8)
+    assert tuning.choose(spec, ["toy_slow", "toy_fast", "toy_wrong"]) == "toy_fast"
+    results = tuning.timing_details(spec)["results"]
+    assert results["toy_slow"]["runs"] == 2 and results["toy_fast"]["runs"] == 2
+    monkeypatch.setitem(COST, "toy_slow", COST["toy_fast"] * 1.5)          # not close: once
+    spec2 = _spec(sq=8, sk=16)
+    tuning.choose(spec2, ["toy_slow", "toy_fast"])
+    assert tuning.timing_details(spec2)["results"]["toy_fast"]["runs"] == 1
+
+
 def test_new_candidate_is_timed_later_without_retiming_the_others(toys):
     spec = _spec(sq=32, sk=32)
     assert tuning.choose(spec, ["toy_slow"] + ["reference"]) == "toy_slow"
@@ -570,3 +582,39 @@ def test_bench_summary_ratios_and_totals_on_the_same_cells():
     text = bench.table(rows, ["a", "b"], s)
     assert "| c2 | fwd | 3.000 | 1.000 | 1.100 | a | 1.100 ! | 0.50 |" in text
     assert "x 0.100" in text and "| b | 2 | 3.00 |" in text
+
+
+# ----- on a GPU ----------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_tuning_and_cuda_graph_capture(tmp_path, monkeypatch):
+    """Real backends on the GPU: a class is tuned eagerly (every candidate checked and timed or
+    recorded as failed), then captured in a CUDA graph with the remembered winner — no timing
+    and no synchronisation during capture (either would fail the capture) — and replayed."""
+    monkeypatch.setenv("PORTATTN_CACHE_DIR", str(tmp_path))
+    for var in ("PORTATTN_BACKEND", "PORTATTN_POLICY"):
+        monkeypatch.delenv(var, raising=False)
+    tuning.clear()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 256, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    spec = build_spec(q, k, v, causal=True)
+    candidates = tuning.supported_candidates(spec)
+    winner = tuning.choose(spec, candidates)
+    details = tuning.timing_details(spec)
+    assert details["winner"] == winner and set(details["results"]) == set(candidates)
+    assert all({"ms"} <= set(r) or {"failed"} & set(r) or {"error"} & set(r) or {"skipped"} & set(r)
+               for r in details["results"].values())
+    eager = portattn.attention(q, k, v, causal=True, backend="fastest")
+    other = build_spec(q[:, :64], k[:, :64], v[:, :64], causal=True)            # never timed
+    static_q = q.clone()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        assert tuning.choose(spec, candidates) == winner
+        assert tuning.choose(other, tuning.supported_candidates(other)) == tuning.supported_candidates(other)[0]
+        out = portattn.attention(static_q, k, v, causal=True, backend="fastest")
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager)
+    assert tuning.timings_for(other) is None
