@@ -91,13 +91,14 @@ def _attention_backward_op(
     alibi_slopes: Optional[Tensor], attn_bias: Optional[Tensor],
     cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
     scale: float, causal: bool, alignment: str, window_left: int, window_right: int, softcap: float,
-    backend: str, bias_requires_grad: bool,
+    backend: str, bias_requires_grad: bool, dlse: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     spec = _op_spec(q, k, v, alibi_slopes, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     scale, causal, alignment, window_left, window_right, softcap, False, True)
     if bias_requires_grad:
         object.__setattr__(spec, "attn_bias", spec.attn_bias.detach().requires_grad_(True))
-    dq, dk, dv, dbias = _run_backend(spec, backend).backward(spec, out, lse, dout.contiguous())
+    extra = {} if dlse is None else {"dlse": dlse.contiguous()}   # old-signature backends still work without it
+    dq, dk, dv, dbias = _run_backend(spec, backend).backward(spec, out, lse, dout.contiguous(), **extra)
     if dbias is None or not bias_requires_grad:
         dbias = q.new_empty(0)
     else:
@@ -108,7 +109,7 @@ def _attention_backward_op(
 @_attention_backward_op.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, alibi_slopes, attn_bias, cu_seqlens_q, cu_seqlens_k,
                              max_seqlen_q, max_seqlen_k, scale, causal, alignment, window_left, window_right,
-                             softcap, backend, bias_requires_grad):
+                             softcap, backend, bias_requires_grad, dlse=None):
     dbias = torch.empty_like(attn_bias) if bias_requires_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
@@ -120,12 +121,15 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, alibi, bias, cu_q, cu_k)
     ctx.args = (max_q, max_k, scale, causal, alignment, wl, wr, softcap, backend)
     ctx.bias_requires_grad = bias is not None and bias.requires_grad
+    ctx.return_lse = return_lse
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, alibi, bias, cu_q, cu_k = ctx.saved_tensors
+    # lse not returned to the caller: its (materialised zero) gradient is not needed
+    dlse = dlse if ctx.return_lse else None
     dq, dk, dv, dbias = _attention_backward_op(dout, q, k, v, out, lse, alibi, bias, cu_q, cu_k, *ctx.args,
-                                               ctx.bias_requires_grad)
+                                               ctx.bias_requires_grad, dlse)
     return (dq, dk, dv, None, dbias if ctx.bias_requires_grad else None,
             None, None, None, None, None, None, None, None, None, None, None, None, None)
 

@@ -77,12 +77,15 @@ def _one_sequence(spec: AttentionSpec, q, k, v, bias, slopes, compute_dtype, nai
     p = torch.exp(s - m)
     l = p.sum(dim=-1, keepdim=True)
     empty = l == 0
+    l_safe = torch.where(empty, torch.ones_like(l), l)
     if naive:
-        p = (p / torch.where(empty, torch.ones_like(l), l)).to(p_dtype)
+        p = (p / l_safe).to(p_dtype)
         out = p @ vh
     else:
-        out = (p @ vh) / torch.where(empty, torch.ones_like(l), l)
-    lse = (m + torch.log(l)).squeeze(-1).detach().to(torch.float64)   # log(0) = -inf for empty rows
+        out = (p @ vh) / l_safe
+    # differentiable (∂lse_i/∂s_ij = P_ij; m is a constant that cancels); empty rows are -inf
+    # through a where, so they get no gradient (log(l_safe) keeps 1/0 out of the backward)
+    lse = torch.where(empty, float("-inf"), m + torch.log(l_safe)).squeeze(-1).to(torch.float64)
     return out.transpose(0, 1), lse
 
 
@@ -133,7 +136,8 @@ def _float_bias(spec, dtype):
 
 
 def reference_forward(spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention in float64: ``(out float64 canonical, lse float32)``; differentiable."""
+    """Exact attention in float64: ``(out float64 canonical, lse float32)``; both are
+    differentiable (in q, k, v and a float bias)."""
     f64 = torch.float64
     out, lse = _attention(spec, spec.q.to(f64), spec.k.to(f64), spec.v.to(f64), _float_bias(spec, f64), f64, naive=False)
     return out, lse.to(torch.float32)
@@ -166,8 +170,9 @@ class ReferenceBackend(Backend):
             out, lse = reference_forward(spec)
         return out.to(spec.dtype), lse
 
-    def backward(self, spec, out, lse, dout):
+    def backward(self, spec, out, lse, dout, dlse=None):
         # torch.func.vjp works inside the custom op, where plain autograd is dispatched away.
+        # out and lse are both pulled back: dlse (or zeros) reaches the scores through lse.
         f64 = torch.float64
         bias = _float_bias(spec, f64)
         want_dbias = bias is not None and bias.dtype != torch.bool and spec.attn_bias.requires_grad
@@ -176,11 +181,12 @@ class ReferenceBackend(Backend):
             primals.append(bias.detach())
 
         def f(q, k, v, b=bias):
-            return _attention(spec, q, k, v, b, f64, naive=False)[0]
+            return _attention(spec, q, k, v, b, f64, naive=False)
 
         with torch.enable_grad():
-            _, vjp = torch.func.vjp(f, *primals)
-            grads = vjp(dout.to(f64))
+            (_, lse64), vjp = torch.func.vjp(f, *primals)
+            dlse64 = torch.zeros_like(lse64) if dlse is None else dlse.to(device=lse64.device, dtype=f64)
+            grads = vjp((dout.to(f64), dlse64))
         dq, dk, dv = (g.to(spec.dtype) for g in grads[:3])
         dbias = grads[3].to(spec.attn_bias.dtype) if want_dbias else None
         return dq, dk, dv, dbias

@@ -148,9 +148,17 @@ class Backend:
         """Return ``(out, lse)`` for ``spec`` (canonical layout, see the class docstring)."""
         raise NotImplementedError(f"backend {self.name!r} does not implement forward")
 
-    def backward(self, spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
+    def backward(self, spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                 dlse: torch.Tensor | None = None):
         """Return ``(dq, dk, dv, dbias)`` in the canonical layout; ``dbias`` is None unless a
-        float ``attn_bias`` requires grad, then it has ``spec.attn_bias``'s expanded shape."""
+        float ``attn_bias`` requires grad, then it has ``spec.attn_bias``'s expanded shape.
+
+        ``dout`` is the loss gradient w.r.t. ``out`` (``spec.out_shape``); ``dlse`` is None (no
+        gradient reaches the lse) or float32 of ``spec.lse_shape``: the loss gradient w.r.t. the
+        natural-log lse. Since ∂lse_i/∂s_ij = P_ij, it adds ``dlse_i · P_ij`` to the score
+        gradient: ``dS_ij = P_ij · (dP_ij − delta_i + dlse_i)``, i.e. ``delta`` becomes
+        ``delta − dlse``. Rows with no visible key (lse = -inf) get no gradient from ``dlse``
+        (and never NaN). The API passes ``dlse`` only when it is given, by keyword."""
         raise NotImplementedError(f"backend {self.name!r} has no backward")
 
     def capabilities(self) -> dict:

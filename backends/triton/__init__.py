@@ -85,6 +85,7 @@ class TritonBackend(Backend):
         """``(out, lse)``: out in ``spec.out_shape`` and q's dtype, lse float32 ``spec.lse_shape``."""
         return _ops().forward(spec)
 
-    def backward(self, spec, out, lse, dout):
-        """``(dq, dk, dv, dbias)``; dbias has the expanded bias shape when a float bias needs grad."""
-        return _ops().backward(spec, out, lse, dout)
+    def backward(self, spec, out, lse, dout, dlse=None):
+        """``(dq, dk, dv, dbias)``; dbias has the expanded bias shape when a float bias needs grad;
+        ``dlse`` (the gradient of the returned lse, or None) is folded into delta."""
+        return _ops().backward(spec, out, lse, dout, dlse)

@@ -585,7 +585,7 @@ def _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs,
 
 @triton.jit
 def attn_bwd_dq(
-    Q, K, V, DO, ROWMAX, ROWINV, DELTA, DQ, BIAS, DBIAS, SLOPES, CU_Q, CU_K,
+    Q, K, V, DO, ROWMAX, ROWINV, DELTA, DLSE, DQ, BIAS, DBIAS, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -600,11 +600,12 @@ def attn_bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BIAS_MODE: tl.constexpr, BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
 ):
     """Row stats, dQ (and dBias) of one (query tile, batch·head): Q and dO resident; two passes
     over the visible key tiles exactly like the forward. The first recomputes the row max m and
-    sum l and delta = Σ_j P_ij dP_ij, stored (m, 1/l, delta) for the dK/dV kernel; the second
-    accumulates dQ."""
+    sum l and delta = Σ_j P_ij dP_ij (minus ``DLSE``, the loss gradient of the natural-log lse,
+    when ``HAS_DLSE``), stored (m, 1/l, delta) for the dK/dV kernel; the second accumulates dQ."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
@@ -671,6 +672,10 @@ def attn_bwd_dq(
     m2 = tl.where(empty, float("inf"), m_i)
     delta = dacc * inv_l
     in_rows = offs_m < sq
+    if HAS_DLSE:
+        # ∂lse_i/∂s_ij = P_ij, so dS = P ∘ (dP - delta + dlse): one shift of delta serves dQ, dBias
+        # and (through DELTA) dK. Rows with no visible key (P = 0) read 0: no gradient, no NaN.
+        delta = delta - tl.load(DLSE + row_base + offs_m, mask=in_rows & (l_i != 0.0), other=0.0)
     tl.store(ROWMAX + row_base + offs_m, m2, mask=in_rows)
     tl.store(ROWINV + row_base + offs_m, inv_l, mask=in_rows)
     tl.store(DELTA + row_base + offs_m, delta, mask=in_rows)

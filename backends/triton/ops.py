@@ -128,9 +128,10 @@ def forward(spec) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
+def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None):
     """Run dQ (which first recomputes the row stats) then dK/dV: ``(dq, dk, dv, dbias or None)``.
-    ``out`` and ``lse`` are accepted for the backend interface and not read."""
+    ``out`` and ``lse`` are accepted for the backend interface and not read; ``dlse`` (float32,
+    ``spec.lse_shape``), the gradient of the returned lse, is subtracted from delta by the dQ kernel."""
     want_dbias = (spec.attn_bias is not None and spec.attn_bias.dtype != torch.bool
                   and spec.attn_bias.requires_grad)
     if spec.is_empty:
@@ -152,6 +153,9 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
     else:
         dbias, dbias_arg, dbias_strides = None, q, (0, 0, 0, 0)
     slopes = spec.alibi_slopes if spec.alibi_slopes is not None else delta
+    # laid out like lse/delta (contiguous spec.lse_shape), read only when HAS_DLSE
+    has_dlse = dlse is not None
+    dlse = dlse.to(device=spec.device, dtype=torch.float32).contiguous() if has_dlse else delta
     cu_q = spec.cu_seqlens_q if varlen else delta
     cu_k = spec.cu_seqlens_k if varlen else delta
     scalars, consts = _common(spec)
@@ -164,14 +168,14 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
     # 1. row stats, dQ (and dBias): one program per (query tile, batch·head)
     c2 = cfgs.dq
     kernels.attn_bwd_dq[(triton.cdiv(spec.seqlen_q, c2.block_m), bh_q)](
-        q, k, v, dout, rowmax, rowinv, delta, dq, bias, dbias_arg, slopes, cu_q, cu_k,
+        q, k, v, dout, rowmax, rowinv, delta, dlse, dq, bias, dbias_arg, slopes, cu_q, cu_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
         *_seq_strides(dout, varlen), *_seq_strides(dq, varlen),
         *lse_strides, *bias_strides, *dbias_strides,
         spec.num_heads_q, spec.gqa_ratio, spec.seqlen_q, spec.seqlen_k,
         spec.scale, *window,
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BIAS_MODE=bias_mode, BIAS_GRAD=want_dbias,
-        **consts, **c2.launch_options(),
+        HAS_DLSE=has_dlse, **consts, **c2.launch_options(),
     )
     # 2. dK, dV (reads the row stats written by the dQ kernel): one program per (key tile, batch·kv head)
     c1 = cfgs.dkdv
