@@ -187,21 +187,46 @@ def gather_sequence(x: torch.Tensor, group=None, sharding: str = "contiguous", s
                          f"must be even; got shape {tuple(x.shape)}")
     _all_equal_across_ranks(ring, [x.dim(), *x.shape, _dtype_code(x.dtype), SHARDINGS.index(sharding), dim],
                             x.device, "the shard's (ndim, shape, dtype, sharding, seq_dim) in gather_sequence")
-    x = x.contiguous()
     if ring.world == 1:
         return x
-    if torch.is_grad_enabled() and x.requires_grad:
-        import torch.distributed.nn.functional as dist_nn
-        shards = list(dist_nn.all_gather(x, group=ring.group))
-    else:
-        shards = [torch.empty_like(x) for _ in range(ring.world)]
-        dist.all_gather(shards, x, group=ring.group)
+    return _Gather.apply(x, ring, sharding, dim)
+
+
+def _assemble(shards: list[torch.Tensor], sharding: str, dim: int) -> torch.Tensor:
     if sharding == "contiguous":
         return torch.cat(shards, dim=dim)
-    c = x.shape[dim] // 2
-    w = ring.world
+    c = shards[0].shape[dim] // 2
+    w = len(shards)
     chunks = [shards[i].narrow(dim, 0, c) if i < w else shards[2 * w - 1 - i].narrow(dim, c, c) for i in range(2 * w)]
     return torch.cat(chunks, dim=dim)
+
+
+class _Gather(torch.autograd.Function):
+    """all_gather + reassembly; the backward sums every rank's gradient of the full tensor and
+    keeps this rank's positions (reduce-scatter on NCCL, all_reduce elsewhere: gloo has none)."""
+
+    @staticmethod
+    def forward(ctx, x, ring, sharding, dim):
+        x = x.contiguous()
+        shards = [torch.empty_like(x) for _ in range(ring.world)]
+        dist.all_gather(shards, x, group=ring.group)
+        ctx.ring, ctx.sharding, ctx.dim = ring, sharding, dim
+        return _assemble(shards, sharding, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ring, dim = ctx.ring, ctx.dim
+        if dist.get_backend(ring.group) == "nccl":
+            per_rank = [torch.cat([grad.narrow(dim, s, n) for s, n in
+                                   _shard_ranges(ctx.sharding, ring.world, r, grad.shape[dim])], dim=dim).contiguous()
+                        for r in range(ring.world)]
+            mine = torch.empty_like(per_rank[0])
+            dist.reduce_scatter(mine, per_rank, group=ring.group)
+            return mine, None, None, None
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ring.group)
+        pieces = [total.narrow(dim, s, n) for s, n in _shard_ranges(ctx.sharding, ring.world, ring.rank, grad.shape[dim])]
+        return torch.cat(pieces, dim=dim), None, None, None
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -367,6 +392,25 @@ def _accepts_dlse(backend) -> bool:
         return False
 
 
+def _select(spec, backend: str | None):
+    """The backend for one block: the normal dispatch (pin, use_backend, PORTATTN_BACKEND or the
+    device's priority list), except that when a gradient is needed the first supporting
+    candidate whose backward takes ``dlse`` wins (the ring's backward needs it)."""
+    if not spec.needs_grad:
+        return dispatch.select(spec, backend)
+    exp = dispatch.explain_spec(spec, backend)
+    if exp.selected is None:
+        return dispatch.select(spec, backend)   # raises with every candidate's reasons
+    ok = [n for n in exp.candidates if not exp.reasons.get(n)]
+    for name in ok:
+        if _accepts_dlse(get_backend(name)):
+            return get_backend(name)
+    raise TypeError(f"ring_attention's backward needs a backend whose backward takes dlse "
+                    f"(backend.backward(spec, out, lse, dout, dlse=None)); the backends that can run this block "
+                    f"({spec.summary()}) do not: {', '.join(ok)}. Pin one that does (e.g. backend='sdpa', "
+                    f"'triton' or 'reference') or call without gradients")
+
+
 def _exchange(ring: _Ring, sends, recvs, tags, to_offset: int = 1, from_offset: int = -1):
     """Post sends of ``sends`` to rank+to_offset and receives into ``recvs`` from
     rank+from_offset (one batch); returns the requests (wait on them before using ``recvs``)."""
@@ -423,7 +467,7 @@ def _ring_forward(cfg: _Config, q, k, v, chosen: dict):
             reqs = _exchange(ring, (k_cur, v_cur), (k_nxt, v_nxt), (_TAG_K, _TAG_V))
         for i, call in enumerate(calls):
             spec = _block_spec(cfg, call, q, k_cur, v_cur, needs_grad=cfg.needs_grad)
-            backend = dispatch.select(spec, cfg.backend)
+            backend = _select(spec, cfg.backend)
             chosen[(t, i)] = backend.name
             o_b, l_b = backend.forward(spec)
             _merge(out, lse, call, o_b, l_b)
