@@ -55,6 +55,7 @@ launching are in docs/distributed.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from dataclasses import dataclass
@@ -69,6 +70,22 @@ from .spec import build_spec
 __all__ = ["ring_attention", "shard_sequence", "gather_sequence", "SHARDINGS"]
 
 SHARDINGS = ("contiguous", "zigzag")
+
+# What the ring does, for tools/ring_bench.py: with "comm" off each rank keeps its own K/V
+# (wrong results, same compute), with "compute" off only the K/V (and dK/dV) travel.
+_ABLATION = {"compute": True, "comm": True}
+
+
+@contextlib.contextmanager
+def _ablation(*, compute: bool = True, comm: bool = True):
+    """Time the ring's compute or its communication alone (benchmarks only: results are wrong)."""
+    saved = dict(_ABLATION)
+    _ABLATION.update(compute=compute, comm=comm)
+    try:
+        yield
+    finally:
+        _ABLATION.update(saved)
+
 
 # P2P tags (gloo matches messages by sender and tag; NCCL ignores tags and matches by order).
 _TAG_K, _TAG_V, _TAG_DK, _TAG_DV, _TAG_FINAL_DK, _TAG_FINAL_DV = range(6)
@@ -460,12 +477,13 @@ def _ring_forward(cfg: _Config, q, k, v, chosen: dict):
     lse = torch.full((b, hq, sq), float("-inf"), dtype=acc, device=q.device)
     k_cur, v_cur = k.contiguous(), v.contiguous()
     bufs = [(torch.empty_like(k_cur), torch.empty_like(v_cur)) for _ in range(min(2, len(plans) - 1))]
+    compute, comm = _ABLATION["compute"], _ABLATION["comm"]
     for t, calls in enumerate(plans):
         reqs = None
-        if t + 1 < len(plans):
+        if t + 1 < len(plans) and comm:
             k_nxt, v_nxt = bufs[t % 2]
             reqs = _exchange(ring, (k_cur, v_cur), (k_nxt, v_nxt), (_TAG_K, _TAG_V))
-        for i, call in enumerate(calls):
+        for i, call in enumerate(calls if compute else ()):
             spec = _block_spec(cfg, call, q, k_cur, v_cur, needs_grad=cfg.needs_grad)
             backend = _select(spec, cfg.backend)
             chosen[(t, i)] = backend.name
@@ -491,9 +509,11 @@ def _ring_backward(cfg: _Config, q, k, v, out, lse, dout, dlse, chosen: dict):
              for _ in range(min(2, len(plans) - 1))]
     dk_acc = dv_acc = None
     dreqs = None
+    compute, comm = _ABLATION["compute"], _ABLATION["comm"]
     for t, calls in enumerate(plans):
+        calls = calls if compute else []
         reqs = None
-        if t + 1 < len(plans):
+        if t + 1 < len(plans) and comm:
             k_nxt, v_nxt = bufs[t % 2]
             reqs = _exchange(ring, (k_cur, v_cur), (k_nxt, v_nxt), (_TAG_K, _TAG_V))
         dk_b = torch.zeros(k.shape, dtype=wire, device=k.device) if calls else None
@@ -503,19 +523,22 @@ def _ring_backward(cfg: _Config, q, k, v, out, lse, dout, dlse, chosen: dict):
         if t == 0:
             dk_acc = dk_b if dk_b is not None else torch.zeros(k.shape, dtype=wire, device=k.device)
             dv_acc = dv_b if dv_b is not None else torch.zeros(v.shape, dtype=wire, device=v.device)
-        else:
+        elif comm:
             _wait(dreqs)   # the accumulators of this K/V shard, from the previous rank
             dk_acc, dv_acc = dbufs[(t - 1) % 2]
             if dk_b is not None:
                 dk_acc.add_(dk_b)
                 dv_acc.add_(dv_b)
-        if t + 1 < len(plans):
+        elif dk_b is not None:
+            dk_acc.add_(dk_b)
+            dv_acc.add_(dv_b)
+        if t + 1 < len(plans) and comm:
             dreqs = _exchange(ring, (dk_acc, dv_acc), dbufs[t % 2], (_TAG_DK, _TAG_DV))
         if reqs is not None:
             _wait(reqs)
             k_cur, v_cur = k_nxt, v_nxt
     n = len(plans)
-    if n > 1:
+    if n > 1 and comm:
         # after n steps this rank holds the accumulators of shard rank-(n-1): hand them to it
         dk_own, dv_own = torch.empty_like(dk_acc), torch.empty_like(dv_acc)
         _wait(_exchange(ring, (dk_acc, dv_acc), (dk_own, dv_own), (_TAG_FINAL_DK, _TAG_FINAL_DV),

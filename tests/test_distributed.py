@@ -12,6 +12,7 @@ compares them with ``portattn.reference`` over the full sequence.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 import subprocess
@@ -44,6 +45,8 @@ CASES = {name: dict(_BASE, **over) for name, over in {
     "gqa_mqa_causal_zigzag_bhsd": dict(hq=4, hkv=1, kw=dict(causal=True), sharding="zigzag", layout="bhsd"),
     "window": dict(kw=dict(window=(3, 2))),
     "window_causal_zigzag": dict(kw=dict(causal=True, window=(5, -1)), sharding="zigzag"),
+    # 8 tokens per rank, left window 3: the ring stops after 2 steps, dK/dV hop straight home
+    "window_stops_early": dict(kw=dict(causal=True, window=(3, -1))),
     "softcap_scale_causal_zigzag": dict(kw=dict(causal=True, softcap=2.0, scale=0.4), sharding="zigzag"),
     "bf16_causal_zigzag": dict(dtype=torch.bfloat16, kw=dict(causal=True), sharding="zigzag"),
     "head_dim_v": dict(d=16, dv=8, kw=dict(causal=True)),
@@ -156,6 +159,17 @@ def _worker_checks(world: int, rank: int, group=None) -> dict[str, str]:
     return out
 
 
+def _run_bench(out_dir: str) -> str:
+    """tools/ring_bench.py's logic (correctness, timing, ablations) at CPU sizes, on WORLD."""
+    from _scripts import load_script
+    try:
+        bench = load_script("ring_bench", "tools")
+        rc = bench.main(["--backend", "gloo", "--device", "cpu", "--tiny", "--out", os.path.join(out_dir, "bench")])
+        return "" if rc == 0 else f"ring_bench exited with {rc}"
+    except Exception:  # noqa: BLE001  (reported to the parent)
+        return traceback.format_exc()
+
+
 #: The worlds the pool runs: WORLD (4 ranks), then two groups of 2 ranks at once, {0, 2} and {1, 3}
 #: (group ranks differ from global ranks there, which the P2P peers must translate).
 POOL = 4
@@ -178,6 +192,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 except Exception:  # noqa: BLE001  (reported to the parent)
                     results[(size, name)] = {"error": traceback.format_exc()}
             results[(size, "_checks")] = _worker_checks(size, group_rank, group)
+        results["bench"] = _run_bench(out_dir)
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
@@ -214,7 +229,10 @@ def _spawn(world: int) -> list[dict]:
         if failed:
             r, rc, log = failed[0]
             pytest.fail(f"worker {r} of {world} exited with {rc}:\n{log[-4000:]}")
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        results = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        report = Path(tmp, "bench", f"ring-w{world}.json")
+        results[0]["bench_report"] = json.loads(report.read_text()) if report.exists() else None
+        return results
 
 
 def _assemble(parts: list[torch.Tensor], sharding: str, dim: int) -> torch.Tensor:
@@ -279,7 +297,30 @@ def test_ring_attention_matches_full_sequence_attention():
             failures += [f"{label} rank {r} {check}: {msg}" for check, msg in checks.items() if msg]
             if not checks:
                 failures.append(f"{label} rank {r}: no checks ran")
+    failures += [f"ring_bench rank {r}: {res['bench']}" for r, res in enumerate(per_rank) if res["bench"]]
+    failures += _check_bench_report(per_rank[0]["bench_report"])
     assert not failures, f"{len(failures)} failure(s):\n" + "\n".join(failures)
+
+
+def _check_bench_report(report) -> list[str]:
+    """tools/ring_bench.py's JSON: what issue 18 asks for is there and sane."""
+    if report is None:
+        return ["ring_bench wrote no report"]
+    bad = []
+    if report["versions"]["env"] != {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                     "NVSHMEM_DISABLE_NVLS": "1"}:
+        bad.append(f"ring_bench multicast settings: {report['versions']['env']}")
+    checks = report["correctness"]
+    if sorted((c["causal"], c["sharding"]) for c in checks) != [(False, "zigzag"), (True, "contiguous"), (True, "zigzag")]:
+        bad.append(f"ring_bench correctness cases: {[(c['causal'], c['sharding']) for c in checks]}")
+    bad += [f"ring_bench check failed: {c}" for c in checks if not c["passed"] or set(c["ring"]) != {"out", "lse", "dq", "dk", "dv"}]
+    for row in report["timing"]:
+        for mode in ("fwd", "fwdbwd"):
+            e = row[mode]
+            if not (e["ring_s"] > 0 and e["compute_only_s"] > 0 and e["comm_only_s"] > 0
+                    and 0 <= e["comm_hidden_fraction"] <= 1 and len(e["peak_mem_gib_per_rank"]) == report["world"]):
+                bad.append(f"ring_bench timing {mode}: {e}")
+    return bad
 
 
 # ----- the planner, without processes -------------------------------------------------------------
