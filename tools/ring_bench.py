@@ -137,6 +137,11 @@ def _versions(device) -> dict:
             info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:  # noqa: BLE001
             pass
+        try:   # how the GPUs are linked (NVLink / PCIe), for reading the bandwidth
+            info["topology"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                                              timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            pass
     return info
 
 
@@ -222,7 +227,16 @@ def _timing(args, device, dtype) -> list[dict]:
     world, rank = dist.get_world_size(), dist.get_rank()
     hq, hkv, d = args.heads, args.kv_heads, args.head_dim
     rows = []
-    for total in args.seqlens:
+    start = time.perf_counter()
+    for total in sorted(args.seqlens):
+        # every rank must agree to go on (a rank that stopped alone would leave the others waiting)
+        go = torch.tensor([1.0 if not args.time_limit or time.perf_counter() - start < args.time_limit else 0.0],
+                          device=device)
+        dist.all_reduce(go, op=dist.ReduceOp.MIN)
+        if go.item() < 1:
+            if rank == 0:
+                print(f"time limit {args.time_limit} s reached: skipping {total} tokens and longer", flush=True)
+            break
         L = total // world
         g = torch.Generator(device="cpu").manual_seed(rank)
         t = {"q": torch.randn(1, L, hq, d, generator=g).to(device, dtype)}
@@ -255,6 +269,10 @@ def _timing(args, device, dtype) -> list[dict]:
                     entry["comm_only_s"] = _time(fn, args.reps, device)
                 exposed = t_ring - entry["compute_only_s"]
                 comm = entry["comm_only_s"]
+                # bytes one rank sends per step: K and V (forward), and dK/dV in float32 (backward)
+                elem = torch.empty(0, dtype=dtype).element_size()
+                per_step = 2 * L * hkv * d * (elem if mode == "fwd" else 2 * elem + 8)
+                entry["link_GBps_measured"] = per_step * (world - 1) / comm / 1e9 if comm > 0 else None
                 entry["comm_hidden_fraction"] = max(0.0, min(1.0, 1 - exposed / comm)) if comm > 0 else 1.0
             peaks = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
             dist.all_gather(peaks, torch.tensor([float(peak)], dtype=torch.float64, device=device))
@@ -329,6 +347,13 @@ def _launch(args, argv: list[str]) -> int:
         path = out / f"ring-w{n}.json"
         if path.exists():
             reports.append(json.loads(path.read_text()))
+    _summary(reports, out)
+    return rc
+
+
+def _summary(reports: list[dict], out: Path) -> None:
+    """ring-scaling.json / .txt: every world size, with the speed-up against 1 GPU."""
+    reports = sorted(reports, key=lambda r: r["world"])
     lines = []
     base = {r["total_tokens"]: r for rep in reports if rep["world"] == 1 for r in rep["timing"]}
     for rep in reports:
@@ -340,10 +365,10 @@ def _launch(args, argv: list[str]) -> int:
         for row in rep["correctness"]:
             lines.append(f"check W={row['world']} causal={row['causal']} {row['sharding']} {row['dtype']}: "
                          f"{'ok' if row['passed'] else 'FAIL'}")
+    out.mkdir(parents=True, exist_ok=True)
     (out / "ring-scaling.json").write_text(json.dumps(reports, indent=1))
     (out / "ring-scaling.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return rc
 
 
 def parse(argv=None):
@@ -362,6 +387,10 @@ def parse(argv=None):
     p.add_argument("--sharding", default="zigzag", choices=["zigzag", "contiguous"])
     p.add_argument("--no-causal", dest="causal", action="store_false")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--time-limit", type=float, default=0, help="seconds of timing per world size, then skip "
+                   "the longer sequences (0: no limit)")
+    p.add_argument("--merge", nargs="+", metavar="DIR", help="merge the ring-w*.json of these directories "
+                   "into --out's ring-scaling.json/.txt and exit")
     p.add_argument("--check-seqlen", type=int, default=4096)
     p.add_argument("--check-heads", type=int, default=8)
     p.add_argument("--check-kv-heads", type=int, default=2)
@@ -381,6 +410,12 @@ def main(argv=None) -> int:
     args = parse(argv)
     if args.cost_table:
         print(cost_table())
+        return 0
+    if args.merge:
+        if not args.out:
+            raise SystemExit("--merge needs --out")
+        _summary([json.loads(p.read_text()) for d in args.merge for p in sorted(Path(d).glob("ring-w*.json"))],
+                 Path(args.out))
         return 0
     if args.launch:
         if not args.out:
