@@ -99,6 +99,7 @@ class _Ring:
     rank: int            # rank inside the group
     world: int
     peers: tuple         # global rank of each group rank (P2P ops take global ranks)
+    transport: object = None   # None: torch.distributed; else a _ThreadTransport (simulate_ring)
 
     def peer(self, offset: int) -> int:
         return self.peers[(self.rank + offset) % self.world]
@@ -431,6 +432,8 @@ def _select(spec, backend: str | None):
 def _exchange(ring: _Ring, sends, recvs, tags, to_offset: int = 1, from_offset: int = -1):
     """Post sends of ``sends`` to rank+to_offset and receives into ``recvs`` from
     rank+from_offset (one batch); returns the requests (wait on them before using ``recvs``)."""
+    if ring.transport is not None:
+        return ring.transport.exchange(ring, sends, recvs, tags, to_offset, from_offset)
     to_peer, from_peer = ring.peer(to_offset), ring.peer(from_offset)
     ops = [dist.P2POp(dist.isend, t, to_peer, ring.group, tag) for t, tag in zip(sends, tags)]
     ops += [dist.P2POp(dist.irecv, t, from_peer, ring.group, tag) for t, tag in zip(recvs, tags)]
@@ -670,6 +673,96 @@ def ring_attention(q, k, v, *, group=None, causal=False, sharding="contiguous", 
     if layout == "bhsd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
+
+
+# ----- the ring in one process (tests, and single-GPU runs of the local blocks) ---------------------
+
+class _ThreadTransport:
+    """Point-to-point messages between the threads of :func:`simulate_ring` (one per rank)."""
+
+    def __init__(self):
+        import threading
+        self._cond = threading.Condition()
+        self._box: dict = {}
+
+    def exchange(self, ring, sends, recvs, tags, to_offset, from_offset):
+        to, frm = (ring.rank + to_offset) % ring.world, (ring.rank + from_offset) % ring.world
+        with self._cond:
+            for t, tag in zip(sends, tags):
+                self._box.setdefault((to, ring.rank, tag), []).append(t.clone())
+            self._cond.notify_all()
+        return [_Receive(self, (ring.rank, frm, tag), r) for r, tag in zip(recvs, tags)]
+
+
+class _Receive:
+    def __init__(self, transport, key, buf):
+        self.transport, self.key, self.buf = transport, key, buf
+
+    def wait(self):
+        tr = self.transport
+        with tr._cond:
+            if not tr._cond.wait_for(lambda: tr._box.get(self.key), timeout=600):
+                raise RuntimeError(f"simulate_ring: no message {self.key} (rank, from, tag) within 600 s")
+            self.buf.copy_(tr._box[self.key].pop(0))
+
+
+def _local_config(spec, world: int, rank: int, sharding: str, backend, needs_grad: bool, transport=None) -> _Config:
+    """The _Config of one rank of a ring without a process group (``spec``: the full problem)."""
+    return _Config(ring=_Ring(None, rank, world, tuple(range(world)), transport), sharding=sharding,
+                   lq=spec.seqlen_q // world, lk=spec.seqlen_k // world, left=spec.window_left,
+                   right=spec.window_right, scale=spec.scale, softcap=spec.softcap, backend=backend,
+                   needs_grad=needs_grad)
+
+
+def simulate_ring(q, k, v, world: int, *, causal=False, sharding="contiguous", window=None, scale=None,
+                  softcap=None, backend=None, dout=None, dlse=None) -> dict:
+    """Run the ring of ``world`` ranks in this process, one thread per rank, on full-sequence
+    canonical (B, S, H, D) tensors — the same planning, backend calls, merges and gradient
+    formulas as :func:`ring_attention`, with messages passed between threads instead of a
+    process group (so one GPU can check the local blocks of a W-GPU ring). With ``dout`` it also
+    runs the backward (``dlse``: gradient of the lse, or None). Returns the full ``out``, ``lse`` and, with ``dout``, ``dq``, ``dk``, ``dv``."""
+    import threading
+    _check_sharding(sharding)
+    spec = build_spec(q, k, v, causal=causal, window=window, scale=scale, softcap=softcap)
+    _check_divisible(spec.seqlen_q, world, sharding, "q")
+    _check_divisible(spec.seqlen_k, world, sharding, "k")
+    transport = _ThreadTransport()
+    results: dict = {}
+
+    def shard(t, r, dim=1):
+        pieces = [t.narrow(dim, a, n) for a, n in _shard_ranges(sharding, world, r, t.shape[dim])]
+        return torch.cat(pieces, dim=dim).contiguous()
+
+    def one(r):
+        try:
+            cfg = _local_config(spec, world, r, sharding, backend, dout is not None, transport)
+            qs, ks, vs = shard(q, r), shard(k, r), shard(v, r)
+            chosen: dict = {}
+            out, lse = _ring_forward(cfg, qs, ks, vs, chosen)
+            res = {"out": out, "lse": lse}
+            if dout is not None:
+                dl = None if dlse is None else shard(dlse, r, dim=2)
+                res["dq"], res["dk"], res["dv"] = _ring_backward(cfg, qs, ks, vs, out, lse, shard(dout, r), dl, chosen)
+            results[r] = res
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
+            results[r] = exc
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(world):
+        if isinstance(results[r], BaseException):
+            raise results[r]
+    full = {}
+    for key in results[0]:
+        dim = 2 if key == "lse" else 1
+        length = results[0][key].shape[dim] * world
+        pos = torch.cat([torch.arange(a, a + n) for r in range(world) for a, n in _shard_ranges(sharding, world, r, length)])
+        parts = torch.cat([results[r][key] for r in range(world)], dim=dim)
+        full[key] = torch.empty_like(parts).index_copy_(dim, pos.to(parts.device), parts)
+    return full
 
 
 def _steps_for_tests(sharding: str, world: int, seqlen: int, left=None, right=None) -> list[list[list[_Call]]]:

@@ -323,6 +323,50 @@ def _check_bench_report(report) -> list[str]:
     return bad
 
 
+# ----- the ring in one process (threads), for world sizes the pool does not cover ------------------
+
+@pytest.mark.parametrize("world,sharding,kw", [
+    (3, "zigzag", dict(causal=True)),
+    (5, "zigzag", dict(window=(4, 9), softcap=3.0)),
+    (8, "contiguous", dict(causal=True, window=(5, -1))),
+    (6, "contiguous", dict()),
+], ids=["w3-zigzag-causal", "w5-zigzag-band-softcap", "w8-contiguous-window", "w6-plain"])
+def test_simulated_ring_matches_full_sequence_attention(world, sharding, kw):
+    g = torch.Generator().manual_seed(world)
+    s = 2 * world * 4
+    q = torch.randn(2, s, 4, 16, generator=g)
+    k, v = (torch.randn(2, s, 2, 16, generator=g) for _ in range(2))
+    dout = torch.randn(2, s, 4, 16, generator=g)
+    dlse = torch.randn(2, 4, s, generator=g)
+    got = D.simulate_ring(q, k, v, world, sharding=sharding, dout=dout, dlse=dlse, backend="reference"
+                          if "softcap" in kw else None, **kw)
+    rq, rk, rv = (t.double().requires_grad_(True) for t in (q, k, v))
+    nq, nk, nv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ref_out, ref_lse = reference_forward(build_spec(rq, rk, rv, **kw))
+    naive_out, naive_lse = naive_forward(build_spec(nq, nk, nv, **kw))
+    g_ref = torch.autograd.grad((ref_out * dout.double()).sum() + (ref_lse.double() * dlse.double()).sum(), (rq, rk, rv))
+    g_naive = torch.autograd.grad((naive_out * dout).sum() + (naive_lse * dlse).sum(), (nq, nk, nv))
+    magnitude = (dout.abs().max() * v.abs().max() * k.abs().max()).item() * build_spec(q, k, v, **kw).scale
+    results = [compare("out", got["out"], ref_out, naive_out), compare_lse(got["lse"], ref_lse)]
+    results += [compare(n, got[n], r, nv_, factor=GRAD_FACTOR, zero_ref_scale=magnitude)
+                for n, r, nv_ in zip(("dq", "dk", "dv"), g_ref, g_naive)]
+    assert all(r.passed for r in results), "\n".join(map(str, results))
+
+
+def test_ring_bench_simulate_mode(tmp_path):
+    """tools/ring_bench.py --simulate (one device, threads as ranks) at CPU sizes: its checks pass
+    and its report has the busiest rank's compute time per world size."""
+    from _scripts import load_script
+    bench = load_script("ring_bench", "tools")
+    argv = ["--simulate", "2", "--device", "cpu", "--tiny", "--seqlens", "64", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    report = json.loads((tmp_path / "ring-simulated.json").read_text())
+    assert [(c["world"], c["causal"], c["sharding"]) for c in report["correctness"]] == [
+        (2, True, "zigzag"), (2, True, "contiguous"), (2, False, "zigzag")]
+    assert [(r["world"], r["tokens_per_gpu"]) for r in report["timing"]] == [(1, 64), (2, 32)]
+    assert all(r[m]["compute_s"] > 0 for r in report["timing"] for m in ("fwd", "fwdbwd"))
+
+
 # ----- the planner, without processes -------------------------------------------------------------
 
 def _coverage(sharding: str, world: int, length: int, left, right) -> torch.Tensor:

@@ -4,10 +4,15 @@ step at fixed total sequence lengths, the fraction of communication hidden, peak
     torchrun --nproc-per-node=N tools/ring_bench.py --out DIR        # one world size (NCCL)
     python tools/ring_bench.py --launch 1,2,4 --out DIR               # torchrun per N, merged table
     torchrun --nproc-per-node=2 tools/ring_bench.py --backend gloo --device cpu --tiny --out DIR
+    python tools/ring_bench.py --simulate 2,4,8 --out DIR             # one GPU: rings simulated by threads
     python tools/ring_bench.py --cost-table                           # docs/distributed.md's table
 
 Writes ``DIR/ring-w{N}.json`` per world size (rank 0) and, with ``--launch``,
 ``DIR/ring-scaling.json`` and ``DIR/ring-scaling.txt`` (all world sizes, speed-up against 1 GPU).
+``--simulate`` (no process group, one device) writes ``DIR/ring-simulated.json``: the same
+correctness cases for rings of each size with threads as ranks, and the busiest rank's compute
+time per call with the communication off (the ring's time if the transfers are hidden), its
+peak memory, and the speed-up that implies against 1 GPU.
 
 Correctness (``--check-seqlen`` tokens, default 4096; B 1, Hq 8, Hkv 2, D 128): causal zigzag,
 causal contiguous and non-causal zigzag in bf16, forward and backward (and the lse with its
@@ -145,25 +150,65 @@ def _versions(device) -> dict:
     return info
 
 
-def _correctness(args, device, dtype) -> list[dict]:
-    """Ring vs the float64 reference (and single-device attention vs the same), on rank 0."""
+CHECK_CASES = ((True, "zigzag"), (True, "contiguous"), (False, "zigzag"))
+
+
+def _check_inputs(args, device, dtype):
+    """Full-sequence q, k, v, dout, dlse of the correctness cases (same on every rank)."""
     import torch
-    import torch.distributed as dist
+    s, hq, hkv, d = args.check_seqlen, args.check_heads, args.check_kv_heads, args.check_head_dim
+    g = torch.Generator(device="cpu").manual_seed(7)
+    q, k, v = (torch.randn(1, s, h, d, generator=g).to(device, dtype) for h in (hq, hkv, hkv))
+    dout = torch.randn(1, s, hq, d, generator=g).to(device, dtype)
+    dlse = torch.randn(1, hq, s, generator=g).to(device)
+    return q, k, v, dout, dlse
+
+
+def _score(args, causal: bool, sharding: str, world: int, inputs, got: dict) -> dict:
+    """The ring's full-sequence results ``got`` and single-device ``portattn.attention`` on the
+    same inputs, each held to the equivalence rule against the float64 reference."""
+    import torch
 
     import portattn
-    from portattn import distributed as D
     from portattn.numerics import GRAD_FACTOR, compare, compare_lse
     from portattn.reference import naive_forward, reference_forward
     from portattn.spec import build_spec
 
+    q, k, v, dout, dlse = inputs
+    sq, sk, sv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    o1, l1 = portattn.attention(sq, sk, sv, causal=causal, return_lse=True, backend=args.local_backend)
+    ((o1.float() * dout.float()).sum() + (l1 * dlse).sum()).backward()
+    single = {"out": o1.detach(), "lse": l1.detach(), "dq": sq.grad, "dk": sk.grad, "dv": sv.grad}
+    rq, rk, rv = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    nq, nk, nv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    ro, rl = reference_forward(build_spec(rq, rk, rv, causal=causal))
+    no, nl = naive_forward(build_spec(nq, nk, nv, causal=causal))
+    g_ref = torch.autograd.grad((ro * dout.double()).sum() + (rl.double() * dlse.double()).sum(), (rq, rk, rv))
+    g_naive = torch.autograd.grad((no.float() * dout.float()).sum() + (nl * dlse).sum(), (nq, nk, nv))
+    magnitude = (dout.abs().max() * v.abs().max() * k.abs().max()).item() * q.shape[-1] ** -0.5
+    row = {"causal": causal, "sharding": sharding, "dtype": str(q.dtype).replace("torch.", ""),
+           "seqlen": q.shape[1], "heads": [q.shape[2], k.shape[2]], "head_dim": q.shape[-1], "world": world}
+    for who, res in (("ring", got), ("single", single)):
+        comps = [compare("out", res["out"], ro, no), compare_lse(res["lse"], rl)]
+        comps += [compare(n, res[n], r, nv_, factor=GRAD_FACTOR, zero_ref_scale=magnitude)
+                  for n, r, nv_ in zip(("dq", "dk", "dv"), g_ref, g_naive)]
+        row[who] = {c.name: {"passed": c.passed, "max_err": c.max_err, "score": c.score} for c in comps}
+    row["ring_vs_single_max_abs"] = {n: (got[n].double() - single[n].double()).abs().max().item() for n in got}
+    row["passed"] = all(c["passed"] for c in row["ring"].values())
+    return row
+
+
+def _correctness(args, device, dtype) -> list[dict]:
+    """Ring (this process group) vs the float64 reference, scored on rank 0."""
+    import torch.distributed as dist
+
+    from portattn import distributed as D
+
     world, rank = dist.get_world_size(), dist.get_rank()
-    s, hq, hkv, d = args.check_seqlen, args.check_heads, args.check_kv_heads, args.check_head_dim
     results = []
-    for causal, sharding in ((True, "zigzag"), (True, "contiguous"), (False, "zigzag")):
-        g = torch.Generator(device="cpu").manual_seed(7)
-        q, k, v = (torch.randn(1, s, h, d, generator=g).to(device, dtype) for h in (hq, hkv, hkv))
-        dout = torch.randn(1, s, hq, d, generator=g).to(device, dtype)
-        dlse = torch.randn(1, hq, s, generator=g).to(device)
+    for causal, sharding in CHECK_CASES:
+        inputs = _check_inputs(args, device, dtype)
+        q, k, v, dout, dlse = inputs
         leaves = [D.shard_sequence(t, sharding=sharding).detach().requires_grad_(True) for t in (q, k, v)]
         out, lse = D.ring_attention(*leaves, causal=causal, sharding=sharding, return_lse=True,
                                     backend=args.local_backend)
@@ -175,30 +220,7 @@ def _correctness(args, device, dtype) -> list[dict]:
         for name, leaf in zip(("dq", "dk", "dv"), leaves):
             got[name] = D.gather_sequence(leaf.grad, sharding=sharding)
         if rank == 0:
-            single = {}
-            sq, sk, sv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-            o1, l1 = portattn.attention(sq, sk, sv, causal=causal, return_lse=True, backend=args.local_backend)
-            ((o1.float() * dout.float()).sum() + (l1 * dlse).sum()).backward()
-            single = {"out": o1.detach(), "lse": l1.detach(), "dq": sq.grad, "dk": sk.grad, "dv": sv.grad}
-            rq, rk, rv = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-            nq, nk, nv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-            ro, rl = reference_forward(build_spec(rq, rk, rv, causal=causal))
-            no, nl = naive_forward(build_spec(nq, nk, nv, causal=causal))
-            g_ref = torch.autograd.grad((ro * dout.double()).sum() + (rl.double() * dlse.double()).sum(), (rq, rk, rv))
-            g_naive = torch.autograd.grad((no.float() * dout.float()).sum() + (nl * dlse).sum(), (nq, nk, nv))
-            scale = d ** -0.5
-            magnitude = (dout.abs().max() * v.abs().max() * k.abs().max()).item() * scale
-            row = {"causal": causal, "sharding": sharding, "dtype": str(dtype).replace("torch.", ""),
-                   "seqlen": s, "heads": [hq, hkv], "head_dim": d, "world": world}
-            for who, res in (("ring", got), ("single", single)):
-                comps = [compare("out", res["out"], ro, no), compare_lse(res["lse"], rl)]
-                comps += [compare(n, res[n], r, nv_, factor=GRAD_FACTOR, zero_ref_scale=magnitude)
-                          for n, r, nv_ in zip(("dq", "dk", "dv"), g_ref, g_naive)]
-                row[who] = {c.name: {"passed": c.passed, "max_err": c.max_err, "score": c.score} for c in comps}
-            row["ring_vs_single_max_abs"] = {n: (got[n].double() - single[n].double()).abs().max().item()
-                                             for n in got}
-            row["passed"] = all(c["passed"] for c in row["ring"].values())
-            results.append(row)
+            results.append(_score(args, causal, sharding, world, inputs, got))
         del got, leaves, out, lse
         dist.barrier()
     return results
@@ -332,6 +354,105 @@ def run(args) -> dict:
     return report
 
 
+# ----- one GPU, the ring simulated (threads as ranks) --------------------------------------------------
+
+def _time_local(fn, reps: int, device) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def simulate(args) -> dict:
+    """The ring of each world size in ``args.simulate`` on this one device: correctness of the
+    local blocks, merges and gradient formulas (threads pass the messages), and the compute time
+    of the busiest rank per call with the communication off, i.e. the ring's time on that many
+    GPUs if the transfers are hidden (docs/distributed.md's cost model says when they are)."""
+    import torch
+
+    from portattn import distributed as D
+    from portattn.spec import build_spec
+
+    device = _device(args) if args.device == "cuda" else torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    report = {"versions": _versions(device), "mode": "simulate", "worlds": args.simulate,
+              "args": {k: v for k, v in vars(args).items() if k not in ("launch", "merge")},
+              "correctness": [], "timing": []}
+    for world in args.simulate:
+        for causal, sharding in CHECK_CASES:
+            inputs = _check_inputs(args, device, dtype)
+            q, k, v, dout, dlse = inputs
+            got = D.simulate_ring(q, k, v, world, causal=causal, sharding=sharding, backend=args.local_backend,
+                                  dout=dout, dlse=dlse)
+            row = _score(args, causal, sharding, world, inputs, got)
+            report["correctness"].append(row)
+            print(f"simulated check W={world} causal={causal} {sharding}: {'ok' if row['passed'] else 'FAIL'} "
+                  + " ".join(f"{n}={c['max_err']:.2g}" if n == "lse" else f"{n}={c['score']:.2f}"
+                             for n, c in row["ring"].items()), flush=True)
+    hq, hkv, d = args.heads, args.kv_heads, args.head_dim
+    start = time.perf_counter()
+    for total in sorted(args.seqlens):
+        base = None
+        for world in sorted({1, *args.simulate}):
+            if args.time_limit and time.perf_counter() - start > args.time_limit:
+                print(f"time limit {args.time_limit} s reached: stopping before W={world} S={total}", flush=True)
+                break
+            meta = [torch.empty(1, total, h, d, device="meta", dtype=dtype) for h in (hq, hkv, hkv)]
+            spec = build_spec(*meta, causal=args.causal)
+            # zigzag: every rank does the same work, time rank 0; contiguous: the last rank is the busiest
+            rank = 0 if args.sharding == "zigzag" else world - 1
+            cfg = D._local_config(spec, world, rank, args.sharding, args.local_backend, True)
+            L = total // world
+            g = torch.Generator(device="cpu").manual_seed(rank)
+            t = {"q": torch.randn(1, L, hq, d, generator=g).to(device, dtype)}
+            t["k"], t["v"] = (torch.randn(1, L, hkv, d, generator=g).to(device, dtype) for _ in range(2))
+            t["dout"] = torch.randn(1, L, hq, d, generator=g).to(device, dtype)
+
+            def fwd():
+                with torch.no_grad():
+                    t["saved"] = D._ring_forward(cfg, t["q"], t["k"], t["v"], t.setdefault("chosen", {}))
+
+            def fwdbwd():
+                fwd()
+                out, lse = t.pop("saved")
+                D._ring_backward(cfg, t["q"], t["k"], t["v"], out, lse, t["dout"], None, t["chosen"])
+
+            row = {"total_tokens": total, "tokens_per_gpu": L, "world": world, "rank_timed": rank,
+                   "heads": [hq, hkv], "head_dim": d, "dtype": args.dtype, "causal": args.causal,
+                   "sharding": args.sharding}
+            with D._ablation(comm=False):
+                for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                    secs = _time_local(fn, args.reps, device)
+                    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+                    row[mode] = {"compute_s": secs, "peak_mem_gib": peak}
+                    t.pop("saved", None)
+            model = step_cost(L, hq, hkv, d, causal=args.causal)
+            row["model_step_s"] = {k: v for k, v in model.items() if k.endswith("_s")}
+            if base is None:
+                base = row
+            row["speedup_if_hidden"] = {m: base[m]["compute_s"] / row[m]["compute_s"] for m in ("fwd", "fwdbwd")}
+            report["timing"].append(row)
+            print(f"simulated W={world} S={total} L={L} rank {rank}: fwd {row['fwd']['compute_s'] * 1e3:.1f} ms "
+                  f"fwd+bwd {row['fwdbwd']['compute_s'] * 1e3:.1f} ms (speed-up if hidden "
+                  f"{row['speedup_if_hidden']['fwd']:.2f}x / {row['speedup_if_hidden']['fwdbwd']:.2f}x) peak "
+                  f"{row['fwdbwd']['peak_mem_gib']:.1f} GiB", flush=True)
+            t.clear()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ring-simulated.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
 # ----- the launcher ---------------------------------------------------------------------------------
 
 def _launch(args, argv: list[str]) -> int:
@@ -380,7 +501,8 @@ def parse(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--local-backend", default=None, help="pin the portattn backend of the local blocks")
-    p.add_argument("--seqlens", type=lambda s: [int(x) for x in s.split(",")], default=[131072, 524288])
+    p.add_argument("--seqlens", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="total tokens of the timed problems (default 131072,524288; --tiny 256)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -389,6 +511,8 @@ def parse(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--time-limit", type=float, default=0, help="seconds of timing per world size, then skip "
                    "the longer sequences (0: no limit)")
+    p.add_argument("--simulate", type=lambda s: [int(x) for x in s.split(",")],
+                   help="no process group: simulate rings of these sizes on one device (e.g. 2,4,8)")
     p.add_argument("--merge", nargs="+", metavar="DIR", help="merge the ring-w*.json of these directories "
                    "into --out's ring-scaling.json/.txt and exit")
     p.add_argument("--check-seqlen", type=int, default=4096)
@@ -398,8 +522,9 @@ def parse(argv=None):
     p.add_argument("--tiny", action="store_true", help="CPU-sized problems (tests of the script's logic)")
     p.add_argument("--cost-table", action="store_true", help="print docs/distributed.md's cost table and exit")
     args = p.parse_args(argv)
+    if args.seqlens is None:
+        args.seqlens = [256] if args.tiny else [131072, 524288]
     if args.tiny:
-        args.seqlens = [256]
         args.heads, args.kv_heads, args.head_dim, args.reps = 4, 2, 16, 1
         args.check_seqlen, args.check_heads, args.check_kv_heads, args.check_head_dim = 64, 4, 2, 16
     return args
@@ -417,6 +542,9 @@ def main(argv=None) -> int:
         _summary([json.loads(p.read_text()) for d in args.merge for p in sorted(Path(d).glob("ring-w*.json"))],
                  Path(args.out))
         return 0
+    if args.simulate:
+        report = simulate(args)
+        return 0 if all(r["passed"] for r in report["correctness"]) else 1
     if args.launch:
         if not args.out:
             raise SystemExit("--launch needs --out")
