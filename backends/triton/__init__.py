@@ -9,6 +9,7 @@ This module imports neither triton nor the kernels: a missing triton is a reason
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -36,6 +37,30 @@ def _ops():
     return ops
 
 
+@functools.cache
+def _device_reasons(device: torch.device) -> tuple[str, ...]:
+    """Reasons that depend only on the device and on how triton was imported (fixed for the
+    life of the process, so computed once per device)."""
+    ops = _ops()
+    if device.type == "cpu":
+        if not ops.interpreter_active():
+            return ("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before triton is first "
+                    "imported (e.g. in the environment of the process), or move the tensors to a GPU",)
+        if not ops.triton_library_interpreted():
+            return ("triton was imported before TRITON_INTERPRET=1 was set: portattn's kernels are interpreted but "
+                    "triton's own library functions were compiled for a GPU, so the interpreter cannot run them; "
+                    "set TRITON_INTERPRET=1 before the first `import triton` (in the process environment)",)
+        return ()
+    if ops.interpreter_active():
+        return ("Triton's interpreter is on (TRITON_INTERPRET=1): it runs only CPU tensors here; "
+                "unset TRITON_INTERPRET to run on the GPU",)
+    if device.type == "cuda" and not getattr(torch.version, "hip", None):
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return (f"NVIDIA sm_{major}{minor} is too old (needs sm_80 or newer: Ampere, Ada, Hopper, …)",)
+    return ()
+
+
 class TritonBackend(Backend):
     """FlashAttention-2 in Triton: tiled online softmax forward, FA2 backward (delta, dK/dV, dQ)."""
 
@@ -58,20 +83,7 @@ class TritonBackend(Backend):
         return []
 
     def extra_reasons(self, spec) -> list[str]:
-        reasons = []
-        ops = _ops()
-        if spec.vendor == "cpu":
-            if not ops.interpreter_active():
-                reasons.append("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before triton "
-                               "is first imported (e.g. in the environment of the process), or move the "
-                               "tensors to a GPU")
-        elif ops.interpreter_active():
-            reasons.append("Triton's interpreter is on (TRITON_INTERPRET=1): it runs only CPU tensors here; "
-                           "unset TRITON_INTERPRET to run on the GPU")
-        elif spec.vendor == "nvidia":
-            major, minor = torch.cuda.get_device_capability(spec.device)
-            if major < 8:
-                reasons.append(f"NVIDIA sm_{major}{minor} is too old (needs sm_80 or newer: Ampere, Ada, Hopper, …)")
+        reasons = list(_device_reasons(spec.device))
         reach = _row_offset_reach(spec)
         if reach >= 2 ** 31:
             reasons.append(f"sequence length × row stride = {reach} does not fit in int32 offsets inside one "
