@@ -6,7 +6,7 @@ attention over the whole sequence: the K/V shards travel around the ring
 ``r -> r + 1 (mod W)`` with point-to-point ops (``torch.distributed.batch_isend_irecv``) while
 each rank attends its queries to the K/V shard it holds (any registered backend that returns
 lse computes that block, chosen by the normal dispatch), and the per-step partial results are
-merged through their lse (the online softmax) in float32. The backward sends K/V around the
+merged through their lse (the online softmax) in float32 (float64 for float32 inputs). The backward sends K/V around the
 same ring again, with the dK/dV accumulators travelling alongside: each rank adds its share of
 a shard's gradient as the shard passes, and the sum arrives at the owner after the last step.
 
@@ -28,7 +28,7 @@ Causal work per step under zigzag (``C`` = chunk length; rank ``r`` holds K/V fr
                2W-1-r is after both (src <= W-1 < 2W-1-r, 2W-1-src < 2W-1-r): the last C
                queries x all 2C keys, unmasked.
 
-so every step costs 2C² scores on every rank (the diagonal step 2C²·½·2), where contiguous
+so every step costs 2C² scores on every rank (the diagonal step too: (2C)²/2), where contiguous
 sharding leaves rank ``r`` idle for the ``W-1-r`` steps whose keys lie in its future.
 
 Sliding windows (and any causal/window mask) are planned per pair of (query segment, key
@@ -50,7 +50,8 @@ The backend's backward with ``dout_b = w dO`` and ``dlse_b`` as above gives
 (``dV_b = P_bᵀ dout_b`` likewise). ``o_b, l_b`` are recomputed in the backward (one extra
 block forward per block; the alternative, saving every block's output, costs the memory of
 the whole sequence's output on every rank). The contract is docs/semantics.md; the costs and
-launching are in docs/distributed.md.
+launching are in docs/distributed.md. :func:`simulate_ring` runs the same ring in one process
+(threads as ranks), for tests and for single-GPU runs of a W-GPU ring's local blocks.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from . import dispatch
 from .registry import get_backend
 from .spec import build_spec
 
-__all__ = ["ring_attention", "shard_sequence", "gather_sequence", "SHARDINGS"]
+__all__ = ["ring_attention", "shard_sequence", "gather_sequence", "simulate_ring", "SHARDINGS"]
 
 SHARDINGS = ("contiguous", "zigzag")
 
