@@ -211,7 +211,16 @@ DECODE_BLOCK_MS = (16, 32, 64)
 
 
 def decode_config(target: Target, block_d: int, elem_size: int, block_m: int) -> KernelConfig:
-    """Config of the split-KV decode kernel: ``block_m`` is the packed (GQA x Sq) tile height."""
+    """Config of the split-KV decode kernel for a packed (GQA x Sq) tile of ``block_m`` rows.
+
+    The returned ``block_m`` may be smaller (more row blocks, K/V read once per block): at most
+    64 rows, 32 at D 256, and 16 for float32 (whose scores are float64 dots, kernels._scores) —
+    the portability check found spills beyond these (sm_90 fp16 D256 M64: 48 B; sm_80 fp32 D64
+    M32 N64: 5 KB; fp32 D256 M64: 328 B) and AMD LDS overflows (fp32 D256 M64: 128 KB)."""
+    cap = 32 if block_d >= 256 else 64
+    if elem_size > 2:
+        cap = 16
+    block_m = min(block_m, cap)
     if target.vendor == "cpu":
         return KernelConfig(block_m, 16, 4, 1)   # small tiles: CPU tests then split the keys too
     if target.vendor == "amd":
@@ -221,9 +230,11 @@ def decode_config(target: Target, block_d: int, elem_size: int, block_m: int) ->
         n, w, s = _DECODE_NVIDIA[_nvidia_family(int(target.arch))][block_d]
         amd = {}
     if block_m >= 64:
-        w, s = 8, max(2 if target.vendor == "nvidia" else 1, s - 1)
+        w, n, s = 8, min(n, 64), max(2 if target.vendor == "nvidia" else 1, s - 1)
     if elem_size > 2:
         n, s = max(16, n // 2), max(1, s - 1)
+        if block_d >= 256 and target.vendor == "nvidia":
+            w = 8   # sm_80 fp32 D256 M16 N16 spilled 56 B with 4 warps (gfx942: 22 VGPRs with 8)
     return KernelConfig(block_m, n, w, s, **amd)
 
 

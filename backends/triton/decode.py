@@ -13,7 +13,8 @@ Three launches per call, none of which synchronises with the host (CUDA-graph ca
    into ``num_splits`` chunks of whole ``BLOCK_N`` tiles and runs the online softmax over its
    chunk (one masked loop). It writes a float32 partial
    output and its lse (natural log; ``-inf`` when the chunk holds no visible key), or — when
-   ``num_splits == 1`` — the final output and lse directly.
+   ``num_splits == 1`` (constexpr ``SPLIT`` off) — the final output and lse directly. The split
+   count is a run-time argument: a new count does not recompile.
 3. ``decode_combine``: one program per (sequence, query head, query) merges the partials:
    ``out = Σ_s exp(lse_s - m) o_s / Σ_s exp(lse_s - m)``, ``lse = m + log Σ_s exp(lse_s - m)``;
    a row with no visible key gets 0 and ``-inf``.
@@ -129,10 +130,10 @@ def decode_split(
     stride_vp, stride_vs, stride_vh,
     stride_bt,
     stride_ob, stride_os, stride_oh,
-    seqlen_q, group, num_heads_q, capacity, seqlen_new, page_size, num_pages, m_blocks,
+    seqlen_q, group, num_heads_q, capacity, seqlen_new, page_size, num_pages, m_blocks, num_splits,
     qk_scale2, softcap_scale, softcap2, window_left, window_right,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PAGED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
 ):
@@ -161,7 +162,7 @@ def decode_split(
     lo = tl.maximum(q_lo - window_left, 0)
     hi = tl.minimum(tl.maximum(q_hi + window_right + 1, 0), seq_len)
     n_keys = tl.maximum(hi - lo, 0)
-    chunk = tl.cdiv(tl.cdiv(n_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * chunk
     end = tl.minimum(start + chunk, hi)
 
@@ -200,12 +201,12 @@ def decode_split(
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     row = (b64 * num_heads_q + h) * seqlen_q + qi             # (b, h, i) row of lse and the partials
     dmask = row_ok[:, None] & (offs_d[None, :] < HEAD_DV)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_ptrs = O + b64 * stride_ob + qi[:, None] * stride_os + h[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, _round_to(out, O.dtype.element_ty), mask=dmask)
         tl.store(LSE + row, lse, mask=row_ok)
     else:
-        part = row * NUM_SPLITS + split
+        part = row * num_splits + split
         tl.store(OP + part[:, None] * HEAD_DV + offs_d[None, :], out, mask=dmask)
         tl.store(LSEP + part, lse, mask=row_ok)
 
@@ -302,13 +303,15 @@ def num_splits_for(units: int, key_blocks: int, num_sms: int, programs_per_sm: i
     return next(s for s in range(1, max_splits + 1) if efficiency(s) >= 0.85 * best)
 
 
-def _plan(kv):
-    """(config, block_d, BLOCK_M, m_blocks, num_splits) of one call (host ints only)."""
+def _plan(kv, config=None):
+    """(config, block_d, BLOCK_M, m_blocks, num_splits) of one call (host ints only);
+    ``config`` replaces the table's tiles (benchmarks' sweeps; its block_m is ignored)."""
     target = device_target(kv.device)
     block_d = max(padded_dim(kv.head_dim), padded_dim(kv.head_dim_v))
     rows = kv.gqa_ratio * kv.seqlen_q
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
-    cfg = decode_config(target, block_d, ELEM_SIZES[kv.dtype], block_m)
+    cfg = decode_config(target, block_d, ELEM_SIZES[kv.dtype], block_m) if config is None else config
+    block_m = min(block_m, cfg.block_m) if config is None else block_m
     m_blocks = triton.cdiv(rows, block_m)
     units = kv.batch * kv.num_heads_kv * m_blocks
     keys = kv.capacity
@@ -343,13 +346,14 @@ def append(kv) -> None:
     )
 
 
-def forward(kv) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append, split, combine: ``(out (B, Sq, Hq, Dv), lse (B, Hq, Sq) float32)``."""
+def forward(kv, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append, split, combine: ``(out (B, Sq, Hq, Dv), lse (B, Hq, Sq) float32)``. ``config``
+    (a :class:`.configs.KernelConfig`) overrides the tile table, for benchmark sweeps."""
     append(kv)
     q = _contig_last(kv.q)
     out = torch.empty(kv.out_shape, dtype=kv.dtype, device=kv.device)
     lse = torch.empty(kv.lse_shape, dtype=torch.float32, device=kv.device)
-    cfg, block_d, block_m, m_blocks, splits = _plan(kv)
+    cfg, block_d, block_m, m_blocks, splits = _plan(kv, config)
     rows = kv.batch * kv.num_heads_q * kv.seqlen_q
     if splits > 1:
         part_o = torch.empty((rows, splits, kv.head_dim_v), dtype=torch.float32, device=kv.device)
@@ -370,11 +374,12 @@ def forward(kv) -> tuple[torch.Tensor, torch.Tensor]:
         bt.stride(0) if kv.paged else 0,
         out.stride(0), out.stride(1), out.stride(2),
         kv.seqlen_q, kv.gqa_ratio, kv.num_heads_q, kv.capacity, kv.seqlen_new, kv.page_size, kv.num_pages, m_blocks,
+        splits,
         kv.scale * log2e, kv.scale / softcap if softcap else 1.0, softcap * log2e if softcap else 1.0,
         UNBOUNDED if kv.window_left is None else kv.window_left,
         UNBOUNDED if kv.window_right is None else kv.window_right,
         HEAD_D=kv.head_dim, HEAD_DV=kv.head_dim_v, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=splits, PAGED=kv.paged, BOTTOM_RIGHT=kv.alignment == "bottom_right",
+        SPLIT=splits > 1, PAGED=kv.paged, BOTTOM_RIGHT=kv.alignment == "bottom_right",
         SOFTCAP=softcap is not None, ALIBI=kv.alibi_slopes is not None,
         IEEE=kv.dtype == torch.float32 and not kv.allow_tf32, RAW_SCORES=raw, **cfg.launch_options(),
     )
@@ -388,8 +393,8 @@ def forward(kv) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def plan_summary(kv) -> dict:
+def plan_summary(kv, config=None) -> dict:
     """The launch choices of one call (for benchmarks and docs): tiles, splits, programs."""
-    cfg, block_d, block_m, m_blocks, splits = _plan(kv)
+    cfg, block_d, block_m, m_blocks, splits = _plan(kv, config)
     return dict(config=cfg.short(), block_d=block_d, block_m=block_m, m_blocks=m_blocks, num_splits=splits,
                 programs=splits * kv.num_heads_kv * m_blocks * kv.batch)

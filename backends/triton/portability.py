@@ -427,7 +427,7 @@ def _decode_signature(fn, case: Case):
     cfg = case.config
     values = dict(
         HEAD_D=f.head_d or case.block_d, HEAD_DV=f.head_dv or case.block_d, BLOCK_D=case.block_d,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=f.num_splits, PAGED=f.paged,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=f.num_splits > 1, PAGED=f.paged,
         BOTTOM_RIGHT=f.bottom_right, SOFTCAP=f.softcap, ALIBI=f.alibi,
         IEEE=case.dtype == torch.float32 and f.ieee,
         RAW_SCORES=case.dtype == torch.float32 and not f.softcap and not f.alibi,
