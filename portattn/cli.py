@@ -204,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
 
+    from . import tuning
+    p = sub.add_parser("tune", help="pre-fill the fastest policy's cache for shapes or a model's shapes")
+    tuning.add_arguments(p)
+    p.set_defaults(func=tuning.run)
+
     try:
         from .conformance.cli import register
     except ImportError as exc:

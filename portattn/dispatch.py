@@ -38,10 +38,12 @@ from .spec import AttentionSpec
 #: Built-in priority per vendor. Third-party backends come after the kernels, before
 #: ``reference``, unless registered with ``prefer=True``; PORTATTN_PRIORITY_<VENDOR> overrides.
 PRIORITY = {
-    "nvidia": ["triton", "cupy", "sdpa", "onnx", "reference"],
-    "amd": ["triton", "sdpa", "reference"],
+    # torch SDPA's kernels one by one after "sdpa" (which lets torch choose): first-fit never
+    # reaches them, the "fastest" policy times them like any other candidate
+    "nvidia": ["triton", "cupy", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "onnx", "reference"],
+    "amd": ["triton", "sdpa", "sdpa_flash", "sdpa_efficient", "reference"],
     # Triton on CPU means its interpreter (a test tool): pin it to use it, it is never automatic.
-    "cpu": ["sdpa", "onnx", "reference"],
+    "cpu": ["chunked", "sdpa", "onnx", "reference"],
 }
 _DEFAULT_PRIORITY = ["sdpa", "reference"]
 PRIORITY_ALL = frozenset(n for names in PRIORITY.values() for n in names)

@@ -468,12 +468,38 @@ def _explain(kv: KVCacheSpec, backend) -> dispatch.Explanation:
     return exp
 
 
+#: (pinned names, where from, priority list, problem signature) -> backend name: selection
+#: without the reasons' cost on every decoding step. Keys hold only host values; the registry's
+#: names are part of the key, and the cached name is looked up again on every use.
+_SELECTED: dict = {}
+_SELECTED_MAX = 256
+
+
+def _signature(kv: KVCacheSpec) -> tuple:
+    """Everything a backend's reasons may depend on, as host values (no tensor contents)."""
+    tensors = (kv.q, kv.k_cache, kv.v_cache, kv.k_new, kv.v_new, kv.block_table, kv.alibi_slopes)
+    return (kv.dtype, kv.device, kv.alignment, kv.causal, kv.window_left, kv.window_right, kv.softcap is None,
+            kv.deterministic, kv.allow_tf32,
+            tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype) for t in tensors))
+
+
 def select_kvcache(kv: KVCacheSpec, backend=None):
     """The backend that will run ``kv``; :class:`~portattn.errors.BackendNotAvailableError` with
     every candidate's reasons otherwise (a pinned backend never falls back silently)."""
+    from .registry import list_backends
+    names, source = dispatch._requested(backend)
+    candidates = tuple(names) if names else tuple(dispatch.priority_for(kv.vendor))
+    key = (candidates, tuple(list_backends()), _signature(kv))
+    name = _SELECTED.get(key)
+    if name is not None:
+        return get_backend(name)
+    for name in candidates:
+        if not _reasons(get_backend(name), kv):
+            if len(_SELECTED) >= _SELECTED_MAX:
+                _SELECTED.clear()
+            _SELECTED[key] = name
+            return get_backend(name)
     exp = _explain(kv, backend)
-    if exp.selected is not None:
-        return get_backend(exp.selected)
     detail = "\n".join(f"  - {n}: {'; '.join(exp.reasons[n]) or 'supported'}" for n in exp.candidates)
     if exp.pinned_by and len(exp.candidates) == 1:
         msg = (f"backend {exp.candidates[0]!r} (pinned by {exp.pinned_by}) cannot run this problem "

@@ -43,6 +43,11 @@ ENTRY_POINT_GROUP = "portattn.backends"
 _SOURCE_TREE_ENTRY_POINTS = {
     "reference": "portattn.reference:ReferenceBackend",
     "sdpa": "portattn.backends.sdpa:SdpaBackend",
+    "chunked": "portattn.backends.chunked:ChunkedBackend",
+    "sdpa_cudnn": "portattn.backends.sdpa_kernels:SdpaCudnnBackend",
+    "sdpa_flash": "portattn.backends.sdpa_kernels:SdpaFlashBackend",
+    "sdpa_efficient": "portattn.backends.sdpa_kernels:SdpaEfficientBackend",
+    "sdpa_math": "portattn.backends.sdpa_kernels:SdpaMathBackend",
     "triton": "portattn.backends.triton:TritonBackend",
     "cupy": "portattn.backends.cupy:CupyBackend",
     "onnx": "portattn.backends.onnx:OnnxBackend",

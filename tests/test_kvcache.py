@@ -271,3 +271,82 @@ def test_flash_attn_unsupported_arguments(kw, word):
     q, kc, vc = _args()
     with pytest.raises(ValueError, match=word):
         kvcache.flash_attn_with_kvcache(q, kc, vc, **kw)
+
+
+# ----- the triton split-KV kernels (interpreter) ---------------------------------------------
+
+def _triton_cpu():
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("interpreter test (CPU tensors)")
+    from portattn.backends.triton import decode
+    return decode
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("paged", [False, True])
+def test_triton_every_split_count_matches(splits, paged):
+    """Forced split counts (flash-attn's num_splits) through both cache layouts: the combine of
+    partials, empty splits (7 chunks of 16 keys over ≤ 61 keys) and a split boundary inside the
+    causal band all agree with the oracle."""
+    decode = _triton_cpu()
+    layout = dict(page_size=16, pages_per_seq=4) if paged else dict(capacity=64)
+    p = KVProblem(lengths=(40, 0, 61), seqlen_q=3, seqlen_new=3, heads_q=4, heads_kv=2, dtype="bfloat16", **layout)
+    inp = make_inputs(p)
+    kv = kvcache.build_kvcache_spec(inp["q"], inp["k_cache"], inp["v_cache"], inp["k"], inp["v"],
+                                    cache_seqlens=inp["cache_seqlens"], block_table=inp["block_table"],
+                                    causal=True, num_splits=splits)
+    assert decode.plan_summary(kv)["num_splits"] == splits
+    from portattn.conformance.kvcache import oracle
+    from portattn.numerics import compare, compare_lse
+    ref, ref_lse, naive, k_after, _ = oracle(p, inp)
+    out, lse = kvcache.run_kvcache(kv, "triton")
+    _ok([compare("out", out, ref, naive), compare_lse(lse, ref_lse)])
+    assert torch.equal(torch.isnan(inp["k_cache"]), torch.isnan(k_after))
+
+
+def test_triton_is_selected_natively_with_no_reasons():
+    _triton_cpu()
+    inp = make_inputs(CATALOGUE["kvcache/page16/sq4-spec/gqa4"])
+    exp = kvcache.explain_kvcache(inp["q"], inp["k_cache"], inp["v_cache"], inp["k"], inp["v"],
+                                  cache_seqlens=inp["cache_seqlens"], block_table=inp["block_table"], backend="triton")
+    assert exp.selected == "triton" and exp.reasons["triton"] == []
+    strided = inp["k_cache"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    exp = kvcache.explain_kvcache(inp["q"], strided, inp["v_cache"], cache_seqlens=inp["cache_seqlens"],
+                                  block_table=inp["block_table"], backend="triton")
+    assert exp.selected is None and "not contiguous" in exp.reasons["triton"][0]
+
+
+def test_split_heuristic():
+    _triton_cpu()
+    from portattn.backends.triton.decode import MAX_SPLITS, num_splits_for
+    assert num_splits_for(264, 4096, 132, 2) == 1              # the batch fills the GPU
+    assert num_splits_for(4, 2, 132, 2) == 1                   # too few key tiles
+    for units, blocks in ((4, 2048), (32, 2048), (4, 128), (8, 40), (1, 100000)):
+        s = num_splits_for(units, blocks, 132, 2)
+        assert 1 < s <= min(MAX_SPLITS, blocks // 2)
+        def eff(n, units=units):   # wave efficiency over 132 SMs x 2 programs, the documented criterion
+            waves = units * n / 264
+            return waves / -(-waves // 1)
+        allowed = range(1, min(MAX_SPLITS, blocks // 2) + 1)
+        assert eff(s) >= 0.85 * max(map(eff, allowed)) and all(eff(n) < 0.85 * max(map(eff, allowed))
+                                                              for n in range(1, s)), (units, blocks, s)
+    assert num_splits_for(32, 2048, 132, 2) * 32 >= 0.8 * 264  # B 8 x Hkv 4 at 128k: fills the slots
+
+
+def test_portability_set_covers_every_decode_config():
+    """Each decode config configs.decode_config can return (at tile height >= 32, which heights
+    16 and 32 share) is compiled by the full portability set, for every target."""
+    pytest.importorskip("triton")
+    from portattn.backends.triton import configs, portability
+    compiled = {(c.kernel, str(c.target), c.config) for c in portability.cases()}
+    for target, _ in configs.PORTABILITY_TARGETS:
+        for block_d in configs.PADDED_DIMS:
+            for elem in (2, 4):
+                for block_m in configs.DECODE_BLOCK_MS:
+                    cfg = configs.decode_config(target, block_d, elem, max(32, block_m))
+                    assert ("decode_split", str(target), cfg) in compiled, (target, block_d, elem, block_m)
+                    assert cfg.block_n >= 16 and cfg.block_m >= 16
+        kernels = {k for k, t, _ in compiled if t == str(target)}
+        assert {"decode_combine", "decode_append"} <= kernels
+    assert portability.decode_cases(smoke=True) == []

@@ -121,14 +121,15 @@ def _positions(p: KVProblem, inputs: dict, b: int, n: int):
     """(axis-0, axis-1) cache indices of the first n positions of sequence b (plain Python)."""
     if p.page_size is None:
         return [b] * n, list(range(n))
-    table = inputs["block_table"][b].tolist()
+    table = inputs["block_table"][b].tolist()   # the oracle may read on the host
     return [table[j // p.page_size] for j in range(n)], [j % p.page_size for j in range(n)]
 
 
-def oracle(p: KVProblem, inputs: dict):
+def oracle(p: KVProblem, inputs: dict, device="cpu"):
     """``(ref_out float64 (B,Sq,Hq,Dv), ref_lse, naive_out, k_cache_after, v_cache_after)``,
-    computed from ``inputs`` (not modified) sequence by sequence on the CPU."""
-    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    computed from ``inputs`` (not modified) sequence by sequence on ``device`` (the CPU by
+    default; a GPU makes long caches affordable)."""
+    cpu = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
     k_after, v_after = cpu["k_cache"].clone(), cpu["v_cache"].clone()
     refs, lses, naives = [], [], []
     for b, n in enumerate(p.lengths):
@@ -152,21 +153,25 @@ def oracle(p: KVProblem, inputs: dict):
 
 
 def _cache_check(name: str, got: torch.Tensor, want: torch.Tensor) -> Comparison:
-    same = torch.equal(torch.nan_to_num(got.cpu(), nan=7.0), torch.nan_to_num(want, nan=7.0)) and \
-        torch.equal(torch.isnan(got.cpu()), torch.isnan(want))
+    got = got.to(want.device)
+    same = torch.equal(torch.nan_to_num(got, nan=7.0), torch.nan_to_num(want, nan=7.0)) and \
+        torch.equal(torch.isnan(got), torch.isnan(want))
     return Comparison(name, same, 0.0 if same else float("inf"), 0.0, 0.0,
                       "" if same else "cache contents after the append differ from the expected ones")
 
 
-def check_kvcache(p: KVProblem, backend: str | None, device="cpu", *, inputs: dict | None = None) -> list[Comparison]:
-    """Run ``attention_with_kvcache`` on ``backend`` and compare out, lse and both caches."""
-    from ..kvcache import attention_with_kvcache
+def check_kvcache(p: KVProblem, backend: str | None, device="cpu", *, inputs: dict | None = None,
+                  num_splits: int = 0) -> list[Comparison]:
+    """Run ``attention_with_kvcache`` on ``backend`` and compare out, lse and both caches
+    (``num_splits`` > 0 forces a split count on split-KV kernels)."""
+    from ..kvcache import build_kvcache_spec, run_kvcache
     inputs = inputs or make_inputs(p, device)
-    ref, ref_lse, naive, k_after, v_after = oracle(p, inputs)
+    ref, ref_lse, naive, k_after, v_after = oracle(p, inputs, device)
     kw = dict(p.kwargs(), cache_seqlens=inputs["cache_seqlens"], block_table=inputs["block_table"],
-              alibi_slopes=inputs["alibi_slopes"], return_lse=True, backend=backend)
-    out, lse = attention_with_kvcache(inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["k"], inputs["v"], **kw)
-    return [compare("out", out.cpu(), ref, naive), compare_lse(lse.cpu(), ref_lse),
+              alibi_slopes=inputs["alibi_slopes"], return_lse=True, num_splits=num_splits)
+    kv = build_kvcache_spec(inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["k"], inputs["v"], **kw)
+    out, lse = run_kvcache(kv, backend)
+    return [compare("out", out, ref, naive), compare_lse(lse, ref_lse),
             _cache_check("k_cache", inputs["k_cache"], k_after), _cache_check("v_cache", inputs["v_cache"], v_after)]
 
 
