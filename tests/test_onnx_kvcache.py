@@ -199,7 +199,8 @@ class KVLayer(torch.nn.Module):
         h = self.norm1(x)
         q = self.q(h).view(b, t, HEADS, self.head_dim)
         k, v = self.kv(h).view(b, t, 2, KV_HEADS, self.head_dim).unbind(2)
-        a = attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True, backend=backend)
+        a = portattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True,
+                                           backend=backend)
         x = x + self.o(a.reshape(b, t, -1))
         return x + self.mlp(self.norm2(x))
 
@@ -369,6 +370,46 @@ def test_functional_torch_op_matches_in_place_call():
                                             scale=0.25, return_lse=True)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     assert _same(k2, inp["k_cache"]) and _same(v2, inp["v_cache"])
+
+
+class _Features(torch.nn.Module):
+    def __init__(self, p: KVProblem):
+        super().__init__()
+        self.kw = dict(p.kwargs(), return_lse=True)
+        self.append = p.seqlen_new > 0
+
+    def forward(self, q, k_cache, v_cache, k, v, lens, slopes):
+        if not self.append:   # nothing new: the translation passes empty K_new/V_new
+            k = v = None
+        out, lse = portattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens,
+                                                   alibi_slopes=slopes, **self.kw)
+        return out, lse, k_cache, v_cache
+
+
+@pytest.mark.parametrize("p", [
+    KVProblem(lengths=(0, 1, 11), seqlen_q=3, seqlen_new=3, heads_q=6, heads_kv=3, head_dim=16, head_dim_v=8,
+              capacity=14, window=(4, 0), softcap=3.0, alibi=True, dtype="float32", seed=21),
+    KVProblem(lengths=(7, 2), seqlen_q=2, seqlen_new=1, head_dim=16, capacity=9, causal=False, alignment="top_left",
+              window=(2, 1), alibi=True, dtype="float16", seed=22),
+    KVProblem(lengths=(5, 0), seqlen_q=2, seqlen_new=0, head_dim=16, capacity=8, dtype="float32", seed=23),
+], ids=["window-softcap-alibi-dv8", "top-left-band-fp16", "no-append"])
+def test_exported_call_with_features_and_lse(p, tmp_path):
+    """The translation passes every attribute and input through: out, lse and present caches of
+    one exported call against the oracle."""
+    inp = make_inputs(p)
+    k, v = (inp["k"], inp["v"]) if p.seqlen_new else (inp["k_cache"][:, :1].clone(), inp["v_cache"][:, :1].clone())
+    slopes = inp["alibi_slopes"] if p.alibi else torch.zeros(p.heads_q)
+    args = (inp["q"], inp["k_cache"].clone(), inp["v_cache"].clone(), k, v, inp["cache_seqlens"], slopes)
+    path = tmp_path / "call.onnx"
+    proto = portattn.onnx.export(_Features(p).eval(), args, path, block_size=4)
+    assert [(n.domain, n.op_type) for n in proto.graph.node].count((DOMAIN, KV_OP_NAME)) == 1
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    named = dict(zip(("q", "k_cache", "v_cache", "k", "v", "lens", "slopes"), args))
+    feeds = {i.name: named[i.name].numpy() for i in session.get_inputs()}   # unused inputs may be dropped
+    out, lse, kp, vp = (torch.from_numpy(a) for a in session.run(None, feeds))
+    ref, ref_lse, naive, k_after, v_after = oracle(p, inp)
+    assert compare("out", out, ref, naive).passed and compare_lse(lse, ref_lse).passed
+    assert _same(kp, k_after) and _same(vp, v_after)
 
 
 class _OneCall(torch.nn.Module):
