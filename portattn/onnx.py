@@ -40,6 +40,27 @@ def _unsupported_cause(exc: BaseException):
     return None
 
 
+def _warn_dropped_cache_updates(program) -> None:
+    """ONNX graphs have no in-place updates: an input the model updates in place (a KV cache written
+    by ``attention_with_kvcache``) but does not return loses the update in the exported model."""
+    import warnings
+
+    from torch.export.graph_signature import OutputKind
+
+    exported = getattr(program, "exported_program", None)
+    if exported is None:
+        return
+    specs = exported.graph_signature.output_specs
+    returned = {getattr(s.arg, "name", None) for s in specs if s.kind == OutputKind.USER_OUTPUT}
+    dropped = [s.target for s in specs
+               if s.kind == OutputKind.USER_INPUT_MUTATION and getattr(s.arg, "name", None) not in returned]
+    if dropped:
+        warnings.warn(f"the model updates its input(s) {', '.join(map(repr, dropped))} in place (e.g. a KV cache "
+                      f"written by attention_with_kvcache) but does not return them: the exported ONNX model has "
+                      f"no output carrying the update; return the updated caches from forward() to get "
+                      f"present-key/value outputs (docs/onnx.md, 'KV cache')", UserWarning, stacklevel=3)
+
+
 def export(model, args, path=None, *, target: str = "portattn", dynamic_shapes=None, opset: int = 23,
            block_size: int = 256, kwargs: dict | None = None, check: bool = True, **export_kwargs):
     """Export ``model(*args, **kwargs)`` to ONNX with one fused node per ``portattn.attention`` call.
@@ -99,6 +120,7 @@ def export(model, args, path=None, *, target: str = "portattn", dynamic_shapes=N
         if cause is not None:
             raise type(cause)(str(cause)) from exc
         raise
+    _warn_dropped_cache_updates(program)
     proto = program.model_proto
     attach_function(proto)
     if check:

@@ -435,3 +435,13 @@ def test_paged_cache_is_refused_by_name():
 def test_standard_target_is_refused_by_name():
     with pytest.raises(portattn.onnx.UnsupportedFeatureError, match="attention_with_kvcache"):
         portattn.onnx.export(_OneCall(causal=True).eval(), _one_call_args(), None, target="standard")
+
+
+def test_caches_updated_but_not_returned_warn(tmp_path):
+    class NoReturn(_OneCall):
+        def forward(self, q, k_cache, v_cache, lens):
+            k = v = q[:, :, :2]
+            return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)
+
+    with pytest.warns(UserWarning, match="'k_cache', 'v_cache'.*return the updated caches"):
+        portattn.onnx.export(NoReturn().eval(), _one_call_args(), None)
