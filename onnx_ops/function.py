@@ -64,11 +64,11 @@ def FlashAttentionLayout(Q, K, V, hq, hkv, scale_t):
     group = op.Div(hq, hkv)
     head_dim = op.Div(op.ReduceProd(op.Slice(q_shape, [2], [100]), keepdims=1), hq)
     head_dim_v = op.Div(op.ReduceProd(op.Slice(v_shape, [2], [100]), keepdims=1), hkv)
-    q5 = op.Reshape(op.Cast(Q, to=1), op.Concat(batch, seq_q, hkv, group, head_dim, axis=0))
+    q5 = op.Reshape(op.Cast(Q, to=1), op.Concat(batch, seq_q, hkv, group, head_dim, axis=0), allowzero=1)
     q5 = op.Mul(op.Transpose(q5, perm=[0, 2, 3, 1, 4]), scale_t)
-    kf = op.Reshape(op.Cast(K, to=1), op.Concat(batch, seq_k, hkv, one1, head_dim, axis=0))
+    kf = op.Reshape(op.Cast(K, to=1), op.Concat(batch, seq_k, hkv, one1, head_dim, axis=0), allowzero=1)
     kT5 = op.Transpose(kf, perm=[0, 2, 3, 4, 1])
-    vf = op.Reshape(op.Cast(V, to=1), op.Concat(batch, seq_k, hkv, one1, head_dim_v, axis=0))
+    vf = op.Reshape(op.Cast(V, to=1), op.Concat(batch, seq_k, hkv, one1, head_dim_v, axis=0), allowzero=1)
     v5 = op.Transpose(vf, perm=[0, 2, 3, 1, 4])
     return q5, kT5, v5
 
@@ -155,8 +155,8 @@ def FlashAttentionFinish(acc, l, m, Q, hq):
     m_fin = op.Where(op.IsInf(m), zero_f, m)
     lse5 = op.Add(m_fin, op.Log(l))                                 # log(0) = -inf
     out = op.Transpose(out5, perm=[0, 3, 1, 2, 4])                  # (B, Sq, Hkv, G, Dv)
-    Y = op.CastLike(op.Reshape(out, op.Concat(batch, seq_q, hq, head_dim_v, axis=0)), Q)
-    LSE = op.Reshape(lse5, op.Concat(batch, hq, seq_q, axis=0))
+    Y = op.CastLike(op.Reshape(out, op.Concat(batch, seq_q, hq, head_dim_v, axis=0), allowzero=1), Q)
+    LSE = op.Reshape(lse5, op.Concat(batch, hq, seq_q, axis=0), allowzero=1)
     return Y, LSE
 
 
@@ -304,7 +304,7 @@ def FlashAttentionKVCache(Q, K_cache, V_cache, K_new, V_new, cache_seqlens, alib
     t = op.Range(zero, op.Min(n_new, cap), one)                                 # (T,)
     src = op.Min(op.Unsqueeze(t, [0]), op.Unsqueeze(op.Max(room, zero), [1]))   # (B, T) which new key
     pos = op.Min(op.Add(op.Unsqueeze(start, [1]), src), op.Sub(cap, one))      # (B, T) which slot
-    fits = op.Reshape(op.GreaterOrEqual(room, zero), op.Concat(batch, one1, one1, one1, axis=0))
+    fits = op.Reshape(op.GreaterOrEqual(room, zero), op.Concat(batch, one1, one1, one1, axis=0), allowzero=1)
     rows_b = op.Expand(op.Unsqueeze(op.Range(zero, b, one), [1]), op.Shape(pos))
     slots = op.Concat(op.Unsqueeze(rows_b, [2]), op.Unsqueeze(pos, [2]), axis=2)   # (B, T, 2)
     src_i = op.Unsqueeze(src, [2])
@@ -339,9 +339,9 @@ def FlashAttentionKVCache(Q, K_cache, V_cache, K_new, V_new, cache_seqlens, alib
     offset = op.Where(op.Equal(alignment_t, zero), op.Sub(n_keys, sq), op.Mul(n_keys, zero))   # (B,)
     rows5 = op.Concat(batch, one1, one1, seq_q, one1, axis=0)
     i = op.Unsqueeze(op.Range(zero, sq, one), [0])                                            # (1, Sq)
-    rows = op.Reshape(op.Add(i, op.Unsqueeze(offset, [1])), rows5)                            # (B, 1, 1, Sq, 1)
-    alibi_rows = op.Reshape(op.Add(i, op.Unsqueeze(op.Sub(n_keys, sq), [1])), rows5)
-    key_len = op.Reshape(n_keys, op.Concat(batch, one1, one1, one1, one1, axis=0))            # (B, 1, 1, 1, 1)
+    rows = op.Reshape(op.Add(i, op.Unsqueeze(offset, [1])), rows5, allowzero=1)               # (B, 1, 1, Sq, 1)
+    alibi_rows = op.Reshape(op.Add(i, op.Unsqueeze(op.Sub(n_keys, sq), [1])), rows5, allowzero=1)
+    key_len = op.Reshape(n_keys, op.Concat(batch, one1, one1, one1, one1, axis=0), allowzero=1)  # (B, 1, 1, 1, 1)
     # keys no row of any sequence can see are never visited (a batch of 0 visits none)
     col_lo = op.Max(zero, op.ReduceMin(op.Concat(op.Sub(offset, left), op.Reshape(cap, [1]), axis=0), keepdims=0))
     last = op.Add(op.Add(op.Sub(offset, one), sq), op.Add(right, one))                       # (B,) band end

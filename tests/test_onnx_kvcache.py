@@ -152,6 +152,26 @@ def test_lengths_out_of_range_are_clamped_not_read_out_of_bounds():
     assert compare("out", out, ref, naive).passed and compare_lse(lse, ref_lse).passed
 
 
+@pytest.mark.parametrize("batch,s_max,new,sq", [(0, 8, 1, 1), (2, 0, 0, 1), (2, 0, 2, 1), (2, 8, 2, 0)])
+def test_empty_problems(batch, s_max, new, sq):
+    """No sequence, no cache slot (new keys cannot be written) or no query: well-formed outputs,
+    zeros with lse -inf where rows exist, the append still done (``session.run``: IOBinding
+    refuses empty buffers)."""
+    g = torch.Generator().manual_seed(batch * 100 + s_max * 10 + new + sq)
+    t = lambda *shape: torch.randn(*shape, generator=g).numpy()
+    feeds = dict(Q=t(batch, sq, 4, 16), K_cache=t(batch, s_max, 2, 16), V_cache=t(batch, s_max, 2, 16),
+                 K_new=t(batch, new, 2, 16), V_new=t(batch, new, 2, 16),
+                 cache_seqlens=torch.tensor([3] * batch, dtype=torch.int32).clamp(max=s_max).numpy(),
+                 alibi_slopes=torch.zeros(1, 1).numpy())
+    session = _session(torch.float32, kv_attribute_values(scale=0.25, causal=True, block_size=4))
+    y, kp, vp, lse = (torch.from_numpy(a) for a in session.run(None, feeds))
+    assert y.shape == (batch, sq, 4, 16) and kp.shape == (batch, s_max, 2, 16) and lse.shape == (batch, 4, sq)
+    if s_max == 0:   # no key at all
+        assert torch.equal(y, torch.zeros_like(y)) and torch.isneginf(lse).all()
+    if sq == 0 and batch:   # no query, but the new keys are appended at slot 3
+        assert torch.equal(kp[:, 3:3 + new], torch.from_numpy(feeds["K_new"]))
+
+
 def test_property_op_matches_oracle():
     hyp = pytest.importorskip("hypothesis")
     from hypothesis import strategies as st
