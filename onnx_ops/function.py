@@ -318,9 +318,6 @@ def FlashAttentionKVCache(Q, K_cache, V_cache, K_new, V_new, cache_seqlens, alib
     V_present = op.ScatterND(V_cache, slots, v_val)
     n_keys = op.Min(op.Add(start, n_new), cap)                                  # (B,) L_b
 
-    # ---- stage 0: layouts of the updated cache ----------------------------------------------
-    q5, kT5, v5 = FlashAttentionLayout(Q, K_present, V_present, hq, hkv, scale_t)
-    head_dim_v = op.Shape(v5, start=4, end=5)
     slopes_shape = op.Shape(alibi_slopes)
     slopes_heads = op.Slice(slopes_shape, [1], [2])
     slopes_h1 = op.Min(slopes_heads, hkv)
@@ -348,6 +345,14 @@ def FlashAttentionKVCache(Q, K_cache, V_cache, K_new, V_new, cache_seqlens, alib
     col_hi = op.ReduceMax(op.Concat(op.Min(n_keys, last), op.Reshape(zero, [1]), axis=0), keepdims=0)
     col_hi = op.Max(col_hi, col_lo)
     n_blocks = op.Div(op.Sub(op.Add(op.Sub(col_hi, col_lo), block), one), block)
+
+    # ---- stage 0: layouts of the slots [0, col_hi) of the updated cache (a decode step costs
+    # O(max_b L_b), not O(S_max): the slots beyond every sequence's length are never copied) ----
+    hi_1d = op.Reshape(col_hi, [1])
+    k_vis = op.Slice(K_present, [0], hi_1d, [1])
+    v_vis = op.Slice(V_present, [0], hi_1d, [1])
+    q5, kT5, v5 = FlashAttentionLayout(Q, k_vis, v_vis, hq, hkv, scale_t)
+    head_dim_v = op.Shape(V_cache, start=3, end=4)
 
     state_shape = op.Concat(batch, hkv, group, seq_q, one1, axis=0)
     m = op.Expand(neg_inf, state_shape)
