@@ -1,5 +1,5 @@
-"""The portattn ONNX ops ``portattn.FlashAttention`` and ``portattn.FlashAttentionKVCache``
-(domain ``portattn``, version 1).
+"""The portattn ONNX ops ``portattn.FlashAttention``, ``portattn.FlashAttentionKVCache`` and
+``portattn.FlashAttentionPagedKVCache`` (domain ``portattn``, version 1).
 
 * :mod:`.schema` — the ``OpSchema``s (inputs, attributes, types) and :func:`register_schema`;
 * :mod:`.function` — the ops' bodies, onnxscript functions sharing FlashAttention's tiled online
@@ -22,9 +22,10 @@ from .schema import (
     KV_OP_NAME,
     NEUTRAL_DOC,
     OP_NAME,
+    PAGED_KV_OP_NAME,
     VERSION,
     register_schema,
 )
 
-__all__ = ["ALIGNMENT_CODES", "ATTRIBUTES", "DOMAIN", "KV_ATTRIBUTES", "KV_OP_NAME", "NEUTRAL_DOC", "OP_NAME", "VERSION",
-           "register_schema"]
+__all__ = ["ALIGNMENT_CODES", "ATTRIBUTES", "DOMAIN", "KV_ATTRIBUTES", "KV_OP_NAME", "NEUTRAL_DOC", "OP_NAME",
+           "PAGED_KV_OP_NAME", "VERSION", "register_schema"]

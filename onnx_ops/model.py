@@ -10,10 +10,20 @@ from __future__ import annotations
 
 import functools
 
-from .schema import ALIGNMENT_CODES, ATTRIBUTES, DOMAIN, KV_ATTRIBUTES, KV_OP_NAME, OP_NAME, VERSION, register_schema
+from .schema import (
+    ALIGNMENT_CODES,
+    ATTRIBUTES,
+    DOMAIN,
+    KV_ATTRIBUTES,
+    KV_OP_NAME,
+    OP_NAME,
+    PAGED_KV_OP_NAME,
+    VERSION,
+    register_schema,
+)
 
 #: the portattn ops whose functions :func:`attach_function` adds
-OP_NAMES = (OP_NAME, KV_OP_NAME)
+OP_NAMES = (OP_NAME, KV_OP_NAME, PAGED_KV_OP_NAME)
 
 #: Default ONNX opset of exported models (23: the first with the standard ``Attention`` op).
 DEFAULT_OPSET = 23
@@ -25,7 +35,7 @@ IR_VERSION = 10
 def _function_bytes(name: str, opset: int) -> bytes:
     from . import function
 
-    fn = function.OPS.get(name) or {h.name: h for h in function.HELPERS}[name]
+    fn = function.OPS.get(name) or {h.name: h for h in function.HELPERS + function.KV_HELPERS}[name]
     proto = fn.to_function_proto()
     for imp in proto.opset_import:
         if imp.domain == "":
@@ -53,11 +63,15 @@ def function_proto(opset: int = DEFAULT_OPSET, name: str = OP_NAME):
 
 
 def function_protos(opset: int = DEFAULT_OPSET, names=OP_NAMES) -> list:
-    """The functions a model using the ops ``names`` must carry: the shared helpers, then the ops."""
+    """The functions a model using the ops ``names`` must carry: the shared helpers (and the
+    KV-cache helpers when a KV-cache op is among them), then the ops."""
     from . import function
 
     _check_opset(opset)
-    return [function_proto(opset, n) for n in [h.name for h in function.HELPERS] + list(names)]
+    helpers = list(function.HELPERS)
+    if any(n != OP_NAME for n in names):
+        helpers += function.KV_HELPERS
+    return [function_proto(opset, n) for n in [h.name for h in helpers] + list(names)]
 
 
 def attach_function(model) -> None:
@@ -154,11 +168,12 @@ def kv_attribute_values(*, scale: float, causal: bool = False, alignment: str = 
 
 
 def kv_one_node_model(*, dtype: str, attributes: dict, opset: int = DEFAULT_OPSET, with_lse: bool = True,
-                      seqlens_dtype: str = "int32"):
-    """A model holding a single ``FlashAttentionKVCache`` node with dynamic shapes.
+                      seqlens_dtype: str = "int32", paged: bool = False):
+    """A model holding a single ``FlashAttentionKVCache`` (``paged``: ``FlashAttentionPagedKVCache``)
+    node with dynamic shapes.
 
-    Inputs Q, K_cache, V_cache, K_new, V_new, cache_seqlens, alibi_slopes; outputs Y, K_present,
-    V_present (and LSE). ``dtype`` is the element type name of Q and the caches.
+    Inputs Q, K_cache, V_cache, K_new, V_new, cache_seqlens, (block_table, int32,) alibi_slopes;
+    outputs Y, K_present, V_present (and LSE). ``dtype`` is the element type name of Q and the caches.
     """
     import onnx
     from onnx import TensorProto, helper
@@ -174,21 +189,23 @@ def kv_one_node_model(*, dtype: str, attributes: dict, opset: int = DEFAULT_OPSE
     if seqlens_dtype not in lens:
         raise ValueError(f"seqlens_dtype={seqlens_dtype!r}: the op supports {sorted(lens)}")
     t = elem[dtype]
+    rows = ["num_pages", "page_size"] if paged else ["B", "S_max"]
     inputs = [
         helper.make_tensor_value_info("Q", t, ["B", "Sq", "Hq", "D"]),
-        helper.make_tensor_value_info("K_cache", t, ["B", "S_max", "Hkv", "D"]),
-        helper.make_tensor_value_info("V_cache", t, ["B", "S_max", "Hkv", "Dv"]),
+        helper.make_tensor_value_info("K_cache", t, [*rows, "Hkv", "D"]),
+        helper.make_tensor_value_info("V_cache", t, [*rows, "Hkv", "Dv"]),
         helper.make_tensor_value_info("K_new", t, ["B", "Sk_new", "Hkv", "D"]),
         helper.make_tensor_value_info("V_new", t, ["B", "Sk_new", "Hkv", "Dv"]),
         helper.make_tensor_value_info("cache_seqlens", lens[seqlens_dtype], ["B"]),
+        *([helper.make_tensor_value_info("block_table", TensorProto.INT32, ["B", "max_pages"])] if paged else []),
         helper.make_tensor_value_info("alibi_slopes", TensorProto.FLOAT, ["aB", "aH"]),
     ]
     outputs = [helper.make_tensor_value_info("Y", t, ["B", "Sq", "Hq", "Dv"]),
-               helper.make_tensor_value_info("K_present", t, ["B", "S_max", "Hkv", "D"]),
-               helper.make_tensor_value_info("V_present", t, ["B", "S_max", "Hkv", "Dv"])]
+               helper.make_tensor_value_info("K_present", t, [*rows, "Hkv", "D"]),
+               helper.make_tensor_value_info("V_present", t, [*rows, "Hkv", "Dv"])]
     if with_lse:
         outputs.append(helper.make_tensor_value_info("LSE", TensorProto.FLOAT, ["B", "Hq", "Sq"]))
-    node = helper.make_node(KV_OP_NAME, [i.name for i in inputs], [o.name for o in outputs],
+    node = helper.make_node(PAGED_KV_OP_NAME if paged else KV_OP_NAME, [i.name for i in inputs], [o.name for o in outputs],
                             domain=DOMAIN, name="attention_with_kvcache", **attributes)
     graph = helper.make_graph([node], "portattn_flash_attention_kvcache", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),

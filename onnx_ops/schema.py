@@ -115,6 +115,7 @@ def register_schema() -> bool:
 # ----- portattn.FlashAttentionKVCache ------------------------------------------------------------
 
 KV_OP_NAME = "FlashAttentionKVCache"
+PAGED_KV_OP_NAME = "FlashAttentionPagedKVCache"
 
 #: Attributes of the KV-cache op (a subset of :data:`ATTRIBUTES`: heads come from the 4-D shapes).
 KV_ATTRIBUTES = {name: ATTRIBUTES[name] for name in
@@ -145,9 +146,20 @@ Outputs: ``Y (B, Sq, Hq, Dv)`` in Q's type; ``K_present``/``V_present`` shaped l
 ``LSE (B, Hq, Sq)`` float32 (optional; ``-inf`` for rows with no visible key, whose ``Y`` is 0).
 """
 
+PAGED_KV_DOC = """``FlashAttentionKVCache`` on a paged cache: ``K_cache``/``V_cache`` are a pool of pages
+``(num_pages, page_size, Hkv, D/Dv)`` shared by all sequences, and ``block_table`` int32/int64
+``(B, max_pages)`` lists each sequence's pages in order: position ``p`` of sequence ``b`` is row
+``p % page_size`` of page ``block_table[b, p // page_size]`` (the capacity of a sequence is
+``max_pages · page_size``; page ids are clamped into ``[0, num_pages)``). Inputs Q, K_cache,
+V_cache, K_new, V_new, cache_seqlens, block_table, alibi_slopes; outputs and attributes as
+``FlashAttentionKVCache`` (the present caches are the updated page pools). Only the pages holding
+positions some query can see are gathered.
+"""
 
-def kv_op_schema():
-    """Build the :class:`onnx.defs.OpSchema` of ``FlashAttentionKVCache`` (not registered)."""
+
+def kv_op_schema(paged: bool = False):
+    """Build the :class:`onnx.defs.OpSchema` of ``FlashAttentionKVCache`` (or, ``paged=True``,
+    ``FlashAttentionPagedKVCache``); not registered."""
     from onnx import AttributeProto
     from onnx.defs import OpSchema
 
@@ -157,29 +169,33 @@ def kv_op_schema():
                   for name, (typ, _default, doc) in KV_ATTRIBUTES.items()]
     single = OpSchema.FormalParameterOption.Single
     optional = OpSchema.FormalParameterOption.Optional
+    cache = "(num_pages, page_size, Hkv, {})" if paged else "(B, S_max, Hkv, {})"
+    table = [P("block_table", "T_TABLE", "each sequence's page ids in order (B, max_pages)", param_option=single)]
     return OpSchema(
-        KV_OP_NAME, DOMAIN, VERSION, KV_DOC,
+        PAGED_KV_OP_NAME if paged else KV_OP_NAME, DOMAIN, VERSION, PAGED_KV_DOC if paged else KV_DOC,
         inputs=[
             P("Q", "T", "queries (B, Sq, Hq, D)", param_option=single),
-            P("K_cache", "T", "key cache (B, S_max, Hkv, D)", param_option=single),
-            P("V_cache", "T", "value cache (B, S_max, Hkv, Dv)", param_option=single),
+            P("K_cache", "T", "key cache " + cache.format("D"), param_option=single),
+            P("V_cache", "T", "value cache " + cache.format("Dv"), param_option=single),
             P("K_new", "T", "new keys (B, Sk_new, Hkv, D), written at cache_seqlens", param_option=single),
             P("V_new", "T", "new values (B, Sk_new, Hkv, Dv)", param_option=single),
             P("cache_seqlens", "T_LEN", "each sequence's cache length before the append (B,)",
               param_option=single),
+            *(table if paged else []),
             P("alibi_slopes", "T_SLOPES", "ALiBi slopes (B, Hq), (1, Hq) or (1, 1); zeros = off",
               param_option=single),
         ],
         outputs=[
             P("Y", "T", "attention output (B, Sq, Hq, Dv)", param_option=single),
-            P("K_present", "T", "the key cache after the append (B, S_max, Hkv, D)", param_option=single),
-            P("V_present", "T", "the value cache after the append (B, S_max, Hkv, Dv)", param_option=single),
+            P("K_present", "T", "the key cache after the append " + cache.format("D"), param_option=single),
+            P("V_present", "T", "the value cache after the append " + cache.format("Dv"), param_option=single),
             P("LSE", "T_LSE", "log-sum-exp of the scores (B, Hq, Sq), -inf for rows with no visible key",
               param_option=optional),
         ],
         type_constraints=[
             ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "queries, caches and Y"),
             ("T_LEN", ["tensor(int32)", "tensor(int64)"], "cache lengths"),
+            *([("T_TABLE", ["tensor(int32)", "tensor(int64)"], "page ids")] if paged else []),
             ("T_SLOPES", ["tensor(float)"], "ALiBi slopes"),
             ("T_LSE", ["tensor(float)"], "log-sum-exp"),
         ],
@@ -188,4 +204,4 @@ def kv_op_schema():
 
 
 #: op name -> schema builder, for :func:`register_schema`
-SCHEMAS = {OP_NAME: op_schema, KV_OP_NAME: kv_op_schema}
+SCHEMAS = {OP_NAME: op_schema, KV_OP_NAME: kv_op_schema, PAGED_KV_OP_NAME: lambda: kv_op_schema(paged=True)}

@@ -15,8 +15,8 @@ Every ``portattn.attention`` call becomes exactly one fused node:
   ``return_lse=True`` raise :class:`UnsupportedFeatureError` naming the feature.
 
 Every :func:`portattn.kvcache.attention_with_kvcache` call (KV cache with per-sequence lengths)
-becomes one ``portattn.FlashAttentionKVCache`` node whose outputs include the updated caches
-(``target="portattn"`` only; paged caches are refused), so an exported decoder generates in
+becomes one ``portattn.FlashAttentionKVCache`` node (``FlashAttentionPagedKVCache`` with a
+``block_table``) whose outputs include the updated caches (``target="portattn"`` only), so an exported decoder generates in
 onnxruntime by feeding its present caches back as past (docs/onnx.md, "KV cache").
 
 This module imports onnx/onnxscript only when :func:`export` is called; ``import portattn``

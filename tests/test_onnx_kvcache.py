@@ -20,7 +20,7 @@ import pytest
 import torch
 from portattn.onnx_ops import DOMAIN, OP_NAME
 from portattn.onnx_ops.model import function_protos, kv_attribute_values, kv_one_node_model
-from portattn.onnx_ops.schema import KV_OP_NAME
+from portattn.onnx_ops.schema import KV_OP_NAME, PAGED_KV_OP_NAME
 
 import portattn
 import portattn.onnx
@@ -37,10 +37,11 @@ _NAMES = {torch.float32: "float", torch.float16: "float16", torch.bfloat16: "bfl
 _SESSIONS: dict = {}
 
 
-def _session(dtype, attributes: dict, seqlens_dtype="int32"):
-    key = (dtype, tuple(sorted(attributes.items())), seqlens_dtype)
+def _session(dtype, attributes: dict, seqlens_dtype="int32", paged=False):
+    key = (dtype, tuple(sorted(attributes.items())), seqlens_dtype, paged)
     if key not in _SESSIONS:
-        model = kv_one_node_model(dtype=_NAMES[dtype], attributes=attributes, seqlens_dtype=seqlens_dtype)
+        model = kv_one_node_model(dtype=_NAMES[dtype], attributes=attributes, seqlens_dtype=seqlens_dtype,
+                                  paged=paged)
         _SESSIONS[key] = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return _SESSIONS[key]
 
@@ -65,12 +66,15 @@ def run_op(p: KVProblem, inp: dict, *, block_size=16, in_place=False, seqlens=No
     attrs = kv_attribute_values(scale=p.head_dim ** -0.5, causal=p.causal, alignment=p.alignment,
                                 window_left=window[0], window_right=window[1], softcap=p.softcap,
                                 block_size=block_size)
-    session = _session(q.dtype, attrs, "int64" if lens.dtype == torch.int64 else "int32")
+    table = inp["block_table"]
+    session = _session(q.dtype, attrs, "int64" if lens.dtype == torch.int64 else "int32", paged=table is not None)
     out = torch.empty(p.batch, p.seqlen_q, p.heads_q, p.dv, dtype=q.dtype)
     lse = torch.empty(p.batch, p.heads_q, p.seqlen_q)
     kp, vp = (kc, vc) if in_place else (torch.empty_like(kc), torch.empty_like(vc))
     binding = session.io_binding()
-    _bind(binding, dict(Q=q, K_cache=kc, V_cache=vc, K_new=k_new, V_new=v_new, cache_seqlens=lens, alibi_slopes=slopes),
+    paging = {} if table is None else {"block_table": table}
+    _bind(binding, dict(Q=q, K_cache=kc, V_cache=vc, K_new=k_new, V_new=v_new, cache_seqlens=lens, **paging,
+                        alibi_slopes=slopes),
           dict(Y=out, K_present=kp, V_present=vp, LSE=lse))
     session.run_with_iobinding(binding)
     return out, lse, kp, vp
@@ -103,6 +107,7 @@ def _contiguous(p: KVProblem) -> KVProblem:
 
 
 CASES = {case_id: _contiguous(p) for case_id, p in kv_catalogue()}
+PAGED = {case_id: p for case_id, p in kv_catalogue() if p.page_size is not None}
 
 
 @pytest.mark.parametrize("case_id", sorted(CASES))
@@ -110,6 +115,13 @@ def test_op_matches_oracle(case_id):
     """Every KV conformance case (cache lengths 0, 1 and full, Sq 1..16, GQA/MQA, new keys 0..16,
     NaN in unused slots, windows, softcap, ALiBi, Dv != D, three dtypes), paged ones contiguous."""
     check_op(CASES[case_id], block_size=16)
+
+
+@pytest.mark.parametrize("case_id", sorted(PAGED))
+def test_paged_op_matches_oracle(case_id):
+    """``FlashAttentionPagedKVCache`` on the paged cases (pages of 16, 32 and 256, shuffled in a
+    pool with spare pages, NaN in every slot no sequence owns)."""
+    check_op(PAGED[case_id], block_size=16)
 
 
 @pytest.mark.parametrize("block_size", [1, 7, 256])
@@ -120,6 +132,9 @@ def test_block_sizes_and_in_place_binding(block_size):
                   dtype="float32", capacity=64, seed=11)
     check_op(p, block_size=block_size)
     check_op(p, block_size=block_size, in_place=True)
+    paged = replace(p, page_size=16, pages_per_seq=4, spare_pages=3)
+    check_op(paged, block_size=block_size)
+    check_op(paged, block_size=block_size, in_place=True)
 
 
 def test_int64_lengths_and_nothing_appended():
@@ -176,10 +191,10 @@ def test_property_op_matches_oracle():
     hyp = pytest.importorskip("hypothesis")
     from hypothesis import strategies as st
 
-    @hyp.settings(max_examples=15, deadline=None)
-    @hyp.given(kv_problem_strategy(max_len=48), st.sampled_from([3, 16, 256]))
-    def run(problem, block_size):
-        check_op(_contiguous(problem), block_size=block_size)
+    @hyp.settings(max_examples=20, deadline=None)
+    @hyp.given(kv_problem_strategy(max_len=48), st.sampled_from([3, 16, 256]), st.booleans())
+    def run(problem, block_size, contiguous):
+        check_op(_contiguous(problem) if contiguous else problem, block_size=block_size)
 
     run()
 
@@ -188,15 +203,25 @@ def test_schema_and_functions():
     from portattn.onnx_ops import register_schema
 
     register_schema()
-    assert onnx.defs.has(KV_OP_NAME, 1, DOMAIN) and onnx.defs.has(OP_NAME, 1, DOMAIN)
-    protos = {f.name: f for f in function_protos(23, [OP_NAME, KV_OP_NAME])}
-    body = [n.op_type for n in protos[KV_OP_NAME].node]
-    assert body.count("Loop") == 1 and body.count("ScatterND") == 2 and "MatMul" not in body
-    # both ops call the one shared block step inside their loop
-    for name in (OP_NAME, KV_OP_NAME):
-        loop = next(n for n in protos[name].node if n.op_type == "Loop")
-        calls = [n.op_type for n in loop.attribute[0].g.node if n.domain == DOMAIN]
-        assert calls == ["FlashAttentionBlock"], (name, calls)
+    for name in (OP_NAME, KV_OP_NAME, PAGED_KV_OP_NAME):
+        assert onnx.defs.has(name, 1, DOMAIN), name
+    protos = {f.name: f for f in function_protos(23, [OP_NAME, KV_OP_NAME, PAGED_KV_OP_NAME])}
+
+    def calls(nodes):
+        return [n.op_type for n in nodes if n.domain == DOMAIN]
+
+    def loop_calls(name):
+        loops = [n for n in protos[name].node if n.op_type == "Loop"]
+        assert len(loops) == 1, name
+        return calls(loops[0].attribute[0].g.node)
+
+    # one block step, called inside the key loop of the dense op and of the KV-cache attention
+    assert loop_calls(OP_NAME) == loop_calls("KVCacheAttend") == ["FlashAttentionBlock"]
+    assert "MatMul" not in [n.op_type for n in protos["KVCacheAttend"].node]
+    for name in (KV_OP_NAME, PAGED_KV_OP_NAME):   # both KV ops: the same append and attention
+        assert calls(protos[name].node) == ["KVCacheSlots", "KVCacheWrite", "KVCacheWrite", "KVCacheBand",
+                                            "KVCacheAttend"], name
+    assert [n.op_type for n in protos["KVCacheWrite"].node].count("ScatterND") == 1
 
 
 # ----- an exported decoder generating in onnxruntime ----------------------------------------------
@@ -375,19 +400,21 @@ def test_eager_call_is_unchanged_in_place():
     assert _same(inp["k_cache"], k_after) and _same(inp["v_cache"], v_after)
 
 
-def test_functional_torch_op_matches_in_place_call():
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_functional_torch_op_matches_in_place_call(page_size):
     from portattn.onnx_ops import kvcache_op  # noqa: F401  (registers the op)
 
     p = KVProblem(lengths=(5, 1), seqlen_q=2, seqlen_new=2, head_dim=16, dtype="float32", capacity=12, seed=9,
-                  window=(3, 0))
+                  window=(3, 0), page_size=page_size, pages_per_seq=3)
     inp = make_inputs(p)
     kc, vc = inp["k_cache"].clone(), inp["v_cache"].clone()
     out, k2, v2, lse = torch.ops.portattn.attention_with_kvcache(
-        inp["q"], kc, vc, inp["k"], inp["v"], inp["cache_seqlens"], None, 0.25, True, "bottom_right", 3, 0, 0.0, "")
+        inp["q"], kc, vc, inp["k"], inp["v"], inp["cache_seqlens"], inp["block_table"], None, 0.25, True,
+        "bottom_right", 3, 0, 0.0, "")
     assert _same(kc, inp["k_cache"]) and _same(vc, inp["v_cache"])     # inputs untouched
     want, want_lse = attention_with_kvcache(inp["q"], inp["k_cache"], inp["v_cache"], inp["k"], inp["v"],
-                                            cache_seqlens=inp["cache_seqlens"], causal=True, window=(3, 0),
-                                            scale=0.25, return_lse=True)
+                                            cache_seqlens=inp["cache_seqlens"], block_table=inp["block_table"],
+                                            causal=True, window=(3, 0), scale=0.25, return_lse=True)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     assert _same(k2, inp["k_cache"]) and _same(v2, inp["v_cache"])
 
@@ -396,13 +423,13 @@ class _Features(torch.nn.Module):
     def __init__(self, p: KVProblem):
         super().__init__()
         self.kw = dict(p.kwargs(), return_lse=True)
-        self.append = p.seqlen_new > 0
+        self.append, self.paged = p.seqlen_new > 0, p.page_size is not None
 
-    def forward(self, q, k_cache, v_cache, k, v, lens, slopes):
+    def forward(self, q, k_cache, v_cache, k, v, lens, slopes, table):
         if not self.append:   # nothing new: the translation passes empty K_new/V_new
             k = v = None
-        out, lse = portattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens,
-                                                   alibi_slopes=slopes, **self.kw)
+        out, lse = portattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, alibi_slopes=slopes,
+                                                   block_table=table if self.paged else None, **self.kw)
         return out, lse, k_cache, v_cache
 
 
@@ -412,19 +439,25 @@ class _Features(torch.nn.Module):
     KVProblem(lengths=(7, 2), seqlen_q=2, seqlen_new=1, head_dim=16, capacity=9, causal=False, alignment="top_left",
               window=(2, 1), alibi=True, dtype="float16", seed=22),
     KVProblem(lengths=(5, 0), seqlen_q=2, seqlen_new=0, head_dim=16, capacity=8, dtype="float32", seed=23),
-], ids=["window-softcap-alibi-dv8", "top-left-band-fp16", "no-append"])
+    KVProblem(lengths=(20, 3, 0), seqlen_q=2, seqlen_new=2, head_dim=16, page_size=8, pages_per_seq=3,
+              dtype="float32", seed=24),
+    KVProblem(lengths=(9, 1), seqlen_q=1, seqlen_new=0, head_dim=16, page_size=4, pages_per_seq=3, spare_pages=3,
+              alibi=True, dtype="float32", seed=25),
+], ids=["window-softcap-alibi-dv8", "top-left-band-fp16", "no-append", "paged", "paged-no-append-alibi"])
 def test_exported_call_with_features_and_lse(p, tmp_path):
     """The translation passes every attribute and input through: out, lse and present caches of
-    one exported call against the oracle."""
+    one exported call against the oracle (paged calls become FlashAttentionPagedKVCache)."""
     inp = make_inputs(p)
-    k, v = (inp["k"], inp["v"]) if p.seqlen_new else (inp["k_cache"][:, :1].clone(), inp["v_cache"][:, :1].clone())
+    k, v = (inp["k"], inp["v"]) if p.seqlen_new else (inp["q"][:, :1, :p.heads_kv], inp["q"][:, :1, :p.heads_kv])
     slopes = inp["alibi_slopes"] if p.alibi else torch.zeros(p.heads_q)
-    args = (inp["q"], inp["k_cache"].clone(), inp["v_cache"].clone(), k, v, inp["cache_seqlens"], slopes)
+    table = inp["block_table"] if p.page_size else torch.zeros(p.batch, 1, dtype=torch.int32)
+    args = (inp["q"], inp["k_cache"].clone(), inp["v_cache"].clone(), k, v, inp["cache_seqlens"], slopes, table)
     path = tmp_path / "call.onnx"
     proto = portattn.onnx.export(_Features(p).eval(), args, path, block_size=4)
-    assert [(n.domain, n.op_type) for n in proto.graph.node].count((DOMAIN, KV_OP_NAME)) == 1
+    op_name = KV_OP_NAME if p.page_size is None else PAGED_KV_OP_NAME
+    assert [(n.domain, n.op_type) for n in proto.graph.node].count((DOMAIN, op_name)) == 1
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    named = dict(zip(("q", "k_cache", "v_cache", "k", "v", "lens", "slopes"), args))
+    named = dict(zip(("q", "k_cache", "v_cache", "k", "v", "lens", "slopes", "table"), args))
     feeds = {i.name: named[i.name].numpy() for i in session.get_inputs()}   # unused inputs may be dropped
     out, lse, kp, vp = (torch.from_numpy(a) for a in session.run(None, feeds))
     ref, ref_lse, naive, k_after, v_after = oracle(p, inp)
@@ -443,13 +476,6 @@ class _OneCall(torch.nn.Module):
 
 def _one_call_args():
     return torch.randn(2, 1, 4, 8), torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8), torch.tensor([3, 9], dtype=torch.int32)
-
-
-def test_paged_cache_is_refused_by_name():
-    q, kc, vc, lens = _one_call_args()
-    table = torch.tensor([[0], [1]], dtype=torch.int32)
-    with pytest.raises(portattn.onnx.UnsupportedFeatureError, match="block_table"):
-        portattn.onnx.export(_OneCall(block_table=table).eval(), (q, kc, vc, lens), None)
 
 
 def test_standard_target_is_refused_by_name():
