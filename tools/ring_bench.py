@@ -291,10 +291,13 @@ def _timing(args, device, dtype) -> list[dict]:
                     entry["comm_only_s"] = _time(fn, args.reps, device)
                 exposed = t_ring - entry["compute_only_s"]
                 comm = entry["comm_only_s"]
-                # bytes one rank sends per step: K and V (forward), and dK/dV in float32 (backward)
+                # bytes one rank sends per call: K and V in W-1 steps of the forward (and again in
+                # the backward), dK/dV in float32 in W hops of the backward
                 elem = torch.empty(0, dtype=dtype).element_size()
-                per_step = 2 * L * hkv * d * (elem if mode == "fwd" else 2 * elem + 8)
-                entry["link_GBps_measured"] = per_step * (world - 1) / comm / 1e9 if comm > 0 else None
+                shard = 2 * L * hkv * d
+                sent = (world - 1) * shard * elem * (1 if mode == "fwd" else 2) + (0 if mode == "fwd" else world * shard * 4)
+                entry["bytes_sent_per_rank"] = sent
+                entry["link_GBps_measured"] = sent / comm / 1e9 if comm > 0 else None
                 entry["comm_hidden_fraction"] = max(0.0, min(1.0, 1 - exposed / comm)) if comm > 0 else 1.0
             peaks = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
             dist.all_gather(peaks, torch.tensor([float(peak)], dtype=torch.float64, device=device))
