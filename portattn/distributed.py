@@ -89,6 +89,9 @@ def _ablation(*, compute: bool = True, comm: bool = True):
         _ABLATION.update(saved)
 
 
+# The backends the latest ring forward of this process used (tools/ring_bench.py reports them).
+_LAST: dict = {}
+
 # P2P tags (gloo matches messages by sender and tag; NCCL ignores tags and matches by order).
 _TAG_K, _TAG_V, _TAG_DK, _TAG_DV, _TAG_FINAL_DK, _TAG_FINAL_DV = range(6)
 
@@ -504,6 +507,7 @@ def _ring_forward(cfg: _Config, q, k, v, chosen: dict):
         if reqs is not None:
             _wait(reqs)
             k_cur, v_cur = k_nxt, v_nxt
+    _LAST["backends"] = sorted(set(chosen.values()))
     return out.to(q.dtype), lse.to(torch.float32)
 
 

@@ -283,7 +283,8 @@ def _timing(args, device, dtype) -> list[dict]:
                 torch.cuda.reset_peak_memory_stats(device)
             t_ring = _time(fn, args.reps, device)
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-            entry = {"ring_s": t_ring, "per_ring_step_s": t_ring / world}
+            entry = {"ring_s": t_ring, "per_ring_step_s": t_ring / world,
+                     "local_backends": D._LAST.get("backends")}
             if world > 1:
                 with D._ablation(comm=False):
                     entry["compute_only_s"] = _time(fn, args.reps, device)
@@ -318,7 +319,8 @@ def _row_line(row: dict) -> str:
     f, b = row["fwd"], row["fwdbwd"]
     hid = (f"hidden fwd {f['comm_hidden_fraction']:.2f} fwd+bwd {b['comm_hidden_fraction']:.2f}"
            if "comm_hidden_fraction" in f else "hidden -")
-    return (f"W={row['world']} S={row['total_tokens']} L={row['tokens_per_gpu']}: fwd {f['ring_s'] * 1e3:.1f} ms "
+    return (f"W={row['world']} S={row['total_tokens']} L={row['tokens_per_gpu']} "
+            f"[{','.join(b.get('local_backends') or [])}]: fwd {f['ring_s'] * 1e3:.1f} ms "
             f"fwd+bwd {b['ring_s'] * 1e3:.1f} ms {hid} peak {max(b['peak_mem_gib_per_rank']):.1f} GiB")
 
 
@@ -434,7 +436,7 @@ def simulate(args) -> dict:
                         torch.cuda.reset_peak_memory_stats(device)
                     secs = _time_local(fn, args.reps, device)
                     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-                    row[mode] = {"compute_s": secs, "peak_mem_gib": peak}
+                    row[mode] = {"compute_s": secs, "peak_mem_gib": peak, "local_backends": D._LAST.get("backends")}
                     t.pop("saved", None)
             model = step_cost(L, hq, hkv, d, causal=args.causal)
             row["model_step_s"] = {k: v for k, v in model.items() if k.endswith("_s")}
@@ -442,7 +444,7 @@ def simulate(args) -> dict:
                 base = row
             row["speedup_if_hidden"] = {m: base[m]["compute_s"] / row[m]["compute_s"] for m in ("fwd", "fwdbwd")}
             report["timing"].append(row)
-            print(f"simulated W={world} S={total} L={L} rank {rank}: fwd {row['fwd']['compute_s'] * 1e3:.1f} ms "
+            print(f"simulated W={world} S={total} L={L} rank {rank} [{','.join(row['fwd']['local_backends'] or [])}]: fwd {row['fwd']['compute_s'] * 1e3:.1f} ms "
                   f"fwd+bwd {row['fwdbwd']['compute_s'] * 1e3:.1f} ms (speed-up if hidden "
                   f"{row['speedup_if_hidden']['fwd']:.2f}x / {row['speedup_if_hidden']['fwdbwd']:.2f}x) peak "
                   f"{row['fwdbwd']['peak_mem_gib']:.1f} GiB", flush=True)
