@@ -463,7 +463,8 @@ def simulate(args) -> dict:
 def _launch(args, argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rest = [a for i, a in enumerate(argv) if a != "--launch" and (i == 0 or argv[i - 1] != "--launch")]
+    rest = [a for i, a in enumerate(argv) if a != "--launch" and not a.startswith("--launch=")
+            and (i == 0 or argv[i - 1] != "--launch")]
     reports, rc = [], 0
     for n in args.launch:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
