@@ -18,7 +18,7 @@ what=${1:-verify}
 GPU_TESTS=${GPU_TESTS:-$(ls tests/test_triton.py tests/test_cupy.py tests/test_sdpa.py tests/test_dispatch.py \
     tests/test_compile.py tests/test_cuda_graph.py tests/test_lse_grad.py tests/test_call_path.py \
     tests/test_kvcache*.py tests/test_transformers*.py tests/test_sdpa_kernels.py tests/test_tuning.py \
-    tests/test_cu_seqlens_safety.py 2>/dev/null)}
+    tests/test_cu_seqlens_safety.py tests/test_distributed.py tests/test_compat_*.py tests/test_chunked.py 2>/dev/null)}
 PY=python3
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv; $PY -m portattn.cli info; } \
     > "$OUT/env.txt" 2>&1
