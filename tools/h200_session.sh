@@ -50,7 +50,9 @@ if [[ $what == verify ]]; then
   rm -rf "$shards"; mkdir -p "$shards"
   # GPU tests: triton/cupy/sdpa at real sizes, dispatch, torch.compile (4 workers)
   # shellcheck disable=SC2086  # GPU_TESTS: one word per test file
-  timeout "$LIMIT" $PY -m pytest -q -p no:cacheprovider -n "${WORKERS:-4}" $GPU_TESTS -rfEs > "$OUT/pytest_gpu.txt" 2>&1 &
+  # -v: one line per test, so a run stopped at its limit still says which tests failed
+  timeout -s INT -k 20 "$LIMIT" $PY -m pytest -v --tb=short -p no:cacheprovider -n "${WORKERS:-4}" $GPU_TESTS -rfEs \
+      > "$OUT/pytest_gpu.txt" 2>&1 &
   # the catalogue: the fast backends over every case in one process, triton in nine shards
   run_shard others --backends reference sdpa cupy onnx &
   # (globs: a plain pattern matches anywhere in the id, so 'varlen/' would also take large/varlen/...)
@@ -64,7 +66,7 @@ if [[ $what == verify ]]; then
   run_shard t-bias --backends triton --cases 'bias/*' 'alibi/*' &
   run_shard t-window --backends triton --cases 'window/*' 'combo/*' &
   wait
-  echo "== GPU tests:"; tail -25 "$OUT/pytest_gpu.txt"
+  echo "== GPU tests:"; grep -E "(FAILED|ERROR) tests" "$OUT/pytest_gpu.txt" | sort -u | head -40; tail -3 "$OUT/pytest_gpu.txt"
   merge_shards conformance-h200.json
 fi
 
@@ -118,7 +120,7 @@ fi
 if [[ $what == tests ]]; then
   t0=$(date +%s)
   # shellcheck disable=SC2086
-  timeout -s INT -k 20 "${TEST_LIMIT:-400}" $PY -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" $GPU_TESTS -rfEs \
+  timeout -s INT -k 20 "${TEST_LIMIT:-400}" $PY -m pytest -v --tb=short -p no:cacheprovider -n "${WORKERS:-8}" $GPU_TESTS -rfEs \
       > "$OUT/pytest_gpu.txt" 2>&1
   echo "== GPU tests rc=$? ($(( $(date +%s) - t0 ))s):"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.txt" | head -40
   tail -3 "$OUT/pytest_gpu.txt"
