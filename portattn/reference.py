@@ -139,6 +139,10 @@ def _attention(spec: AttentionSpec, q, k, v, bias, compute_dtype, naive: bool):
         lses.append(torch.cat(l_parts, dim=0))
     if spec.is_varlen:
         return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+    if not outs:   # batch 0: empty results that still depend on the inputs (for vjp)
+        tie = 0 * (q.sum() + k.sum() + v.sum()).to(compute_dtype)
+        out = torch.zeros(spec.out_shape, dtype=compute_dtype, device=q.device) + tie
+        return out, torch.zeros(spec.lse_shape, dtype=torch.float64, device=q.device) + tie.double()
     return torch.stack(outs, dim=0), torch.stack(lses, dim=0)
 
 

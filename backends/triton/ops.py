@@ -221,3 +221,10 @@ def interpreter_active() -> bool:
     return type(kernels.attn_fwd).__name__ == "InterpretedFunction"
 
 
+def triton_library_interpreted() -> bool:
+    """True when triton's own ``@jit`` library functions (``tl.zeros``, ``tl.cdiv``, ...) were
+    defined under the interpreter too: they are fixed when triton is first imported."""
+    import triton.language.standard as standard
+    return type(standard.zeros).__name__ == "InterpretedFunction"
+
+
