@@ -189,6 +189,16 @@ def test_triton_bad_cu_seqlens_stay_in_bounds(monkeypatch, name, features):
     run_bad_case(monkeypatch, "triton", name, features, guard_outputs=True)
 
 
+@pytest.mark.parametrize("features", FEATURES)
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_chunked_bad_cu_seqlens_stay_in_bounds(monkeypatch, name, features):
+    """The default CPU path (host-side offsets, clamped the same way) meets the same contract."""
+    from portattn.registry import list_backends
+    if "chunked" not in list_backends():
+        pytest.skip("no chunked backend")
+    run_bad_case(monkeypatch, "chunked", name, features)
+
+
 def _check_sequence(q, k, v, dout, dlse, out, lse, dq, dk, dv, kw, label):
     """One sequence against the float64 reference (dense, batch 1) under the equivalence rule."""
     leaves = [t.detach().unsqueeze(0).to(torch.float64).requires_grad_(True) for t in (q, k, v)]
