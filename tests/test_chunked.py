@@ -307,3 +307,20 @@ def test_checker_does_not_pass_a_backend_that_hides_a_visible_nan():
     got = type(clean)(clean.out.to(case.problem.torch_dtype), clean.lse.clone())
     failures = checker.judge(got, checks := {})
     assert checks["poisoned_rows"]["passed"] is False and any("poisoned_rows" in f for f in failures)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU (run on the H200)")
+@pytest.mark.parametrize("elements", [None, 37])
+@pytest.mark.parametrize("index", range(len(EVERYTHING)))
+def test_on_the_gpu(index, elements):
+    """The same torch ops on a GPU: every feature at two chunkings, and the hidden-key guarantee."""
+    outcome = _verdict_on(EVERYTHING[index], elements, "cuda")
+    assert outcome.verdict == "pass", outcome.summary()
+    case = next(c for c in _NONFINITE if c.id == "nonfinite/hidden/v-nan/varlen-key-padding")
+    outcome = _verdict_on(case.problem, elements, "cuda")
+    assert outcome.verdict == "pass", outcome.summary()
+
+
+def _verdict_on(problem, elements, device):
+    with budget(elements):
+        return Checker(problem, device).check("chunked")
