@@ -333,3 +333,20 @@ def test_float32_gradients_of_rows_with_one_or_two_keys(case_id):
     case = next(c for c in select_cases(patterns=[case_id]))
     outcome = Checker(case.problem, "cpu").check("chunked")
     assert outcome.verdict == "pass", outcome.summary()
+
+
+def test_bad_cu_seqlens_are_clamped_never_read_out_of_bounds():
+    """Offsets past the packed length (possible under torch.compile, where they are not checked)
+    are clamped to the tensors: no out-of-bounds read, finite results."""
+    q, k, v = (torch.randn(32, 2, 8) for _ in range(3))
+    good = torch.tensor([0, 5, 32], dtype=torch.int32)
+    spec = build_spec(q, k, v, cu_seqlens_q=good, cu_seqlens_k=good, max_seqlen_q=35, max_seqlen_k=35,
+                      causal=True, return_lse=True)
+    spec.cu_seqlens_q = spec.cu_seqlens_k = torch.tensor([0, 5, 40], dtype=torch.int32)
+    backend = portattn.get_backend("chunked")
+    out, lse = backend.forward(spec)
+    dq, dk, dv, _ = backend.backward(spec, out, lse, torch.ones_like(out))
+    for t in (out, lse[torch.isfinite(lse)], dq, dk, dv):
+        assert torch.isfinite(t).all()
+    ref, _ = backend.forward(build_spec(q, k, v, cu_seqlens_q=good, cu_seqlens_k=good, causal=True))
+    assert torch.equal(out, ref)   # the clamped sequence is the packed tensor's end
