@@ -12,6 +12,11 @@ OUT=${OUT:-/tmp/portattn-out}
 LIMIT=${LIMIT:-430}          # seconds each parallel part may run
 mkdir -p "$OUT"
 what=${1:-verify}
+# the test files with GPU parts (the rest of the suite is CPU-only and runs in CI)
+GPU_TESTS=${GPU_TESTS:-$(ls tests/test_triton.py tests/test_cupy.py tests/test_sdpa.py tests/test_dispatch.py \
+    tests/test_compile.py tests/test_cuda_graph.py tests/test_lse_grad.py tests/test_call_path.py \
+    tests/test_kvcache*.py tests/test_transformers*.py tests/test_sdpa_kernels.py tests/test_tuning.py \
+    tests/test_cu_seqlens_safety.py 2>/dev/null)}
 PY=python3
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv; $PY -m portattn.cli info; } \
     > "$OUT/env.txt" 2>&1
@@ -42,8 +47,8 @@ if [[ $what == verify ]]; then
   t0=$(date +%s)
   rm -rf "$shards"; mkdir -p "$shards"
   # GPU tests: triton/cupy/sdpa at real sizes, dispatch, torch.compile (4 workers)
-  timeout "$LIMIT" $PY -m pytest -q -p no:cacheprovider -n 4 tests/test_triton.py tests/test_cupy.py \
-      tests/test_sdpa.py tests/test_dispatch.py tests/test_compile.py -rfEs > "$OUT/pytest_gpu.txt" 2>&1 &
+  # shellcheck disable=SC2086  # GPU_TESTS: one word per test file
+  timeout "$LIMIT" $PY -m pytest -q -p no:cacheprovider -n "${WORKERS:-4}" $GPU_TESTS -rfEs > "$OUT/pytest_gpu.txt" 2>&1 &
   # the catalogue: the fast backends over every case in one process, triton in nine shards
   run_shard others --backends reference sdpa cupy onnx &
   # (globs: a plain pattern matches anywhere in the id, so 'varlen/' would also take large/varlen/...)
