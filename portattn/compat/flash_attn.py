@@ -25,7 +25,7 @@ Semantics (flash-attn's, which are portattn's defaults — docs/semantics.md):
   no dropout, so the third item is ``None``.
 
 ``flash_attn_with_kvcache`` (decoding) is implemented in :mod:`portattn.kvcache` and re-exported
-here, so the flash-attn import line stays the only change (see docs/decoding.md).
+here, so the flash-attn import line stays the only change.
 
 Differences from flash-attn (see docs/integrations.md):
 
