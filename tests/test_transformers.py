@@ -8,8 +8,10 @@ as the yardstick: logits at the non-padded positions, one training step's gradie
 and greedy ``generate()`` with a DynamicCache and a StaticCache (same tokens; a divergence is
 accepted only where the reference itself has a tie within the rule). Plus: which portattn
 arguments the layers use (key-padding mask + bottom-right causal + window, not a dense mask),
-``torch.compile(fullgraph=True)`` without graph breaks or recompiles, and that
-``import portattn`` does not import transformers.
+the mask function read as the attention function reads it equals transformers' own mask (caches
+with offsets, static caches, padding), packed sequences and a BERT encoder (dense-mask paths),
+``torch.compile(fullgraph=True)`` without graph breaks or recompiles, ``route_sdpa`` on an
+``attn_implementation="sdpa"`` model, and that ``import portattn`` does not import transformers.
 
 On a GPU (skipped here) the same model checks run on cuda with the triton backend in bfloat16
 and float32: ``pytest tests/test_transformers.py -k cuda``.
