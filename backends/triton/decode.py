@@ -351,7 +351,7 @@ def append(kv) -> None:
         kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
         bt.stride(0) if kv.paged else 0, kv.capacity, kv.page_size, kv.num_pages,
-        HEAD_D=kv.head_dim, HEAD_DV=kv.head_dim_v, BLOCK_D=block_d, PAGED=kv.paged, num_warps=1,
+        HEAD_D=kv.head_dim, HEAD_DV=kv.head_dim_v, BLOCK_D=block_d, PAGED=kv.paged, num_warps=1, enable_fp_fusion=True,
     )
 
 
@@ -397,7 +397,7 @@ def forward(kv, config=None) -> tuple[torch.Tensor, torch.Tensor]:
             part_o, part_lse, out, lse, out.stride(0), out.stride(1), out.stride(2),
             kv.num_heads_q, kv.seqlen_q, splits,
             HEAD_DV=kv.head_dim_v, BLOCK_D=padded_dim(kv.head_dim_v), BLOCK_S=max(16, triton.next_power_of_2(splits)),
-            IEEE=kv.dtype == torch.float32 and not kv.allow_tf32, num_warps=4,
+            IEEE=kv.dtype == torch.float32 and not kv.allow_tf32, num_warps=4, enable_fp_fusion=True,
         )
     return out, lse
 
