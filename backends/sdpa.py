@@ -11,11 +11,13 @@ It covers what SDPA can express and declines the rest with reasons:
 Rows with no visible key are given one visible key for SDPA (so it never sees an all-masked
 row, which gives NaN in some kernels) and are then multiplied by 0, which also zeroes their
 gradients. ``lse`` is not exposed by SDPA: when ``return_lse=True`` it is computed by an extra
-float32 pass over ``Q Kᵀ`` (row chunks, bounded memory).
+float32 pass over ``Q Kᵀ`` (row chunks, bounded memory); a gradient reaching that lse is
+added to SDPA's own backward by a second such pass (``dS = dlse · P``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -67,16 +69,47 @@ def _copies_unfriendly_views(spec) -> bool:
     return spec.device.type == "cuda"
 
 
+def _sdp_flags():
+    """(getter, setter, enabled-for-math) of every SDPA kernel flag torch has."""
+    from torch.nn.attention import _backend_names
+    flags = []
+    for name in _backend_names:
+        get, put = getattr(torch._C, f"_get_{name}_sdp_enabled", None), getattr(torch._C, f"_set_sdp_use_{name}", None)
+        if get is not None and put is not None:
+            flags.append((get, put, name == "math"))
+    return tuple(flags)
+
+
+class _MathOnly:
+    """Only SDPA's math kernel inside the block: what ``sdpa_kernel([SDPBackend.MATH])`` does
+    (same global flags, restored on exit), without its Python overhead, which at small sizes
+    cost more than the attention itself."""
+
+    __slots__ = ("saved",)
+    _flags = None
+
+    def __enter__(self):
+        flags = _MathOnly._flags or _sdp_flags()
+        _MathOnly._flags = flags
+        self.saved = [get() for get, _, _ in flags]
+        for _, put, math in flags:
+            put(math)
+        return self
+
+    def __exit__(self, *exc):
+        for (_, put, _), was in zip(_MathOnly._flags, self.saved):
+            put(was)
+
+
 def _kernel_choice(spec):
     """SDPA's math kernel on CPU (every dtype) and for float32/float64 on GPUs; elsewhere torch
     chooses. The fused CPU kernel approximates exp (fp16 with extreme logits: dq 13x the
-    naive error, found by the property suite), and on the H200 (2026-11-29) the fused CUDA
-    float32 kernel missed the §3 bound on small problems (e.g. 4.8e-7 on a one-key row the
-    math gives exactly): both break DESIGN.md §2/§3."""
-    import contextlib
+    naive error, found by the property suite; float32 bhsd views: dk 3.6x, the conformance
+    catalogue on CPU, 2026-12-01), and on the H200 (2026-11-29) the fused CUDA float32 kernel
+    missed the equivalence rule (docs/semantics.md) on small problems (e.g. 4.8e-7 on a one-key
+    row the math gives exactly)."""
     if spec.vendor == "cpu" or spec.dtype in (torch.float32, torch.float64):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        return sdpa_kernel([SDPBackend.MATH])
+        return _MathOnly()
     return contextlib.nullcontext()
 
 
@@ -184,27 +217,62 @@ class SdpaBackend(Backend):
             out = out * plan.row_keep
         return out.transpose(1, 2), plan
 
-    def _lse(self, spec) -> torch.Tensor:
-        """log-sum-exp of the masked scores in float32, computed in row chunks."""
-        plan = _Plan(spec, torch.float32)
+    @staticmethod
+    def _score_chunks(spec, dtype):
+        """Masked scores ``scale · q kᵀ (+ mask)`` in ``dtype``, in row chunks of bounded size:
+        yields ``(r0, r1, s (B, Hq, r1 - r0, Sk), keep)``, ``keep`` bool (B, Hq, r1 - r0) False
+        for rows with no visible key (their scores are not all -inf: see :class:`_Plan`), or None."""
+        plan = _Plan(spec, dtype)
         b, hq, sq, sk = spec.batch, spec.num_heads_q, spec.seqlen_q, spec.seqlen_k
-        q = spec.q.transpose(1, 2).float()
-        k = spec.k.transpose(1, 2).float().repeat_interleave(spec.gqa_ratio, dim=1)
-        lse = torch.empty(b, hq, sq, dtype=torch.float32, device=spec.device)
+        q = spec.q.transpose(1, 2).to(dtype)
+        k = spec.k.transpose(1, 2).to(dtype).repeat_interleave(spec.gqa_ratio, dim=1)
+        mask = _keep_mask(spec, spec.device) if plan.structured else plan.mask
         step = max(1, _LSE_CHUNK_ELEMENTS // max(1, b * hq * sk))
         for r0 in range(0, sq, step):
             r1 = min(sq, r0 + step)
             s = (q[:, :, r0:r1] @ k.transpose(-1, -2)) * spec.scale
-            mask = _keep_mask(spec, spec.device) if plan.structured else plan.mask
             if mask is not None:
                 m = mask[..., r0:r1, :]
-                s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
-            chunk = torch.logsumexp(s, dim=-1)
+                s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(dtype)
+            keep = None
             if plan.row_keep is not None:
                 keep = plan.row_keep.expand(b, hq, sq, 1)[:, :, r0:r1, 0] > 0
-                chunk = chunk.masked_fill(~keep, float("-inf"))
-            lse[:, :, r0:r1] = chunk
+            yield r0, r1, s, keep
+
+    def _lse(self, spec) -> torch.Tensor:
+        """log-sum-exp of the masked scores in float32, computed in row chunks."""
+        lse = torch.empty(spec.lse_shape, dtype=torch.float32, device=spec.device)
+        for r0, r1, s, keep in self._score_chunks(spec, torch.float32):
+            chunk = torch.logsumexp(s, dim=-1)
+            lse[:, :, r0:r1] = chunk if keep is None else chunk.masked_fill(~keep, float("-inf"))
         return lse
+
+    def _lse_grads(self, spec, dlse: torch.Tensor, want_dbias: bool):
+        """The gradients of ``Σ dlse · lse``: with ``dS = dlse_i · P_ij`` (∂lse_i/∂s_ij = P_ij),
+        ``dq = scale · dS k``, ``dk = scale · dSᵀ q`` (summed over each GQA group) and
+        ``dbias = dS``; rows with no visible key get none. Row chunks as :meth:`_lse`, in float32
+        (float64 for float64 inputs). Returns canonical ``(dq, dk, dbias or None)`` in that dtype."""
+        dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
+        b, hkv, sk = spec.batch, spec.num_heads_kv, spec.seqlen_k
+        q = spec.q.transpose(1, 2).to(dtype)
+        k = spec.k.transpose(1, 2).to(dtype).repeat_interleave(spec.gqa_ratio, dim=1)
+        dq = torch.empty(q.shape, dtype=dtype, device=spec.device)
+        dk = torch.zeros(k.shape, dtype=dtype, device=spec.device)
+        dbias = torch.empty(spec.attn_bias.shape, dtype=dtype, device=spec.device) if want_dbias else None
+        dlse = dlse.to(dtype)
+        for r0, r1, s, keep in self._score_chunks(spec, dtype):
+            g = dlse[:, :, r0:r1]
+            if keep is not None:
+                g = g.masked_fill(~keep, 0.0)
+            ds = torch.softmax(s, dim=-1) * g.unsqueeze(-1)
+            if keep is not None:   # (the plan gave these rows one key: P there is not 0)
+                ds = ds.masked_fill(~keep.unsqueeze(-1), 0.0)
+            dq[:, :, r0:r1] = (ds @ k) * spec.scale
+            dk += (ds.transpose(-1, -2) @ q[:, :, r0:r1]) * spec.scale
+            if dbias is not None:
+                dbias[:, :, r0:r1] = ds
+        dk = dk.view(b, hkv, spec.gqa_ratio, sk, -1).sum(dim=2)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dbias
 
     def forward(self, spec):
         with torch.no_grad():
@@ -215,8 +283,9 @@ class SdpaBackend(Backend):
                 lse = torch.full(spec.lse_shape, float("nan"), dtype=torch.float32, device=spec.device)
         return out.contiguous(), lse
 
-    def backward(self, spec, out, lse, dout):
-        # Recompute SDPA under torch.func.vjp (works inside the custom op) and pull dout back.
+    def backward(self, spec, out, lse, dout, dlse=None):
+        # Recompute SDPA under torch.func.vjp (works inside the custom op) and pull dout back;
+        # SDPA has no lse output, so dlse's share is added by _lse_grads.
         want_dbias = spec.attn_bias is not None and not spec.bias_is_mask and spec.attn_bias.requires_grad
         # made friendly here, outside vjp (the copy is the identity, so are its gradients)
         primals = self._friendly(spec, (spec.q.detach(), spec.k.detach(), spec.v.detach()))
@@ -230,8 +299,15 @@ class SdpaBackend(Backend):
         with torch.enable_grad():
             _, vjp = torch.func.vjp(f, *primals)
             grads = vjp(dout.to(spec.dtype))
+        dq, dk, dv = grads[:3]
         dbias = grads[3] if want_dbias else None
-        return grads[0], grads[1], grads[2], dbias
+        if dlse is not None:
+            lq, lk, lb = self._lse_grads(spec, dlse, want_dbias)
+            dq = (dq.to(lq.dtype) + lq).to(spec.dtype)
+            dk = (dk.to(lk.dtype) + lk).to(spec.dtype)
+            if want_dbias:
+                dbias = (dbias.to(lb.dtype) + lb).to(dbias.dtype)
+        return dq, dk, dv, dbias
 
 
 def _with_bias(spec, bias):

@@ -1,11 +1,19 @@
-"""``portattn.attention``: the public function, its torch custom op and its autograd.
+"""``portattn.attention``: the public function, its call paths and its autograd.
 
-The Python wrapper validates the arguments once (:func:`portattn.spec.build_spec`) and resolves
-a pinned backend; the work happens inside the ``torch.library`` custom op
-``portattn::attention``, which rebuilds the spec from its (already validated, canonical)
-arguments, selects the backend at run time and calls it. Because the op has a fake (meta)
-implementation, ``torch.compile(fullgraph=True)`` traces it as one node, and the ONNX exporter
-translates that node into the portattn ``FlashAttention`` op.
+One validation (:func:`portattn.spec.build_spec`) and one backend choice
+(:func:`portattn.dispatch.select`) per call; then one of three paths, with identical results:
+
+* **eager, no gradient needed**: the backend's ``forward`` is called directly;
+* **eager, gradient needed**: :class:`_Attention` (a ``torch.autograd.Function``) calls the
+  chosen backend's ``forward`` and, later, the same backend's ``backward`` (with the gradient
+  of ``lse`` when the caller used it);
+* **under torch.compile**: the ``torch.library`` custom op ``portattn::attention`` (one graph
+  node, with a fake implementation; the ONNX exporter translates it into the portattn
+  ``FlashAttention`` op). The op selects its backend when it runs (``use_backend`` and
+  ``PORTATTN_BACKEND`` are read then) and hands the name to its backward op.
+
+Empty problems (no query rows or no keys) compute nothing: the output is 0 and lse −inf
+(docs/semantics.md), and gradients are 0.
 """
 
 from __future__ import annotations
@@ -15,45 +23,92 @@ from typing import Optional
 import torch
 
 from . import dispatch
-from .spec import AttentionSpec, build_spec
+from .registry import get_backend
+from .spec import AttentionSpec, build_spec, spec_from_canonical
 
 Tensor = torch.Tensor
 
 
-# ----- the custom op -----------------------------------------------------------------------
+# ----- running one backend -------------------------------------------------------------------
+
+class _Empty:
+    """Stands in for a backend on empty problems: nothing to compute, nothing to differentiate."""
+
+    name = "(empty problem)"
+
+    @staticmethod
+    def forward(spec: AttentionSpec):
+        out = torch.zeros(spec.out_shape, dtype=spec.dtype, device=spec.device)
+        lse = torch.full(spec.lse_shape, float("-inf"), dtype=torch.float32, device=spec.device)
+        return out, lse
+
+    @staticmethod
+    def backward(spec: AttentionSpec, out, lse, dout, dlse=None):
+        dbias = None
+        if spec.attn_bias is not None and spec.attn_bias.requires_grad:
+            dbias = torch.zeros(spec.attn_bias.shape, dtype=spec.attn_bias.dtype, device=spec.device)
+        return torch.zeros_like(spec.q), torch.zeros_like(spec.k), torch.zeros_like(spec.v), dbias
+
+
+def _choose(spec: AttentionSpec, backend: str | None):
+    if spec.is_empty:
+        dispatch._requested(backend)   # an unknown name fails even on an empty problem
+        return _Empty
+    return dispatch.select(spec, backend)
+
+
+def _forward(impl, spec: AttentionSpec):
+    out, lse = impl.forward(spec)
+    if out.numel() and out.data_ptr() in (spec.q.data_ptr(), spec.k.data_ptr(), spec.v.data_ptr()):
+        out = out.clone()   # never hand back (a view of) an input as the output
+    return out, lse
+
+
+def _backward(impl, spec: AttentionSpec, out, lse, dout, dlse):
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if dlse is None:
+        return impl.backward(spec, out, lse, dout.contiguous())
+    return impl.backward(spec, out, lse, dout.contiguous(), dlse.contiguous())
+
+
+def _dbias_for(dbias, bias: Tensor | None):
+    """The gradient of the caller's (broadcastable) bias from the backend's expanded one."""
+    if dbias is None or bias is None:
+        return None
+    return dbias.sum_to_size(bias.shape).to(bias.dtype)
+
+
+class _Attention(torch.autograd.Function):
+    """Eager autograd: forward and backward on the one backend chosen for the call."""
+
+    @staticmethod
+    def forward(ctx, impl, spec, q, k, v, bias):
+        out, lse = _forward(impl, spec)
+        ctx.impl, ctx.spec, ctx.bias = impl, spec, bias
+        ctx.save_for_backward(out, lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        out, lse = ctx.saved_tensors
+        dq, dk, dv, dbias = _backward(ctx.impl, ctx.spec, out, lse, dout, dlse)
+        bias = ctx.bias
+        return None, None, dq, dk, dv, _dbias_for(dbias, bias) if bias is not None and bias.requires_grad else None
+
+
+# ----- the custom op (torch.compile and ONNX export) -----------------------------------------
 
 def _op_spec(q, k, v, alibi_slopes, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              scale, causal, alignment, window_left, window_right, softcap, return_lse, needs_grad) -> AttentionSpec:
-    """Rebuild the spec inside the op from canonical, already-validated arguments."""
-    varlen = cu_seqlens_q is not None
-    spec = AttentionSpec(
-        q=q, k=k, v=v, scale=scale, causal=causal, alignment=alignment,
-        window_left=None if window_left < 0 else window_left,
-        window_right=None if window_right < 0 else window_right,
-        softcap=softcap if softcap > 0 else None, alibi_slopes=alibi_slopes,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q if varlen else None, max_seqlen_k=max_seqlen_k if varlen else None,
-        return_lse=return_lse, needs_grad=needs_grad,
-        deterministic=_deterministic(), allow_tf32=_allow_tf32(),
-    )
-    if attn_bias is not None:
-        object.__setattr__(spec, "attn_bias",
-                           attn_bias.expand(spec.batch, spec.num_heads_q, spec.seqlen_q, spec.seqlen_k))
-    return spec
-
-
-def _deterministic() -> bool:
-    from . import config
-    return config.deterministic() or torch.are_deterministic_algorithms_enabled()
-
-
-def _allow_tf32() -> bool:
-    from . import config
-    return config.allow_tf32()
-
-
-def _run_backend(spec: AttentionSpec, backend: str):
-    return dispatch.select(spec, backend or None)
+    """The spec inside the op, from canonical, already-validated arguments."""
+    return spec_from_canonical(
+        q, k, v, scale=scale, causal=causal, alignment=alignment,
+        window_left=None if window_left < 0 else window_left, window_right=None if window_right < 0 else window_right,
+        softcap=softcap if softcap > 0 else None, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        return_lse=return_lse, needs_grad=needs_grad)
 
 
 @torch.library.custom_op("portattn::attention", mutates_args=())
@@ -65,13 +120,10 @@ def _attention_op(
 ) -> tuple[Tensor, Tensor]:
     spec = _op_spec(q, k, v, alibi_slopes, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     scale, causal, alignment, window_left, window_right, softcap, return_lse, needs_grad)
-    out, lse = _run_backend(spec, backend).forward(spec)
-    if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) and out.numel():
-        out = out.clone()   # a custom op's outputs must not alias its inputs
-    return out, lse
+    return _forward(_choose(spec, backend or None), spec)
 
 
-def _lse_shape(q, cu_seqlens_q, max_seqlen_q):
+def _lse_shape(q, cu_seqlens_q):
     if cu_seqlens_q is not None:
         return (q.shape[1], q.shape[0])
     return (q.shape[0], q.shape[2], q.shape[1])
@@ -81,32 +133,30 @@ def _lse_shape(q, cu_seqlens_q, max_seqlen_q):
 def _attention_fake(q, k, v, alibi_slopes, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     scale, causal, alignment, window_left, window_right, softcap, backend, return_lse, needs_grad):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    lse = q.new_empty(_lse_shape(q, cu_seqlens_q, max_seqlen_q), dtype=torch.float32)
+    lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
 
 
 @torch.library.custom_op("portattn::attention_backward", mutates_args=())
 def _attention_backward_op(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     alibi_slopes: Optional[Tensor], attn_bias: Optional[Tensor],
     cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
     scale: float, causal: bool, alignment: str, window_left: int, window_right: int, softcap: float,
     backend: str, bias_requires_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if bias_requires_grad:
+        attn_bias = attn_bias.detach().requires_grad_(True)
     spec = _op_spec(q, k, v, alibi_slopes, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     scale, causal, alignment, window_left, window_right, softcap, False, True)
-    if bias_requires_grad:
-        object.__setattr__(spec, "attn_bias", spec.attn_bias.detach().requires_grad_(True))
-    dq, dk, dv, dbias = _run_backend(spec, backend).backward(spec, out, lse, dout.contiguous())
-    if dbias is None or not bias_requires_grad:
-        dbias = q.new_empty(0)
-    else:
-        dbias = dbias.sum_to_size(attn_bias.shape).to(attn_bias.dtype).contiguous()
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias
+    impl = _Empty if spec.is_empty else get_backend(backend) if backend else dispatch.select(spec)
+    dq, dk, dv, dbias = _backward(impl, spec, out, lse, dout, dlse)
+    dbias = _dbias_for(dbias, attn_bias) if bias_requires_grad else None
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0) if dbias is None else dbias.contiguous()
 
 
 @_attention_backward_op.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, alibi_slopes, attn_bias, cu_seqlens_q, cu_seqlens_k,
+def _attention_backward_fake(dout, dlse, q, k, v, out, lse, alibi_slopes, attn_bias, cu_seqlens_q, cu_seqlens_k,
                              max_seqlen_q, max_seqlen_k, scale, causal, alignment, window_left, window_right,
                              softcap, backend, bias_requires_grad):
     dbias = torch.empty_like(attn_bias) if bias_requires_grad else q.new_empty(0)
@@ -120,31 +170,56 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, alibi, bias, cu_q, cu_k)
     ctx.args = (max_q, max_k, scale, causal, alignment, wl, wr, softcap, backend)
     ctx.bias_requires_grad = bias is not None and bias.requires_grad
+    ctx.return_lse = return_lse
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, dlse):
+def _op_backward(ctx, dout, dlse):
     q, k, v, out, lse, alibi, bias, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv, dbias = _attention_backward_op(dout, q, k, v, out, lse, alibi, bias, cu_q, cu_k, *ctx.args,
+    if not ctx.return_lse:   # lse was not handed to the caller: any gradient it has is a materialised 0
+        dlse = None
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dbias = _attention_backward_op(dout, dlse, q, k, v, out, lse, alibi, bias, cu_q, cu_k, *ctx.args,
                                                ctx.bias_requires_grad)
     return (dq, dk, dv, None, dbias if ctx.bias_requires_grad else None,
             None, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
-torch.library.register_autograd("portattn::attention", _backward, setup_context=_setup_context)
+torch.library.register_autograd("portattn::attention", _op_backward, setup_context=_setup_context)
 
 
-# ----- the public function -----------------------------------------------------------------
+# ----- the public function -------------------------------------------------------------------
 
-def _bias_4d(spec: AttentionSpec, attn_bias: Tensor | None) -> Tensor | None:
+def _bias_4d(attn_bias: Tensor | None) -> Tensor | None:
     """The caller's bias as a 4-D view, broadcastable (not expanded) to (B, Hq, Sq, Sk)."""
-    if attn_bias is None:
-        return None
+    if attn_bias is None or attn_bias.dim() == 4:
+        return attn_bias
     return attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
+
+
+#: argument names of other libraries -> portattn's (for the TypeError of an unknown keyword)
+_ALIASES = {
+    "is_causal": "causal=True (bottom-right aligned; add causal_alignment='top_left' for SDPA's is_causal)",
+    "softmax_scale": "scale=", "sm_scale": "scale=", "window_size": "window=(left, right)",
+    "attn_mask": "attn_bias= (a float bias, or a bool mask with True = keep)", "mask": "attn_bias=",
+    "enable_gqa": "nothing: GQA is automatic when k/v have fewer heads than q",
+    "dropout_p": "nothing: portattn computes exact attention without dropout",
+    "return_softmax_lse": "return_lse=True", "return_attn_probs": "return_lse=True",
+}
+
+
+def _unexpected(kwargs: dict) -> TypeError:
+    parts = []
+    for name in kwargs:
+        hint = _ALIASES.get(name)
+        parts.append(f"{name!r}" + (f" (use {hint})" if hint else ""))
+    return TypeError(f"attention() got unexpected keyword argument(s) {', '.join(parts)}; see help(portattn.attention)")
 
 
 def attention(q, k, v, *, causal=False, causal_alignment="bottom_right", window=None, scale=None, softcap=None,
               alibi_slopes=None, attn_bias=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-              max_seqlen_k=None, layout="bshd", return_lse=False, backend=None):
+              max_seqlen_k=None, layout="bshd", return_lse=False, backend=None, **unexpected):
     """Exact attention ``softmax(scale · q kᵀ + bias) v`` with FlashAttention's tiled online softmax.
 
     Shapes (``layout="bshd"``, flash-attn's; ``layout="bhsd"`` is SDPA's order)::
@@ -152,11 +227,12 @@ def attention(q, k, v, *, causal=False, causal_alignment="bottom_right", window=
         q (B, Sq, Hq, D)   k (B, Sk, Hkv, D)   v (B, Sk, Hkv, Dv)   ->  out (B, Sq, Hq, Dv)
 
     Varlen (packed) sequences: ``q (total_q, Hq, D)``, ``k/v (total_k, Hkv, D/Dv)`` with
-    ``cu_seqlens_q/k`` (int32, ``B + 1``, starting at 0) and optional ``max_seqlen_q/k``.
+    ``cu_seqlens_q/k`` (int32, ``B + 1``, starting at 0) and optional ``max_seqlen_q/k`` (give
+    them under ``torch.compile`` and CUDA-graph capture, where cu_seqlens is not read on the host).
     ``Hq`` must be a multiple of ``Hkv`` (GQA/MQA: query head ``h`` reads kv head ``h // (Hq // Hkv)``).
     The output has q's dtype and layout.
 
-    Score of query row ``i`` against key ``j``, in this order:
+    Score of query row ``i`` against key ``j``, in this order (docs/semantics.md):
 
     1. ``s = scale · q_i · k_j`` (default ``scale = 1/sqrt(D)``), accumulated in float32 at least;
     2. ``softcap=c > 0``: ``s = c · tanh(s / c)``;
@@ -173,30 +249,32 @@ def attention(q, k, v, *, causal=False, causal_alignment="bottom_right", window=
 
     A row with no visible key outputs **0** and has ``lse = -inf`` (never NaN).
     ``return_lse=True`` also returns the natural-log log-sum-exp, float32 ``(B, Hq, Sq)``
-    (varlen: ``(Hq, total_q)``). Differentiable in q, k, v and a float ``attn_bias``.
-    float32 inputs are computed in IEEE float32 unless ``PORTATTN_ALLOW_TF32=1``.
+    (varlen: ``(Hq, total_q)``). Differentiable in q, k, v and a float ``attn_bias``, through
+    ``out`` and through ``lse`` (∂lse_i/∂s_ij = P_ij). float32 inputs are computed in IEEE
+    float32 unless ``PORTATTN_ALLOW_TF32=1``.
 
-    ``backend`` pins a backend by name (else ``use_backend(...)``, ``PORTATTN_BACKEND``, or the
-    device's priority list decides; see :func:`portattn.explain`). A pinned backend that cannot
-    run raises ``ValueError`` with its reasons.
+    ``backend`` pins a backend by name, or ``"fastest"`` for the fastest verified one (else
+    ``use_backend(...)``, ``PORTATTN_BACKEND``, or the policy decides; see :func:`portattn.explain`).
+    A pinned backend that cannot run raises ``ValueError`` with its reasons.
     """
+    if unexpected:
+        raise _unexpected(unexpected)
     spec = build_spec(q, k, v, causal=causal, causal_alignment=causal_alignment, window=window, scale=scale,
                       softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q,
                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                       layout=layout, return_lse=return_lse)
+    bias = _bias_4d(attn_bias)
     if torch.compiler.is_compiling():
-        # The op selects at run time (use_backend and PORTATTN_BACKEND are read then).
-        pin = backend or ""
+        out, lse = _attention_op(
+            spec.q, spec.k, spec.v, spec.alibi_slopes, bias, spec.cu_seqlens_q, spec.cu_seqlens_k,
+            spec.max_seqlen_q or 0, spec.max_seqlen_k or 0, spec.scale, spec.causal, spec.alignment,
+            -1 if spec.window_left is None else spec.window_left,
+            -1 if spec.window_right is None else spec.window_right,
+            spec.softcap or 0.0, backend or "", spec.return_lse, spec.needs_grad)
+    elif spec.needs_grad:
+        out, lse = _Attention.apply(_choose(spec, backend), spec, spec.q, spec.k, spec.v, bias)
     else:
-        # Eager: select now (a pinned backend that cannot run fails here, with its reasons) and
-        # hand the choice to the op, so forward and backward run on the same backend.
-        pin = dispatch.select(spec, backend).name
-    out, lse = _attention_op(
-        spec.q, spec.k, spec.v, spec.alibi_slopes, _bias_4d(spec, attn_bias), spec.cu_seqlens_q, spec.cu_seqlens_k,
-        spec.max_seqlen_q or 0, spec.max_seqlen_k or 0, spec.scale, spec.causal, spec.alignment,
-        -1 if spec.window_left is None else spec.window_left, -1 if spec.window_right is None else spec.window_right,
-        spec.softcap or 0.0, pin, spec.return_lse, spec.needs_grad,
-    )
+        out, lse = _forward(_choose(spec, backend), spec)
     if layout == "bhsd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

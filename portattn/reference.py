@@ -77,12 +77,15 @@ def _one_sequence(spec: AttentionSpec, q, k, v, bias, slopes, compute_dtype, nai
     p = torch.exp(s - m)
     l = p.sum(dim=-1, keepdim=True)
     empty = l == 0
+    l_safe = torch.where(empty, torch.ones_like(l), l)
     if naive:
-        p = (p / torch.where(empty, torch.ones_like(l), l)).to(p_dtype)
+        p = (p / l_safe).to(p_dtype)
         out = p @ vh
     else:
-        out = (p @ vh) / torch.where(empty, torch.ones_like(l), l)
-    lse = (m + torch.log(l)).squeeze(-1).detach().to(torch.float64)   # log(0) = -inf for empty rows
+        out = (p @ vh) / l_safe
+    # differentiable (∂lse_i/∂s_ij = P_ij; m is a constant that cancels); empty rows are -inf
+    # through a where, so they get no gradient (log(l_safe) keeps 1/0 out of the backward)
+    lse = torch.where(empty, float("-inf"), m + torch.log(l_safe)).squeeze(-1).to(torch.float64)
     return out.transpose(0, 1), lse
 
 
@@ -92,12 +95,26 @@ def _heads_chunks(hq: int, sq: int, sk: int):
     return [(h, min(hq, h + step)) for h in range(0, hq, step)]
 
 
+def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_name: str, max_len: int) -> list[int]:
+    """``cu`` as a list, checked: under torch.compile nothing validated its contents before the
+    backend runs (portattn.spec does only in eager mode), and this backend reads them anyway."""
+    host = cu.tolist()
+    lengths = [b - a for a, b in zip(host[:-1], host[1:])]
+    if host[0] != 0 or host[-1] != total or any(n < 0 for n in lengths) or max(lengths) > max_len:
+        shown = f"{host[:8]}{' ...' if len(host) > 8 else ''}"
+        raise ValueError(
+            f"{name} must start at 0, never decrease and end at the packed length {total}, with no "
+            f"sequence longer than {max_name}={max_len}; got {shown} (last={host[-1]}). Its contents "
+            f"are not checked under torch.compile: fix the values, or call eagerly to have them validated")
+    return host
+
+
 def _attention(spec: AttentionSpec, q, k, v, bias, compute_dtype, naive: bool):
     """Loop over sequences (and head chunks); returns canonical out and lse (float64)."""
     ratio = spec.gqa_ratio
     if spec.is_varlen:
-        cq = spec.cu_seqlens_q.tolist()
-        ck = spec.cu_seqlens_k.tolist()
+        cq = _host_cu_seqlens("cu_seqlens_q", spec.cu_seqlens_q, q.shape[0], "max_seqlen_q", spec.seqlen_q)
+        ck = _host_cu_seqlens("cu_seqlens_k", spec.cu_seqlens_k, k.shape[0], "max_seqlen_k", spec.seqlen_k)
         seqs = [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(spec.batch)]
     else:
         seqs = None
@@ -122,6 +139,10 @@ def _attention(spec: AttentionSpec, q, k, v, bias, compute_dtype, naive: bool):
         lses.append(torch.cat(l_parts, dim=0))
     if spec.is_varlen:
         return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+    if not outs:   # batch 0: empty results that still depend on the inputs (for vjp)
+        tie = 0 * (q.sum() + k.sum() + v.sum()).to(compute_dtype)
+        out = torch.zeros(spec.out_shape, dtype=compute_dtype, device=q.device) + tie
+        return out, torch.zeros(spec.lse_shape, dtype=torch.float64, device=q.device) + tie.double()
     return torch.stack(outs, dim=0), torch.stack(lses, dim=0)
 
 
@@ -133,7 +154,8 @@ def _float_bias(spec, dtype):
 
 
 def reference_forward(spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention in float64: ``(out float64 canonical, lse float32)``; differentiable."""
+    """Exact attention in float64: ``(out float64 canonical, lse float32)``; both are
+    differentiable (in q, k, v and a float bias)."""
     f64 = torch.float64
     out, lse = _attention(spec, spec.q.to(f64), spec.k.to(f64), spec.v.to(f64), _float_bias(spec, f64), f64, naive=False)
     return out, lse.to(torch.float32)
@@ -166,8 +188,9 @@ class ReferenceBackend(Backend):
             out, lse = reference_forward(spec)
         return out.to(spec.dtype), lse
 
-    def backward(self, spec, out, lse, dout):
+    def backward(self, spec, out, lse, dout, dlse=None):
         # torch.func.vjp works inside the custom op, where plain autograd is dispatched away.
+        # out and lse are both pulled back: dlse (or zeros) reaches the scores through lse.
         f64 = torch.float64
         bias = _float_bias(spec, f64)
         want_dbias = bias is not None and bias.dtype != torch.bool and spec.attn_bias.requires_grad
@@ -176,11 +199,12 @@ class ReferenceBackend(Backend):
             primals.append(bias.detach())
 
         def f(q, k, v, b=bias):
-            return _attention(spec, q, k, v, b, f64, naive=False)[0]
+            return _attention(spec, q, k, v, b, f64, naive=False)
 
         with torch.enable_grad():
-            _, vjp = torch.func.vjp(f, *primals)
-            grads = vjp(dout.to(f64))
+            (_, lse64), vjp = torch.func.vjp(f, *primals)
+            dlse64 = torch.zeros_like(lse64) if dlse is None else dlse.to(device=lse64.device, dtype=f64)
+            grads = vjp((dout.to(f64), dlse64))
         dq, dk, dv = (g.to(spec.dtype) for g in grads[:3])
         dbias = grads[3].to(spec.attn_bias.dtype) if want_dbias else None
         return dq, dk, dv, dbias

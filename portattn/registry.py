@@ -31,23 +31,11 @@ from typing import ClassVar
 import torch
 
 from . import config
+from .features import ALL_FEATURES, check_feature_names
+
+__all__ = ["ALL_FEATURES", "Backend", "get_backend", "list_backends", "register_backend", "unregister_backend"]
 
 ENTRY_POINT_GROUP = "portattn.backends"
-
-#: Every optional feature name a backend may declare (AttentionSpec.features() uses these).
-ALL_FEATURES = frozenset({
-    "causal",      # causal masking (window right = 0)
-    "top_left",    # causal/window aligned top-left (SDPA's convention) instead of bottom-right
-    "window",      # sliding window (left, right)
-    "softcap",     # c * tanh(s / c)
-    "alibi",       # ALiBi slopes (Hq,) or (B, Hq)
-    "bias",        # additive float attn_bias
-    "bool_mask",   # boolean attn_bias (True = keep)
-    "bias_grad",   # gradient with respect to a float attn_bias
-    "varlen",      # packed sequences with cu_seqlens
-    "gqa",         # Hq != Hkv
-    "head_dim_v",  # head_dim of v differs from q/k
-})
 
 #: Built-in backends, used when portattn runs from a source tree without installed metadata
 #: (``PYTHONPATH=.``) or with metadata that lacks some: same names and targets as pyproject's
@@ -55,6 +43,11 @@ ALL_FEATURES = frozenset({
 _SOURCE_TREE_ENTRY_POINTS = {
     "reference": "portattn.reference:ReferenceBackend",
     "sdpa": "portattn.backends.sdpa:SdpaBackend",
+    "chunked": "portattn.backends.chunked:ChunkedBackend",
+    "sdpa_cudnn": "portattn.backends.sdpa_kernels:SdpaCudnnBackend",
+    "sdpa_flash": "portattn.backends.sdpa_kernels:SdpaFlashBackend",
+    "sdpa_efficient": "portattn.backends.sdpa_kernels:SdpaEfficientBackend",
+    "sdpa_math": "portattn.backends.sdpa_kernels:SdpaMathBackend",
     "triton": "portattn.backends.triton:TritonBackend",
     "cupy": "portattn.backends.cupy:CupyBackend",
     "onnx": "portattn.backends.onnx:OnnxBackend",
@@ -113,8 +106,11 @@ class Backend:
         """Problem-specific reasons beyond the declared capabilities (override as needed)."""
         return []
 
-    def not_supported_reasons(self, spec) -> list[str]:
-        """Every reason this backend cannot compute ``spec``; empty means it can."""
+    def static_reasons(self, spec) -> list[str]:
+        """Reasons that follow from the declared capabilities and availability alone: they depend
+        only on ``spec.capability_key`` (device, dtype, head dims, features, grad, determinism),
+        so the dispatch core caches them per key. Sizes and run-time state go in
+        :meth:`extra_reasons`."""
         reasons = list(self.availability())
         if reasons:
             return reasons
@@ -136,9 +132,12 @@ class Backend:
         if spec.deterministic and not self.deterministic:
             reasons.append("has no deterministic mode, and determinism was requested "
                            "(PORTATTN_DETERMINISTIC / torch.use_deterministic_algorithms)")
-        if not reasons:
-            reasons.extend(self.extra_reasons(spec))
         return reasons
+
+    def not_supported_reasons(self, spec) -> list[str]:
+        """Every reason this backend cannot compute ``spec``; empty means it can:
+        :meth:`static_reasons`, then (when there are none) :meth:`extra_reasons`."""
+        return self.static_reasons(spec) or list(self.extra_reasons(spec))
 
     def supports(self, spec) -> bool:
         return not self.not_supported_reasons(spec)
@@ -148,9 +147,17 @@ class Backend:
         """Return ``(out, lse)`` for ``spec`` (canonical layout, see the class docstring)."""
         raise NotImplementedError(f"backend {self.name!r} does not implement forward")
 
-    def backward(self, spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
+    def backward(self, spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                 dlse: torch.Tensor | None = None):
         """Return ``(dq, dk, dv, dbias)`` in the canonical layout; ``dbias`` is None unless a
-        float ``attn_bias`` requires grad, then it has ``spec.attn_bias``'s expanded shape."""
+        float ``attn_bias`` requires grad, then it has ``spec.attn_bias``'s expanded shape.
+
+        ``dout`` is the loss gradient w.r.t. ``out`` (``spec.out_shape``); ``dlse`` is None (no
+        gradient reaches the lse) or float32 of ``spec.lse_shape``: the loss gradient w.r.t. the
+        natural-log lse. Since ∂lse_i/∂s_ij = P_ij, it adds ``dlse_i · P_ij`` to the score
+        gradient: ``dS_ij = P_ij · (dP_ij − delta_i + dlse_i)``, i.e. ``delta`` becomes
+        ``delta − dlse``. Rows with no visible key (lse = -inf) get no gradient from ``dlse``
+        (and never NaN). The API passes ``dlse`` only when it is given, by keyword."""
         raise NotImplementedError(f"backend {self.name!r} has no backward")
 
     def capabilities(self) -> dict:
@@ -186,6 +193,22 @@ _backends: dict[str, Backend] = {}
 _entry_points: dict[str, importlib.metadata.EntryPoint] = {}
 _discovered = False
 _preferred: list[str] = []   # third-party backends registered with prefer=True
+_generation = 0              # bumped on every change of the registry (dispatch caches key on it)
+
+
+def generation() -> int:
+    """A number that changes whenever a backend is registered, replaced, unregistered or loaded."""
+    return _generation
+
+
+def _changed() -> None:
+    global _generation
+    _generation += 1
+
+
+def _check_declared(backend: Backend, owner: str) -> None:
+    """Reject declared capabilities a typo would silently turn into 'unsupported'."""
+    backend.features = check_feature_names(backend.features, owner)  # type: ignore[misc]
 
 
 def _discover() -> None:
@@ -224,9 +247,11 @@ def _load(name: str) -> Backend | None:
                 raise TypeError(f"{ep.value} is not a portattn.Backend")
             if not backend.name:
                 backend.name = name
+            _check_declared(backend, f"backend {name!r} ({ep.value})")
         except Exception as exc:
             backend = _BrokenBackend(name, f"entry point {ep.value!r} failed to load: {type(exc).__name__}: {exc}")
         _backends[name] = backend
+        _changed()
         return backend
 
 
@@ -243,6 +268,7 @@ def register_backend(backend, *, name: str | None = None, replace: bool = False,
     key = name or inst.name
     if not key:
         raise ValueError("a backend needs a name: set the class attribute `name` or pass name=...")
+    _check_declared(inst, f"backend {key!r}")
     _discover()
     with _lock:
         if (key in _backends or key in _entry_points) and not replace:
@@ -254,6 +280,7 @@ def register_backend(backend, *, name: str | None = None, replace: bool = False,
             _preferred.remove(key)
         if prefer:
             _preferred.insert(0, key)
+        _changed()
     return inst
 
 
@@ -267,6 +294,7 @@ def unregister_backend(name: str) -> None:
         _entry_points.pop(name, None)
         if name in _preferred:
             _preferred.remove(name)
+        _changed()
 
 
 def list_backends() -> list[str]:
@@ -300,3 +328,4 @@ def _reset_for_tests() -> None:
         _entry_points.clear()
         _preferred.clear()
         _discovered = False
+        _changed()

@@ -21,6 +21,7 @@ indexed by positions inside each sequence).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,18 @@ def _is_compiling() -> bool:
         return False
 
 
+def _capturing(device: torch.device) -> bool:
+    """True while a CUDA graph is being captured on the current stream (no host reads then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _real(name: str, value, hint: str) -> float:
+    """A Python or NumPy real number (not bool, not a tensor) as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}; {hint}")
+    return float(value)
+
+
 def device_vendor(device: torch.device) -> str:
     """``"nvidia"``, ``"amd"``, ``"cpu"`` or the device type for anything else."""
     if device.type == "cuda":
@@ -47,9 +60,12 @@ def device_vendor(device: torch.device) -> str:
     return device.type
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class AttentionSpec:
-    """A validated attention problem. Build it with :func:`build_spec`.
+    """A validated attention problem. Build it with :func:`build_spec` (from user arguments) or
+    :func:`spec_from_canonical` (from canonical, validated ones). Read-only by contract: a
+    backend never assigns to it (``dataclasses.replace`` makes a variant). Not frozen because a
+    frozen dataclass costs ~6 us per construction, on every call.
 
     Attributes are documented in the module docstring; derived sizes are plain ints so that
     backends can reason about them without touching tensors.
@@ -83,9 +99,14 @@ class AttentionSpec:
     num_heads_kv: int = field(init=False)
     head_dim: int = field(init=False)
     head_dim_v: int = field(init=False)
+    _features: frozenset = field(init=False, repr=False)
 
     def __post_init__(self):
         set_ = object.__setattr__
+        if self.attn_bias is not None and self.attn_bias.dim() == 4:
+            target = self._bias_target()
+            if tuple(self.attn_bias.shape) != target:   # a broadcastable bias: a stride-0 view
+                set_(self, "attn_bias", self.attn_bias.expand(target))
         if self.is_varlen:
             set_(self, "batch", self.cu_seqlens_q.shape[0] - 1)
             set_(self, "seqlen_q", int(self.max_seqlen_q))
@@ -100,6 +121,12 @@ class AttentionSpec:
         set_(self, "num_heads_kv", self.k.shape[heads_axis])
         set_(self, "head_dim", self.q.shape[-1])
         set_(self, "head_dim_v", self.v.shape[-1])
+        set_(self, "_features", self._compute_features())
+
+    def _bias_target(self) -> tuple[int, int, int, int]:
+        if self.is_varlen:
+            return (self.cu_seqlens_q.shape[0] - 1, self.q.shape[1], int(self.max_seqlen_q), int(self.max_seqlen_k))
+        return (self.q.shape[0], self.q.shape[2], self.q.shape[1], self.k.shape[1])
 
     # ----- convenience views for backends -------------------------------------------------
     @property
@@ -150,7 +177,17 @@ class AttentionSpec:
         return (self.batch, self.num_heads_q, self.seqlen_q)
 
     def features(self) -> frozenset[str]:
-        """The optional features this problem uses (names match ``Backend.features``)."""
+        """The optional features this problem uses (names of :mod:`portattn.features`)."""
+        return self._features
+
+    @property
+    def capability_key(self) -> tuple:
+        """Everything declared capabilities depend on (``Backend.static_reasons``): the dispatch
+        core caches the backends that pass them under this key."""
+        return (self.q.device, self.q.dtype, self.head_dim, self.head_dim_v, self._features,
+                self.needs_grad, self.deterministic, self.allow_tf32)
+
+    def _compute_features(self) -> frozenset[str]:
         f = set()
         if self.causal:
             f.add("causal")
@@ -211,10 +248,18 @@ def _norm_window(name: str, w) -> int | None:
     return w
 
 
+def _check_cu_type(name: str, cu) -> None:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D int32 torch.Tensor of length B + 1 on q's device, got "
+                        f"{type(cu).__name__}; build it with torch.tensor([0, len0, len0+len1, ...], "
+                        f"dtype=torch.int32, device=q.device)")
+
+
 def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor, total: int, max_name: str,
                       max_len: int | None) -> int:
-    """Validate one cu_seqlens tensor; return the max sequence length (computed if not given)."""
-    _check_tensor(name, cu)
+    """Validate one cu_seqlens tensor; return the max sequence length (computed if not given).
+    Its contents are read on the host only in eager mode outside CUDA-graph capture; under
+    torch.compile or capture ``max_len`` must be given, and the kernels clamp what they read."""
     if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
         raise ValueError(
             f"{name} must be a 1-D int32 tensor of length B + 1 >= 2 starting at 0, got "
@@ -223,9 +268,10 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor, total: int, 
         raise ValueError(f"{name} is on {cu.device} but q is on {q.device}; move it with .to(q.device)")
     if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 0):
         raise ValueError(f"{max_name} must be an int >= 0, got {max_len!r}")
-    if _is_compiling():
+    if _is_compiling() or _capturing(cu.device):
         if max_len is None:
-            raise ValueError(f"{max_name} must be given under torch.compile (it cannot be read from {name})")
+            raise ValueError(f"{max_name} must be given under torch.compile and CUDA-graph capture "
+                             f"(it cannot be read from {name} without a host synchronisation)")
         return max_len
     host = cu.tolist()
     lengths = [b - a for a, b in zip(host[:-1], host[1:])]
@@ -274,6 +320,8 @@ def build_spec(q, k, v, *, causal=False, causal_alignment="bottom_right", window
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dim() != 3:
                 raise ValueError(f"with cu_seqlens, {name} must be 3-D (total, heads, head_dim); got {describe(t)}")
+        _check_cu_type("cu_seqlens_q", cu_seqlens_q)
+        _check_cu_type("cu_seqlens_k", cu_seqlens_k)
         if cu_seqlens_q.shape != cu_seqlens_k.shape:
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length B + 1; got "
                              f"{describe(cu_seqlens_q)} and {describe(cu_seqlens_k)}")
@@ -316,16 +364,12 @@ def build_spec(q, k, v, *, causal=False, causal_alignment="bottom_right", window
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     else:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float, got {type(scale).__name__}")
-        scale = float(scale)
+        scale = _real("scale", scale, "pass a float such as 1/sqrt(head_dim), or None for that default")
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale={scale} is out of range: it must be finite and > 0 (default 1/sqrt(head_dim))")
 
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise TypeError(f"softcap must be a float > 0 or None, got {softcap!r}")
-        softcap = float(softcap)
+        softcap = _real("softcap", softcap, "pass a float > 0, or None/0 to disable it")
         if not math.isfinite(softcap) or softcap < 0:
             raise ValueError(f"softcap={softcap} is out of range: use a finite value > 0, or None/0 to disable it")
         if softcap == 0:
@@ -359,7 +403,11 @@ def build_spec(q, k, v, *, causal=False, causal_alignment="bottom_right", window
         if alibi_slopes.shape not in ((hq,), (batch, hq)):
             raise ValueError(f"alibi_slopes must have shape (Hq,)=({hq},) or (B, Hq)=({batch}, {hq}); "
                              f"got {describe(alibi_slopes)}")
-        alibi = alibi_slopes.detach().to(torch.float32).expand(batch, hq).contiguous()
+        if alibi_slopes.requires_grad and torch.is_grad_enabled():
+            raise ValueError("alibi_slopes requires grad, but portattn does not differentiate with respect to the "
+                             "ALiBi slopes (no backend computes that gradient); pass alibi_slopes.detach(), or "
+                             "compute the slopes' gradient through attn_bias=-slope*|i - j| instead")
+        alibi = alibi_slopes.to(torch.float32).expand(batch, hq).contiguous()
 
     bias = None
     if attn_bias is not None:
@@ -382,11 +430,30 @@ def build_spec(q, k, v, *, causal=False, causal_alignment="bottom_right", window
 
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (bias is not None and bias.requires_grad))
-    deterministic = config.deterministic() or torch.are_deterministic_algorithms_enabled()
-    return AttentionSpec(
-        q=cq, k=ck, v=cv, layout=layout, scale=scale, causal=causal, alignment=causal_alignment,
+    return spec_from_canonical(
+        cq, ck, cv, layout=layout, scale=scale, causal=causal, alignment=causal_alignment,
         window_left=left, window_right=right, softcap=softcap, alibi_slopes=alibi, attn_bias=bias,
         cu_seqlens_q=cu_seqlens_q if varlen else None, cu_seqlens_k=cu_seqlens_k if varlen else None,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=bool(return_lse),
-        needs_grad=needs_grad, deterministic=deterministic, allow_tf32=config.allow_tf32(),
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=bool(return_lse), needs_grad=needs_grad)
+
+
+def spec_from_canonical(q, k, v, *, scale, causal=False, alignment="bottom_right", window_left=None,
+                        window_right=None, softcap=None, alibi_slopes=None, attn_bias=None, cu_seqlens_q=None,
+                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, return_lse=False,
+                        needs_grad=False, layout="bshd") -> AttentionSpec:
+    """The one constructor of :class:`AttentionSpec`, from arguments already validated and in the
+    canonical layout (what :func:`build_spec` produces, and what the custom op receives).
+
+    ``alibi_slopes`` is float32 ``(B, Hq)``; ``attn_bias`` is 4-D and broadcastable to
+    ``(B, Hq, Sq, Sk)`` (it is expanded, never copied). Determinism and TF32 are read from the
+    configuration now. No validation happens here.
+    """
+    return AttentionSpec(
+        q=q, k=k, v=v, layout=layout, scale=scale, causal=causal, alignment=alignment,
+        window_left=window_left, window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
+        attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q if cu_seqlens_q is not None else None,
+        max_seqlen_k=max_seqlen_k if cu_seqlens_q is not None else None, return_lse=return_lse,
+        needs_grad=needs_grad, deterministic=config.deterministic() or torch.are_deterministic_algorithms_enabled(),
+        allow_tf32=config.allow_tf32(),
     )

@@ -63,13 +63,22 @@ def test_builtins_are_registered_through_entry_points():
     assert declared["sdpa"] == "portattn.backends.sdpa:SdpaBackend"
 
 
-def test_cpu_default_is_sdpa_and_falls_back_with_reasons(clean_env):
+def test_cpu_default_is_chunked_and_falls_back_with_reasons(clean_env, monkeypatch):
     q, k, v = qkv()
-    assert portattn.explain(q, k, v).selected == "sdpa"
-    exp = portattn.explain(q, k, v, softcap=5.0)
-    assert exp.selected != "sdpa"
+    assert dispatch.priority_for("cpu")[:2] == ["chunked", "sdpa"]
+    assert portattn.explain(q, k, v).selected == "chunked"
+    exp = portattn.explain(q, k, v, softcap=5.0)   # chunked has every feature; sdpa says why it cannot
+    assert exp.selected == "chunked"
     assert "does not support softcap" in "; ".join(exp.reasons["sdpa"])
-    assert "sdpa" in str(exp) and "selected" in str(exp)
+    # when chunked cannot run, the next candidate is taken and chunked's reason is shown
+    chunked = registry.get_backend("chunked")
+    monkeypatch.setattr(chunked, "extra_reasons", lambda spec: ["made unavailable by the test"])
+    exp = portattn.explain(q, k, v)
+    assert exp.selected == "sdpa" and exp.reasons["chunked"] == ["made unavailable by the test"]
+    assert "chunked" in str(exp) and "made unavailable by the test" in str(exp)
+    exp = portattn.explain(q, k, v, softcap=5.0)
+    assert exp.selected not in ("sdpa", "chunked")
+    assert "does not support softcap" in "; ".join(exp.reasons["sdpa"])
 
 
 def test_prefer_registered_backend_and_capability_reasons(toy, clean_env):
@@ -136,7 +145,7 @@ def test_precedence_argument_over_context_over_env(toy, clean_env):
         with portattn.use_backend("toy"):   # nested: innermost wins
             assert portattn.explain(q, k, v, causal=True).selected == "toy"
         assert portattn.explain(q, k, v, causal=True).selected == "reference"
-    assert portattn.explain(q, k, v, causal=True).selected == "sdpa"
+    assert portattn.explain(q, k, v, causal=True).selected == "sdpa"   # PORTATTN_BACKEND, not the default
 
 
 def test_use_backend_with_several_names_is_an_ordered_restriction(toy, clean_env):
@@ -257,7 +266,7 @@ def test_broken_entry_point_is_reported_not_raised(tmp_path, monkeypatch):
         assert not backend.available
         assert "failed to load: ModuleNotFoundError" in backend.availability()[0]
         q, k, v = qkv()
-        assert portattn.explain(q, k, v).selected == "sdpa"
+        assert portattn.explain(q, k, v).selected == "chunked"
     finally:
         registry._reset_for_tests()
 

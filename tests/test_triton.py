@@ -25,6 +25,7 @@ from portattn.testing import check_backend
 pytest.importorskip("triton")
 
 from portattn.backends.triton import TritonBackend  # noqa: E402
+from test_lse_grad import check_lse_grads  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -288,6 +289,67 @@ def test_gpu_bias_grad_and_bool_mask():
     _assert_ok(check_backend("triton", q, k, v, grad=True, attn_bias=bias))
     keep = torch.rand(b, 1, 1, s, generator=g).to(DEVICE) > 0.2
     _assert_ok(check_backend("triton", q, k, v, grad=True, attn_bias=keep))
+
+
+GPU_LSE_CASES = [
+    # (B, S_q, S_k, Hq, Hkv, D, kwargs): the gradient of Σ out·g + Σ lse·h (issue 11)
+    (2, 1024, 1024, 8, 2, 128, {"causal": True}),
+    (1, 1000, 3000, 4, 4, 64, {"window": (256, 64), "softcap": 30.0}),
+    (2, 2048, 1500, 4, 1, 96, {"causal": True, "alibi": True}),   # bottom-right, Sq > Sk: empty rows
+]
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", range(len(GPU_LSE_CASES)))
+def test_gpu_lse_gradient(case, dtype):
+    b, sq, sk, hq, hkv, d, kw = GPU_LSE_CASES[case]
+    g = torch.Generator().manual_seed(case)
+    q = _randn(b, sq, hq, d, dtype=dtype, gen=g)
+    k = _randn(b, sk, hkv, d, dtype=dtype, gen=g)
+    v = _randn(b, sk, hkv, d, dtype=dtype, gen=g)
+    kw = dict(kw)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(hq, generator=g).to(DEVICE) * 0.1
+    check_lse_grads("triton", q, k, v, **kw)
+
+
+@requires_gpu
+@pytest.mark.gpu
+def test_gpu_lse_gradient_varlen_bias():
+    g = torch.Generator().manual_seed(23)
+    lens_q, lens_k = [1, 700, 0, 1500], [300, 500, 9, 1500]
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    hq, hkv, d = 4, 2, 64
+    q = _poisoned(sum(lens_q), hq, d, torch.bfloat16, g)
+    k = _poisoned(sum(lens_k), hkv, d, torch.bfloat16, g)
+    v = _poisoned(sum(lens_k), hkv, d, torch.bfloat16, g)
+    bias = _randn(len(lens_q), 1, max(lens_q), max(lens_k), dtype=torch.float32, gen=g)
+    check_lse_grads("triton", q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, attn_bias=bias)
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_lse_gradient_deterministic(dtype, monkeypatch):
+    """With a gradient reaching lse too, 10 backward runs are bit-identical."""
+    monkeypatch.setenv("PORTATTN_DETERMINISTIC", "1")
+    g = torch.Generator().manual_seed(29)
+    q, k, v, dout = (_randn(2, 2048, 8, 128, dtype=dtype, gen=g) for _ in range(4))
+    dlse = torch.randn(2, 8, 2048, generator=g).to(DEVICE)
+    first = None
+    for _ in range(10):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = portattn.attention(*leaves, causal=True, return_lse=True, backend="triton")
+        grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+        assert grads[0].abs().max() > 0
+        if first is None:
+            first = grads
+        else:
+            for a, b in zip(first, grads):
+                assert torch.equal(a, b)
 
 
 def test_spec_level_forward_matches_reference():

@@ -57,6 +57,7 @@ class Features:
     alibi: bool = False
     bias_mode: int = 0        # 0 none, 1 additive, 2 bool
     bias_grad: bool = False
+    dlse: bool = False        # a gradient reaches lse (attn_bwd_dq's HAS_DLSE)
     ieee: bool = True         # float32 only: IEEE products (False = TF32 where the target has it)
     head_d: int | None = None  # None = the padded dim itself; else a non-power-of-two dim
     head_dv: int | None = None
@@ -65,7 +66,7 @@ class Features:
         names = [n for n, on in (("varlen", self.varlen), ("top_left", not self.bottom_right),
                                  ("softcap", self.softcap), ("alibi", self.alibi),
                                  ("bias", self.bias_mode == 1), ("bool", self.bias_mode == 2),
-                                 ("dbias", self.bias_grad)) if on]
+                                 ("dbias", self.bias_grad), ("dlse", self.dlse)) if on]
         if self.head_d is not None:
             names.append(f"D{self.head_d}/Dv{self.head_dv}")
         return "+".join(names) or "plain"
@@ -102,7 +103,7 @@ def _configs_for(kernel: str, target: Target, block_d: int, dtype: torch.dtype) 
 
 MAIN_KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
 ALL_FEATURES_ON = Features(varlen=True, bottom_right=False, softcap=True, alibi=True, bias_mode=1, bias_grad=True,
-                           ieee=False)
+                           dlse=True, ieee=False)
 
 
 def _odd_dims(block_d: int) -> tuple[int, int]:
@@ -153,7 +154,7 @@ def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
 # ----- building one compile -----------------------------------------------------------------
 
 _FLOAT_ARGS = {"qk_scale2", "softcap_scale", "softcap2", "sm_scale"}
-_FP32_PTRS = {"LSE", "ROWMAX", "ROWINV", "DELTA", "SLOPES"}
+_FP32_PTRS = {"LSE", "ROWMAX", "ROWINV", "DELTA", "DLSE", "SLOPES"}
 _I32_PTRS = {"CU_Q", "CU_K"}
 
 
@@ -168,7 +169,7 @@ def _signature(fn, case: Case):
     values = dict(
         HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=case.block_d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=f.varlen, BOTTOM_RIGHT=f.bottom_right,
-        SOFTCAP=f.softcap, ALIBI=f.alibi, BIAS_MODE=f.bias_mode, BIAS_GRAD=f.bias_grad,
+        SOFTCAP=f.softcap, ALIBI=f.alibi, BIAS_MODE=f.bias_mode, BIAS_GRAD=f.bias_grad, HAS_DLSE=f.dlse,
         IEEE=case.dtype == torch.float32 and f.ieee,
         RAW_SCORES=case.dtype == torch.float32 and not f.softcap and not f.alibi and f.bias_mode != kernels.BIAS_ADD,
     )

@@ -7,7 +7,7 @@ or changed: ``conformance diff`` warns when two reports were made from different
 
 Tiers: ``small`` cases run on every device (sizes the Triton interpreter can afford on a CPU:
 S <= 129, D <= 128); ``large`` cases run on GPU devices only. ``quick`` marks the subset that
-``portattn check`` runs (one or two cases per feature of DESIGN.md §2, each small).
+``portattn check`` runs (one or two cases per feature of docs/semantics.md, each small).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from .problems import Problem
 
-CATALOGUE_VERSION = "1"
+CATALOGUE_VERSION = "2"
 
 _DT = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -228,6 +228,45 @@ def _combos(b: _Builder):
                                       dtype="float16"))
 
 
+def _nonfinite(b: _Builder):
+    """NaN and ±inf in masked-out K and V positions (docs/semantics.md, "Non-finite values").
+
+    ``hidden``: every key no query row sees is poisoned (causal top-left beyond Sq, left of a
+    window, key padding, key padding inside varlen sequences): the output, lse and gradients must
+    equal the clean problem's. ``partial``: one key that some rows see is poisoned in K: the rows
+    that see it are non-finite (as in the reference), every other row must equal the clean one.
+    """
+    from .problems import POISONS
+    maskings = {
+        "causal-tl": dict(batch=2, seqlen_q=24, seqlen_k=40, heads_q=4, heads_kv=2, causal=True, alignment="top_left"),
+        "window": dict(batch=2, seqlen_q=20, seqlen_k=45, heads_q=2, heads_kv=1, causal=True, window=(4, 0)),
+        "key-padding": dict(batch=3, seqlen_q=17, seqlen_k=29, heads_q=2, heads_kv=2, bias="bool_keys"),
+        "varlen-key-padding": dict(seqlens_q=(5, 17, 9), seqlens_k=(12, 17, 30), heads_q=4, heads_kv=1,
+                               bias="bool_keys"),
+    }
+    dts = list(_DT.values())
+    n = 0
+    for poison in POISONS:
+        for mname, kw in maskings.items():
+            b.add(f"nonfinite/hidden/{poison.replace(':', '-')}/{mname}",
+                  Problem(head_dim=32, dtype=dts[n % 3], poison=poison, **kw))
+            n += 1
+    # forward only: what every backend promises (the reference's own dq is a known limitation)
+    b.add("nonfinite/hidden/k-nan/key-padding/fwd",
+          Problem(head_dim=32, poison="k:nan", grad=False, **maskings["key-padding"]), quick=True)
+    partial = {
+        "causal": dict(batch=1, seqlen_q=33, seqlen_k=33, heads_q=2, heads_kv=2, causal=True),
+        "window": dict(batch=2, seqlen_q=31, seqlen_k=40, heads_q=2, heads_kv=1, window=(6, 2)),
+        "mask": dict(batch=2, seqlen_q=19, seqlen_k=23, heads_q=2, heads_kv=2, bias="bool"),
+    }
+    for poison in ("k:nan", "k:inf"):
+        for mname, kw in partial.items():
+            b.add(f"nonfinite/partial/{poison.replace(':', '-')}/{mname}",
+                  Problem(head_dim=32, dtype=dts[n % 3], poison=poison, poison_at="partial", **kw),
+                  quick=poison == "k:nan" and mname == "causal")
+            n += 1
+
+
 def _large(b: _Builder):
     """GPU-only sizes: block multiples and their neighbours, long sequences, big head dims."""
     for dt_name in ("fp16", "bf16", "fp32"):
@@ -262,7 +301,7 @@ def build_catalogue() -> list[Case]:
     """Every case of catalogue :data:`CATALOGUE_VERSION`, in a fixed order."""
     b = _Builder()
     for part in (_core, _windows, _softcap, _alibi, _bias, _gqa, _head_dims, _varlen, _layouts_and_values,
-                 _masked_rows, _combos, _large):
+                 _masked_rows, _combos, _nonfinite, _large):
         part(b)
     return b.cases
 

@@ -4,7 +4,7 @@ For one :class:`~portattn.conformance.problems.Problem` on one device, :class:`C
 once the float64 reference (output, lse and, when the problem asks for them, gradients by
 autograd through :func:`portattn.reference.reference_forward` on float64 leaves) and the naive
 in-dtype yardstick (:func:`portattn.reference.naive_forward`), then runs any backend and judges
-it with the rule of DESIGN.md §3 (:func:`portattn.numerics.compare`, factor 2 for the output,
+it with the equivalence rule of docs/semantics.md (:func:`portattn.numerics.compare`, factor 2 for the output,
 3 for gradients; :func:`portattn.numerics.compare_lse` for lse), plus the exact rule for
 fully-masked rows (output exactly 0, lse -inf).
 
@@ -133,6 +133,7 @@ class Checker:
         self._ref: Raw | None = None
         self._naive: Raw | None = None
         self._grad_scale: float | None = None
+        self._poisoned_rows: torch.Tensor | None = None
 
     # ----- reference and yardstick ---------------------------------------------------------
     def _spec_for(self, inp: Inputs, q, k, v, bias):
@@ -145,7 +146,8 @@ class Checker:
     def _math(self, fn, dtype) -> Raw:
         """Run ``fn`` (reference_forward or naive_forward) on leaf copies in ``dtype``."""
         p = self.problem
-        inp = make_inputs(p, self.device)
+        inp = make_inputs(p, self.device, clean=True)   # a poisoned problem's oracle: the clean inputs
+        self._poisoned_rows = inp.poisoned_rows
         q, k, v = (inp.canonical(t).detach().to(dtype) for t in (inp.q, inp.k, inp.v))
         bias = inp.bias
         if bias is not None and bias.is_floating_point():
@@ -199,6 +201,10 @@ class Checker:
         grads = p.grad and backend.has_backward
         if p.grad and not backend.has_backward:
             not_checked.append("gradients: backend has no backward")
+        if grads and p.poison and p.poison_at == "partial":
+            grads = False
+            not_checked.append("gradients: a non-finite key that some rows see makes every gradient of its "
+                               "(batch, head) non-finite (docs/semantics.md)")
         bias_grad = grads and p.bias_grad and "bias_grad" in backend.features
         if grads and p.bias_grad and not bias_grad:
             not_checked.append("dbias: backend does not declare bias_grad")
@@ -286,8 +292,26 @@ class Checker:
         checks = {} if checks is None else checks
         ref, naive = self.reference, self.naive
         failures = []
-        results = [numerics.compare("out", got.out, ref.out, naive.out, factor=numerics.OUT_FACTOR),
-                   numerics.compare_lse(got.lse, ref.lse)]
+        got_out, got_lse = got.out, got.lse
+        rows = self._poisoned_rows
+        if rows is not None and bool(rows.any()) and tuple(got.out.shape) == tuple(ref.out.shape) \
+                and tuple(got.lse.shape) == tuple(ref.lse.shape):
+            # Rows that see a poisoned key must be non-finite (the reference on the poisoned inputs
+            # is NaN there); they are checked for that, explicitly, and left out of the comparison.
+            lse_rows = rows.transpose(0, 1) if self.problem.is_varlen else rows.permute(0, 2, 1)
+            finite_out = int(torch.isfinite(got.out.detach()[rows]).all(dim=-1).sum())
+            finite_lse = int(torch.isfinite(got.lse.detach()[lse_rows]).sum())
+            ok = finite_out == 0 and finite_lse == 0
+            checks["poisoned_rows"] = {"passed": ok, "rows": int(rows.sum()), "finite_out_rows": finite_out,
+                                       "finite_lse": finite_lse}
+            if not ok:
+                failures.append(f"poisoned_rows: {finite_out} output row(s) and {finite_lse} lse value(s) finite "
+                                f"among {int(rows.sum())} row(s) that see a non-finite key (expected NaN/inf, "
+                                f"as the reference gives)")
+            got_out = torch.where(rows.unsqueeze(-1), ref.out.to(got.out.dtype), got.out.detach())
+            got_lse = torch.where(lse_rows, ref.lse, got.lse.detach())
+        results = [numerics.compare("out", got_out, ref.out, naive.out, factor=numerics.OUT_FACTOR),
+                   numerics.compare_lse(got_lse, ref.lse)]
         for name in GRAD_NAMES:
             if name in got.grads:
                 results.append(numerics.compare(name, got.grads[name], ref.grads[name], naive.grads[name],

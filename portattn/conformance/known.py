@@ -52,7 +52,7 @@ KNOWN_LIMITATIONS = (
 _LSE_16BIT = (
     "16-bit inputs with logits of hundreds (inputs x5, scale 1, D 129: |lse| up to 836): with one key lse is the "
     "score itself, and a score summed over D products in float32 (tensor-core accumulators; the products of "
-    "16-bit values are exact) is off by a few ulp(|s|) = 6.1e-5 each: 2.44e-4, over DESIGN.md §3's absolute "
+    "16-bit values are exact) is off by a few ulp(|s|) = 6.1e-5 each: 2.44e-4, over the equivalence rule's absolute "
     "2e-4 (found by the property suite on the H200 for triton and cupy alike, 2026-11-29; the interpreter "
     "reproduces it; sdpa on CPU 1.2e-4). The output and gradients pass; an absolute lse bound at |lse| ~ 800 "
     "asks for ~3 float32 ulp")
@@ -74,3 +74,47 @@ def known_limitation(problem, backend: str, failed_checks) -> str | None:
         if entry.backend == backend and entry.applies(problem) and failed <= entry.quantities:
             return entry.why
     return None
+
+
+# ----- non-finite K/V at masked keys (docs/semantics.md, "Non-finite values in masked positions") ----
+
+def _poisoned(which: str, at: str = "hidden"):
+    return lambda p: bool(p.poison) and p.poison.startswith(which + ":") and p.poison_at == at
+
+
+_EXAMPLE_K = Problem(batch=1, seqlen_q=4, seqlen_k=9, heads_q=1, heads_kv=1, head_dim=8, causal=True,
+                     alignment="top_left", dtype="float32", poison="k:nan", seed=1)
+_EXAMPLE_V = Problem(batch=2, seqlen_q=4, seqlen_k=9, heads_q=1, heads_kv=1, head_dim=8, bias="bool_keys",
+                     dtype="float32", poison="v:nan", seed=1)
+_ALL = frozenset({"out", "lse", "masked_rows", "poisoned_rows"}) | _GRADS
+_DQ_WHY = ("dQ = dS·K: the hidden key's dS is exactly 0, but 0·NaN = NaN (0·inf too) inside the product, so a "
+           "non-finite K at a key no row sees makes dq non-finite ({where}); out and lse are exact")
+_PV_WHY = ("out = P·V: the hidden key's P is exactly 0, but 0·NaN = NaN (0·inf too) inside the product, so a "
+           "non-finite V at a key no row sees reaches the output and dq/dk ({where})")
+KNOWN_LIMITATIONS += (
+    KnownLimitation(
+        "sdpa", lambda p: bool(p.poison), _ALL,
+        "SDPA turns causal, window and bool masks into an additive -inf, and NaN + -inf = NaN (inf - inf "
+        "too): a non-finite K at any masked key reaches every row of its (batch, head), fully-masked rows "
+        "included; a non-finite V at a masked key does through 0·NaN in P·V. Use the chunked backend (the "
+        "CPU default) when K/V may hold non-finite values at masked keys", _EXAMPLE_K),
+    KnownLimitation("reference", _poisoned("k"), frozenset({"dq"}),
+                    _DQ_WHY.format(where="every row of the (batch, head): the float64 math multiplies whole "
+                                         "matrices"), _EXAMPLE_K),
+    KnownLimitation("reference", _poisoned("v"), frozenset({"out", "dq", "dk"}),
+                    _PV_WHY.format(where="every row of the (batch, head)"), _EXAMPLE_V),
+    KnownLimitation("onnx", _poisoned("v"), frozenset({"out"}),
+                    _PV_WHY.format(where="every row of a block of keys the band lets it load: key padding "
+                                         "inside the range; keys outside a causal/window band are never loaded"),
+                    _EXAMPLE_V),
+) + tuple(
+    entry
+    for name in ("triton", "cupy")   # cupy: from its kernels' source (same tiles, same masking); GPU-checked
+    for entry in (
+        KnownLimitation(name, _poisoned("k"), frozenset({"dq", "dk", "dv"}),
+                        _DQ_WHY.format(where="the rows of every tile that loads the key; dk/dv of the hidden keys "
+                                             "themselves too when a tile is cut by the causal edge"), _EXAMPLE_K),
+        KnownLimitation(name, _poisoned("v"), frozenset({"out", "dq", "dk"}),
+                        _PV_WHY.format(where="the rows of every tile that loads the key"), _EXAMPLE_V),
+    )
+)

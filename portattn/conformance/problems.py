@@ -1,6 +1,6 @@
 """Whole attention problems: a small frozen description, and the tensors it stands for.
 
-A :class:`Problem` names every choice of DESIGN.md §2 (sizes, GQA, head dims, dtype, scale,
+A :class:`Problem` names every choice of docs/semantics.md (sizes, GQA, head dims, dtype, scale,
 masking, softcap, ALiBi, bias, varlen, layout, strides, magnitude) plus a ``seed``. The tensor
 *values* are not part of the description: :func:`make_inputs` draws them from a seeded
 ``torch.Generator`` on the CPU, then moves them to the device, so every machine and vendor sees
@@ -35,6 +35,9 @@ SEQ_POOL = (1, 2, 3, 5, 7, 13, 16, 17, 31, 32, 33, 37, 61, 63, 64, 65, 67, 127, 
 HEAD_DIM_POOL = (16, 32, 64, 8, 24, 40, 48, 72, 80, 96, 128, 160, 192, 256, 1, 3, 17, 33, 57, 100, 129)
 
 BIAS_KINDS = ("float", "float_keys", "float_heads", "bool_keys", "bool")
+#: Non-finite values a problem can write into masked K or V positions (``Problem.poison``).
+POISONS = ("k:nan", "k:inf", "k:-inf", "v:nan", "v:inf")
+POISON_AT = ("hidden", "partial")
 ALIBI_KINDS = ("head", "batch")
 
 
@@ -73,6 +76,9 @@ class Problem:
     (Hq,) or ``batch`` (B,Hq).
     ``magnitude`` multiplies q, k and v; ``extreme`` gives logits a large row offset (~150) with a moderate spread.
     ``grad``: gradients of q, k, v (and of a float bias when ``bias_grad``) are checked too.
+    ``poison`` (one of :data:`POISONS`, e.g. ``"k:nan"``) writes that value into K or V at masked
+    keys: ``poison_at="hidden"``, every key no query row (of any head) sees; ``"partial"``, one
+    key that some rows see and others do not (see docs/semantics.md, "Non-finite values").
     """
 
     batch: int = 1
@@ -99,6 +105,8 @@ class Problem:
     strided: bool = False
     grad: bool = True
     seed: int = 0
+    poison: str | None = None
+    poison_at: str = "hidden"
 
     # ----- derived ------------------------------------------------------------------------
     @property
@@ -198,6 +206,8 @@ class Problem:
             parts.append(self.layout)
         if self.strided:
             parts.append("strided")
+        if self.poison:
+            parts.append(f"poison={self.poison}@{self.poison_at}")
         parts.append("fwd+bwd" if self.grad else "fwd")
         parts.append(f"seed={self.seed}")
         return " ".join(parts)
@@ -228,6 +238,9 @@ class Inputs:
     strided or varlen); ``kwargs`` the remaining keyword arguments of ``portattn.attention``;
     ``dout`` the upstream gradient in the API layout; ``bias`` the attn_bias leaf (or None).
     ``canonical(t)`` maps an API-layout (B, ., ., D) tensor to the canonical bshd one.
+    ``poisoned_rows``: with ``Problem.poison``, bool over the canonical output rows,
+    ``(B, Sq, Hq)`` or varlen ``(total_q, Hq)``: the rows that *see* a poisoned key (empty for
+    ``poison_at="hidden"``); None without poison.
     """
 
     problem: Problem
@@ -237,6 +250,7 @@ class Inputs:
     dout: torch.Tensor
     kwargs: dict = field(default_factory=dict)
     bias: torch.Tensor | None = None
+    poisoned_rows: torch.Tensor | None = None
 
     def canonical(self, t: torch.Tensor) -> torch.Tensor:
         return t.transpose(1, 2) if self.problem.layout == "bhsd" else t
@@ -311,11 +325,13 @@ def _draw_qk(p: Problem, gen: torch.Generator, q_shape, k_shape):
 
 
 def make_inputs(problem: Problem, device="cpu", *, requires_grad: bool = False, bias_requires_grad: bool = False,
-                perturb_except: int | None = None) -> Inputs:
+                perturb_except: int | None = None, clean: bool = False) -> Inputs:
     """Draw the tensors of ``problem`` from its seed on the CPU and move them to ``device``.
 
     ``perturb_except=b`` redraws q, k, v of every sequence except ``b`` from another seed (the
     per-sequence independence check); sequence ``b`` keeps exactly the same bits.
+    ``clean=True`` leaves out ``problem.poison`` (same bits otherwise; ``poisoned_rows`` is still
+    set): the reference of a poisoned problem is computed on the clean inputs.
     """
     p = problem
     dt = p.torch_dtype
@@ -368,6 +384,10 @@ def make_inputs(problem: Problem, device="cpu", *, requires_grad: bool = False, 
             bias.requires_grad_(True)
         kwargs["attn_bias"] = bias
 
+    poisoned_rows = None
+    if p.poison:
+        k, v, poisoned_rows = _poison(p, k, v, bias, clean)
+
     if p.is_varlen:
         cu_q = torch.tensor([0] + list(torch.tensor(p.seqlens_q).cumsum(0).tolist()), dtype=torch.int32)
         cu_k = torch.tensor([0] + list(torch.tensor(p.seqlens_k).cumsum(0).tolist()), dtype=torch.int32)
@@ -385,7 +405,63 @@ def make_inputs(problem: Problem, device="cpu", *, requires_grad: bool = False, 
         dout = dout.to(device)
     if requires_grad:
         q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-    return Inputs(problem=p, q=q, k=k, v=v, dout=dout, kwargs=kwargs, bias=bias)
+    return Inputs(problem=p, q=q, k=k, v=v, dout=dout, kwargs=kwargs, bias=bias,
+                  poisoned_rows=None if poisoned_rows is None else poisoned_rows.to(device))
+
+
+def _seen(p: Problem, b: int, sq: int, sk: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """Bool (Hq, sq, sk): which key each query row of sequence ``b`` sees (causal/window, bool bias)."""
+    left, right = p.window if p.window is not None else (None, None)
+    if p.causal:
+        right = 0
+    off = sk - sq if p.alignment == "bottom_right" else 0
+    i = torch.arange(sq).view(-1, 1) + off
+    j = torch.arange(sk).view(1, -1)
+    seen = torch.ones(sq, sk, dtype=torch.bool)
+    if left is not None:
+        seen &= j >= i - left
+    if right is not None:
+        seen &= j <= i + right
+    seen = seen.expand(p.heads_q, sq, sk)
+    if bias is not None and bias.dtype == torch.bool:
+        seen = seen & bias.cpu()[min(b, bias.shape[0] - 1), :, :sq, :sk].expand(p.heads_q, sq, sk)
+    return seen
+
+
+def _poison(p: Problem, k: torch.Tensor, v: torch.Tensor, bias, clean: bool):
+    """Write ``p.poison`` into K or V (CPU, canonical) at the keys of ``p.poison_at``; return
+    ``(k, v, poisoned_rows)`` (see :class:`Inputs`)."""
+    if p.poison not in POISONS:
+        raise ValueError(f"poison={p.poison!r} is not one of {POISONS}")
+    if p.poison_at not in POISON_AT:
+        raise ValueError(f"poison_at={p.poison_at!r} is not one of {POISON_AT}")
+    which, name = p.poison.split(":")
+    value = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[name]
+    target = (k if which == "k" else v).clone()
+    lens_q = p.seqlens_q if p.is_varlen else (p.seqlen_q,) * p.batch
+    lens_k = p.seqlens_k if p.is_varlen else (p.seqlen_k,) * p.batch
+    rows_k = _sequence_rows(lens_k)
+    row_masks = []
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        seen = _seen(p, b, sq, sk, bias)                     # (Hq, sq, sk)
+        counts = seen.sum(dim=(0, 1))                        # rows (of any head) that see each key
+        if p.poison_at == "hidden":
+            keys = (counts == 0).nonzero().flatten()
+        else:
+            some = ((counts > 0) & (counts < seen.shape[0] * sq)).nonzero().flatten()
+            keys = some[len(some) // 2:len(some) // 2 + 1]   # one key in the middle of those
+        rows = seen[:, :, keys].any(dim=-1).transpose(0, 1) if len(keys) else torch.zeros(sq, p.heads_q, dtype=torch.bool)
+        row_masks.append(rows)                               # (sq, Hq)
+        if not clean and len(keys):
+            if p.is_varlen:
+                target[rows_k[b].start + keys] = value
+            else:
+                target[b, keys] = value
+    if p.is_varlen:
+        poisoned_rows = torch.cat(row_masks, dim=0) if row_masks else torch.zeros(0, p.heads_q, dtype=torch.bool)
+    else:
+        poisoned_rows = torch.stack(row_masks, dim=0)
+    return (target, v, poisoned_rows) if which == "k" else (k, target, poisoned_rows)
 
 
 def _make_bias(p: Problem, gen: torch.Generator, dt: torch.dtype) -> torch.Tensor:
