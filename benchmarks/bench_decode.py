@@ -46,9 +46,11 @@ def grid(quick: bool = False) -> list[dict]:
     return [dict(B=b, Sq=sq, Sk=sk) for b in (1, 8) for sq in (1, 8) for sk in seqlens]
 
 
-def kv_bytes(b: int, sk: int, hkv: int = HKV, d: int = D, dv: int = D, elem: int = 2) -> int:
-    """Bytes of K and V that one call must read."""
-    return b * sk * hkv * (d + dv) * elem
+def kv_bytes(b: int, sk: int, hkv: int | None = None, d: int | None = None, dv: int | None = None,
+             elem: int = 2) -> int:
+    """Bytes of K and V that one call must read (heads and head dims default to the grid's)."""
+    hkv, d = hkv or HKV, d or D
+    return b * sk * hkv * (d + (dv or d)) * elem
 
 
 def tbps(nbytes: int, ms: float) -> float:
@@ -162,13 +164,15 @@ def _sdpa_fn(kernel_name, q, k, v):
     return run
 
 
-def bench_point(pt: dict, dtype, gen, progress) -> dict:
+def bench_point(pt: dict, dtype, gen, progress, device="cuda", timer=None) -> dict:
+    """One grid point: every implementation checked once, then timed (``timer(fn) -> ms``)."""
     from portattn.kvcache import attention_with_kvcache
+    timer = timer or _median_ms
     b, sq, sk = pt["B"], pt["Sq"], pt["Sk"]
-    q = torch.randn(b, sq, HQ, D, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
-    k = torch.randn(b, sk, HKV, D, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
-    v = torch.randn(b, sk, HKV, D, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
-    lens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, sq, HQ, D, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    k = torch.randn(b, sk, HKV, D, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    v = torch.randn(b, sk, HKV, D, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    lens = torch.full((b,), sk, dtype=torch.int32, device=device)
     nbytes = kv_bytes(b, sk)
     ref_causal = reference32(q, k, v, causal=True)
     ref_full = reference32(q, k, v, causal=False)
@@ -191,7 +195,7 @@ def bench_point(pt: dict, dtype, gen, progress) -> dict:
                                                   backend="triton")
                 ref = ref_causal
             entry.update(check(fn(), ref))
-            entry["ms"] = _median_ms(fn)
+            entry["ms"] = timer(fn)
             entry["tbps"] = tbps(nbytes, entry["ms"])
             if impl.startswith("triton"):
                 from portattn.backends.triton import decode
@@ -265,29 +269,34 @@ SWEEP_POINTS = [((8, 1, 131072), [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 
 SWEEP_TRIALS = sum(len(t) + 3 for _, t in SWEEP_POINTS)
 
 
-def sweep(dtype, gen, progress) -> list[dict]:
-    """Alternative tiles and split counts at three points (contiguous cache)."""
+def sweep(dtype, gen, progress, device="cuda", timer=None, points=None, deadline=math.inf) -> list[dict]:
+    """Alternative tiles and split counts at three points (contiguous cache); stops starting
+    trials after ``deadline`` (time.time())."""
     from portattn.backends.triton import decode
     from portattn.backends.triton.configs import KernelConfig
 
     from portattn.kvcache import build_kvcache_spec
+    timer = timer or _median_ms
     rows = []
-    for (b, sq, sk), tiles in SWEEP_POINTS:
-        q = torch.randn(b, sq, HQ, D, generator=gen, device="cuda").to(dtype)
-        k = torch.randn(b, sk, HKV, D, generator=gen, device="cuda").to(dtype)
-        v = torch.randn(b, sk, HKV, D, generator=gen, device="cuda").to(dtype)
-        lens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+    for (b, sq, sk), tiles in points or SWEEP_POINTS:
+        q = torch.randn(b, sq, HQ, D, generator=gen, device=device).to(dtype)
+        k = torch.randn(b, sk, HKV, D, generator=gen, device=device).to(dtype)
+        v = torch.randn(b, sk, HKV, D, generator=gen, device=device).to(dtype)
+        lens = torch.full((b,), sk, dtype=torch.int32, device=device)
         ref = reference32(q, k, v, causal=True)
         base = build_kvcache_spec(q, k, v, cache_seqlens=lens, causal=True)
         default = decode.plan_summary(base)["num_splits"]
         trials = [(t, 0) for t in tiles] + [(tiles[0], s) for s in (max(1, default // 2), default * 2, 132)]
         for (n, w, s), splits in trials:
+            if time.time() > deadline:
+                progress("sweep: out of time, the remaining trials are skipped")
+                return rows
             kv = build_kvcache_spec(q, k, v, cache_seqlens=lens, causal=True, num_splits=splits)
             cfg = KernelConfig(16, n, w, s)
             entry = dict(B=b, Sq=sq, Sk=sk, tiles=f"N{n} w{w} s{s}", num_splits=decode.plan_summary(kv, cfg)["num_splits"])
             try:
                 entry.update(check(decode.forward(kv, cfg)[0], ref))
-                entry["ms"] = _median_ms(lambda kv=kv, cfg=cfg: decode.forward(kv, cfg))
+                entry["ms"] = timer(lambda kv=kv, cfg=cfg: decode.forward(kv, cfg))
                 entry["tbps"] = tbps(kv_bytes(b, sk), entry["ms"])
             except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
@@ -348,6 +357,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile / split sweep")
     ap.add_argument("--out", default=None, help="directory for the JSON and PNG results")
     ap.add_argument("--tag", default="h200")
+    ap.add_argument("--time-limit", type=float, default=300.0,
+                    help="seconds after which the sweep starts no new trial (default 300)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA/ROCm GPU; none is visible", file=sys.stderr)
@@ -357,19 +368,23 @@ def main(argv=None) -> int:
     points = grid(args.quick)
     progress = _Progress(len(points) * len(IMPLS) + 1 + (0 if args.no_sweep else SWEEP_TRIALS))
     t0 = time.time()
-    rows = []
-    try:
+    rows, graph, sweeps, interrupted = [], {"results": {}}, [], False
+    try:   # Ctrl-C / SIGINT (timeout -s INT) keeps what is done: it is summarised and written
         for pt in points:
             rows.append(bench_point(pt, dtype, gen, progress))
             torch.cuda.empty_cache()
         graph = bench_graph(dtype, gen)
         progress("graph B1 Sk8k: " + ", ".join(f"{k} {v.get('us_per_call', float('nan')):.1f} us"
                                                for k, v in graph["results"].items()))
-        sweeps = [] if args.no_sweep else sweep(dtype, gen, progress)
+        if not args.no_sweep:
+            sweeps = sweep(dtype, gen, progress, deadline=t0 + args.time_limit)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         progress.stop()
     result = {"environment": environment(), "dtype": "bf16", "heads": f"{HQ}:{HKV}", "head_dim": D,
-              "seconds": round(time.time() - t0, 1), "rows": rows, "graph": graph, "sweep": sweeps,
+              "seconds": round(time.time() - t0, 1), "interrupted": interrupted, "rows": rows, "graph": graph,
+              "sweep": sweeps,
               "convention": "TB/s = B*Sk*Hkv*(D+Dv)*2 bytes / median time (do_bench, L2 cleared per call); "
                             "portattn: full cache, bottom-right causal; SDPA: full cache, non-causal, enable_gqa"}
     print()

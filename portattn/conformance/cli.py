@@ -165,6 +165,8 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--cases", nargs="+", metavar="PATTERN")
     p.set_defaults(func=cmd_list)
+    from .kvcache import register as register_kvcache  # KV-cache cases: portattn/conformance/kvcache.py
+    register_kvcache(csub)
 
 
 def main(argv=None) -> int:

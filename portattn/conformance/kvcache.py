@@ -16,6 +16,7 @@ exactly. :func:`kv_catalogue` is the fixed case list (cache lengths 0, 1 and ful
 :func:`kv_problem_strategy` draws problems for Hypothesis.
 
     python -m portattn.conformance.kvcache --backends reference,sdpa,triton [--devices cpu,cuda]
+    portattn conformance kvcache ...                                     (the same)
 """
 
 from __future__ import annotations
@@ -278,26 +279,42 @@ def run(backends: list[str], devices: list[str], patterns: list[str] | None = No
     return rows
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m portattn.conformance.kvcache", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", default="reference,sdpa,triton")
-    parser.add_argument("--devices", default=None, help="default: cpu, and cuda when present")
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backends", default="reference,sdpa,triton", help="comma-separated backend names")
+    parser.add_argument("--devices", default=None, help="comma-separated; default: cpu, and cuda when present")
     parser.add_argument("--cases", default=None, help="comma-separated id substrings")
     parser.add_argument("--json", default=None, help="write the rows to this file")
-    args = parser.parse_args(argv)
+
+
+def cmd_kvcache(args) -> int:
+    """Run the KV-cache cases; exit 1 on any failure."""
     devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     if "cpu" in devices and not torch.cuda.is_available():
         import os
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is first imported
     rows = run(args.backends.split(","), devices, args.cases.split(",") if args.cases else None)
     if args.json:
         import json
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
     failed = [r for r in rows if r["verdict"] == "fail"]
-    print(f"kvcache conformance: {sum(r['verdict'] == 'pass' for r in rows)} pass, {len(failed)} fail, "
-          f"{sum(r['verdict'] == 'skip' for r in rows)} skip")
+    print(f"kvcache conformance v{KV_CATALOGUE_VERSION}: {sum(r['verdict'] == 'pass' for r in rows)} pass, "
+          f"{len(failed)} fail, {sum(r['verdict'] == 'skip' for r in rows)} skip")
     return 1 if failed else 0
+
+
+def register(subparsers) -> None:
+    """Add ``kvcache`` to ``portattn conformance``'s subcommands."""
+    p = subparsers.add_parser("kvcache", help="run the KV-cache (decoding) cases against the reference",
+                              description=__doc__.split("\n\n")[0])
+    _add_arguments(p)
+    p.set_defaults(func=cmd_kvcache)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m portattn.conformance.kvcache", description=__doc__.split("\n\n")[0])
+    _add_arguments(parser)
+    return cmd_kvcache(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
