@@ -18,8 +18,9 @@ NaN or inf. Rows with no visible key output exactly 0 with ``lse = -inf``. Deter
 fixed order of chunks and no atomics.
 
 Backward (memory linear too): per chunk, recompute ``P = exp(s − lse)`` from the forward's lse
-(float64 inputs recompute lse in float64 first), then ``dV += Pᵀ dO``, ``dP = dO Vᵀ``,
-``dS = P ∘ (dP − δ + dlse)`` with ``δ = rowsum(dO ∘ O)``, ``dQ += dS K · scale``,
+(float32 and float64 inputs recompute lse in float64 first: one more pass of ``Q Kᵀ``), then
+``dV += Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP − δ + dlse)`` with ``δ = rowsum(dO ∘ O)``
+(float32 inputs: ``δ = Σ_j P dP`` in float64, one more pass), ``dQ += dS K · scale``,
 ``dK += dSᵀ Q · scale``; softcap multiplies dS by ``1 − tanh²``; a float bias that requires grad
 gets ``dS`` summed over its broadcast dimensions.
 """
@@ -240,13 +241,15 @@ def _grouped(t: torch.Tensor, hkv: int) -> torch.Tensor:
     return t.view(t.shape[0], hkv, -1, t.shape[-1])
 
 
-def _forward_group(spec, g: _Group, cd, *, with_out: bool = True):
-    """Online-softmax forward of one group: ``(out (nb, Hq, Sq, Dv) | None, lse (nb, Hq, Sq))``."""
+def _forward_group(spec, g: _Group, cd, *, with_out: bool = True, lse_dtype=None):
+    """Online-softmax forward of one group: ``(out (nb, Hq, Sq, Dv) | None, lse (nb, Hq, Sq))``;
+    lse in ``lse_dtype`` (default: the compute dtype)."""
     nb, hq, hkv = g.q.shape[0], spec.num_heads_q, spec.num_heads_kv
     dv = g.v.shape[-1]
     device = g.q.device
     out = g.q.new_zeros((nb, hq, g.sq, dv), dtype=cd) if with_out else None
-    lse = torch.full((nb, hq, g.sq), _NEG_INF, dtype=cd, device=device)
+    lse_dtype = lse_dtype or cd
+    lse = torch.full((nb, hq, g.sq), _NEG_INF, dtype=lse_dtype, device=device)
     if g.sk == 0:
         return out, lse
     kh = _heads_first(g.k, cd)                  # (nb, Hkv, Sk, D): one copy, linear in Sk
@@ -282,11 +285,30 @@ def _forward_group(spec, g: _Group, cd, *, with_out: bool = True):
             m = m_new
             del ch, s, p   # free this chunk's scores before the next one is allocated
         m_use = m.masked_fill(m == _NEG_INF, 0.0)
-        lse[:, :, i0:i1] = (m_use + torch.log(l)).squeeze(-1)
+        lse[:, :, i0:i1] = (m_use.to(lse_dtype) + torch.log(l.to(lse_dtype))).squeeze(-1)
         if with_out:
             empty = l == 0
             out[:, :, i0:i1] = torch.where(empty, 0.0, acc / l.masked_fill(empty, 1.0))
     return out, lse
+
+
+def _delta_from_p(spec, g: _Group, qc, kh, vh, do, lse, i0, i1, lo, hi, keys, cd, scratch):
+    """``δ_i = Σ_j P_ij dP_ij`` (float64 sums) for float32 inputs: the softmax backward's own row
+    sum, with the same P as the gradient pass, instead of ``dO_i · O_i``, which carries O's
+    float32 rounding. On tiny problems (a row that sees one or two keys) that rounding alone is
+    several times the naive math's error in dq/dk; this costs one more pass of two gemms."""
+    nb, hq, hkv = qc.shape[0], spec.num_heads_q, spec.num_heads_kv
+    n, dvd = i1 - i0, vh.shape[-1]
+    delta = torch.zeros((nb, hq, n, 1), dtype=torch.float64, device=qc.device)
+    for j0, j1 in _key_chunks(spec, g.sq, g.sk, i0, i1, lo, hi, keys):
+        ch = _Chunk(spec, g, qc, kh[:, :, j0:j1], i0, i1, j0, j1, cd, scratch)
+        p = ch.s.sub_(lse).exp_()
+        vc = ch.clean(vh[:, :, j0:j1])
+        dp = torch.bmm(do.reshape(nb * hkv, -1, dvd), vc.reshape(nb * hkv, j1 - j0, dvd).transpose(1, 2),
+                       out=scratch.take("ds", (nb * hkv, do.shape[2], j1 - j0))).view(nb, hq, n, j1 - j0)
+        delta += dp.mul_(p).sum(dim=-1, keepdim=True, dtype=torch.float64)
+        del ch, p, dp
+    return delta.to(cd)
 
 
 def _reduced_shape(bias: torch.Tensor) -> tuple[int, ...]:
@@ -378,9 +400,13 @@ class ChunkedBackend(Backend):
         dk = torch.zeros((nb, hkv, g.sk, d), dtype=cd, device=g.q.device)
         dv = torch.zeros((nb, hkv, g.sk, dvd), dtype=cd, device=g.q.device)
         if g.sk > 0:
-            if cd == torch.float64:   # the float32 lse would cost float64 gradients their precision
-                lse = _forward_group(spec, g, cd, with_out=False)[1]
-            lse = lse.to(cd)
+            if spec.dtype in (torch.float32, torch.float64):
+                # P = exp(s - lse) with lse recomputed in float64: the float32 lse's rounding
+                # (ulp(|lse|), 1.5e-5 at logits ~150) would be P's relative error, several times
+                # the naive math's in dq; float64 inputs need it for float64 gradients.
+                lse = _forward_group(spec, g, cd, with_out=False, lse_dtype=torch.float64)[1]
+            else:
+                lse = lse.to(cd)
             lse = lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1)   # rows without keys: P = 0
             kh, vh = _heads_first(g.k, cd), _heads_first(g.v, cd)
             rows, keys = _tiles(spec, nb, g.sq, g.sk)
@@ -393,11 +419,15 @@ class ChunkedBackend(Backend):
                 n = i1 - i0
                 qc = _grouped(_heads_first(g.q[:, i0:i1], cd), hkv)
                 do = _heads_first(dout[:, i0:i1], cd)                         # (nb, Hq, n, Dv)
-                delta = (do * _heads_first(out[:, i0:i1], cd)).sum(dim=-1, keepdim=True)
+                lse_c = lse[:, :, i0:i1]
+                if spec.dtype == torch.float32:
+                    delta = _delta_from_p(spec, g, qc, kh, vh, _grouped(do, hkv), lse_c, i0, i1, lo, hi, keys,
+                                          cd, scratch)
+                else:
+                    delta = (do * _heads_first(out[:, i0:i1], cd)).sum(dim=-1, keepdim=True)
                 if dlse is not None:
                     delta = delta - dlse[:, :, i0:i1].to(cd).unsqueeze(-1)
                 do = _grouped(do, hkv)
-                lse_c = lse[:, :, i0:i1]
                 dq_c = torch.zeros((nb, hq, n, d), dtype=cd, device=g.q.device)
                 for j0, j1 in _key_chunks(spec, g.sq, g.sk, i0, i1, lo, hi, keys):
                     ch = _Chunk(spec, g, qc, kh[:, :, j0:j1], i0, i1, j0, j1, cd, scratch, backward=True)

@@ -269,8 +269,9 @@ SWEEP_POINTS = [((8, 1, 131072), [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 
 SWEEP_TRIALS = sum(len(t) + 3 for _, t in SWEEP_POINTS)
 
 
-def sweep(dtype, gen, progress, device="cuda", timer=None, points=None) -> list[dict]:
-    """Alternative tiles and split counts at three points (contiguous cache)."""
+def sweep(dtype, gen, progress, device="cuda", timer=None, points=None, deadline=math.inf) -> list[dict]:
+    """Alternative tiles and split counts at three points (contiguous cache); stops starting
+    trials after ``deadline`` (time.time())."""
     from portattn.backends.triton import decode
     from portattn.backends.triton.configs import KernelConfig
 
@@ -287,6 +288,9 @@ def sweep(dtype, gen, progress, device="cuda", timer=None, points=None) -> list[
         default = decode.plan_summary(base)["num_splits"]
         trials = [(t, 0) for t in tiles] + [(tiles[0], s) for s in (max(1, default // 2), default * 2, 132)]
         for (n, w, s), splits in trials:
+            if time.time() > deadline:
+                progress("sweep: out of time, the remaining trials are skipped")
+                return rows
             kv = build_kvcache_spec(q, k, v, cache_seqlens=lens, causal=True, num_splits=splits)
             cfg = KernelConfig(16, n, w, s)
             entry = dict(B=b, Sq=sq, Sk=sk, tiles=f"N{n} w{w} s{s}", num_splits=decode.plan_summary(kv, cfg)["num_splits"])
@@ -353,6 +357,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile / split sweep")
     ap.add_argument("--out", default=None, help="directory for the JSON and PNG results")
     ap.add_argument("--tag", default="h200")
+    ap.add_argument("--time-limit", type=float, default=300.0,
+                    help="seconds after which the sweep starts no new trial (default 300)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA/ROCm GPU; none is visible", file=sys.stderr)
@@ -362,19 +368,23 @@ def main(argv=None) -> int:
     points = grid(args.quick)
     progress = _Progress(len(points) * len(IMPLS) + 1 + (0 if args.no_sweep else SWEEP_TRIALS))
     t0 = time.time()
-    rows = []
-    try:
+    rows, graph, sweeps, interrupted = [], {"results": {}}, [], False
+    try:   # Ctrl-C / SIGINT (timeout -s INT) keeps what is done: it is summarised and written
         for pt in points:
             rows.append(bench_point(pt, dtype, gen, progress))
             torch.cuda.empty_cache()
         graph = bench_graph(dtype, gen)
         progress("graph B1 Sk8k: " + ", ".join(f"{k} {v.get('us_per_call', float('nan')):.1f} us"
                                                for k, v in graph["results"].items()))
-        sweeps = [] if args.no_sweep else sweep(dtype, gen, progress)
+        if not args.no_sweep:
+            sweeps = sweep(dtype, gen, progress, deadline=t0 + args.time_limit)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         progress.stop()
     result = {"environment": environment(), "dtype": "bf16", "heads": f"{HQ}:{HKV}", "head_dim": D,
-              "seconds": round(time.time() - t0, 1), "rows": rows, "graph": graph, "sweep": sweeps,
+              "seconds": round(time.time() - t0, 1), "interrupted": interrupted, "rows": rows, "graph": graph,
+              "sweep": sweeps,
               "convention": "TB/s = B*Sk*Hkv*(D+Dv)*2 bytes / median time (do_bench, L2 cleared per call); "
                             "portattn: full cache, bottom-right causal; SDPA: full cache, non-causal, enable_gqa"}
     print()

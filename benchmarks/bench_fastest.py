@@ -151,7 +151,12 @@ def _sync(device):
 
 
 def gpu_median_ms(fn) -> float:
-    import triton.testing
+    """``triton.testing.do_bench`` median (L2 flushed per run); without triton, the policy's own
+    CUDA-event timer (the same method)."""
+    try:
+        import triton.testing
+    except ImportError:
+        return tuning._gpu_times(fn, torch.device("cuda"), None)[0]
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -188,7 +193,8 @@ def bench_cell(cell: dict, mode: str, impls: list[str], dtype, device, timer) ->
     # 2. every implementation once, checked on the slice
     pack = reference_slice(q, k, v, causal, dout)
     fns = {}
-    for impl in impls + [POLICY]:
+    extra = [row["policy_choice"]] if row["policy_choice"] and row["policy_choice"] not in impls else []
+    for impl in impls + extra + [POLICY]:   # the policy's choice is timed as a single backend too
         entry = row["results"].setdefault(impl, {})
         try:
             out, grads = run_once(impl, q, k, v, causal, dout)
@@ -247,7 +253,7 @@ def summarize(rows: list[dict], impls: list[str]) -> dict:
     cells it ran (checked and timed) against the policy's total over the same cells."""
     cells = []
     for r in rows:
-        singles = {i: _ok_ms(r["results"].get(i, {})) for i in impls}
+        singles = {i: _ok_ms(e) for i, e in r["results"].items() if i != POLICY}   # impls + the choice
         singles = {i: ms for i, ms in singles.items() if ms is not None}
         policy = _ok_ms(r["results"].get(POLICY, {}))
         best = min(singles, key=singles.get) if singles else None
@@ -343,7 +349,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default=DEFAULT_BACKENDS, help="single backends to compare (comma-separated)")
     ap.add_argument("--quick", action="store_true", help="a smaller grid (D 128, S 1k/4k, Sk 8k/128k)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (checks the script)")
-    ap.add_argument("--budget-s", type=float, default=420.0,
+    ap.add_argument("--budget-s", type=float, default=400.0,
                     help="stop starting new cells after this many seconds (the rest are listed as skipped)")
     ap.add_argument("--cache-dir", default=None,
                     help="PORTATTN_CACHE_DIR for the run (default: a fresh temporary one, so tuning is measured)")

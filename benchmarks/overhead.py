@@ -196,14 +196,14 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=300, help="calls per timed round")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=100, help="calls per timed round")
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--devices", nargs="+", default=None, help="default: cpu and every cuda device")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: the call path, not BLAS)")
     parser.add_argument("--out", default=None, help="directory for overhead-<machine>.json (default: print only)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    devices = args.devices or (["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())])
+    devices = args.devices or ([f"cuda:{i}" for i in range(torch.cuda.device_count())] + ["cpu"])
     report = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",

@@ -193,9 +193,16 @@ def select(spec: AttentionSpec, backend: str | None = None) -> Backend:
     names, _ = _requested(backend)
     fits = _fitting(spec, names)
     if names == (FASTEST,):
+        from . import tuning
+        winner = tuning.lookup(spec)   # a class timed before: its winner, no timing, no sync
+        if winner is not None:
+            for b in fits:
+                if b.name == winner:
+                    if _runs(b, spec):
+                        return b
+                    break
         runnable = [b.name for b in fits if _runs(b, spec)]
         if runnable:
-            from . import tuning
             return get_backend(tuning.choose(spec, runnable))
     else:
         for b in fits:

@@ -57,6 +57,7 @@ launching are in docs/distributed.md. :func:`simulate_ring` runs the same ring i
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import inspect
 from dataclasses import dataclass
@@ -87,6 +88,9 @@ def _ablation(*, compute: bool = True, comm: bool = True):
     finally:
         _ABLATION.update(saved)
 
+
+# The backends the latest ring forward of this process used (tools/ring_bench.py reports them).
+_LAST: dict = {}
 
 # P2P tags (gloo matches messages by sender and tag; NCCL ignores tags and matches by order).
 _TAG_K, _TAG_V, _TAG_DK, _TAG_DV, _TAG_FINAL_DK, _TAG_FINAL_DV = range(6)
@@ -441,6 +445,12 @@ def _exchange(ring: _Ring, sends, recvs, tags, to_offset: int = 1, from_offset: 
     return dist.batch_isend_irecv(ops)
 
 
+def _compute_guard(ring: _Ring):
+    """simulate_ring's threads take turns at the backends (JIT compilers and caches need not be
+    thread-safe; one device runs them one at a time anyway); a process group needs no guard."""
+    return ring.transport.lock if ring.transport is not None else contextlib.nullcontext()
+
+
 def _wait(reqs) -> None:
     for r in reqs or ():
         r.wait()
@@ -488,14 +498,16 @@ def _ring_forward(cfg: _Config, q, k, v, chosen: dict):
             k_nxt, v_nxt = bufs[t % 2]
             reqs = _exchange(ring, (k_cur, v_cur), (k_nxt, v_nxt), (_TAG_K, _TAG_V))
         for i, call in enumerate(calls if compute else ()):
-            spec = _block_spec(cfg, call, q, k_cur, v_cur, needs_grad=cfg.needs_grad)
-            backend = _select(spec, cfg.backend)
-            chosen[(t, i)] = backend.name
-            o_b, l_b = backend.forward(spec)
-            _merge(out, lse, call, o_b, l_b)
+            with _compute_guard(ring):
+                spec = _block_spec(cfg, call, q, k_cur, v_cur, needs_grad=cfg.needs_grad)
+                backend = _select(spec, cfg.backend)
+                chosen[(t, i)] = backend.name
+                o_b, l_b = backend.forward(spec)
+                _merge(out, lse, call, o_b, l_b)
         if reqs is not None:
             _wait(reqs)
             k_cur, v_cur = k_nxt, v_nxt
+    _LAST["backends"] = sorted(set(chosen.values()))
     return out.to(q.dtype), lse.to(torch.float32)
 
 
@@ -523,7 +535,8 @@ def _ring_backward(cfg: _Config, q, k, v, out, lse, dout, dlse, chosen: dict):
         dk_b = torch.zeros(k.shape, dtype=wire, device=k.device) if calls else None
         dv_b = torch.zeros(v.shape, dtype=wire, device=v.device) if calls else None
         for i, call in enumerate(calls):
-            _block_backward(cfg, call, chosen[(t, i)], q, k_cur, v_cur, lse, delta, dout, dlse, dq, dk_b, dv_b)
+            with _compute_guard(ring):
+                _block_backward(cfg, call, chosen[(t, i)], q, k_cur, v_cur, lse, delta, dout, dlse, dq, dk_b, dv_b)
         if t == 0:
             dk_acc = dk_b if dk_b is not None else torch.zeros(k.shape, dtype=wire, device=k.device)
             dv_acc = dv_b if dv_b is not None else torch.zeros(v.shape, dtype=wire, device=v.device)
@@ -685,6 +698,7 @@ class _ThreadTransport:
         import threading
         self._cond = threading.Condition()
         self._box: dict = {}
+        self.lock = threading.Lock()   # held around each block's compute (see _compute_guard)
 
     def exchange(self, ring, sends, recvs, tags, to_offset, from_offset):
         to, frm = (ring.rank + to_offset) % ring.world, (ring.rank + from_offset) % ring.world
@@ -748,7 +762,9 @@ def simulate_ring(q, k, v, world: int, *, causal=False, sharding="contiguous", w
         except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
             results[r] = exc
 
-    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(world)]
+    # each thread runs in a copy of the caller's context, so that use_backend(...) applies there too
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(one, r), daemon=True)
+               for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:

@@ -53,7 +53,7 @@ FORMAT = 1
 #: never timed: the float64 oracle and the O(S²)-memory math kernel (chosen only as a last resort)
 NOT_TIMED = frozenset({"reference", "sdpa_math"})
 #: a candidate whose first timed run is this many times slower than the best so far is not timed further
-SLOW_FACTOR = 20.0
+SLOW_FACTOR = 8.0
 #: timing budget per candidate (milliseconds of runs), and bounds on the number of runs
 BUDGET_MS = 60.0
 MIN_RUNS, MAX_RUNS = 5, 200

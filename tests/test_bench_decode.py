@@ -100,4 +100,4 @@ def test_point_and_sweep_run_end_to_end_on_cpu(monkeypatch):
     rows = bench.sweep(torch.bfloat16, gen, seen.append, device="cpu", timer=lambda fn: (fn(), 1.0)[1],
                        points=[((1, 1, 512), [(32, 4, 1), (16, 4, 1)])])
     assert len(rows) == 5 and all(r["ok"] for r in rows), rows
-    assert [r["num_splits"] for r in rows][3] == 132 or rows[4]["num_splits"] == 128
+    assert rows[4]["num_splits"] == 128                  # 132 asked for, clamped to MAX_SPLITS

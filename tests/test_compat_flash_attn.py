@@ -280,3 +280,10 @@ def test_compiles_fullgraph_without_recompiles():
         alibi = torch.rand(2, generator=g)
         torch.testing.assert_close(compiled(q, k, v, cu, alibi), block(q, k, v, cu, alibi))
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_kvcache_function_is_served_from_the_compat_module():
+    from portattn import kvcache
+
+    assert fa.flash_attn_with_kvcache is kvcache.flash_attn_with_kvcache
+    assert "flash_attn_with_kvcache" in fa.__all__

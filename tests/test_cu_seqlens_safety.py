@@ -17,6 +17,7 @@ lse = -inf and get gradient 0; the rest of an invalid sequence is unspecified bu
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -30,8 +31,8 @@ from portattn.numerics import GRAD_FACTOR, compare, compare_lse
 from portattn.reference import ReferenceBackend, naive_forward, reference_forward
 from portattn.spec import build_spec
 
-pytest.importorskip("triton")
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU tensors)")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 GUARD = 8              # guard rows on each side of every buffer
 SENTINEL = 1234.5      # what the output guards hold (exact in fp16/bf16/fp32)
@@ -73,18 +74,18 @@ def _valid(cu, max_len, total):
     return good
 
 
-def _guarded(shape, fill, dtype, gen=None):
-    """A view of ``shape`` (rows first) inside a buffer with GUARD rows on each side and 8 extra
-    columns, all holding ``fill``; with ``gen`` the view holds random values."""
-    buf = torch.full((shape[0] + 2 * GUARD, *shape[1:-1], shape[-1] + 8), fill, dtype=dtype)
+def _guarded(shape, fill, dtype, device, gen=None):
+    """``(buffer, view)``: a view of ``shape`` (rows first) inside a buffer with GUARD rows on each
+    side and 8 extra columns, all holding ``fill``; with ``gen`` the view holds random values."""
+    buf = torch.full((shape[0] + 2 * GUARD, *shape[1:-1], shape[-1] + 8), fill, dtype=dtype, device=device)
     view = buf[GUARD:GUARD + shape[0], ..., :shape[-1]]
     if gen is not None:
         view.copy_(torch.randn(view.shape, generator=gen).to(dtype))
     return buf, view
 
 
-def _guarded_lse(heads, total):
-    buf = torch.full((heads, total + 2 * GUARD), SENTINEL, dtype=torch.float32)
+def _guarded_lse(heads, total, device):
+    buf = torch.full((heads, total + 2 * GUARD), SENTINEL, dtype=torch.float32, device=device)
     return buf, buf[:, GUARD:GUARD + total]
 
 
@@ -99,56 +100,65 @@ def _outside(buf, view):
 def _unvalidated_spec(monkeypatch, q, k, v, cu, max_len, **kw):
     """The spec the compiled path builds: build_spec while compiling checks no contents."""
     monkeypatch.setattr(portattn.spec, "_is_compiling", lambda: True)
-    t = torch.tensor(cu, dtype=torch.int32)
+    t = torch.tensor(cu, dtype=torch.int32, device=q.device)
     spec = build_spec(q, k, v, cu_seqlens_q=t, cu_seqlens_k=t.clone(), max_seqlen_q=max_len,
                       max_seqlen_k=max_len, **kw)
     monkeypatch.undo()
     return spec
 
 
-def _guarded_bias(batch, max_len, gen):
+def _guarded_bias(batch, max_len, gen, device):
     """A (B, Hq, max_len, max_len) bias view inside a NaN buffer guarded on every side: a read
     past max_seqlen (a length not clamped to it) would show as NaN."""
-    buf = torch.full((batch + 2, HQ, max_len + 2 * GUARD, max_len + 2 * GUARD), float("nan"))
+    buf = torch.full((batch + 2, HQ, max_len + 2 * GUARD, max_len + 2 * GUARD), float("nan"), device=device)
     view = buf[1:1 + batch, :, GUARD:GUARD + max_len, GUARD:GUARD + max_len]
-    view.copy_(torch.randn(view.shape, generator=gen))
+    view.copy_(torch.randn(view.shape, generator=gen).to(device))
     return view
 
 
-@cpu_only
-@pytest.mark.parametrize("features", ["causal", "window_softcap", "bias_alibi"])
-@pytest.mark.parametrize("name", sorted(BAD))
-def test_triton_bad_cu_seqlens_stay_in_bounds(monkeypatch, name, features):
-    from portattn.backends.triton import ops
+FEATURES = ["causal", "window_softcap", "bias_alibi"]
+
+
+def run_bad_case(monkeypatch, backend, name, features, *, dtype=torch.float32, device="cpu", guard_outputs=False):
+    """Forward and backward (with dlse) of ``backend`` on the bad ``cu_seqlens`` case ``name``,
+    q/k/v/dO inside NaN guards, the spec built as the compiled path builds it; out/lse/dq/dk/dv
+    inside sentinel guards too with ``guard_outputs`` (triton's ops accept output buffers).
+    Asserts: nothing non-finite, no guard written, uncovered rows 0 / -inf, valid sequences
+    equal to the reference. Used by the GPU tests of test_triton.py / test_cupy.py too."""
+    from portattn.registry import get_backend
 
     cu, max_len = BAD[name]
-    dtype = torch.float32
     gen = torch.Generator().manual_seed(0)
     kw = {"causal": {"causal": True}, "window_softcap": {"window": (3, 2), "softcap": 2.0},
-          "bias_alibi": {"alibi_slopes": torch.rand(HQ, generator=gen),
-                         "attn_bias": _guarded_bias(len(cu) - 1, max_len, gen)}}[features]
-    bufs = {}
-    for key, total, heads in (("q", TOTAL_Q, HQ), ("k", TOTAL_K, HKV), ("v", TOTAL_K, HKV), ("do", TOTAL_Q, HQ)):
-        bufs[key] = _guarded((total, heads, D), float("nan"), dtype, gen)
-    q, k, v, dout = (bufs[key][1] for key in ("q", "k", "v", "do"))
+          "bias_alibi": {"alibi_slopes": torch.rand(HQ, generator=gen).to(device),
+                         "attn_bias": _guarded_bias(len(cu) - 1, max_len, gen, device)}}[features]
+    q, k, v, dout = (_guarded((total, heads, D), float("nan"), dtype, device, gen)[1]
+                     for total, heads in ((TOTAL_Q, HQ), (TOTAL_K, HKV), (TOTAL_K, HKV), (TOTAL_Q, HQ)))
     spec = _unvalidated_spec(monkeypatch, q, k, v, cu, max_len, **kw)
-    outs = {key: _guarded((total, heads, D), SENTINEL, dtype)
-            for key, total, heads in (("out", TOTAL_Q, HQ), ("dq", TOTAL_Q, HQ), ("dk", TOTAL_K, HKV), ("dv", TOTAL_K, HKV))}
-    outs["lse"] = _guarded_lse(HQ, TOTAL_Q)
-    dlse = torch.randn(spec.lse_shape, generator=gen)
-
-    out, lse = ops.forward(spec, out=outs["out"][1], lse=outs["lse"][1])
-    dq, dk, dv, _ = ops.backward(spec, out, lse, dout, dlse, grads=(outs["dq"][1], outs["dk"][1], outs["dv"][1]))
-
-    for key, (buf, view) in outs.items():
-        assert torch.equal(buf[_outside(buf, view)], torch.full_like(buf[_outside(buf, view)], SENTINEL)), \
-            f"{key}: a guard element was written"
+    dlse = torch.randn(spec.lse_shape, generator=gen).to(device)
+    if guard_outputs:
+        from portattn.backends.triton import ops
+        outs = {key: _guarded((total, heads, D), SENTINEL, dtype, device)
+                for key, total, heads in (("out", TOTAL_Q, HQ), ("dq", TOTAL_Q, HQ), ("dk", TOTAL_K, HKV),
+                                          ("dv", TOTAL_K, HKV))}
+        outs["lse"] = _guarded_lse(HQ, TOTAL_Q, device)
+        out, lse = ops.forward(spec, out=outs["out"][1], lse=outs["lse"][1])
+        dq, dk, dv, _ = ops.backward(spec, out, lse, dout, dlse, grads=(outs["dq"][1], outs["dk"][1], outs["dv"][1]))
+        for key, (buf, view) in outs.items():
+            outside = buf[_outside(buf, view)]
+            assert torch.equal(outside, torch.full_like(outside, SENTINEL)), f"{key}: a guard element was written"
+    else:
+        impl = get_backend(backend)
+        out, lse = impl.forward(spec)
+        dq, dk, dv, _ = impl.backward(spec, out, lse, dout, dlse)
+    if device != "cpu":
+        torch.cuda.synchronize()   # an illegal address fails here
     for key, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(t).all(), f"{key}: non-finite values (a NaN guard was read?)"
     assert not torch.isnan(lse).any() and not torch.isposinf(lse).any()
 
     # rows no clamped sequence covers: output 0, lse -inf, gradient 0
-    covered_q = torch.zeros(TOTAL_Q, dtype=torch.bool)
+    covered_q = torch.zeros(TOTAL_Q, dtype=torch.bool, device=device)
     for s, n in _spans(cu, max_len, TOTAL_Q):
         covered_q[s:s + n] = True
     assert torch.equal(out[~covered_q], torch.zeros_like(out[~covered_q]))
@@ -166,11 +176,27 @@ def test_triton_bad_cu_seqlens_stay_in_bounds(monkeypatch, name, features):
         seq_kw = dict(kw)
         if "attn_bias" in kw:
             seq_kw["attn_bias"] = kw["attn_bias"][b:b + 1, :, :n, :n]
-        if "alibi_slopes" in kw:
-            seq_kw["alibi_slopes"] = kw["alibi_slopes"]
         _check_sequence(q[s:s + n], k[s:s + n], v[s:s + n], dout[s:s + n], dlse[:, s:s + n],
                         out[s:s + n], lse[:, s:s + n], dq[s:s + n], dk[s:s + n], dv[s:s + n], seq_kw,
-                        f"{name}[{b}]")
+                        f"{backend} {name}[{b}]")
+
+
+@cpu_only
+@needs_triton
+@pytest.mark.parametrize("features", FEATURES)
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_triton_bad_cu_seqlens_stay_in_bounds(monkeypatch, name, features):
+    run_bad_case(monkeypatch, "triton", name, features, guard_outputs=True)
+
+
+@pytest.mark.parametrize("features", FEATURES)
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_chunked_bad_cu_seqlens_stay_in_bounds(monkeypatch, name, features):
+    """The default CPU path (host-side offsets, clamped the same way) meets the same contract."""
+    from portattn.registry import list_backends
+    if "chunked" not in list_backends():
+        pytest.skip("no chunked backend")
+    run_bad_case(monkeypatch, "chunked", name, features)
 
 
 def _check_sequence(q, k, v, dout, dlse, out, lse, dq, dk, dv, kw, label):
@@ -227,6 +253,7 @@ _COMPILED = textwrap.dedent("""
 
 
 @cpu_only
+@needs_triton
 @pytest.mark.parametrize("backend,expect", [("triton", "finite"), ("reference", "ValueError: cu_seqlens_q")])
 def test_compiled_public_api_with_bad_cu_seqlens(backend, expect):
     """The issue's exact case through torch.compile(fullgraph=True), in a subprocess: a heap

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from test_cu_seqlens_safety import BAD, FEATURES, run_bad_case
 from test_lse_grad import check_lse_grads
 
 import portattn
@@ -305,3 +306,12 @@ def test_lse_gradient_deterministic(dtype):
         else:
             for a, b in zip(first, grads):
                 assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("features", FEATURES)
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_cu_seqlens_stay_in_bounds(monkeypatch, name, features, dtype):
+    """Bad cu_seqlens/max_seqlen as torch.compile passes them (unchecked): the kernels clamp every
+    sequence (seq_span in attn_common.cuh); NaN-guarded inputs (see test_cu_seqlens_safety.py)."""
+    run_bad_case(monkeypatch, "cupy", name, features, dtype=dtype, device="cuda")

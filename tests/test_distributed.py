@@ -2,11 +2,13 @@
 attention over the full sequence, under the equivalence rule (docs/semantics.md, the float64
 reference as oracle, the in-dtype naive math as yardstick), plus the ring's block planner.
 
-The process group is started once per world size: this file re-runs itself as ``W`` worker
-processes (``python tests/test_distributed.py --worker RANK WORLD PORT OUT``) on 127.0.0.1, each
-runs every case of :data:`CASES` and :func:`_worker_checks`, and saves its shards; the test
-reassembles the shards by global position (computed here, independently of the module) and
-compares them with ``portattn.reference`` over the full sequence.
+One process group serves every case: this file re-runs itself as 4 worker processes
+(``python tests/test_distributed.py --worker RANK 4 PORT OUT``, gloo on 127.0.0.1); each runs
+every case of :data:`CASES` and :func:`_worker_checks` on the 4-rank WORLD and then on its
+2-rank subgroup ({0, 2} or {1, 3}, both at once), runs tools/ring_bench.py at CPU sizes, and
+saves its shards; the test reassembles the shards by global position (computed here,
+independently of the module) and compares them with ``portattn.reference`` over the full
+sequence. Rings of other sizes (3, 5, 6, 8) run in one process through ``simulate_ring``.
 """
 
 from __future__ import annotations

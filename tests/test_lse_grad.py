@@ -20,7 +20,9 @@ from portattn.reference import naive_forward, reference_forward
 from portattn.registry import get_backend
 from portattn.spec import build_spec
 
-BACKENDS = ["reference", "sdpa", "triton"]
+# every backend with a backward that runs on a CPU (chunked: the default CPU path; sdpa_math: torch
+# SDPA's math kernel pinned)
+BACKENDS = ["reference", "sdpa", "sdpa_math", "chunked", "triton"]
 
 
 def _randn(*shape, dtype, gen):

@@ -8,8 +8,10 @@ as the yardstick: logits at the non-padded positions, one training step's gradie
 and greedy ``generate()`` with a DynamicCache and a StaticCache (same tokens; a divergence is
 accepted only where the reference itself has a tie within the rule). Plus: which portattn
 arguments the layers use (key-padding mask + bottom-right causal + window, not a dense mask),
-``torch.compile(fullgraph=True)`` without graph breaks or recompiles, and that
-``import portattn`` does not import transformers.
+the mask function read as the attention function reads it equals transformers' own mask (caches
+with offsets, static caches, padding), packed sequences and a BERT encoder (dense-mask paths),
+``torch.compile(fullgraph=True)`` without graph breaks or recompiles, ``route_sdpa`` on an
+``attn_implementation="sdpa"`` model, and that ``import portattn`` does not import transformers.
 
 On a GPU (skipped here) the same model checks run on cuda with the triton backend in bfloat16
 and float32: ``pytest tests/test_transformers.py -k cuda``.
@@ -322,6 +324,49 @@ def test_route_sdpa_sends_an_sdpa_model_to_portattn():
     assert stats.routed == t.portattn.config.num_hidden_layers and stats.fell_back == 0, stats
     keep = mask.bool()
     result = compare("logits", out[keep], _logits(t.ref, ids, mask)[keep], _logits(t.naive, ids, mask)[keep])
+    assert result.passed, result
+
+
+def test_packed_sequences_use_the_dense_mask():
+    """Two sequences packed in one row (position_ids restart, no attention mask): transformers'
+    packed-sequence mask is block-diagonal causal, which portattn receives as a dense mask."""
+    t = Trio("llama")
+    ids = _batch()[0][:1]
+    positions = torch.cat([torch.arange(4), torch.arange(SEQ - 4)]).view(1, -1)
+    with torch.no_grad():
+        # no cache: transformers looks for packed sequences only then
+        out, naive = (m(input_ids=ids, position_ids=positions, use_cache=False).logits for m in (t.portattn, t.naive))
+        with _finite_eager_mask(t.ref):
+            ref = t.ref(input_ids=ids, position_ids=positions, use_cache=False).logits
+        # the same positions with a 2-D mask: no packed-sequence detection, one causal sequence
+        unpacked = t.ref(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids),
+                         use_cache=False).logits
+    result = compare("logits", out, ref, naive)
+    assert result.passed, result
+    assert not torch.allclose(ref[:, 4:].float(), unpacked[:, 4:].float(), atol=1e-3)   # the packing matters
+    calls = _recorded_calls(t.portattn, input_ids=ids, position_ids=positions, use_cache=False)
+    assert all(c["causal"] is False and c["bias"] == (torch.bool, (1, 1, SEQ, SEQ)) for c in calls)
+
+
+def test_bidirectional_encoder_with_padding():
+    """BERT: non-causal layers, right padding (the dense bidirectional mask)."""
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    models = {}
+    for label, impl, dtype in (("portattn", "portattn", torch.float32), ("naive", "eager", torch.float32),
+                               ("ref", "eager", torch.float64)):
+        model = transformers.AutoModel.from_config(copy.deepcopy(cfg), attn_implementation=impl)
+        if models:
+            model.load_state_dict(models["portattn"].state_dict())
+        models[label] = model.to(dtype).eval()
+    ids, mask = _batch()
+    mask = mask.flip(-1)                          # right padding
+    with torch.no_grad():
+        out, naive, ref = (m(input_ids=ids, attention_mask=mask).last_hidden_state for m in models.values())
+    keep = mask.bool()
+    result = compare("hidden", out[keep], ref[keep], naive[keep])
     assert result.passed, result
 
 

@@ -283,7 +283,8 @@ def _timing(args, device, dtype) -> list[dict]:
                 torch.cuda.reset_peak_memory_stats(device)
             t_ring = _time(fn, args.reps, device)
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-            entry = {"ring_s": t_ring, "per_ring_step_s": t_ring / world}
+            entry = {"ring_s": t_ring, "per_ring_step_s": t_ring / world,
+                     "local_backends": D._LAST.get("backends")}
             if world > 1:
                 with D._ablation(comm=False):
                     entry["compute_only_s"] = _time(fn, args.reps, device)
@@ -291,10 +292,13 @@ def _timing(args, device, dtype) -> list[dict]:
                     entry["comm_only_s"] = _time(fn, args.reps, device)
                 exposed = t_ring - entry["compute_only_s"]
                 comm = entry["comm_only_s"]
-                # bytes one rank sends per step: K and V (forward), and dK/dV in float32 (backward)
+                # bytes one rank sends per call: K and V in W-1 steps of the forward (and again in
+                # the backward), dK/dV in float32 in W hops of the backward
                 elem = torch.empty(0, dtype=dtype).element_size()
-                per_step = 2 * L * hkv * d * (elem if mode == "fwd" else 2 * elem + 8)
-                entry["link_GBps_measured"] = per_step * (world - 1) / comm / 1e9 if comm > 0 else None
+                shard = 2 * L * hkv * d
+                sent = (world - 1) * shard * elem * (1 if mode == "fwd" else 2) + (0 if mode == "fwd" else world * shard * 4)
+                entry["bytes_sent_per_rank"] = sent
+                entry["link_GBps_measured"] = sent / comm / 1e9 if comm > 0 else None
                 entry["comm_hidden_fraction"] = max(0.0, min(1.0, 1 - exposed / comm)) if comm > 0 else 1.0
             peaks = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
             dist.all_gather(peaks, torch.tensor([float(peak)], dtype=torch.float64, device=device))
@@ -315,7 +319,8 @@ def _row_line(row: dict) -> str:
     f, b = row["fwd"], row["fwdbwd"]
     hid = (f"hidden fwd {f['comm_hidden_fraction']:.2f} fwd+bwd {b['comm_hidden_fraction']:.2f}"
            if "comm_hidden_fraction" in f else "hidden -")
-    return (f"W={row['world']} S={row['total_tokens']} L={row['tokens_per_gpu']}: fwd {f['ring_s'] * 1e3:.1f} ms "
+    return (f"W={row['world']} S={row['total_tokens']} L={row['tokens_per_gpu']} "
+            f"[{','.join(b.get('local_backends') or [])}]: fwd {f['ring_s'] * 1e3:.1f} ms "
             f"fwd+bwd {b['ring_s'] * 1e3:.1f} ms {hid} peak {max(b['peak_mem_gib_per_rank']):.1f} GiB")
 
 
@@ -431,7 +436,7 @@ def simulate(args) -> dict:
                         torch.cuda.reset_peak_memory_stats(device)
                     secs = _time_local(fn, args.reps, device)
                     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-                    row[mode] = {"compute_s": secs, "peak_mem_gib": peak}
+                    row[mode] = {"compute_s": secs, "peak_mem_gib": peak, "local_backends": D._LAST.get("backends")}
                     t.pop("saved", None)
             model = step_cost(L, hq, hkv, d, causal=args.causal)
             row["model_step_s"] = {k: v for k, v in model.items() if k.endswith("_s")}
@@ -439,7 +444,7 @@ def simulate(args) -> dict:
                 base = row
             row["speedup_if_hidden"] = {m: base[m]["compute_s"] / row[m]["compute_s"] for m in ("fwd", "fwdbwd")}
             report["timing"].append(row)
-            print(f"simulated W={world} S={total} L={L} rank {rank}: fwd {row['fwd']['compute_s'] * 1e3:.1f} ms "
+            print(f"simulated W={world} S={total} L={L} rank {rank} [{','.join(row['fwd']['local_backends'] or [])}]: fwd {row['fwd']['compute_s'] * 1e3:.1f} ms "
                   f"fwd+bwd {row['fwdbwd']['compute_s'] * 1e3:.1f} ms (speed-up if hidden "
                   f"{row['speedup_if_hidden']['fwd']:.2f}x / {row['speedup_if_hidden']['fwdbwd']:.2f}x) peak "
                   f"{row['fwdbwd']['peak_mem_gib']:.1f} GiB", flush=True)
@@ -458,7 +463,8 @@ def simulate(args) -> dict:
 def _launch(args, argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rest = [a for i, a in enumerate(argv) if a != "--launch" and (i == 0 or argv[i - 1] != "--launch")]
+    rest = [a for i, a in enumerate(argv) if a != "--launch" and not a.startswith("--launch=")
+            and (i == 0 or argv[i - 1] != "--launch")]
     reports, rc = [], 0
     for n in args.launch:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",

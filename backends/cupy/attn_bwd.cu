@@ -22,15 +22,12 @@ __global__ void __launch_bounds__(128)
 attn_bwd_preprocess(const T* __restrict__ o, long long o_sb, long long o_ss, long long o_sh,
                     const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
                     float* __restrict__ delta, long long lse_sb, long long lse_sh,
-                    const int* __restrict__ cu_q, int seqlen_q, int head_dim_v,
+                    const int* __restrict__ cu_q, int seqlen_q, int total_q, int head_dim_v,
                     const float* __restrict__ dlse) {
     const int b = blockIdx.z, h = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
     long long q0 = 0;
     int sq = seqlen_q;
-    if (cu_q != nullptr) {
-        q0 = cu_q[b];
-        sq = cu_q[b + 1] - cu_q[b];
-    }
+    if (cu_q != nullptr) seq_span(cu_q, b, seqlen_q, total_q, &q0, &sq);
     if (i >= sq) return;
     const T* orow = o + b * o_sb + (q0 + i) * o_ss + h * o_sh;
     const T* drow = dout + b * do_sb + (q0 + i) * do_ss + h * do_sh;
@@ -94,7 +91,7 @@ attn_bwd_stats(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lo
 
     const int tid = threadIdx.x, row = tid / 16, sub = tid % 16;
     const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
     const int m0 = blockIdx.x * BM;
     if (m0 >= s.sq) return;
     const int i = m0 + row;
@@ -186,7 +183,7 @@ attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lon
 
     const int tid = threadIdx.x, key_l = tid / 8, sub = tid % 8;
     const int b = blockIdx.z, hk = blockIdx.y;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
     const int n0 = blockIdx.x * BN;
     if (n0 >= s.sk) return;
     const int j = n0 + key_l;
@@ -274,7 +271,7 @@ attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long 
 
     const int tid = threadIdx.x, row = tid / 16, sub = tid % 16;
     const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
     const int m0 = blockIdx.x * BM;
     if (m0 >= s.sq) return;
     const int i = m0 + row;

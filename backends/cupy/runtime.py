@@ -128,6 +128,7 @@ def common_args(spec, q, k, v) -> list:
         lse_strides = [spec.num_heads_q * spec.seqlen_q, spec.seqlen_q]   # lse (B, Hq, Sq)
     args = [_ptr(q), _ptr(k), _ptr(v), *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen),
             _ptr(spec.cu_seqlens_q), _ptr(spec.cu_seqlens_k), _i32(spec.seqlen_q), _i32(spec.seqlen_k),
+            _i32(q.shape[0]), _i32(k.shape[0]),   # packed totals: the kernels clamp cu_seqlens into them
             _i32(q.shape[-1]), _i32(v.shape[-1]), _i32(spec.gqa_ratio), np.float32(spec.scale),
             np.float32(spec.softcap or 0.0), _i32(left), _i32(right), _i32(spec.alignment == "top_left"),
             _ptr(alibi), _i64(alibi.stride(0) if alibi is not None else 0),
@@ -201,6 +202,9 @@ def plan_forward(spec, cfg: configs.KernelConfig | None = None) -> Plan:
     q, k, v = prepare_inputs(spec, tensor_cores)
     dv_alloc = v.shape[-1]
     out = torch.empty((*spec.q.shape[:-1], dv_alloc), dtype=spec.dtype, device=spec.device)
+    if spec.is_varlen:   # rows no (clamped) sequence covers (a bad cu_seqlens, unchecked when compiled)
+        out.zero_()
+        lse.fill_(float("-inf"))
     args, keep = common_args(spec, q, k, v)
     args += [_ptr(out), *_strides3(out, spec.is_varlen), _ptr(lse)]
     role = "extras" if tensor_cores and _needs_extras(spec) else "plain"
@@ -278,7 +282,8 @@ def _preprocess_launch(spec, cfg, out, do_args, delta, lse_strides, dlse) -> Lau
     by both 16-bit backward families."""
     return Launch(cfg, "preprocess", (_cdiv(spec.seqlen_q, configs.PRE_ROWS), spec.num_heads_q, spec.batch),
                   [_ptr(out), *_strides3(out, spec.is_varlen), *do_args, _ptr(delta), *lse_strides,
-                   _ptr(spec.cu_seqlens_q), _i32(spec.seqlen_q), _i32(spec.head_dim_v), _ptr(dlse)])
+                   _ptr(spec.cu_seqlens_q), _i32(spec.seqlen_q), _i32(spec.q.shape[0]), _i32(spec.head_dim_v),
+                   _ptr(dlse)])
 
 
 def _plan_backward_mma(spec, out, lse, dout, cfg, dlse) -> Plan:

@@ -306,21 +306,30 @@ def num_splits_for(units: int, key_blocks: int, num_sms: int, programs_per_sm: i
 def _plan(kv, config=None):
     """(config, block_d, BLOCK_M, m_blocks, num_splits) of one call (host ints only);
     ``config`` replaces the table's tiles (benchmarks' sweeps; its block_m is ignored)."""
-    target = device_target(kv.device)
-    block_d = max(padded_dim(kv.head_dim), padded_dim(kv.head_dim_v))
-    rows = kv.gqa_ratio * kv.seqlen_q
+    return _plan_cached(kv.device.type, kv.device.index, kv.dtype, kv.head_dim, kv.head_dim_v, kv.gqa_ratio,
+                        kv.seqlen_q, kv.batch, kv.num_heads_kv, kv.capacity, kv.window_left, kv.window_right,
+                        kv.num_splits, config)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_cached(device_type, device_index, dtype, head_dim, head_dim_v, group, seqlen_q, batch, num_heads_kv,
+                 capacity, window_left, window_right, num_splits, config):
+    device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    target = device_target(device)
+    block_d = max(padded_dim(head_dim), padded_dim(head_dim_v))
+    rows = group * seqlen_q
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
-    cfg = decode_config(target, block_d, ELEM_SIZES[kv.dtype], block_m) if config is None else config
+    cfg = decode_config(target, block_d, ELEM_SIZES[dtype], block_m) if config is None else config
     block_m = min(block_m, cfg.block_m) if config is None else block_m
     m_blocks = triton.cdiv(rows, block_m)
-    units = kv.batch * kv.num_heads_kv * m_blocks
-    keys = kv.capacity
-    if kv.window_left is not None:   # a window bounds the band of keys a tile can see
-        keys = min(keys, kv.window_left + kv.seqlen_q + (kv.window_right or 0))
-    if kv.num_splits:
-        splits = max(1, min(MAX_SPLITS, kv.num_splits))
+    units = batch * num_heads_kv * m_blocks
+    keys = capacity
+    if window_left is not None:   # a window bounds the band of keys a tile can see
+        keys = min(keys, window_left + seqlen_q + (window_right or 0))
+    if num_splits:
+        splits = max(1, min(MAX_SPLITS, num_splits))
     else:
-        splits = num_splits_for(units, triton.cdiv(keys, cfg.block_n), _sm_count(kv.device.type, kv.device.index),
+        splits = num_splits_for(units, triton.cdiv(keys, cfg.block_n), _sm_count(device_type, device_index),
                                 decode_programs_per_sm(target, block_m))
     return cfg, block_d, block_m, m_blocks, splits
 
@@ -342,7 +351,7 @@ def append(kv) -> None:
         kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
         bt.stride(0) if kv.paged else 0, kv.capacity, kv.page_size, kv.num_pages,
-        HEAD_D=kv.head_dim, HEAD_DV=kv.head_dim_v, BLOCK_D=block_d, PAGED=kv.paged, num_warps=1,
+        HEAD_D=kv.head_dim, HEAD_DV=kv.head_dim_v, BLOCK_D=block_d, PAGED=kv.paged, num_warps=1, enable_fp_fusion=True,
     )
 
 
@@ -388,7 +397,7 @@ def forward(kv, config=None) -> tuple[torch.Tensor, torch.Tensor]:
             part_o, part_lse, out, lse, out.stride(0), out.stride(1), out.stride(2),
             kv.num_heads_q, kv.seqlen_q, splits,
             HEAD_DV=kv.head_dim_v, BLOCK_D=padded_dim(kv.head_dim_v), BLOCK_S=max(16, triton.next_power_of_2(splits)),
-            IEEE=kv.dtype == torch.float32 and not kv.allow_tf32, num_warps=4,
+            IEEE=kv.dtype == torch.float32 and not kv.allow_tf32, num_warps=4, enable_fp_fusion=True,
         )
     return out, lse
 

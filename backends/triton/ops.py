@@ -47,8 +47,9 @@ def _lse_strides(spec, lse: torch.Tensor | None = None) -> tuple[int, int]:
 
 
 def _packed_totals(spec) -> tuple[int, int]:
-    """(total_q, total_k): the packed rows the kernels clamp cu_seqlens into (varlen)."""
-    return spec.q.shape[0], spec.k.shape[0]
+    """(total_q, total_k): the packed rows the kernels clamp cu_seqlens into (varlen; dense
+    problems pass 0, unread, so that the batch size does not change the kernels' specialisation)."""
+    return (spec.q.shape[0], spec.k.shape[0]) if spec.is_varlen else (0, 0)
 
 
 def _output(spec, given: torch.Tensor | None, shape, dtype, fill: float) -> torch.Tensor:

@@ -24,8 +24,8 @@ Semantics (flash-attn's, which are portattn's defaults — docs/semantics.md):
   its dropout-mask tensor as the third item, which is empty unless ``dropout_p > 0``; portattn has
   no dropout, so the third item is ``None``.
 
-``flash_attn_with_kvcache`` (decoding) is implemented in ``portattn.kvcache`` and served from this
-module too (``from portattn.compat.flash_attn import flash_attn_with_kvcache``).
+``flash_attn_with_kvcache`` (decoding) is implemented in :mod:`portattn.kvcache` and re-exported
+here, so the flash-attn import line stays the only change.
 
 Differences from flash-attn (see docs/integrations.md):
 
@@ -51,11 +51,13 @@ import torch
 from .. import dispatch
 from ..api import attention
 from ..errors import describe
+from ..kvcache import flash_attn_with_kvcache
 from ..spec import build_spec
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
     "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
 ]
 
 
@@ -203,17 +205,3 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                 return_attn_probs=return_attn_probs, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
-
-def __getattr__(name):
-    # flash_attn_with_kvcache lives with the KV-cache code (portattn/kvcache.py); served from here
-    # as well so that the flash-attn import line stays the only change.
-    if name == "flash_attn_with_kvcache":
-        try:
-            from ..kvcache import flash_attn_with_kvcache
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__.rpartition('.')[0]}.kvcache":
-                raise
-            raise AttributeError("flash_attn_with_kvcache needs portattn.kvcache, which this portattn does not "
-                                 "have yet") from exc
-        return flash_attn_with_kvcache
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

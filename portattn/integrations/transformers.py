@@ -27,8 +27,8 @@ query rows with padding — gets transformers' dense boolean mask ``(B, 1, Sq, S
 key-padding mask on top of the layer's causal/window).
 
 Not supported (``ValueError``): attention dropout > 0 (``config.attention_dropout`` while
-training), attention sinks (``s_aux``), ``position_bias``, continuous batching (paged caches). ``output_attentions=True`` returns
-``None`` weights, as transformers' SDPA path does.
+training), attention sinks (``s_aux``), ``position_bias``, continuous batching (paged caches).
+``output_attentions=True`` returns ``None`` weights, as transformers' SDPA path does.
 """
 
 from __future__ import annotations
