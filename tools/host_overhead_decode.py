@@ -125,6 +125,7 @@ def _setup(mode: str):
         fn = getattr(decode, cache, None)
         if fn is not None and hasattr(fn, "cache_clear"):
             fn.cache_clear()
+    getattr(decode, "_LAUNCHES", {}).clear()
     return undo
 
 

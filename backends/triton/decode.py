@@ -334,71 +334,151 @@ def _plan_cached(device_type, device_index, dtype, head_dim, head_dim_v, group, 
     return cfg, block_d, block_m, m_blocks, splits
 
 
-def _contig_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+class _Launch:
+    """Everything of one call's three launches that depends only on host values of the spec
+    (not on tensor addresses or strides): grids, the trailing scalar and constexpr arguments
+    (positional, in the kernels' order), launch options and the partials' buffer layout.
+    Built once per :func:`_launch_key` by :func:`_launch_plan`."""
+
+    __slots__ = ("splits", "rows", "out_shape", "lse_shape", "out_strides", "part_numel", "lse_offset",
+                 "split_grid", "split_tail", "split_opts", "combine_grid", "combine_tail", "combine_opts",
+                 "append_grid", "append_tail", "append_opts", "paged", "alibi")
+
+
+def _launch_key(kv, config) -> tuple:
+    """The host values a :class:`_Launch` depends on (cheap: attribute reads of the spec)."""
+    bt = kv.block_table
+    return (kv.q.device, kv.q.dtype, kv.batch, kv.seqlen_q, kv.num_heads_q, kv.num_heads_kv, kv.head_dim,
+            kv.head_dim_v, kv.seqlen_new, kv.page_size, kv.num_pages, kv.capacity, bt is not None,
+            kv.alibi_slopes is not None, kv.scale, kv.softcap, kv.alignment, kv.window_left, kv.window_right,
+            kv.allow_tf32, kv.num_splits, config)
+
+
+#: _launch_key -> _Launch (host values only: no tensor is kept)
+_LAUNCHES: dict = {}
+_LAUNCHES_MAX = 1024
+
+
+def _launch_plan(kv, config=None) -> _Launch:
+    """The cached :class:`_Launch` of ``kv`` (built on the first call with its key)."""
+    key = _launch_key(kv, config)
+    p = _LAUNCHES.get(key)
+    if p is None:
+        if len(_LAUNCHES) >= _LAUNCHES_MAX:
+            _LAUNCHES.clear()
+        p = _LAUNCHES[key] = _build_launch(kv, config)
+    return p
+
+
+def _build_launch(kv, config) -> _Launch:
+    cfg, block_d, block_m, m_blocks, splits = _plan(kv, config)
+    p = _Launch()
+    b, sq, hq, hkv, dv = kv.batch, kv.seqlen_q, kv.num_heads_q, kv.num_heads_kv, kv.head_dim_v
+    rows = b * hq * sq
+    p.splits, p.rows, p.paged, p.alibi = splits, rows, kv.paged, kv.alibi_slopes is not None
+    p.out_shape, p.lse_shape = kv.out_shape, kv.lse_shape
+    p.out_strides = (sq * hq * dv, hq * dv, dv)          # out is allocated contiguous here
+    # one float32 buffer holds the partial outputs (rows, splits, Dv) and, from a 16-byte
+    # aligned offset on, the partial lse (rows, splits)
+    p.lse_offset = -(-rows * splits * dv // 4) * 4
+    p.part_numel = p.lse_offset + rows * splits
+    softcap = kv.softcap
+    raw = kv.dtype == torch.float32 and softcap is None and kv.alibi_slopes is None
+    ieee = kv.dtype == torch.float32 and not kv.allow_tf32
+    p.split_grid = (splits, hkv * m_blocks, b)
+    p.split_tail = (
+        *p.out_strides,
+        sq, kv.gqa_ratio, hq, kv.capacity, kv.seqlen_new, kv.page_size, kv.num_pages, m_blocks, splits,
+        kv.scale * LOG2E_HOST, kv.scale / softcap if softcap else 1.0, softcap * LOG2E_HOST if softcap else 1.0,
+        UNBOUNDED if kv.window_left is None else kv.window_left,
+        UNBOUNDED if kv.window_right is None else kv.window_right,
+        # HEAD_D, HEAD_DV, BLOCK_D, BLOCK_M, BLOCK_N, SPLIT, PAGED, BOTTOM_RIGHT, SOFTCAP, ALIBI, IEEE, RAW_SCORES
+        kv.head_dim, dv, block_d, block_m, cfg.block_n, splits > 1, kv.paged, kv.alignment == "bottom_right",
+        softcap is not None, kv.alibi_slopes is not None, ieee, raw,
+    )
+    p.split_opts = cfg.launch_options()
+    p.combine_grid = (rows,)
+    # num_heads_q, seqlen_q, num_splits, HEAD_DV, BLOCK_D, BLOCK_S, IEEE
+    p.combine_tail = (*p.out_strides, hq, sq, splits, dv, padded_dim(dv), max(16, triton.next_power_of_2(splits)), ieee)
+    p.combine_opts = {"num_warps": 4, "enable_fp_fusion": True}
+    p.append_grid = None
+    if kv.k_new is not None and kv.seqlen_new and b and kv.capacity:
+        p.append_grid = (b, kv.seqlen_new, hkv)
+        # capacity, page_size, num_pages, HEAD_D, HEAD_DV, BLOCK_D, PAGED
+        p.append_tail = (kv.capacity, kv.page_size, kv.num_pages, kv.head_dim, dv,
+                         max(padded_dim(kv.head_dim), padded_dim(dv)), kv.paged)
+        p.append_opts = {"num_warps": 1, "enable_fp_fusion": True}
+    return p
+
+
+#: log2(e) as a host float (kernels.LOG2E is a tl.constexpr)
+LOG2E_HOST = 1.4426950408889634
+
+
+def _last_unit(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``t`` (made contiguous when its last dimension is strided) and its strides: one
+    ``stride()`` call per tensor."""
+    st = t.stride()
+    if st[-1] != 1 and t.shape[-1] != 1:
+        t = t.contiguous()
+        st = t.stride()
+    return t, st
+
+
+def _append(kv, p: _Launch, kc, vc, skc, svc, bt, sbt) -> None:
+    kn, skn = _last_unit(kv.k_new)
+    vn, svn = _last_unit(kv.v_new)
+    decode_append[p.append_grid](
+        kn, vn, kc, vc, bt, kv.cache_seqlens,
+        skn[0], skn[1], skn[2], svn[0], svn[1], svn[2],
+        skc[0], skc[1], skc[2], svc[0], svc[1], svc[2], sbt, *p.append_tail, **p.append_opts,
+    )
 
 
 def append(kv) -> None:
     """Write ``kv.k_new``/``kv.v_new`` into the caches in place (one small launch)."""
-    if kv.k_new is None or kv.seqlen_new == 0 or kv.batch == 0 or kv.capacity == 0:
+    p = _launch_plan(kv)
+    if p.append_grid is None:
         return
-    kn, vn = _contig_last(kv.k_new), _contig_last(kv.v_new)
     kc, vc = kv.k_cache, kv.v_cache
-    bt = kv.block_table if kv.paged else kv.cache_seqlens
-    block_d = max(padded_dim(kv.head_dim), padded_dim(kv.head_dim_v))
-    decode_append[(kv.batch, kv.seqlen_new, kv.num_heads_kv)](
-        kn, vn, kc, vc, bt, kv.cache_seqlens,
-        kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
-        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-        bt.stride(0) if kv.paged else 0, kv.capacity, kv.page_size, kv.num_pages,
-        HEAD_D=kv.head_dim, HEAD_DV=kv.head_dim_v, BLOCK_D=block_d, PAGED=kv.paged, num_warps=1, enable_fp_fusion=True,
-    )
+    bt = kv.block_table if p.paged else kv.cache_seqlens
+    _append(kv, p, kc, vc, kc.stride(), vc.stride(), bt, bt.stride(0) if p.paged else 0)
 
 
 def forward(kv, config=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Append, split, combine: ``(out (B, Sq, Hq, Dv), lse (B, Hq, Sq) float32)``. ``config``
-    (a :class:`.configs.KernelConfig`) overrides the tile table, for benchmark sweeps."""
-    append(kv)
-    q = _contig_last(kv.q)
-    out = torch.empty(kv.out_shape, dtype=kv.dtype, device=kv.device)
-    lse = torch.empty(kv.lse_shape, dtype=torch.float32, device=kv.device)
-    cfg, block_d, block_m, m_blocks, splits = _plan(kv, config)
-    rows = kv.batch * kv.num_heads_q * kv.seqlen_q
-    if splits > 1:
-        part_o = torch.empty((rows, splits, kv.head_dim_v), dtype=torch.float32, device=kv.device)
-        part_lse = torch.empty((rows, splits), dtype=torch.float32, device=kv.device)
+    (a :class:`.configs.KernelConfig`) overrides the tile table, for benchmark sweeps.
+
+    Per call only tensors, their strides (one ``stride()`` each) and three allocations (out,
+    lse, and one buffer of partials when the keys are split); everything else comes from the
+    cached :class:`_Launch`."""
+    p = _launch_plan(kv, config)
+    q, sq = _last_unit(kv.q)
+    kc, vc = kv.k_cache, kv.v_cache
+    skc, svc = kc.stride(), vc.stride()
+    seqlens = kv.cache_seqlens
+    if p.paged:
+        bt = kv.block_table
+        sbt = bt.stride(0)
+    else:
+        bt, sbt = seqlens, 0
+    if p.append_grid is not None:
+        _append(kv, p, kc, vc, skc, svc, bt, sbt)
+    out = q.new_empty(p.out_shape, dtype=kv.dtype)
+    lse = q.new_empty(p.lse_shape, dtype=torch.float32)
+    if p.splits > 1:
+        part_o = q.new_empty((p.part_numel,), dtype=torch.float32)
+        part_lse = part_o[p.lse_offset:]
     else:
         part_o = part_lse = lse
-    log2e = 1.4426950408889634
-    softcap = kv.softcap
-    raw = kv.dtype == torch.float32 and softcap is None and kv.alibi_slopes is None
-    kc, vc = kv.k_cache, kv.v_cache
-    bt = kv.block_table if kv.paged else kv.cache_seqlens
-    slopes = kv.alibi_slopes if kv.alibi_slopes is not None else lse
-    decode_split[(splits, kv.num_heads_kv * m_blocks, kv.batch)](
-        q, kc, vc, bt, kv.cache_seqlens, slopes, out, lse, part_o, part_lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        kc.stride(0), kc.stride(1), kc.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2),
-        bt.stride(0) if kv.paged else 0,
-        out.stride(0), out.stride(1), out.stride(2),
-        kv.seqlen_q, kv.gqa_ratio, kv.num_heads_q, kv.capacity, kv.seqlen_new, kv.page_size, kv.num_pages, m_blocks,
-        splits,
-        kv.scale * log2e, kv.scale / softcap if softcap else 1.0, softcap * log2e if softcap else 1.0,
-        UNBOUNDED if kv.window_left is None else kv.window_left,
-        UNBOUNDED if kv.window_right is None else kv.window_right,
-        HEAD_D=kv.head_dim, HEAD_DV=kv.head_dim_v, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        SPLIT=splits > 1, PAGED=kv.paged, BOTTOM_RIGHT=kv.alignment == "bottom_right",
-        SOFTCAP=softcap is not None, ALIBI=kv.alibi_slopes is not None,
-        IEEE=kv.dtype == torch.float32 and not kv.allow_tf32, RAW_SCORES=raw, **cfg.launch_options(),
+    slopes = kv.alibi_slopes if p.alibi else lse
+    decode_split[p.split_grid](
+        q, kc, vc, bt, seqlens, slopes, out, lse, part_o, part_lse,
+        sq[0], sq[1], sq[2], skc[0], skc[1], skc[2], svc[0], svc[1], svc[2], sbt,
+        *p.split_tail, **p.split_opts,
     )
-    if splits > 1:
-        decode_combine[(rows,)](
-            part_o, part_lse, out, lse, out.stride(0), out.stride(1), out.stride(2),
-            kv.num_heads_q, kv.seqlen_q, splits,
-            HEAD_DV=kv.head_dim_v, BLOCK_D=padded_dim(kv.head_dim_v), BLOCK_S=max(16, triton.next_power_of_2(splits)),
-            IEEE=kv.dtype == torch.float32 and not kv.allow_tf32, num_warps=4, enable_fp_fusion=True,
-        )
+    if p.splits > 1:
+        decode_combine[p.combine_grid](part_o, part_lse, out, lse, *p.combine_tail, **p.combine_opts)
     return out, lse
 
 
