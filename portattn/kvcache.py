@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import dispatch
+from . import config, dispatch, registry
 from .errors import BackendNotAvailableError, describe
 from .registry import get_backend
 from .spec import ALIGNMENTS, SUPPORTED_DTYPES, _norm_window, build_spec, device_vendor
@@ -63,9 +63,11 @@ __all__ = ["KVCacheSpec", "build_kvcache_spec", "attention_with_kvcache", "expla
 
 # ----- the problem ---------------------------------------------------------------------------
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class KVCacheSpec:
     """A validated KV-cache attention problem (build it with :func:`build_kvcache_spec`).
+    Read-only by contract (``dataclasses.replace`` makes a variant); not frozen because a frozen
+    dataclass of this size costs ~8 us per construction, on every decoding step.
 
     Tensors are the caller's (never copied): ``q (B, Sq, Hq, D)``; ``k_cache``/``v_cache``
     contiguous ``(B, S_cache, Hkv, D/Dv)`` or paged ``(num_pages, page_size, Hkv, D/Dv)`` with
@@ -106,18 +108,11 @@ class KVCacheSpec:
     capacity: int = field(init=False)
 
     def __post_init__(self):
-        set_ = object.__setattr__
-        set_(self, "batch", self.q.shape[0])
-        set_(self, "seqlen_q", self.q.shape[1])
-        set_(self, "num_heads_q", self.q.shape[2])
-        set_(self, "num_heads_kv", self.k_cache.shape[2])
-        set_(self, "head_dim", self.q.shape[3])
-        set_(self, "head_dim_v", self.v_cache.shape[3])
-        set_(self, "seqlen_new", 0 if self.k_new is None else self.k_new.shape[1])
-        set_(self, "page_size", self.k_cache.shape[1])
-        set_(self, "num_pages", self.k_cache.shape[0])
-        pages = self.block_table.shape[1] if self.block_table is not None else 1
-        set_(self, "capacity", pages * self.k_cache.shape[1])
+        self.batch, self.seqlen_q, self.num_heads_q, self.head_dim = self.q.shape
+        self.num_pages, self.page_size, self.num_heads_kv, _ = self.k_cache.shape
+        self.head_dim_v = self.v_cache.shape[3]
+        self.seqlen_new = 0 if self.k_new is None else self.k_new.shape[1]
+        self.capacity = (self.block_table.shape[1] if self.block_table is not None else 1) * self.page_size
 
     @property
     def paged(self) -> bool:
@@ -296,12 +291,12 @@ def build_kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=Non
                              f"{describe(cache_seqlens)}" + ("; cast with .to(torch.int32)"
                                                              if cache_seqlens.dtype != torch.int32 else ""))
         seqlens = cache_seqlens
-        if seqlens.device.type == "cpu" and seqlens.numel():   # free to check on the host
+        if seqlens.is_cpu and seqlens.numel():   # free to check on the host
             lo, hi = int(seqlens.min()), int(seqlens.max())
             if lo < 0 or hi + new > capacity:
                 raise ValueError(f"cache_seqlens must lie in [0, {capacity - new}] (capacity {capacity}, "
                                  f"Sk_new={new}); got values in [{lo}, {hi}]")
-    if paged and block_table.device.type == "cpu" and block_table.numel() and batch:
+    if paged and block_table.is_cpu and block_table.numel() and batch:
         used = (seqlens.long() + new).clamp(0, capacity)
         pages = torch.arange(block_table.shape[1]).unsqueeze(0) * k_cache.shape[1] < used.unsqueeze(1)
         ids = block_table[pages]
@@ -343,7 +338,6 @@ def build_kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=Non
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: the kernel's heuristic), got {num_splits!r}")
 
-    from . import config
     return KVCacheSpec(
         q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, k_new=k, v_new=v,
         block_table=block_table, scale=float(scale), causal=causal, alignment=causal_alignment,
@@ -468,37 +462,43 @@ def _explain(kv: KVCacheSpec, backend) -> dispatch.Explanation:
     return exp
 
 
-#: (pinned names, where from, priority list, problem signature) -> backend name: selection
-#: without the reasons' cost on every decoding step. Keys hold only host values; the registry's
-#: names are part of the key, and the cached name is looked up again on every use.
+#: (pinned names, registry generation, priority override, problem signature) -> backend:
+#: selection without the reasons' cost on every decoding step. Keys hold only host values; any
+#: change of the registry (a registration, a replacement, a backend loaded) changes the
+#: generation, and PORTATTN_PRIORITY_<VENDOR> is part of the key when nothing is pinned.
 _SELECTED: dict = {}
 _SELECTED_MAX = 256
 
 
 def _signature(kv: KVCacheSpec) -> tuple:
     """Everything a backend's reasons may depend on, as host values (no tensor contents)."""
-    tensors = (kv.q, kv.k_cache, kv.v_cache, kv.k_new, kv.v_new, kv.block_table, kv.alibi_slopes)
-    return (kv.dtype, kv.device, kv.alignment, kv.causal, kv.window_left, kv.window_right, kv.softcap is None,
-            kv.deterministic, kv.allow_tf32,
-            tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype) for t in tensors))
+    q = kv.q
+    sig = [q.dtype, q.device, kv.alignment, kv.causal, kv.window_left, kv.window_right, kv.softcap is None,
+           kv.deterministic, kv.allow_tf32]
+    for t in (q, kv.k_cache, kv.v_cache, kv.k_new, kv.v_new, kv.block_table, kv.alibi_slopes):
+        sig.append(None if t is None else (t.shape, t.stride(), t.dtype))
+    return tuple(sig)
+
+
+def _selection_key(kv: KVCacheSpec, names: tuple) -> tuple:
+    return (names, registry.generation(), None if names else config.priority_raw(kv.vendor), _signature(kv))
 
 
 def select_kvcache(kv: KVCacheSpec, backend=None):
     """The backend that will run ``kv``; :class:`~portattn.errors.BackendNotAvailableError` with
     every candidate's reasons otherwise (a pinned backend never falls back silently)."""
-    from .registry import list_backends
     names, source = dispatch._requested(backend)
+    chosen = _SELECTED.get(_selection_key(kv, names))
+    if chosen is not None:
+        return chosen
     candidates = tuple(names) if names else tuple(dispatch.priority_for(kv.vendor))
-    key = (candidates, tuple(list_backends()), _signature(kv))
-    name = _SELECTED.get(key)
-    if name is not None:
-        return get_backend(name)
     for name in candidates:
-        if not _reasons(get_backend(name), kv):
+        chosen = get_backend(name)
+        if not _reasons(chosen, kv):
             if len(_SELECTED) >= _SELECTED_MAX:
                 _SELECTED.clear()
-            _SELECTED[key] = name
-            return get_backend(name)
+            _SELECTED[_selection_key(kv, names)] = chosen   # the generation after any load above
+            return chosen
     exp = _explain(kv, backend)
     detail = "\n".join(f"  - {n}: {'; '.join(exp.reasons[n]) or 'supported'}" for n in exp.candidates)
     if exp.pinned_by and len(exp.candidates) == 1:
@@ -519,8 +519,9 @@ def run_kvcache(kv: KVCacheSpec, backend=None) -> tuple[Tensor, Tensor]:
         return out, torch.full(kv.lse_shape, float("-inf"), dtype=torch.float32, device=kv.device)
     with torch.no_grad():
         chosen = select_kvcache(kv, backend)
-        if hasattr(chosen, "forward_kvcache") and hasattr(chosen, "kvcache_reasons"):
-            return chosen.forward_kvcache(kv)
+        native = getattr(chosen, "forward_kvcache", None)
+        if native is not None and hasattr(chosen, "kvcache_reasons"):
+            return native(kv)
         append_kv(kv)
         out, lse = chosen.forward(visible_problem(kv))
     return out, lse

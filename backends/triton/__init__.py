@@ -134,10 +134,15 @@ def _kvcache_reasons(self, kv) -> list[str]:
     return reasons
 
 
+_decode = None   # the decode module, imported on first use (it imports triton)
+
+
 def _forward_kvcache(self, kv):
     """Append the new k/v in place, then split-KV attention: ``(out (B, Sq, Hq, Dv), lse (B, Hq, Sq))``."""
-    from . import decode
-    return decode.forward(kv)
+    global _decode
+    if _decode is None:
+        from . import decode as _decode
+    return _decode.forward(kv)
 
 
 TritonBackend.kvcache_reasons = _kvcache_reasons
