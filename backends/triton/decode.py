@@ -34,11 +34,15 @@ import triton
 import triton.language as tl
 
 from .configs import ELEM_SIZES, decode_config, decode_programs_per_sm, device_target, padded_dim
-from .kernels import LN2, LOG2E, _div, _load_tile, _mm, _online_max, _round_to, _scores, _tanh
+from .kernels import _div, _load_tile, _mm, _online_max, _round_to, _scores, _tanh
 
 #: an unbounded window side inside the kernels (|row ± window| stays far from int32 limits)
 UNBOUNDED = 1 << 30
-_BIG = tl.constexpr(UNBOUNDED)
+# The kernels below write their constants (UNBOUNDED = 1073741824, log2(e) = 1.4426950408889634,
+# ln(2) = 0.6931471805599453) as literals, not as tl.constexpr globals: Triton compares every
+# global a kernel uses with its value at compile time on every launch (a Python constexpr
+# __ne__ each, several microseconds per call on a slow host). A literal is the same constexpr to
+# the compiler (the PTX is identical).
 #: the most splits one call uses (the combine kernel's tile of partials)
 MAX_SPLITS = 128
 #: rows of the packed (GQA × Sq) query tile at most; more rows take more programs (m_blocks)
@@ -157,8 +161,8 @@ def decode_split(
     else:
         qpos = qi
     # the band of keys any row of this tile sees, and this split's chunk of it
-    q_lo = tl.min(tl.where(row_ok, qpos, _BIG), 0)
-    q_hi = tl.max(tl.where(row_ok, qpos, -_BIG), 0)
+    q_lo = tl.min(tl.where(row_ok, qpos, 1073741824), 0)
+    q_hi = tl.max(tl.where(row_ok, qpos, -1073741824), 0)
     lo = tl.maximum(q_lo - window_left, 0)
     hi = tl.minimum(tl.maximum(q_hi + window_right + 1, 0), seq_len)
     n_keys = tl.maximum(hi - lo, 0)
@@ -182,7 +186,7 @@ def decode_split(
     bt_base = b64 * stride_bt
     slope2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ALIBI:
-        slope2 = tl.load(SLOPES + b * num_heads_q + h, mask=row_ok, other=0.0) * LOG2E
+        slope2 = tl.load(SLOPES + b * num_heads_q + h, mask=row_ok, other=0.0) * 1.4426950408889634
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -198,7 +202,7 @@ def decode_split(
     out = _div(acc, l_safe[:, None], IEEE)
     if RAW_SCORES:
         m_i = m_i * qk_scale2
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     row = (b64 * num_heads_q + h) * seqlen_q + qi             # (b, h, i) row of lse and the partials
     dmask = row_ok[:, None] & (offs_d[None, :] < HEAD_DV)
     if not SPLIT:
@@ -228,7 +232,7 @@ def decode_combine(
     lse = tl.load(LSEP + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2((lse - m_safe) * LOG2E)
+    w = tl.exp2((lse - m_safe) * 1.4426950408889634)
     total = tl.sum(w, 0)
     parts = tl.load(OP + (row * num_splits + offs_s)[:, None] * HEAD_DV + offs_d[None, :],
                     mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DV), other=0.0)
@@ -236,7 +240,7 @@ def decode_combine(
     out = _div(tl.sum(w[:, None] * parts, 0), tl.where(empty, 1.0, total), IEEE)
     o_ptrs = O + b * stride_ob + qi * stride_os + h * stride_oh + offs_d
     tl.store(o_ptrs, _round_to(out, O.dtype.element_ty), mask=offs_d < HEAD_DV)
-    tl.store(LSE + row, tl.where(empty, float("-inf"), m_safe + tl.log2(tl.where(empty, 1.0, total)) * LN2))
+    tl.store(LSE + row, tl.where(empty, float("-inf"), m_safe + tl.log2(tl.where(empty, 1.0, total)) * 0.6931471805599453))
 
 
 @triton.jit
