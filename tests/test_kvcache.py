@@ -375,3 +375,52 @@ def test_property_triton_interpreter_matches_oracle():
         _ok(check_kvcache(problem, "triton"))
 
     run()
+
+
+def _same(a, b):
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+@pytest.mark.parametrize("case", ["contig-beyond-capacity", "paged-top-left-unread", "two-row-blocks"])
+def test_triton_append_in_the_split_kernel_matches_the_separate_launch(case, monkeypatch):
+    """decode.FOLD_APPEND (the split kernel's programs write the new rows they read; program
+    (split 0, row block 0) writes them all) leaves the same cache and gives the same bits as the
+    separate append launch: rows past the capacity dropped, new rows that no query sees (top-left
+    causal) written all the same, several row blocks and splits reading the new rows."""
+    decode = _triton_cpu()
+    if case == "contig-beyond-capacity":   # lengths unchecked as on a GPU: 30 + 3 > 32, 40 > 32
+        p = KVProblem(lengths=(5, 0, 0), seqlen_new=3, capacity=32, dtype="bfloat16")
+        inp = make_inputs(p)
+        inp["cache_seqlens"] = torch.tensor([5, 30, 40], dtype=torch.int32)
+        for name in ("k_cache", "v_cache"):      # finite keys where sequences 1 and 2 now read
+            inp[name][1:] = torch.randn(inp[name][1:].shape).to(inp[name].dtype)
+        kw = dict(num_splits=3)
+    elif case == "paged-top-left-unread":
+        p = KVProblem(lengths=(20, 3), seqlen_q=2, seqlen_new=4, page_size=8, pages_per_seq=4, dtype="float16",
+                      alignment="top_left")
+        inp = make_inputs(p)
+        kw = dict(num_splits=2)
+    else:                                   # GQA 16 x Sq 8 = 128 packed rows: two row blocks of 64
+        p = KVProblem(lengths=(50, 7), seqlen_q=8, seqlen_new=2, heads_q=16, heads_kv=1, capacity=64,
+                      dtype="bfloat16")
+        inp = make_inputs(p)
+        kw = dict(num_splits=3)
+    results = {}
+    for fold in (False, True):
+        monkeypatch.setattr(decode, "FOLD_APPEND", fold)
+        t = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
+        kv = kvcache.KVCacheSpec(q=t["q"], k_cache=t["k_cache"], v_cache=t["v_cache"], cache_seqlens=t["cache_seqlens"],
+                                 k_new=t["k"], v_new=t["v"], block_table=t["block_table"], scale=0.125, causal=True,
+                                 alignment=p.alignment, window_right=0, **kw)
+        if case == "two-row-blocks":
+            assert decode.plan_summary(kv)["m_blocks"] == 2
+        out, lse = decode.forward(kv)
+        assert decode._launch_plan(kv).fold == fold
+        results[fold] = (out, lse, t["k_cache"], t["v_cache"])
+    for a, b in zip(results[False], results[True]):
+        assert _same(a, b)
+    assert not torch.isnan(results[True][0]).any()
+    kc = results[True][2]
+    assert not _same(kc, inp["k_cache"])   # the append did write
+    if case == "contig-beyond-capacity":   # 30 + 2 fit, the third is dropped; 40 has no room
+        assert torch.equal(kc[1, 30:], inp["k"][1, :2]) and torch.equal(kc[2], inp["k_cache"][2])

@@ -1,10 +1,18 @@
 """Split-KV decoding kernels (Flash-Decoding) for :func:`portattn.kvcache.attention_with_kvcache`.
 
-Three launches per call, none of which synchronises with the host (CUDA-graph capturable):
+At most two launches per call, none of which synchronises with the host (CUDA-graph capturable);
+the host side of a call is cached (see "Host cost" below):
 
-1. ``decode_append`` (only with new k/v): one program per (sequence, new position, KV head)
-   writes the new key/value row into the cache at ``cache_seqlens[b] + t`` (paged: through the
-   block table); rows that would land beyond the capacity are not written.
+1. the append of new k/v (only with new k/v): by default (:data:`FOLD_APPEND`) in the prologue of
+   ``decode_split``: every program first writes the new rows its own chunk of keys will read
+   (rows ``cache_seqlens[b] + t``; paged: through the block table), then a barrier makes them
+   visible to its threads, and program (split 0, row block 0) of each (sequence, KV head) writes
+   every new row (also those no query sees). Several programs may write the same row: always
+   the same bytes. Rows that would land beyond the capacity are not written. A new row written
+   into a slot that another sequence of the same call reads as one of its old keys (pages
+   shared across sequences) is a caller error: that sequence may see either value. With
+   ``FOLD_APPEND = False`` a separate ``decode_append`` launch (one program per (sequence, new
+   position, KV head)) writes them first.
 2. ``decode_split``: grid ``(num_splits, Hkv · m_blocks, B)``. The ``G = Hq / Hkv`` query heads
    of one KV head and the ``Sq`` queries are packed into the rows of one tile (row ``r`` is head
    ``r // Sq`` of the group, query ``r % Sq``: GQA packing), so every K/V byte is read once per
@@ -15,7 +23,8 @@ Three launches per call, none of which synchronises with the host (CUDA-graph ca
    output and its lse (natural log; ``-inf`` when the chunk holds no visible key), or — when
    ``num_splits == 1`` (constexpr ``SPLIT`` off) — the final output and lse directly. The split
    count is a run-time argument: a new count does not recompile.
-3. ``decode_combine``: one program per (sequence, query head, query) merges the partials:
+3. ``decode_combine`` (only when ``num_splits > 1``): one program per (sequence, query head,
+   query) merges the partials:
    ``out = Σ_s exp(lse_s - m) o_s / Σ_s exp(lse_s - m)``, ``lse = m + log Σ_s exp(lse_s - m)``;
    a row with no visible key gets 0 and ``-inf``.
 
@@ -23,6 +32,14 @@ Keys are read only below each sequence's length (masked loads), so NaN in unused
 enters a sum; page ids are clamped into ``[0, num_pages)``. The split count is a host-side
 function of ``B``, ``Hkv``, the cache capacity and the SM count (:func:`num_splits_for`), never of
 ``cache_seqlens`` contents. Tile sizes come from :func:`.configs.decode_config`.
+
+Host cost. Everything that depends only on host values of the spec (device, dtype, shapes, cache
+layout, Sq, Sk_new, features, scale: :func:`_launch_key`) is computed once into a
+:class:`_Launch` (grids, the kernels' trailing scalar and constexpr arguments, passed
+positionally, launch options, the partials' layout); a call reads one ``stride()`` per tensor,
+allocates out, lse and (with splits) one float32 buffer of partials, and launches. Triton's own
+per-launch work (specialising every argument, the cache key, a check of every global a kernel
+uses) grows with the argument count, so constants are literals, not ``tl.constexpr`` globals.
 """
 
 from __future__ import annotations
@@ -127,21 +144,47 @@ def _decode_range(acc, l_i, m_i, q, BT, k_base, v_base, bt_base, lo, hi, end, of
 
 
 @triton.jit
+def _append_rows(kn_base, vn_base, BT, k_base, v_base, bt_base, lo, hi, n0, offs_n, offs_d, page_size, num_pages,
+                 stride_kp, stride_ks, stride_vp, stride_vs, stride_kns, stride_vns,
+                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
+    """Copy new key/value rows at cache positions ``[lo, hi)`` (new row ``pos - n0``) into the cache."""
+    for r0 in range(lo, hi, BLOCK_N):
+        cols = r0 + offs_n
+        ok = cols < hi
+        krow, vrow = _rows(BT, bt_base, cols, hi, page_size, num_pages, stride_kp, stride_ks, stride_vp, stride_vs,
+                           PAGED)
+        t = cols - n0
+        kmask = ok[:, None] & (offs_d[None, :] < HEAD_D)
+        k = tl.load(kn_base + t[:, None] * stride_kns + offs_d[None, :], mask=kmask, other=0.0)
+        tl.store(k_base + krow[:, None] + offs_d[None, :], k, mask=kmask)
+        vmask = ok[:, None] & (offs_d[None, :] < HEAD_DV)
+        v = tl.load(vn_base + t[:, None] * stride_vns + offs_d[None, :], mask=vmask, other=0.0)
+        tl.store(v_base + vrow[:, None] + offs_d[None, :], v, mask=vmask)
+
+
+@triton.jit
 def decode_split(
-    Q, K, V, BT, SEQLENS, SLOPES, O, LSE, OP, LSEP,
+    Q, K, V, BT, SEQLENS, SLOPES, O, LSE, OP, LSEP, KN, VN,
     stride_qb, stride_qs, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_bt,
+    stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
     stride_ob, stride_os, stride_oh,
     seqlen_q, group, num_heads_q, capacity, seqlen_new, page_size, num_pages, m_blocks, num_splits,
     qk_scale2, softcap_scale, softcap2, window_left, window_right,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     PAGED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
+    IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, APPEND: tl.constexpr,
 ):
-    """One (split, KV head · row block, sequence): online softmax over the split's key chunk."""
+    """One (split, KV head · row block, sequence): online softmax over the split's key chunk.
+
+    ``APPEND``: first write the new rows ``KN``/``VN`` (b, t, hk) at positions ``n0 + t`` below
+    the capacity. One launch cannot order programs, so every program writes the new rows that
+    its own chunk reads (the same bytes as any other writer), then a barrier makes them visible
+    to its threads; program (split 0, row block 0) of each (sequence, KV head) writes all of
+    them (also those no program reads)."""
     split = tl.program_id(0)
     pid1 = tl.program_id(1)
     b = tl.program_id(2)
@@ -184,6 +227,14 @@ def decode_split(
         k_base = K + b64 * stride_kp + hk.to(tl.int64) * stride_kh
         v_base = V + b64 * stride_vp + hk.to(tl.int64) * stride_vh
     bt_base = b64 * stride_bt
+    if APPEND:
+        everything = (split == 0) & (mb == 0)
+        w_lo = tl.where(everything, n0, tl.maximum(start, n0))
+        w_hi = tl.where(everything, seq_len, tl.minimum(end, seq_len))
+        _append_rows(KN + b64 * stride_knb + hk * stride_knh, VN + b64 * stride_vnb + hk * stride_vnh, BT, k_base,
+                     v_base, bt_base, w_lo, w_hi, n0, offs_n, offs_d, page_size, num_pages, stride_kp, stride_ks,
+                     stride_vp, stride_vs, stride_kns, stride_vns, HEAD_D, HEAD_DV, BLOCK_N, PAGED)
+        tl.debug_barrier()
     slope2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ALIBI:
         slope2 = tl.load(SLOPES + b * num_heads_q + h, mask=row_ok, other=0.0) * 1.4426950408889634
@@ -346,7 +397,7 @@ class _Launch:
 
     __slots__ = ("splits", "rows", "out_shape", "lse_shape", "out_strides", "part_numel", "lse_offset",
                  "split_grid", "split_tail", "split_opts", "combine_grid", "combine_tail", "combine_opts",
-                 "append_grid", "append_tail", "append_opts", "paged", "alibi")
+                 "append_grid", "append_tail", "append_opts", "paged", "alibi", "fold")
 
 
 def _launch_key(kv, config) -> tuple:
@@ -355,7 +406,7 @@ def _launch_key(kv, config) -> tuple:
     return (kv.q.device, kv.q.dtype, kv.batch, kv.seqlen_q, kv.num_heads_q, kv.num_heads_kv, kv.head_dim,
             kv.head_dim_v, kv.seqlen_new, kv.page_size, kv.num_pages, kv.capacity, bt is not None,
             kv.alibi_slopes is not None, kv.scale, kv.softcap, kv.alignment, kv.window_left, kv.window_right,
-            kv.allow_tf32, kv.num_splits, config)
+            kv.allow_tf32, kv.num_splits, config, FOLD_APPEND)
 
 
 #: _launch_key -> _Launch (host values only: no tensor is kept)
@@ -396,7 +447,8 @@ def _build_launch(kv, config) -> _Launch:
         kv.scale * LOG2E_HOST, kv.scale / softcap if softcap else 1.0, softcap * LOG2E_HOST if softcap else 1.0,
         UNBOUNDED if kv.window_left is None else kv.window_left,
         UNBOUNDED if kv.window_right is None else kv.window_right,
-        # HEAD_D, HEAD_DV, BLOCK_D, BLOCK_M, BLOCK_N, SPLIT, PAGED, BOTTOM_RIGHT, SOFTCAP, ALIBI, IEEE, RAW_SCORES
+        # HEAD_D, HEAD_DV, BLOCK_D, BLOCK_M, BLOCK_N, SPLIT, PAGED, BOTTOM_RIGHT, SOFTCAP, ALIBI, IEEE, RAW_SCORES,
+        # APPEND (set below)
         kv.head_dim, dv, block_d, block_m, cfg.block_n, splits > 1, kv.paged, kv.alignment == "bottom_right",
         softcap is not None, kv.alibi_slopes is not None, ieee, raw,
     )
@@ -412,7 +464,15 @@ def _build_launch(kv, config) -> _Launch:
         p.append_tail = (kv.capacity, kv.page_size, kv.num_pages, kv.head_dim, dv,
                          max(padded_dim(kv.head_dim), padded_dim(dv)), kv.paged)
         p.append_opts = {"num_warps": 1, "enable_fp_fusion": True}
+    p.fold = FOLD_APPEND and p.append_grid is not None
+    p.split_tail += (p.fold,)
     return p
+
+
+#: write the new k/v rows in the split kernel's prologue (one launch less per call) instead of
+#: a separate ``decode_append`` launch before it; both give the same cache and results
+FOLD_APPEND = True
+_NO_STRIDES = (0, 0, 0, 0)
 
 
 #: log2(e) as a host float (kernels.LOG2E is a tl.constexpr)
@@ -450,7 +510,8 @@ def append(kv) -> None:
 
 
 def forward(kv, config=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append, split, combine: ``(out (B, Sq, Hq, Dv), lse (B, Hq, Sq) float32)``. ``config``
+    """Append (in the split kernel, :data:`FOLD_APPEND`), split, combine (only with more than
+    one split): ``(out (B, Sq, Hq, Dv), lse (B, Hq, Sq) float32)``. ``config``
     (a :class:`.configs.KernelConfig`) overrides the tile table, for benchmark sweeps.
 
     Per call only tensors, their strides (one ``stride()`` each) and three allocations (out,
@@ -466,8 +527,14 @@ def forward(kv, config=None) -> tuple[torch.Tensor, torch.Tensor]:
         sbt = bt.stride(0)
     else:
         bt, sbt = seqlens, 0
-    if p.append_grid is not None:
-        _append(kv, p, kc, vc, skc, svc, bt, sbt)
+    if p.fold:
+        kn, skn = _last_unit(kv.k_new)
+        vn, svn = _last_unit(kv.v_new)
+    else:
+        if p.append_grid is not None:
+            _append(kv, p, kc, vc, skc, svc, bt, sbt)
+        kn = vn = q
+        skn = svn = _NO_STRIDES
     out = q.new_empty(p.out_shape, dtype=kv.dtype)
     lse = q.new_empty(p.lse_shape, dtype=torch.float32)
     if p.splits > 1:
@@ -477,8 +544,9 @@ def forward(kv, config=None) -> tuple[torch.Tensor, torch.Tensor]:
         part_o = part_lse = lse
     slopes = kv.alibi_slopes if p.alibi else lse
     decode_split[p.split_grid](
-        q, kc, vc, bt, seqlens, slopes, out, lse, part_o, part_lse,
+        q, kc, vc, bt, seqlens, slopes, out, lse, part_o, part_lse, kn, vn,
         sq[0], sq[1], sq[2], skc[0], skc[1], skc[2], svc[0], svc[1], svc[2], sbt,
+        skn[0], skn[1], skn[2], svn[0], svn[1], svn[2],
         *p.split_tail, **p.split_opts,
     )
     if p.splits > 1:

@@ -372,10 +372,11 @@ class DecodeFeatures:
     head_d: int | None = None
     head_dv: int | None = None
     num_splits: int = 8
+    append: bool = False   # decode_split's prologue writes the new k/v rows (APPEND)
 
     def label(self) -> str:
         names = [n for n, on in (("paged", self.paged), ("softcap", self.softcap), ("alibi", self.alibi),
-                                 ("top_left", not self.bottom_right)) if on]
+                                 ("top_left", not self.bottom_right), ("append", self.append)) if on]
         if self.head_d is not None:
             names.append(f"D{self.head_d}/Dv{self.head_dv}")
         return "+".join(names) or "plain"
@@ -388,7 +389,7 @@ def decode_cases(quick: bool = False, smoke: bool = False) -> list[Case]:
     if smoke:
         return []
     out: list[Case] = []
-    every = DecodeFeatures(paged=True, softcap=True, alibi=True, bottom_right=False)
+    every = DecodeFeatures(paged=True, softcap=True, alibi=True, bottom_right=False, append=True)
     for target, limit in PORTABILITY_TARGETS:
         if quick:
             out.append(Case("decode_split", target, limit, torch.bfloat16, 128,
@@ -403,10 +404,10 @@ def decode_cases(quick: bool = False, smoke: bool = False) -> list[Case]:
         for n, (cfg, (dtype, block_d)) in enumerate(sorted(chosen.items(), key=lambda kv: kv[0].short())):
             if n % 2:
                 feats = DecodeFeatures(paged=True, softcap=n % 4 == 1, alibi=n % 4 == 3,
-                                       bottom_right=n % 3 != 0, ieee=n % 4 != 3)
+                                       bottom_right=n % 3 != 0, ieee=n % 4 != 3, append=n % 4 == 1)
             else:
                 d, dv = _odd_dims(block_d)
-                feats = DecodeFeatures(head_d=d, head_dv=dv, ieee=n % 4 != 2)
+                feats = DecodeFeatures(head_d=d, head_dv=dv, ieee=n % 4 != 2, append=n % 4 == 2)
             out.append(Case("decode_split", target, limit, dtype, block_d, cfg, feats))
         for dtype in (torch.bfloat16, torch.float32):
             out.append(Case("decode_combine", target, limit, dtype, 128, KernelConfig(16, 16, 4, 1),
@@ -431,7 +432,7 @@ def _decode_signature(fn, case: Case):
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=f.num_splits > 1, PAGED=f.paged,
         BOTTOM_RIGHT=f.bottom_right, SOFTCAP=f.softcap, ALIBI=f.alibi,
         IEEE=case.dtype == torch.float32 and f.ieee,
-        RAW_SCORES=case.dtype == torch.float32 and not f.softcap and not f.alibi,
+        RAW_SCORES=case.dtype == torch.float32 and not f.softcap and not f.alibi, APPEND=f.append,
         BLOCK_S=max(16, MAX_DECODE_SPLITS_COMPILED),
     )
     signature, constexprs, attrs = {}, {}, {}
