@@ -209,30 +209,36 @@ def build_kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=Non
     """Validate the arguments of :func:`attention_with_kvcache` (shapes, dtypes, devices; the
     contents of ``cache_seqlens``/``block_table`` only for CPU tensors) and build the spec.
     Raises ``TypeError``/``ValueError`` naming the argument. Never synchronises with a GPU."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _tensor(name, t)
-    if q.dtype not in SUPPORTED_DTYPES:
+    # Each check is a cheap condition first (this runs on every decoding step); the messages
+    # (describe() strings) are built only when one fails.
+    if not (isinstance(q, Tensor) and isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor)):
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            _tensor(name, t)
+    dtype, device = q.dtype, q.device
+    if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; supported dtypes are "
                         f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype; got q={describe(q)}, {name}={describe(t)}; "
-                            f"cast with .to(q.dtype)")
-        _same_device(name, t, q)
-    if q.dim() != 4:
+    if k_cache.dtype != dtype or v_cache.dtype != dtype or k_cache.device != device or v_cache.device != device:
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name} must have q's dtype; got q={describe(q)}, {name}={describe(t)}; "
+                                f"cast with .to(q.dtype)")
+            _same_device(name, t, q)
+    qs, ks, vs = q.shape, k_cache.shape, v_cache.shape
+    if len(qs) != 4:
         raise ValueError(f"q must be 4-D (B, Sq, Hq, D); got q={describe(q)}"
                          + ("; add the query axis with q.unsqueeze(1)" if q.dim() == 3 else ""))
     paged = block_table is not None
-    cache_order = "(num_pages, page_size, Hkv, D)" if paged else "(B, S_cache, Hkv, D)"
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D {cache_order}; got {describe(t)}")
-    if k_cache.shape[:3] != v_cache.shape[:3]:
+    if len(ks) != 4 or len(vs) != 4 or ks[:3] != vs[:3]:
+        cache_order = "(num_pages, page_size, Hkv, D)" if paged else "(B, S_cache, Hkv, D)"
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D {cache_order}; got {describe(t)}")
         raise ValueError(f"k_cache and v_cache must agree on {cache_order[:-4]}); got "
                          f"k_cache={describe(k_cache)}, v_cache={describe(v_cache)}")
-    batch, sq, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    if k_cache.shape[3] != d:
+    batch, sq, hq, d = qs
+    hkv = ks[2]
+    if ks[3] != d:
         raise ValueError(f"q and k_cache must have the same head_dim; got q={describe(q)}, k_cache={describe(k_cache)}")
     if d == 0:
         raise ValueError(f"head_dim must be >= 1; got q={describe(q)}")
@@ -247,30 +253,36 @@ def build_kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=Non
             raise ValueError(f"block_table must be int32 (B, max_pages)=({batch}, ...) of page ids; got "
                              f"{describe(block_table)}" + ("; cast with .to(torch.int32)"
                                                            if block_table.dtype != torch.int32 else ""))
-        if k_cache.shape[1] == 0:
+        if ks[1] == 0:
             raise ValueError(f"a paged cache needs page_size >= 1; got k_cache={describe(k_cache)}")
-    elif k_cache.shape[0] != batch:
+    elif ks[0] != batch:
         raise ValueError(f"a contiguous k_cache must have q's batch size {batch} on axis 0; got "
                          f"k_cache={describe(k_cache)}, q={describe(q)} (for a cache shared across a batch "
                          f"use block_table, or flash_attn_with_kvcache's cache_batch_idx)")
-    capacity = (block_table.shape[1] if paged else 1) * k_cache.shape[1]
+    capacity = (block_table.shape[1] if paged else 1) * ks[1]
 
     if (k is None) != (v is None):
         raise ValueError("give both k and v (the new keys and values to append), or neither; got "
                          f"k={describe(k) if k is not None else None}, v={describe(v) if v is not None else None}")
     new = 0
     if k is not None:
-        for name, t, last in (("k", k, d), ("v", v, v_cache.shape[3])):
-            _tensor(name, t)
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name} must have q's dtype; got q={describe(q)}, {name}={describe(t)}")
-            _same_device(name, t, q)
-            if t.dim() != 4 or t.shape[0] != batch or t.shape[2] != hkv or t.shape[3] != last:
-                raise ValueError(f"{name} must be (B, Sk_new, Hkv, {'D' if name == 'k' else 'Dv'})="
-                                 f"({batch}, Sk_new, {hkv}, {last}); got {describe(t)}")
-        if k.shape[1] != v.shape[1]:
+        kns = k.shape if isinstance(k, Tensor) else None
+        vns = v.shape if isinstance(v, Tensor) else None
+        if not (kns is not None and vns is not None and k.dtype == dtype and v.dtype == dtype
+                and k.device == device and v.device == device and len(kns) == 4 and len(vns) == 4
+                and kns[0] == batch and vns[0] == batch and kns[2] == hkv and vns[2] == hkv
+                and kns[3] == d and vns[3] == vs[3]):
+            for name, t, last in (("k", k, d), ("v", v, vs[3])):
+                _tensor(name, t)
+                if t.dtype != q.dtype:
+                    raise TypeError(f"{name} must have q's dtype; got q={describe(q)}, {name}={describe(t)}")
+                _same_device(name, t, q)
+                if t.dim() != 4 or t.shape[0] != batch or t.shape[2] != hkv or t.shape[3] != last:
+                    raise ValueError(f"{name} must be (B, Sk_new, Hkv, {'D' if name == 'k' else 'Dv'})="
+                                     f"({batch}, Sk_new, {hkv}, {last}); got {describe(t)}")
+        if kns[1] != vns[1]:
             raise ValueError(f"k and v must have the same number of new positions; got k={describe(k)}, v={describe(v)}")
-        new = k.shape[1]
+        new = kns[1]
         if cache_seqlens is None:
             raise ValueError("k/v are appended at cache_seqlens: give cache_seqlens (an int or int32 (B,) tensor "
                              "of the current lengths)")
@@ -517,11 +529,14 @@ def run_kvcache(kv: KVCacheSpec, backend=None) -> tuple[Tensor, Tensor]:
         append_kv(kv)
         out = torch.zeros(kv.out_shape, dtype=kv.dtype, device=kv.device)
         return out, torch.full(kv.lse_shape, float("-inf"), dtype=torch.float32, device=kv.device)
-    with torch.no_grad():
-        chosen = select_kvcache(kv, backend)
-        native = getattr(chosen, "forward_kvcache", None)
-        if native is not None and hasattr(chosen, "kvcache_reasons"):
+    chosen = select_kvcache(kv, backend)
+    native = getattr(chosen, "forward_kvcache", None)
+    if native is not None and hasattr(chosen, "kvcache_reasons"):
+        if not torch.is_grad_enabled():   # inference: skip the ~2 us of entering no_grad
             return native(kv)
+        with torch.no_grad():
+            return native(kv)
+    with torch.no_grad():
         append_kv(kv)
         out, lse = chosen.forward(visible_problem(kv))
     return out, lse
