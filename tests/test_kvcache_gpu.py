@@ -124,3 +124,31 @@ def test_cuda_graph_capture_matches_eager(paged, sq):
                  cache_seqlens=(lens - sq).to(torch.int32))
     # the oracle appends again at the same positions: the same values, so the expected caches hold
     _ok(check_kvcache(last, "triton", DEV, inputs=state)[:2])
+
+
+@pytest.mark.parametrize("name, splits", [("sq1/gqa8/d128/contig/bf16", 0), ("sq1/gqa8/d128/contig/bf16", 64),
+                                          ("sq1/gqa8/d128/page16/bf16", 32), ("sq8/gqa8/d128/page256/bf16", 16),
+                                          ("sq16/mqa/d64/page16/fp16", 8), ("sq4/window-softcap-alibi/bf16", 4)])
+def test_append_in_the_split_kernel_matches_the_separate_launch(name, splits, monkeypatch):
+    """decode.FOLD_APPEND (every program writes the new rows it reads, then a barrier) against
+    the separate append launch: the same caches and the same bits, over 5 repetitions (a race
+    between programs would show as a difference), with many splits reading the new rows."""
+    from portattn.backends.triton import decode
+    p = REAL[name]
+    inp = make_inputs(p, DEV)
+    kw = dict(block_table=inp["block_table"], causal=p.causal, causal_alignment=p.alignment, window=p.window,
+              softcap=p.softcap, alibi_slopes=inp["alibi_slopes"], num_splits=splits)
+    results = {}
+    for fold in (False, True):
+        monkeypatch.setattr(decode, "FOLD_APPEND", fold)
+        for rep in range(5):
+            kc, vc = inp["k_cache"].clone(), inp["v_cache"].clone()
+            kv = kvcache.build_kvcache_spec(inp["q"], kc, vc, inp["k"], inp["v"], cache_seqlens=inp["cache_seqlens"],
+                                            **kw)
+            assert decode._launch_plan(kv).fold == fold
+            out, lse = decode.forward(kv)
+            got = tuple(torch.nan_to_num(t, nan=7.0) for t in (out, lse, kc, vc))
+            if (fold, rep) == (False, 0):
+                want = got
+            results[(fold, rep)] = all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(results.values()), results
