@@ -424,3 +424,44 @@ def test_triton_append_in_the_split_kernel_matches_the_separate_launch(case, mon
     assert not _same(kc, inp["k_cache"])   # the append did write
     if case == "contig-beyond-capacity":   # 30 + 2 fit, the third is dropped; 40 has no room
         assert torch.equal(kc[1, 30:], inp["k"][1, :2]) and torch.equal(kc[2], inp["k_cache"][2])
+
+
+def test_triton_launches_per_call_and_the_cached_plan(monkeypatch):
+    """One launch (split) with one split, two (split + combine) with more, the append folded in;
+    every argument passed positionally (the count is the kernel's parameter count); a second
+    spec with the same host values reuses the cached launch plan."""
+    import inspect
+    decode = _triton_cpu()
+    launches = []
+
+    class Count:
+        def __init__(self, name, fn):
+            self.name, self.params = name, len(inspect.signature(fn.fn).parameters)
+
+        def __getitem__(self, grid):
+            def launch(*args, **options):
+                assert len(args) == self.params and set(options) <= {"num_warps", "num_stages", "enable_fp_fusion"}
+                launches.append(self.name)
+            return launch
+
+    for name in ("decode_split", "decode_combine", "decode_append"):
+        monkeypatch.setattr(decode, name, Count(name, getattr(decode, name)))
+    p = KVProblem(lengths=(40, 0, 61), seqlen_new=1, capacity=64, dtype="bfloat16")
+    inp = make_inputs(p)
+    for splits, new, want in ((3, True, ["decode_split", "decode_combine"]), (1, True, ["decode_split"]),
+                              (1, False, ["decode_split"]), (2, False, ["decode_split", "decode_combine"])):
+        kv = kvcache.build_kvcache_spec(inp["q"], inp["k_cache"], inp["v_cache"], *((inp["k"], inp["v"]) if new else ()),
+                                        cache_seqlens=inp["cache_seqlens"], num_splits=splits)
+        launches.clear()
+        decode.forward(kv)
+        assert launches == want, (splits, new)
+        again = kvcache.build_kvcache_spec(inp["q"].clone(), inp["k_cache"], inp["v_cache"],
+                                           *((inp["k"], inp["v"]) if new else ()),
+                                           cache_seqlens=inp["cache_seqlens"], num_splits=splits)
+        assert decode._launch_plan(again) is decode._launch_plan(kv)
+    monkeypatch.setattr(decode, "FOLD_APPEND", False)
+    kv = kvcache.build_kvcache_spec(inp["q"], inp["k_cache"], inp["v_cache"], inp["k"], inp["v"],
+                                    cache_seqlens=inp["cache_seqlens"], num_splits=3)
+    launches.clear()
+    decode.forward(kv)
+    assert launches == ["decode_append", "decode_split", "decode_combine"]
