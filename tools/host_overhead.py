@@ -86,7 +86,7 @@ class _BinderOnly:
 
 def _install(mode: str):
     tb._device_reasons = lambda device: ()        # CPU tensors accepted without the interpreter
-    ops._target = lambda spec: FAKE_TARGET          # the H200's tables
+    ops.device_target = lambda device: FAKE_TARGET  # the H200's tables (read once per device, cached)
     originals = {name: getattr(kernels, name) for name in KERNELS}
     for name, fn in originals.items():
         setattr(kernels, name, _Stub() if mode == "stub" else _BinderOnly(fn))

@@ -167,11 +167,22 @@ def _block_d(spec) -> int:
 
 
 def forward_config_for(spec) -> KernelConfig:
-    return forward_config(_target(spec), _block_d(spec), ELEM_SIZES[spec.dtype])
+    return _forward_config(spec.q.device, spec.q.dtype, spec.head_dim, spec.head_dim_v)
 
 
 def backward_configs_for(spec) -> BackwardConfigs:
-    return backward_configs(_target(spec), _block_d(spec), ELEM_SIZES[spec.dtype])
+    return _backward_configs(spec.q.device, spec.q.dtype, spec.head_dim, spec.head_dim_v)
+
+
+# keyed on the device itself (hashed in C), not on its Target (a dataclass hashed in Python)
+@functools.lru_cache(maxsize=256)
+def _forward_config(device: torch.device, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> KernelConfig:
+    return forward_config(device_target(device), _block_dims(head_dim, head_dim_v), ELEM_SIZES[dtype])
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_configs(device: torch.device, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> BackwardConfigs:
+    return backward_configs(device_target(device), _block_dims(head_dim, head_dim_v), ELEM_SIZES[dtype])
 
 
 @functools.lru_cache(maxsize=1024)
