@@ -2,6 +2,20 @@
 
 Imported lazily by :class:`portattn.backends.triton.TritonBackend` (it imports triton).
 Inputs are never copied except when their last dimension is not contiguous.
+
+Host cost (issue #11: a small call is bound by the host, not the GPU). Per call this module does
+only what depends on the tensors: one ``stride()`` per tensor, the output buffers, the grid.
+Everything that depends only on the device, dtype, head dims, features and the tile table (the
+device target, the tile configs, the constexpr and launch-option dicts, the float/int scalars)
+is cached under exactly the values it is computed from; the launch arguments are the same values
+of the same types as before the caches (checked over every feature mix and vendor table).
+What is left per launch is triton's own ``JITFunction.run`` (``tools/host_overhead.py --mode
+binder`` measures it without a GPU): its generated binder builds a dict and a specialisation
+list over all ~50 parameters (``native_specialize_impl`` per runtime argument: ~0.2 us per int or
+float, ~0.7 us per tensor here), hashes that key, and compares every module-level ``tl.constexpr``
+global the kernels read (``LOG2E``, ``LN2``, ``_INTERPRETER_BF16_DOT_FIX``: ~1.5 us each, a
+``constexpr.__ne__``). ``do_not_specialize`` would not reduce it (the same native call runs, with
+``specialize=False``); only fewer arguments, or fewer constexpr globals, would.
 """
 
 from __future__ import annotations
@@ -111,10 +125,18 @@ def _bias_args(spec, dummy: torch.Tensor):
 # value below depends only on dtypes, head dims, features and the tile table, never on tensor
 # sizes, strides or pointers, and is cached under exactly the arguments it is computed from.
 
-@functools.lru_cache(maxsize=1024)
 def _scalars(scale: float, softcap: float | None, window_left: int | None, window_right: int | None) -> tuple:
     """(qk_scale2, softcap_scale, softcap2, window_left, window_right): the kernels' float/int
-    scalars, in their argument order."""
+    scalars, in their argument order. Cached by value *and type* (``typed``: 1, 1.0 and True
+    specialise differently in triton, so they must not share an entry); a value that cannot be
+    hashed is computed each time."""
+    try:
+        return _scalars_cached(scale, softcap, window_left, window_right)
+    except TypeError:
+        return _compute_scalars(scale, softcap, window_left, window_right)
+
+
+def _compute_scalars(scale, softcap, window_left, window_right) -> tuple:
     log2e = float(kernels.LOG2E.value)
     return (scale * log2e,
             scale / softcap if softcap else 1.0,
@@ -123,15 +145,18 @@ def _scalars(scale: float, softcap: float | None, window_left: int | None, windo
             UNBOUNDED if window_right is None else window_right)
 
 
+_scalars_cached = functools.lru_cache(maxsize=1024, typed=True)(_compute_scalars)
+
+
 def _static_key(spec) -> tuple:
     """Everything :func:`_consts` reads from ``spec`` (hashable)."""
     bias = spec.attn_bias
     return (spec.head_dim, spec.head_dim_v, spec.cu_seqlens_q is not None, spec.alignment == "bottom_right",
-            spec.softcap is not None, spec.alibi_slopes is not None, spec.q.dtype, spec.allow_tf32,
+            spec.softcap is not None, spec.alibi_slopes is not None, spec.q.dtype, bool(spec.allow_tf32),
             bias is not None and bias.dtype != torch.bool)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024, typed=True)
 def _consts(head_dim, head_dim_v, is_varlen, bottom_right, softcap, alibi, dtype, allow_tf32, float_bias) -> dict:
     """The constexprs shared by the forward, dK/dV and dQ kernels (a cached dict: read only)."""
     fp32 = dtype == torch.float32
@@ -185,7 +210,7 @@ def _backward_configs(device: torch.device, dtype: torch.dtype, head_dim: int, h
     return backward_configs(device_target(device), _block_dims(head_dim, head_dim_v), ELEM_SIZES[dtype])
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024, typed=True)
 def _launch_kwargs(cfg: KernelConfig, bias_mode: int, static_key: tuple, **extra) -> dict:
     """The keyword arguments of one launch (tile constexprs, feature constexprs, compiler
     options): a cached dict, only ever unpacked (``**``), never mutated."""
