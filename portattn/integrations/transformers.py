@@ -47,19 +47,18 @@ __all__ = ["register", "attention_forward", "attention_mask", "NAME", "MIN_TRANS
 
 # ----- the mask function --------------------------------------------------------------------------
 
-_MU = None   # transformers.masking_utils, resolved outside any traced code (see _masking_utils)
+try:   # a plain module object, bound once at import (this module is imported only by its users)
+    import transformers.masking_utils as _MU
+except ImportError:   # register() says what to install
+    _MU = None
 
 
 def _masking_utils():
-    """``transformers.masking_utils`` as a plain module object. An ``import`` inside the mask
-    function, which transformers calls while torch.compile traces the model, goes through
-    transformers' lazy module and breaks the graph on torch 2.11 ("Bad import result:
-    _LazyModule"); :func:`register` resolves it once, eagerly, before anything is traced."""
-    global _MU
-    if _MU is None:
-        import importlib
-        _MU = importlib.import_module("transformers.masking_utils")
+    """``transformers.masking_utils``. An ``import`` inside the mask function, which transformers
+    calls while torch.compile traces the model, goes through transformers' lazy module and breaks
+    the graph on torch 2.11 ("Bad import result: _LazyModule"), so it is bound at import."""
     return _MU
+
 
 def _sliding_window_of(mask_function) -> int | None:
     """The window of ``masking_utils.sliding_window_causal_mask_function(w)`` (eager only: reads the
@@ -195,7 +194,6 @@ def register(name: str = NAME, *, backend: str | None = None) -> str:
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    _masking_utils()   # resolved now, outside any torch.compile trace
 
     fn = attention_forward if backend is None else functools.partial(attention_forward, _portattn_backend=backend)
     AttentionInterface.register(name, fn)
