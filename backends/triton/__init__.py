@@ -35,9 +35,16 @@ def _row_offset_reach(spec) -> int:
     return reach
 
 
+_OPS = None
+
+
 def _ops():
-    from . import ops  # imports triton and defines the kernels
-    return ops
+    """The host side (imports triton and defines the kernels on first use; then a global read)."""
+    global _OPS
+    if _OPS is None:
+        from . import ops
+        _OPS = ops
+    return _OPS
 
 
 @functools.cache
