@@ -1,7 +1,7 @@
 """The ONNX schemas of ``portattn.FlashAttention`` and ``portattn.FlashAttentionKVCache`` (domain
 ``portattn``, version 1; the KV-cache op is described by :data:`KV_DOC`).
 
-The op computes ``softmax(scale · Q Kᵀ + bias) V`` exactly (DESIGN.md §2) with FlashAttention's
+The op computes ``softmax(scale · Q Kᵀ + bias) V`` exactly (docs/semantics.md) with FlashAttention's
 tiled online softmax; its body is the ONNX function in :mod:`portattn.onnx_ops.function`.
 
 Inputs (all required; an unused feature gets a *neutral* tensor, see :data:`NEUTRAL_DOC`):
@@ -127,7 +127,7 @@ flash-attn's ``flash_attn_with_kvcache`` without the in-place write: ``K_new``/`
 written into copies of the caches at each sequence's ``cache_seqlens[b]`` (outputs
 ``K_present``/``V_present``; a runtime may bind them to the input buffers, see docs/onnx.md),
 then the queries of sequence ``b`` attend to its first ``L_b = cache_seqlens[b] + Sk_new`` keys
-of the updated cache, with ``Sk = L_b`` in the score of DESIGN.md §2 (bottom-right causal aligns
+of the updated cache, with ``Sk = L_b`` in the score of docs/semantics.md (bottom-right causal aligns
 query ``i`` to key ``i + L_b - Sq``; ALiBi uses ``|i + L_b - Sq - j|``). Cache slots at or beyond
 ``L_b`` never reach ``Y`` (NaN there is harmless). Lengths are clamped into ``[0, S_max]``; new
 keys beyond the capacity are dropped and ``L_b`` is clamped to ``S_max``.

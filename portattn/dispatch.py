@@ -47,6 +47,9 @@ PRIORITY = {
 }
 _DEFAULT_PRIORITY = ["sdpa", "reference"]
 PRIORITY_ALL = frozenset(n for names in PRIORITY.values() for n in names)
+#: built-in backends never chosen automatically: pin them (sdpa_math is what sdpa does on a CPU
+#: and for float32 on a GPU anyway; the fastest policy does not time it)
+PIN_ONLY = frozenset({"sdpa_math"})
 
 #: Policies: how the candidates with no reasons are ranked when nothing pins a backend.
 PRIORITY_POLICY = "priority"
@@ -150,7 +153,7 @@ def priority_for(vendor: str) -> list[str]:
         return list(_check_names(override, f"PORTATTN_PRIORITY_{vendor.upper()}"))
     base = list(PRIORITY.get(vendor, _DEFAULT_PRIORITY))
     known = list_backends()
-    extra = [n for n in known if n not in base and n not in PRIORITY_ALL]
+    extra = [n for n in known if n not in base and n not in PRIORITY_ALL and n not in PIN_ONLY]
     preferred = [n for n in preferred_backends() if n in known]
     ordered = preferred + [n for n in base if n not in preferred and n != "reference"]
     ordered += [n for n in extra if n not in ordered]

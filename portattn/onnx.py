@@ -9,7 +9,7 @@ Every ``portattn.attention`` call becomes exactly one fused node:
 * ``target="portattn"`` (default): ``portattn.FlashAttention`` (domain ``portattn``, version 1),
   whose body — FlashAttention's tiled online softmax, peak memory ∝ ``Sq·block_size`` — travels
   with the model as a local function, so onnxruntime (or any runtime that inlines functions)
-  runs it without a plugin. Every feature of DESIGN.md §2 except varlen.
+  runs it without a plugin. Every feature of docs/semantics.md except varlen.
 * ``target="standard"``: the ONNX ``Attention`` operator (opset 23). Bottom-right causal
   alignment and sliding windows become an explicit boolean mask input; ALiBi, varlen and
   ``return_lse=True`` raise :class:`UnsupportedFeatureError` naming the feature.

@@ -6,7 +6,7 @@ outputs and the max error against the float64 reference.
 
 Made for the H200 finding of 2026-11-29 (fp16/bf16 with D 40 / Dv 24 tile widths 64 / 32 gave NaN,
 wrong values and an illegal memory access); raw output in
-``benchmarks/results/triton-dv-width-diagnostic-h200-2026-11-29.txt``. Runs on CPU tensors
+the H200 diagnostic of 2026-11-29 (in git history: benchmarks/results/triton-dv-width-diagnostic-h200-2026-11-29.txt). Runs on CPU tensors
 (interpreter) with ``--cpu``.
 """
 

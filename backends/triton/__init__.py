@@ -21,20 +21,30 @@ MAX_BATCH_HEADS = 65535
 
 
 def _row_offset_reach(spec) -> int:
-    """Largest in-sequence element offset the kernels form in int32 (rows × row stride)."""
-    seq_axis = 0 if spec.is_varlen else 1
+    """Largest in-sequence element offset the kernels form in int32 (rows × row stride).
+    One ``stride()`` and one ``shape`` per tensor: this runs on every call."""
+    seq_axis = 0 if spec.cu_seqlens_q is not None else 1
     reach = 0
     for t, rows in ((spec.q, spec.seqlen_q), (spec.k, spec.seqlen_k), (spec.v, spec.seqlen_k)):
-        reach = max(reach, rows * max(t.stride(seq_axis), t.shape[-1] * t.shape[-2]))
-    if spec.attn_bias is not None:
-        b = spec.attn_bias
-        reach = max(reach, spec.seqlen_q * b.stride(2) + spec.seqlen_k * b.stride(3))
+        shape = t.shape
+        reach = max(reach, rows * max(t.stride()[seq_axis], shape[-1] * shape[-2]))
+    b = spec.attn_bias
+    if b is not None:
+        bs = b.stride()
+        reach = max(reach, spec.seqlen_q * bs[2] + spec.seqlen_k * bs[3])
     return reach
 
 
+_OPS = None
+
+
 def _ops():
-    from . import ops  # imports triton and defines the kernels
-    return ops
+    """The host side (imports triton and defines the kernels on first use; then a global read)."""
+    global _OPS
+    if _OPS is None:
+        from . import ops
+        _OPS = ops
+    return _OPS
 
 
 @functools.cache

@@ -17,6 +17,7 @@ this module can return is known to compile and to fit the target's shared memory
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -74,9 +75,27 @@ class BackwardConfigs:
 
 
 def device_target(device: torch.device) -> Target:
-    """The :class:`Target` of a torch device (CPU tensors run under the interpreter)."""
+    """The :class:`Target` of a torch device (CPU tensors run under the interpreter).
+
+    Cached per indexed device (``torch.cuda.get_device_properties`` costs ~20 us a call on a
+    slow host, and a device's properties do not change); ``cuda`` without an index means the
+    current device, which can change, so it is not cached."""
     if device.type != "cuda":
-        return Target("cpu")
+        return _CPU
+    if device.index is None:
+        return _device_target(device)
+    return _indexed_device_target(device)
+
+
+_CPU = Target("cpu")
+
+
+@functools.lru_cache(maxsize=64)
+def _indexed_device_target(device: torch.device) -> Target:
+    return _device_target(device)
+
+
+def _device_target(device: torch.device) -> Target:
     props = torch.cuda.get_device_properties(device)
     if getattr(torch.version, "hip", None):
         return Target("amd", getattr(props, "gcnArchName", "gfx942").split(":")[0])
@@ -150,6 +169,7 @@ def _shrink(m: int, n: int, stages: int, elem_size: int, block_d: int) -> tuple[
     return m, n, max(1, stages - 1)
 
 
+@functools.lru_cache(maxsize=256)
 def forward_config(target: Target, block_d: int, elem_size: int) -> KernelConfig:
     """Config of the forward kernel for head-dim block ``block_d`` (max of D and Dv, padded)."""
     if target.vendor == "cpu":
@@ -163,6 +183,7 @@ def forward_config(target: Target, block_d: int, elem_size: int) -> KernelConfig
     return KernelConfig(m, n, w, s)
 
 
+@functools.lru_cache(maxsize=256)
 def backward_configs(target: Target, block_d: int, elem_size: int) -> BackwardConfigs:
     """Configs of the two backward kernels (dK/dV; delta + dQ)."""
     if target.vendor == "cpu":

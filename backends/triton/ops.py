@@ -2,12 +2,27 @@
 
 Imported lazily by :class:`portattn.backends.triton.TritonBackend` (it imports triton).
 Inputs are never copied except when their last dimension is not contiguous.
+
+Host cost (issue #11: a small call is bound by the host, not the GPU). Per call this module does
+only what depends on the tensors: one ``stride()`` per tensor, the output buffers, the grid.
+Everything that depends only on the device, dtype, head dims, features and the tile table (the
+device target, the tile configs, the constexpr and launch-option dicts, the float/int scalars)
+is cached under exactly the values it is computed from; the launch arguments are the same values
+of the same types as before the caches (checked over every feature mix and vendor table).
+What is left per launch is triton's own ``JITFunction.run`` (``tools/host_overhead.py --mode
+binder`` measures it without a GPU): its generated binder builds a dict and a specialisation
+list over all ~50 parameters (``native_specialize_impl`` per runtime argument: ~0.2 us per int or
+float, ~0.7 us per tensor here), hashes that key, and compares every module-level ``tl.constexpr``
+global the kernels read (``LOG2E``, ``LN2``, ``_INTERPRETER_BF16_DOT_FIX``: ~1.5 us each, a
+``constexpr.__ne__``). ``do_not_specialize`` would not reduce it (the same native call runs, with
+``specialize=False``); only fewer arguments, or fewer constexpr globals, would.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import triton
 
 from . import kernels
 from .configs import (
@@ -25,22 +40,42 @@ from .configs import (
 UNBOUNDED = 1 << 30
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (``triton.cdiv`` is a constexpr function in triton >= 3.x: it
+    wraps and unwraps constexprs, several microseconds a call on the host)."""
+    return -(-a // b)
+
+
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+def _with_strides(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``(t', t'.stride())`` with ``t'`` = :func:`_last_contiguous` of ``t``: one ``stride()``
+    call (a few microseconds each on a slow host) serves the check and the kernel arguments."""
+    st = t.stride()
+    if st[-1] != 1 and t.shape[-1] != 1:
+        t = t.contiguous()
+        st = t.stride()
+    return t, st
+
+
+def _seq3(st: tuple[int, ...], varlen: bool) -> tuple[int, int, int]:
+    """(batch, sequence, head) strides from a canonical tensor's ``stride()``; batch stride 0 for varlen."""
+    return (0, st[0], st[1]) if varlen else st[:3]
+
+
 def _seq_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     """(batch, sequence, head) strides of a canonical tensor; batch stride 0 for varlen."""
-    if varlen:
-        return 0, t.stride(0), t.stride(1)
-    return t.stride(0), t.stride(1), t.stride(2)
+    return _seq3(t.stride(), varlen)
 
 
 def _lse_strides(spec, lse: torch.Tensor | None = None) -> tuple[int, int]:
     """(batch, head) strides of lse/delta: (B, Hq, Sq) dense, (Hq, total_q) varlen; of ``lse``
     itself when given (unit stride along the rows), else of a contiguous one."""
     if lse is not None:
-        return (0, lse.stride(0)) if spec.is_varlen else (lse.stride(0), lse.stride(1))
+        st = lse.stride()
+        return (0, st[0]) if spec.is_varlen else st[:2]
     if spec.is_varlen:
         return 0, spec.q.shape[0]
     return spec.num_heads_q * spec.seqlen_q, spec.seqlen_q
@@ -68,6 +103,13 @@ def _output(spec, given: torch.Tensor | None, shape, dtype, fill: float) -> torc
     return given
 
 
+def _bias_mode(spec) -> int:
+    bias = spec.attn_bias
+    if bias is None:
+        return kernels.BIAS_NONE
+    return kernels.BIAS_BOOL if bias.dtype == torch.bool else kernels.BIAS_ADD
+
+
 def _bias_args(spec, dummy: torch.Tensor):
     """(tensor, 4 strides, mode) for the bias; a bool mask is read as uint8."""
     bias = spec.attn_bias
@@ -78,46 +120,102 @@ def _bias_args(spec, dummy: torch.Tensor):
     return bias, tuple(bias.stride()), kernels.BIAS_ADD
 
 
-def _common(spec):
-    """Scalars and constexprs shared by the forward, dK/dV and dQ kernels."""
+# ----- what depends only on the problem's static description: computed once, cached --------
+# The host cost of a small call is all Python (the kernel itself is a few microseconds): every
+# value below depends only on dtypes, head dims, features and the tile table, never on tensor
+# sizes, strides or pointers, and is cached under exactly the arguments it is computed from.
+
+def _scalars(scale: float, softcap: float | None, window_left: int | None, window_right: int | None) -> tuple:
+    """(qk_scale2, softcap_scale, softcap2, window_left, window_right): the kernels' float/int
+    scalars, in their argument order. Cached by value *and type* (``typed``: 1, 1.0 and True
+    specialise differently in triton, so they must not share an entry); a value that cannot be
+    hashed is computed each time."""
+    try:
+        return _scalars_cached(scale, softcap, window_left, window_right)
+    except TypeError:
+        return _compute_scalars(scale, softcap, window_left, window_right)
+
+
+def _compute_scalars(scale, softcap, window_left, window_right) -> tuple:
     log2e = float(kernels.LOG2E.value)
-    softcap = spec.softcap
-    scalars = dict(
-        qk_scale2=spec.scale * log2e,
-        softcap_scale=spec.scale / softcap if softcap else 1.0,
-        softcap2=softcap * log2e if softcap else 1.0,
-        window_left=UNBOUNDED if spec.window_left is None else spec.window_left,
-        window_right=UNBOUNDED if spec.window_right is None else spec.window_right,
-    )
-    # one tile width for D and Dv (see kernels.py), the larger one padded
-    block_d = _block_d(spec)
-    consts = dict(
-        HEAD_D=spec.head_dim, HEAD_DV=spec.head_dim_v, BLOCK_D=block_d,
-        IS_VARLEN=spec.is_varlen, BOTTOM_RIGHT=spec.alignment == "bottom_right",
-        SOFTCAP=softcap is not None, ALIBI=spec.alibi_slopes is not None,
-        IEEE=spec.dtype == torch.float32 and not spec.allow_tf32,
+    return (scale * log2e,
+            scale / softcap if softcap else 1.0,
+            softcap * log2e if softcap else 1.0,
+            UNBOUNDED if window_left is None else window_left,
+            UNBOUNDED if window_right is None else window_right)
+
+
+_scalars_cached = functools.lru_cache(maxsize=1024, typed=True)(_compute_scalars)
+
+
+def _static_key(spec) -> tuple:
+    """Everything :func:`_consts` reads from ``spec`` (hashable)."""
+    bias = spec.attn_bias
+    return (spec.head_dim, spec.head_dim_v, spec.cu_seqlens_q is not None, spec.alignment == "bottom_right",
+            spec.softcap is not None, spec.alibi_slopes is not None, spec.q.dtype, bool(spec.allow_tf32),
+            bias is not None and bias.dtype != torch.bool)
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def _consts(head_dim, head_dim_v, is_varlen, bottom_right, softcap, alibi, dtype, allow_tf32, float_bias) -> dict:
+    """The constexprs shared by the forward, dK/dV and dQ kernels (a cached dict: read only)."""
+    fp32 = dtype == torch.float32
+    return dict(
+        # one tile width for D and Dv (see kernels.py), the larger one padded
+        HEAD_D=head_dim, HEAD_DV=head_dim_v, BLOCK_D=_block_dims(head_dim, head_dim_v),
+        IS_VARLEN=is_varlen, BOTTOM_RIGHT=bottom_right, SOFTCAP=softcap, ALIBI=alibi,
+        IEEE=fp32 and not allow_tf32,
         # float32 and the score is qk_scale2·qk (scale > 0 is validated): keep qk and scale after
         # subtracting the max (one rounding fewer in P; 16-bit P is rounded to 16 bits anyway)
-        RAW_SCORES=spec.dtype == torch.float32 and softcap is None and spec.alibi_slopes is None
-        and (spec.attn_bias is None or spec.attn_bias.dtype == torch.bool),
+        RAW_SCORES=fp32 and not softcap and not alibi and not float_bias,
     )
-    return scalars, consts
+
+
+def _common(spec):
+    """Scalars (a dict) and constexprs shared by the forward, dK/dV and dQ kernels."""
+    names = ("qk_scale2", "softcap_scale", "softcap2", "window_left", "window_right")
+    scalars = dict(zip(names, _scalars(spec.scale, spec.softcap, spec.window_left, spec.window_right)))
+    return scalars, dict(_consts(*_static_key(spec)))
 
 
 def _target(spec) -> Target:
     return device_target(spec.device)
 
 
+@functools.lru_cache(maxsize=64)
+def _block_dims(head_dim: int, head_dim_v: int) -> int:
+    return max(padded_dim(head_dim), padded_dim(head_dim_v))
+
+
 def _block_d(spec) -> int:
-    return max(padded_dim(spec.head_dim), padded_dim(spec.head_dim_v))
+    return _block_dims(spec.head_dim, spec.head_dim_v)
 
 
 def forward_config_for(spec) -> KernelConfig:
-    return forward_config(_target(spec), _block_d(spec), ELEM_SIZES[spec.dtype])
+    return _forward_config(spec.q.device, spec.q.dtype, spec.head_dim, spec.head_dim_v)
 
 
 def backward_configs_for(spec) -> BackwardConfigs:
-    return backward_configs(_target(spec), _block_d(spec), ELEM_SIZES[spec.dtype])
+    return _backward_configs(spec.q.device, spec.q.dtype, spec.head_dim, spec.head_dim_v)
+
+
+# keyed on the device itself (hashed in C), not on its Target (a dataclass hashed in Python)
+@functools.lru_cache(maxsize=256)
+def _forward_config(device: torch.device, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> KernelConfig:
+    return forward_config(device_target(device), _block_dims(head_dim, head_dim_v), ELEM_SIZES[dtype])
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_configs(device: torch.device, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> BackwardConfigs:
+    return backward_configs(device_target(device), _block_dims(head_dim, head_dim_v), ELEM_SIZES[dtype])
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def _launch_kwargs(cfg: KernelConfig, bias_mode: int, static_key: tuple, **extra) -> dict:
+    """The keyword arguments of one launch (tile constexprs, feature constexprs, compiler
+    options): a cached dict, only ever unpacked (``**``), never mutated."""
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BIAS_MODE=bias_mode, **extra,
+                **_consts(*static_key), **cfg.launch_options())
 
 
 def _empty_result(spec):
@@ -131,7 +229,7 @@ def forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | None =
     into ``out``/``lse`` when given (views are fine: the kernel uses their strides)."""
     if spec.is_empty:
         return _empty_result(spec)
-    q, k, v = (_last_contiguous(t) for t in (spec.q, spec.k, spec.v))
+    (q, qs), (k, ks), (v, vs) = _with_strides(spec.q), _with_strides(spec.k), _with_strides(spec.v)
     out = _output(spec, out, spec.out_shape, spec.dtype, 0.0)
     lse = _output(spec, lse, spec.lse_shape, torch.float32, float("-inf"))
     varlen = spec.is_varlen
@@ -139,17 +237,17 @@ def forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | None =
     slopes = spec.alibi_slopes if spec.alibi_slopes is not None else lse
     cu_q = spec.cu_seqlens_q if varlen else lse
     cu_k = spec.cu_seqlens_k if varlen else lse
-    scalars, consts = _common(spec)
     cfg = forward_config_for(spec)
-    grid = (triton.cdiv(spec.seqlen_q, cfg.block_m), spec.batch * spec.num_heads_q)
+    ls = lse.stride()
+    grid = (_cdiv(spec.seqlen_q, cfg.block_m), spec.batch * spec.num_heads_q)
     kernels.attn_fwd[grid](
         q, k, v, out, lse, bias, slopes, cu_q, cu_k,
-        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
-        *_lse_strides(spec, lse), *bias_strides,
-        spec.num_heads_q, spec.gqa_ratio, spec.seqlen_q, spec.seqlen_k, *_packed_totals(spec),
-        scalars["qk_scale2"], scalars["softcap_scale"], scalars["softcap2"],
-        scalars["window_left"], scalars["window_right"],
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BIAS_MODE=bias_mode, **consts, **cfg.launch_options(),
+        *_seq3(qs, varlen), *_seq3(ks, varlen), *_seq3(vs, varlen), *_seq3(out.stride(), varlen),
+        *((0, ls[0]) if varlen else ls[:2]), *bias_strides,
+        spec.num_heads_q, spec.num_heads_q // spec.num_heads_kv, spec.seqlen_q, spec.seqlen_k,
+        *((q.shape[0], k.shape[0]) if varlen else (0, 0)),
+        *_scalars(spec.scale, spec.softcap, spec.window_left, spec.window_right),
+        **_launch_kwargs(cfg, bias_mode, _static_key(spec)),
     )
     return out, lse
 
@@ -165,8 +263,8 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
     if spec.is_empty:
         dbias = torch.zeros(spec.attn_bias.shape, dtype=spec.attn_bias.dtype, device=spec.device) if want_dbias else None
         return torch.zeros_like(spec.q), torch.zeros_like(spec.k), torch.zeros_like(spec.v), dbias
-    q, k, v = (_last_contiguous(t) for t in (spec.q, spec.k, spec.v))
-    dout = _last_contiguous(dout)
+    (q, qs), (k, ks), (v, vs) = _with_strides(spec.q), _with_strides(spec.k), _with_strides(spec.v)
+    dout, dos = _with_strides(dout)
     varlen = spec.is_varlen
     dq, dk, dv = (_output(spec, g, t.shape, spec.dtype, 0.0) for g, t in zip(grads or (None,) * 3, (q, k, v)))
     # per-row (m, 1/l, delta), written by the dQ kernel's first pass and read by dK/dV; the
@@ -184,35 +282,31 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
     dlse = dlse.to(device=spec.device, dtype=torch.float32).contiguous() if has_dlse else delta
     cu_q = spec.cu_seqlens_q if varlen else delta
     cu_k = spec.cu_seqlens_k if varlen else delta
-    scalars, consts = _common(spec)
     cfgs = backward_configs_for(spec)
     lse_strides = _lse_strides(spec)
     bh_q = spec.batch * spec.num_heads_q
-
-    window = (scalars["qk_scale2"], scalars["softcap_scale"], scalars["softcap2"],
-              scalars["window_left"], scalars["window_right"])
+    static_key = _static_key(spec)
+    seq = (*_seq3(qs, varlen), *_seq3(ks, varlen), *_seq3(vs, varlen), *_seq3(dos, varlen))
+    gqa = spec.num_heads_q // spec.num_heads_kv
+    sizes = (spec.seqlen_q, spec.seqlen_k, *_packed_totals(spec))
+    scalars = (spec.scale, *_scalars(spec.scale, spec.softcap, spec.window_left, spec.window_right))
     # 1. row stats, dQ (and dBias): one program per (query tile, batch·head)
     c2 = cfgs.dq
-    kernels.attn_bwd_dq[(triton.cdiv(spec.seqlen_q, c2.block_m), bh_q)](
+    kernels.attn_bwd_dq[(_cdiv(spec.seqlen_q, c2.block_m), bh_q)](
         q, k, v, dout, rowmax, rowinv, delta, dlse, dq, bias, dbias_arg, slopes, cu_q, cu_k,
-        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
-        *_seq_strides(dout, varlen), *_seq_strides(dq, varlen),
+        *seq, *_seq3(dq.stride(), varlen),
         *lse_strides, *bias_strides, *dbias_strides,
-        spec.num_heads_q, spec.gqa_ratio, spec.seqlen_q, spec.seqlen_k, *_packed_totals(spec),
-        spec.scale, *window,
-        BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BIAS_MODE=bias_mode, BIAS_GRAD=want_dbias,
-        HAS_DLSE=has_dlse, **consts, **c2.launch_options(),
+        spec.num_heads_q, gqa, *sizes, *scalars,
+        **_launch_kwargs(c2, bias_mode, static_key, BIAS_GRAD=want_dbias, HAS_DLSE=has_dlse),
     )
     # 2. dK, dV (reads the row stats written by the dQ kernel): one program per (key tile, batch·kv head)
     c1 = cfgs.dkdv
-    kernels.attn_bwd_dkdv[(triton.cdiv(spec.seqlen_k, c1.block_n), spec.batch * spec.num_heads_kv)](
+    kernels.attn_bwd_dkdv[(_cdiv(spec.seqlen_k, c1.block_n), spec.batch * spec.num_heads_kv)](
         q, k, v, dout, rowmax, rowinv, delta, dk, dv, bias, slopes, cu_q, cu_k,
-        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
-        *_seq_strides(dout, varlen), *_seq_strides(dk, varlen), *_seq_strides(dv, varlen),
+        *seq, *_seq3(dk.stride(), varlen), *_seq3(dv.stride(), varlen),
         *lse_strides, *bias_strides,
-        spec.num_heads_q, spec.num_heads_kv, spec.gqa_ratio, spec.seqlen_q, spec.seqlen_k, *_packed_totals(spec),
-        spec.scale, *window,
-        BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BIAS_MODE=bias_mode, **consts, **c1.launch_options(),
+        spec.num_heads_q, spec.num_heads_kv, gqa, *sizes, *scalars,
+        **_launch_kwargs(c1, bias_mode, static_key),
     )
     return dq, dk, dv, dbias
 

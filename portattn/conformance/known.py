@@ -64,14 +64,20 @@ KNOWN_LIMITATIONS += tuple(
     for name in ("triton", "cupy"))
 
 
+#: backends that run another one's kernels: torch SDPA's single kernels share sdpa's limitations
+#: (the float32 ones are its math kernel's, the non-finite ones its additive masks')
+FAMILY = {"sdpa_math": "sdpa", "sdpa_cudnn": "sdpa", "sdpa_flash": "sdpa", "sdpa_efficient": "sdpa"}
+
+
 def known_limitation(problem, backend: str, failed_checks) -> str | None:
     """The reason when ``backend`` failing exactly ``failed_checks`` on ``problem`` is a listed
-    known limitation, else None."""
+    known limitation (its own, or its family's: :data:`FAMILY`), else None."""
     failed = set(failed_checks)
     if not failed:
         return None
+    names = {backend, FAMILY.get(backend, backend)}
     for entry in KNOWN_LIMITATIONS:
-        if entry.backend == backend and entry.applies(problem) and failed <= entry.quantities:
+        if entry.backend in names and entry.applies(problem) and failed <= entry.quantities:
             return entry.why
     return None
 

@@ -1,0 +1,152 @@
+"""Host cost of the triton backend without a GPU: the Python path of a call, kernels stubbed.
+
+    PYTHONPATH=. python tools/host_overhead.py [--calls 1000] [--repeats 9] [--mode stub|binder|both] [--profile N]
+
+Times ``portattn.attention(q, k, v, causal=True, backend="triton")`` (bf16 B1 S128 H8 D64, the
+shape of issue #11) and the backend's ``ops.backward`` on CPU tensors, with the device target
+faked as sm_90 (the H200's tile table), in two modes:
+
+* ``stub``: ``kernels.attn_fwd`` / ``attn_bwd_dq`` / ``attn_bwd_dkdv`` are replaced by objects
+  whose ``[grid]`` returns a no-op taking the same arguments: portattn's own host cost;
+* ``binder``: the launch goes through the installed triton's real per-launch path (its generated
+  binder with ``native_specialize_impl`` per argument, the kernel-cache key, the check of the
+  kernels' global constexprs) and stops before the C launcher: portattn + triton's host cost,
+  without a GPU. It mirrors ``JITFunction.run`` of the installed triton (3.9 here; the H200
+  image has 3.6, whose path is the same up to a few knobs reads).
+
+Run it against another checkout to compare (the tool imports whatever ``portattn`` is on the
+path): ``PYTHONPATH=/work/main python tools/host_overhead.py`` is "before". The kernels never run,
+so outputs are garbage; this measures time only. Numbers are per call: the least thread CPU time over the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+# the binder mode needs real JITFunctions (not the interpreter's); the stub mode runs either way
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+from portattn.backends import triton as tb  # noqa: E402
+from portattn.backends.triton import configs, kernels, ops  # noqa: E402
+
+import portattn  # noqa: E402
+from portattn.spec import build_spec  # noqa: E402
+
+KERNELS = ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv")
+FAKE_TARGET = configs.Target("nvidia", 90)
+
+
+class _Stub:
+    """``kernel[grid](*args, **kwargs)`` that does nothing."""
+
+    def __getitem__(self, grid):
+        return _noop
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+class _BinderOnly:
+    """``kernel[grid](...)`` through the installed triton's binder, cache key and global check."""
+
+    def __init__(self, fn):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        from triton.runtime import jit
+        self.fn, self.jit = fn, jit
+        _ = fn.cache_key   # fills fn.used_global_vals, as the first launch does
+        self.backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.binder = jit.create_function_from_signature(fn.signature, fn.params, self.backend)
+        self.key_cache = {}
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            knobs = self.jit.knobs
+            kwargs["debug"] = kwargs.get("debug", self.fn.debug) or knobs.runtime.debug
+            for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):   # 3.9 knobs, absent in 3.6
+                if hasattr(knobs.compilation, name):
+                    kwargs[name] = getattr(knobs.compilation, name)
+            bound, specialization, options = self.binder(*args, **kwargs)
+            self.jit.compute_cache_key(self.key_cache, specialization, options)
+            missing = object()
+            for (name, _), (val, globals_dict) in self.fn.used_global_vals.items():
+                if globals_dict.get(name, missing) != val:
+                    raise RuntimeError(name)
+            tuple(bound.values())   # the launcher's argument tuple
+        return launch
+
+
+def _install(mode: str):
+    tb._device_reasons = lambda device: ()        # CPU tensors accepted without the interpreter
+    ops.device_target = lambda device: FAKE_TARGET  # the H200's tables (read once per device, cached)
+    originals = {name: getattr(kernels, name) for name in KERNELS}
+    for name, fn in originals.items():
+        setattr(kernels, name, _Stub() if mode == "stub" else _BinderOnly(fn))
+    return originals
+
+
+def _time(fn, calls: int, repeats: int) -> float:
+    """Per-call microseconds: the least of ``repeats`` runs of ``calls`` calls, in this thread's
+    CPU time (``time.thread_time``: time spent descheduled on a shared machine is not counted)."""
+    for _ in range(50):
+        fn()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        for _ in range(calls):
+            fn()
+        runs.append((time.thread_time() - t0) / calls * 1e6)
+    return min(runs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--mode", choices=("stub", "binder", "both"), default="both")
+    ap.add_argument("--profile", type=int, default=0, help="print the top N functions (cProfile, tottime)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 128, 8, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    dout = torch.randn(1, 128, 8, 64, generator=g).to(torch.bfloat16)
+    spec = build_spec(q, k, v, causal=True)
+    out, lse = torch.empty_like(q), torch.empty(1, 8, 128)
+    paths = {
+        "attention(triton) fwd": lambda: portattn.attention(q, k, v, causal=True, backend="triton"),
+        "build_spec only": lambda: build_spec(q, k, v, causal=True),
+        "ops.forward(spec)": lambda: ops.forward(spec),
+        "ops.backward(spec)": lambda: ops.backward(spec, out, lse, dout),
+    }
+    print(f"portattn from {os.path.dirname(portattn.__file__)}; torch {torch.__version__}; "
+          f"triton {sys.modules['triton'].__version__}; {args.calls} calls x {args.repeats}, least thread CPU time")
+    for mode in (("stub", "binder") if args.mode == "both" else (args.mode,)):
+        originals = _install(mode)
+        try:
+            for name, fn in paths.items():
+                print(f"  [{mode:6}] {name:24} {_time(fn, args.calls, args.repeats):7.1f} us/call")
+            if args.profile:
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(args.calls):
+                    paths["attention(triton) fwd"]()
+                prof.disable()
+                s = io.StringIO()
+                pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile)
+                print(s.getvalue())
+        finally:
+            for name, fn in originals.items():
+                setattr(kernels, name, fn)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
