@@ -19,8 +19,8 @@ fixed order of chunks and no atomics.
 
 Backward (memory linear too): per chunk, recompute ``P = exp(s − lse)`` from the forward's lse
 (float32 and float64 inputs recompute lse in float64 first: one more pass of ``Q Kᵀ``), then
-``dV += Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP − δ + dlse)`` with ``δ = rowsum(dO ∘ O)``
-(float32 inputs: ``δ = Σ_j P dP`` in float64, one more pass), ``dQ += dS K · scale``,
+``dV += Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP − δ + dlse)`` with ``δ = Σ_j P dP`` (float64
+sums, one more pass: ``rowsum(dO ∘ O)`` carries O's rounding), ``dQ += dS K · scale``,
 ``dK += dSᵀ Q · scale``; softcap multiplies dS by ``1 − tanh²``; a float bias that requires grad
 gets ``dS`` summed over its broadcast dimensions.
 """
@@ -293,10 +293,11 @@ def _forward_group(spec, g: _Group, cd, *, with_out: bool = True, lse_dtype=None
 
 
 def _delta_from_p(spec, g: _Group, qc, kh, vh, do, lse, i0, i1, lo, hi, keys, cd, scratch):
-    """``δ_i = Σ_j P_ij dP_ij`` (float64 sums) for float32 inputs: the softmax backward's own row
-    sum, with the same P as the gradient pass, instead of ``dO_i · O_i``, which carries O's
-    float32 rounding. On tiny problems (a row that sees one or two keys) that rounding alone is
-    several times the naive math's error in dq/dk; this costs one more pass of two gemms."""
+    """``δ_i = Σ_j P_ij dP_ij`` (float64 sums): the softmax backward's own row sum, with the same
+    P as the gradient pass, instead of ``dO_i · O_i``, which carries the rounding of O to the
+    input dtype. Where dS = P∘(dP − δ) cancels (a row that sees one or two keys, a nearly one-hot
+    softmax) that rounding alone was 3-400x the naive math's error in dq/dk/dbias (float16
+    x5 logits: 408x; float32 rows with two keys: 7x). One more pass of two gemms."""
     nb, hq, hkv = qc.shape[0], spec.num_heads_q, spec.num_heads_kv
     n, dvd = i1 - i0, vh.shape[-1]
     delta = torch.zeros((nb, hq, n, 1), dtype=torch.float64, device=qc.device)
@@ -376,13 +377,13 @@ class ChunkedBackend(Backend):
         with torch.no_grad():
             for g in _groups(spec):
                 if g.rows is None:
-                    out_g, dout_g, lse_g = out[g.batch], dout[g.batch], lse[g.batch]
+                    dout_g, lse_g = dout[g.batch], lse[g.batch]
                     dlse_g = dlse[g.batch] if dlse is not None else None
                 else:
-                    out_g, dout_g = out[g.rows].unsqueeze(0), dout[g.rows].unsqueeze(0)
+                    dout_g = dout[g.rows].unsqueeze(0)
                     lse_g = lse[:, g.rows].unsqueeze(0)
                     dlse_g = dlse[:, g.rows].unsqueeze(0) if dlse is not None else None
-                gq, gk, gv = self._backward_group(spec, g, cd, out_g, lse_g, dout_g, dlse_g, dbias)
+                gq, gk, gv = self._backward_group(spec, g, cd, lse_g, dout_g, dlse_g, dbias)
                 if g.rows is None:
                     dq[g.batch], dk[g.batch], dv[g.batch] = gq, gk, gv
                 else:
@@ -392,7 +393,7 @@ class ChunkedBackend(Backend):
         return dq, dk, dv, dbias
 
     @staticmethod
-    def _backward_group(spec, g: _Group, cd, out, lse, dout, dlse, dbias):
+    def _backward_group(spec, g: _Group, cd, lse, dout, dlse, dbias):
         """Gradients of one group in its canonical layout (``(nb, Sq, Hq, D)``, ...)."""
         nb, hq, hkv = g.q.shape[0], spec.num_heads_q, spec.num_heads_kv
         d, dvd = g.q.shape[-1], g.v.shape[-1]
@@ -420,11 +421,8 @@ class ChunkedBackend(Backend):
                 qc = _grouped(_heads_first(g.q[:, i0:i1], cd), hkv)
                 do = _heads_first(dout[:, i0:i1], cd)                         # (nb, Hq, n, Dv)
                 lse_c = lse[:, :, i0:i1]
-                if spec.dtype == torch.float32:
-                    delta = _delta_from_p(spec, g, qc, kh, vh, _grouped(do, hkv), lse_c, i0, i1, lo, hi, keys,
-                                          cd, scratch)
-                else:
-                    delta = (do * _heads_first(out[:, i0:i1], cd)).sum(dim=-1, keepdim=True)
+                delta = _delta_from_p(spec, g, qc, kh, vh, _grouped(do, hkv), lse_c, i0, i1, lo, hi, keys,
+                                      cd, scratch)
                 if dlse is not None:
                     delta = delta - dlse[:, :, i0:i1].to(cd).unsqueeze(-1)
                 do = _grouped(do, hkv)

@@ -326,6 +326,20 @@ def _verdict_on(problem, elements, device):
         return Checker(problem, device).check("chunked")
 
 
+FOUND = [   # delta = dO·O carried O's rounding: dbias 7.7x (bf16), dq 408x (fp16 x5, one-hot softmax)
+    (1, Problem(batch=1, seqlen_q=2, seqlen_k=2, heads_q=2, heads_kv=2, head_dim=64, dtype="bfloat16", scale=0.5,
+                bias="float_heads", bias_grad=True, layout="bhsd", strided=True, seed=2446861)),
+    (None, Problem(heads_q=3, heads_kv=1, head_dim=16, dtype="float16", seqlens_q=(2, 2), seqlens_k=(2, 2),
+                   alibi="batch", magnitude=5.0, strided=True, seed=0)),
+]
+
+
+@pytest.mark.parametrize("elements,problem", FOUND)
+def test_problems_found_by_the_property_search(elements, problem):
+    outcome = _verdict(problem, elements)
+    assert outcome.verdict == "pass", outcome.summary()
+
+
 @pytest.mark.parametrize("case_id", ["core/fp32/sq2-sk3/d40/causal-tl", "core/fp32/sq3-sk2/d24/causal-br",
                                      "core/fp32/sq3-sk2/d24/causal-tl"])
 def test_float32_gradients_of_rows_with_one_or_two_keys(case_id):
@@ -350,3 +364,11 @@ def test_bad_cu_seqlens_are_clamped_never_read_out_of_bounds():
         assert torch.isfinite(t).all()
     ref, _ = backend.forward(build_spec(q, k, v, cu_seqlens_q=good, cu_seqlens_k=good, causal=True))
     assert torch.equal(out, ref)   # the clamped sequence is the packed tensor's end
+
+
+def test_varlen_where_no_row_has_a_key():
+    """The checker's own oracle has no gradient here (found by the property search): grads are 0."""
+    p = Problem(batch=2, heads_q=1, heads_kv=1, head_dim=16, dtype="float16", seqlens_q=(1, 0), seqlens_k=(0, 1),
+                extreme=True)
+    outcome = Checker(p, "cpu").check("chunked")
+    assert outcome.verdict == "pass" and "dq" in outcome.checks, outcome.summary()
