@@ -17,6 +17,7 @@ added to SDPA's own backward by a second such pass (``dS = dlse · P``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -68,16 +69,47 @@ def _copies_unfriendly_views(spec) -> bool:
     return spec.device.type == "cuda"
 
 
+def _sdp_flags():
+    """(getter, setter, enabled-for-math) of every SDPA kernel flag torch has."""
+    from torch.nn.attention import _backend_names
+    flags = []
+    for name in _backend_names:
+        get, put = getattr(torch._C, f"_get_{name}_sdp_enabled", None), getattr(torch._C, f"_set_sdp_use_{name}", None)
+        if get is not None and put is not None:
+            flags.append((get, put, name == "math"))
+    return tuple(flags)
+
+
+class _MathOnly:
+    """Only SDPA's math kernel inside the block: what ``sdpa_kernel([SDPBackend.MATH])`` does
+    (same global flags, restored on exit), without its Python overhead, which at small sizes
+    cost more than the attention itself."""
+
+    __slots__ = ("saved",)
+    _flags = None
+
+    def __enter__(self):
+        flags = _MathOnly._flags or _sdp_flags()
+        _MathOnly._flags = flags
+        self.saved = [get() for get, _, _ in flags]
+        for _, put, math in flags:
+            put(math)
+        return self
+
+    def __exit__(self, *exc):
+        for (_, put, _), was in zip(_MathOnly._flags, self.saved):
+            put(was)
+
+
 def _kernel_choice(spec):
     """SDPA's math kernel on CPU (every dtype) and for float32/float64 on GPUs; elsewhere torch
     chooses. The fused CPU kernel approximates exp (fp16 with extreme logits: dq 13x the
-    naive error, found by the property suite), and on the H200 (2026-11-29) the fused CUDA
-    float32 kernel missed the §3 bound on small problems (e.g. 4.8e-7 on a one-key row the
-    math gives exactly): both break DESIGN.md §2/§3."""
-    import contextlib
+    naive error, found by the property suite; float32 bhsd views: dk 3.6x, the conformance
+    catalogue on CPU, 2026-12-01), and on the H200 (2026-11-29) the fused CUDA float32 kernel
+    missed the equivalence rule (docs/semantics.md) on small problems (e.g. 4.8e-7 on a one-key
+    row the math gives exactly)."""
     if spec.vendor == "cpu" or spec.dtype in (torch.float32, torch.float64):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        return sdpa_kernel([SDPBackend.MATH])
+        return _MathOnly()
     return contextlib.nullcontext()
 
 

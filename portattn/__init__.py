@@ -43,12 +43,13 @@ _map_source_tree_packages()
 from .api import attention, explain  # noqa: E402
 from .dispatch import Explanation, get_policy, set_policy, use_backend  # noqa: E402
 from .errors import BackendNotAvailableError  # noqa: E402
+from .kvcache import attention_with_kvcache  # noqa: E402
 from .registry import Backend, get_backend, list_backends, register_backend, unregister_backend  # noqa: E402
 from .spec import AttentionSpec, build_spec  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "explain", "use_backend", "set_policy", "get_policy", "Explanation", "Backend", "AttentionSpec", "build_spec",
+    "attention", "attention_with_kvcache", "explain", "use_backend", "set_policy", "get_policy", "Explanation", "Backend", "AttentionSpec", "build_spec",
     "register_backend", "unregister_backend", "list_backends", "get_backend", "BackendNotAvailableError",
 ]

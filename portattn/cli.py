@@ -43,6 +43,19 @@ def _devices() -> list[str]:
     return lines
 
 
+def _runs_here(backend) -> list[tuple[str, str]]:
+    """Whether an installed backend can run a small problem on each device of this machine
+    (installed is not enough: triton on a CPU needs its interpreter, cupy needs a GPU, ...)."""
+    devices = [torch.device("cpu")] + [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    verdicts = []
+    for device in devices:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        q = torch.empty(1, 16, 2, 64, dtype=dtype, device=device)
+        reasons = backend.not_supported_reasons(build_spec(q, q, q, causal=True))
+        verdicts.append((str(device), "runs" if not reasons else "cannot run: " + "; ".join(reasons)))
+    return verdicts
+
+
 def cmd_info(args) -> int:
     print(f"portattn {__version__}  python {platform.python_version()}  {platform.platform()}")
     cuda = torch.version.cuda or "-"
@@ -65,12 +78,14 @@ def cmd_info(args) -> int:
         backend = get_backend(name)
         reasons = backend.availability()
         status = "available" if not reasons else "unavailable: " + "; ".join(reasons)
-        print(f"  {name:<10} {status}")
+        print(f"  {name:<14} {status}")
         if not reasons:
+            for device, verdict in _runs_here(backend):
+                print(f"  {'':<14} {device}: {verdict}")
             caps = backend.capabilities()
-            print(f"  {'':<10} dtypes={','.join(caps['dtypes'])} head_dims={caps['head_dims'][0]}.."
+            print(f"  {'':<14} dtypes={','.join(caps['dtypes'])} head_dims={caps['head_dims'][0]}.."
                   f"{caps['head_dims'][1]} vendors={','.join(caps['vendors'])} backward={caps['has_backward']}")
-            print(f"  {'':<10} features={','.join(caps['features']) or '-'}")
+            print(f"  {'':<14} features={','.join(caps['features']) or '-'}")
     print("\npriority:")
     vendors = {"cpu"} | {device_vendor(torch.device("cuda"))} if torch.cuda.is_available() else {"cpu"}
     for vendor in sorted(vendors):
@@ -108,7 +123,22 @@ def _explain_tensors(args):
     return q, k, v, kw
 
 
+def _checked_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {name!r} is not a torch device ({exc}); use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: this machine has no CUDA/ROCm device that torch can use "
+                             f"(torch {torch.__version__}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return device
+
+
 def cmd_explain(args) -> int:
+    _checked_device(args.device)
     q, k, v, kw = _explain_tensors(args)
     spec = build_spec(q, k, v, causal=args.causal, causal_alignment=args.alignment, softcap=args.softcap, **kw)
     exp = explain_spec(spec, args.backend)
@@ -129,6 +159,18 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _size(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: must be >= {minimum}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="portattn", description="portattn: portable exact attention")
     parser.add_argument("--version", action="version", version=f"portattn {__version__}")
@@ -138,13 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("explain", help="which backend a problem would use, and why not the others")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seqlen-q", type=int, default=1024)
-    p.add_argument("--seqlen-k", type=int, default=None, help="default: --seqlen-q")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (GQA when fewer)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--head-dim-v", type=int, default=None)
+    p.add_argument("--batch", type=_size(0), default=2)
+    p.add_argument("--seqlen-q", type=_size(0), default=1024)
+    p.add_argument("--seqlen-k", type=_size(0), default=None, help="default: --seqlen-q")
+    p.add_argument("--heads", type=_size(1), default=16)
+    p.add_argument("--kv-heads", type=_size(1), default=None, help="default: --heads (GQA when fewer)")
+    p.add_argument("--head-dim", type=_size(1), default=128)
+    p.add_argument("--head-dim-v", type=_size(1), default=None)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--causal", action="store_true")
@@ -161,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run the benchmark (benchmarks/bench_attention.py; needs a GPU)")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
+
+    from . import tuning
+    p = sub.add_parser("tune", help="pre-fill the fastest policy's cache for shapes or a model's shapes")
+    tuning.add_arguments(p)
+    p.set_defaults(func=tuning.run)
 
     try:
         from .conformance.cli import register
@@ -180,6 +227,11 @@ def main(argv=None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"portattn {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader went away (`portattn conformance list | head`): stop quietly, as cat does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

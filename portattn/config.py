@@ -6,6 +6,7 @@ running process. docs/env.md documents each one.
 
 from __future__ import annotations
 
+import functools
 import os
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -24,7 +25,8 @@ VARIABLES = {
     "PORTATTN_PRIORITY_AMD": "comma-separated backend order for AMD ROCm devices",
     "PORTATTN_PRIORITY_CPU": "comma-separated backend order for CPU tensors",
     "PORTATTN_HYPOTHESIS_PROFILE": "Hypothesis profile for the property tests: ci, gpu or nightly",
-    "PORTATTN_CACHE_DIR": "where backends keep compiled kernels and sessions (default ~/.cache/portattn)",
+    "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
+                          "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
 }
 
 
@@ -113,4 +115,17 @@ def hypothesis_profile() -> str:
 
 
 def cache_dir() -> str:
-    return os.environ.get("PORTATTN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "portattn")
+    """``$PORTATTN_CACHE_DIR``, else the user cache directory of the platform (platformdirs:
+    ``~/.cache/portattn`` on Linux, ``~/Library/Caches/portattn`` on macOS, ...). Without
+    platformdirs installed (a bare image running from the source tree) ``~/.cache/portattn``."""
+    chosen = _parsed("PORTATTN_CACHE_DIR", lambda _, text: text.strip() or None, None)
+    return chosen or _default_cache_dir()
+
+
+@functools.lru_cache(maxsize=1)
+def _default_cache_dir() -> str:
+    try:
+        import platformdirs
+    except ImportError:
+        return os.path.join(os.path.expanduser("~"), ".cache", "portattn")
+    return platformdirs.user_cache_dir("portattn", appauthor=False)

@@ -95,12 +95,26 @@ def _heads_chunks(hq: int, sq: int, sk: int):
     return [(h, min(hq, h + step)) for h in range(0, hq, step)]
 
 
+def _host_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_name: str, max_len: int) -> list[int]:
+    """``cu`` as a list, checked: under torch.compile nothing validated its contents before the
+    backend runs (portattn.spec does only in eager mode), and this backend reads them anyway."""
+    host = cu.tolist()
+    lengths = [b - a for a, b in zip(host[:-1], host[1:])]
+    if host[0] != 0 or host[-1] != total or any(n < 0 for n in lengths) or max(lengths) > max_len:
+        shown = f"{host[:8]}{' ...' if len(host) > 8 else ''}"
+        raise ValueError(
+            f"{name} must start at 0, never decrease and end at the packed length {total}, with no "
+            f"sequence longer than {max_name}={max_len}; got {shown} (last={host[-1]}). Its contents "
+            f"are not checked under torch.compile: fix the values, or call eagerly to have them validated")
+    return host
+
+
 def _attention(spec: AttentionSpec, q, k, v, bias, compute_dtype, naive: bool):
     """Loop over sequences (and head chunks); returns canonical out and lse (float64)."""
     ratio = spec.gqa_ratio
     if spec.is_varlen:
-        cq = spec.cu_seqlens_q.tolist()
-        ck = spec.cu_seqlens_k.tolist()
+        cq = _host_cu_seqlens("cu_seqlens_q", spec.cu_seqlens_q, q.shape[0], "max_seqlen_q", spec.seqlen_q)
+        ck = _host_cu_seqlens("cu_seqlens_k", spec.cu_seqlens_k, k.shape[0], "max_seqlen_k", spec.seqlen_k)
         seqs = [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(spec.batch)]
     else:
         seqs = None
@@ -125,6 +139,10 @@ def _attention(spec: AttentionSpec, q, k, v, bias, compute_dtype, naive: bool):
         lses.append(torch.cat(l_parts, dim=0))
     if spec.is_varlen:
         return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+    if not outs:   # batch 0: empty results that still depend on the inputs (for vjp)
+        tie = 0 * (q.sum() + k.sum() + v.sum()).to(compute_dtype)
+        out = torch.zeros(spec.out_shape, dtype=compute_dtype, device=q.device) + tie
+        return out, torch.zeros(spec.lse_shape, dtype=torch.float64, device=q.device) + tie.double()
     return torch.stack(outs, dim=0), torch.stack(lses, dim=0)
 
 

@@ -216,3 +216,13 @@ def test_policy_names_are_checked():
         with portattn.use_backend("sdpa", "fastest"):
             pass
     assert portattn.get_policy() == "priority"
+
+
+def test_reference_backend_itself_runs_batch_zero():
+    q = torch.randn(0, 4, 2, 8, requires_grad=True)
+    spec = spec_mod.build_spec(q, q, q)
+    ref = portattn.get_backend("reference")
+    out, lse = ref.forward(spec)
+    assert out.shape == (0, 4, 2, 8) and lse.shape == (0, 2, 4)
+    dq, dk, dv, _ = ref.backward(spec, out, lse, torch.zeros_like(out))
+    assert dq.shape == dk.shape == dv.shape == q.shape

@@ -8,7 +8,10 @@ import math
 
 import pytest
 import torch
+from test_cu_seqlens_safety import BAD, FEATURES, run_bad_case
+from test_lse_grad import check_lse_grads
 
+import portattn
 from portattn.numerics import compare, compare_lse
 from portattn.reference import naive_forward, reference_forward
 from portattn.spec import build_spec
@@ -271,3 +274,44 @@ def test_through_public_api_with_autograd(dtype):
         results.append(compare(name, mine, r, n, factor=3))
     bad = [str(r) for r in results if not r.passed]
     assert not bad, "; ".join(bad)
+
+
+# the gradient through the returned lse (issue 11): every kernel that forms delta is covered:
+# the preprocess (fp16/bf16, tensor-core D <= 128 and FMA D 256) and the stats (float32)
+LSE_GRAD_CASES = ["basic", "causal_br_sq_gt_sk", "causal_br_empty_ctas", "gqa_causal", "softcap_d256",
+                  "alibi_d160", "bias_d128_causal", "mask_d32", "varlen_causal", "varlen_window"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", LSE_GRAD_CASES)
+def test_lse_gradient(case, dtype):
+    q, k, v, kw = _inputs(case, dtype, seed=11)
+    check_lse_grads("cupy", q, k, v, bias_grad=False, **kw)   # cupy has no dBias
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_lse_gradient_deterministic(dtype):
+    """With a gradient reaching lse too, 5 backward runs are bit-identical."""
+    g = torch.Generator(device="cuda").manual_seed(13)
+    q, k, v, dout = (torch.randn(2, 1024, 8, 128, generator=g, device="cuda").to(dtype) for _ in range(4))
+    dlse = torch.randn(2, 8, 1024, generator=g, device="cuda")
+    first = None
+    for _ in range(5):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = portattn.attention(*leaves, causal=True, return_lse=True, backend="cupy")
+        grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+        assert grads[0].abs().max() > 0
+        if first is None:
+            first = grads
+        else:
+            for a, b in zip(first, grads):
+                assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("features", FEATURES)
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_cu_seqlens_stay_in_bounds(monkeypatch, name, features, dtype):
+    """Bad cu_seqlens/max_seqlen as torch.compile passes them (unchecked): the kernels clamp every
+    sequence (seq_span in attn_common.cuh); NaN-guarded inputs (see test_cu_seqlens_safety.py)."""
+    run_bad_case(monkeypatch, "cupy", name, features, dtype=dtype, device="cuda")

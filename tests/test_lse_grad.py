@@ -20,7 +20,9 @@ from portattn.reference import naive_forward, reference_forward
 from portattn.registry import get_backend
 from portattn.spec import build_spec
 
-BACKENDS = ["reference", "sdpa", "triton"]
+# every backend with a backward that runs on a CPU (chunked: the default CPU path; sdpa_math: torch
+# SDPA's math kernel pinned)
+BACKENDS = ["reference", "sdpa", "sdpa_math", "chunked", "triton"]
 
 
 def _randn(*shape, dtype, gen):
@@ -84,14 +86,17 @@ def _loss_grads(fn, inputs, g, h):
     return torch.autograd.grad(loss, inputs)
 
 
-def check_lse_grads(backend, q, k, v, *, seed=1, **kw):
+def check_lse_grads(backend, q, k, v, *, seed=1, bias_grad=True, **kw):
     """Assert that the backend's gradients of ``Σ out·g + Σ lse·h`` (random g, h) in q, k, v
-    (and a float ``attn_bias``) pass the equivalence rule against float64 autograd through
-    ``reference_forward``; skip when the backend cannot run the problem. Any device (the GPU
-    tests of test_triton.py / test_cupy.py use it too). Returns the backend's gradients."""
+    (and a float ``attn_bias`` unless ``bias_grad=False``) pass the equivalence rule against
+    float64 autograd through ``reference_forward``; skip when the backend cannot run the
+    problem. Any device (the GPU tests of test_triton.py / test_cupy.py use it too). Returns
+    the backend's gradients."""
     bias = kw.get("attn_bias")
-    bias_grad = bias is not None and bias.is_floating_point()
-    spec = build_spec(q, k, v, return_lse=True, **kw)
+    bias_grad = bias_grad and bias is not None and bias.is_floating_point()
+    with torch.enable_grad():   # the spec the API will build: gradients needed
+        leaves = _leaves([q, k, v] + ([bias] if bias_grad else []))
+        spec = build_spec(*leaves[:3], return_lse=True, **dict(kw, attn_bias=leaves[3] if bias_grad else bias))
     reasons = get_backend(backend).not_supported_reasons(spec)
     if reasons:
         pytest.skip(f"{backend}: {'; '.join(reasons)}")
@@ -203,3 +208,19 @@ def test_reference_lse_gradient_is_logsumexp_of_the_scores():
     for a, e in zip(got, want):
         assert e.abs().max() > 0.1
         torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,first", [(torch.bfloat16, "preprocess"), (torch.float32, "stats")])
+def test_cupy_plan_hands_dlse_to_the_kernel_that_forms_delta(dtype, first):
+    """No GPU needed: the backward plan passes dlse's pointer (last argument) to the preprocess
+    (fp16/bf16) or stats (float32) launch, and a null pointer without it."""
+    pytest.importorskip("numpy")
+    from portattn.backends.cupy import runtime
+    q, k, v = (torch.randn(2, 37, 2, 64, dtype=dtype) for _ in range(3))
+    spec = build_spec(q, k, v, causal=True)
+    out, lse = torch.randn(spec.out_shape, dtype=dtype), torch.randn(spec.lse_shape)
+    dlse = torch.randn(spec.lse_shape)
+    for given in (None, dlse):
+        plan = runtime.plan_backward(spec, out, lse, torch.randn_like(out), dlse=given)
+        (launch,) = [item for item in plan.launches if item.role == first]
+        assert int(launch.args[-1]) == (0 if given is None else given.data_ptr())

@@ -3,7 +3,9 @@
 The decoder-only transformer (2 layers, GQA 4:1, causal, key padding mask) is exported with a
 dynamic batch and sequence length and run at two shapes; its onnxruntime output is held to the
 §3 rule against the same model in float64 (reference attention), with the model in float32 using
-naive attention math as yardstick.
+naive attention math as yardstick. A transformers Llama built with
+``attn_implementation="portattn"`` exports with one fused node per layer, its padding mask kept as
+a (B, 1, 1, S) key mask with bottom-right causal, and runs in onnxruntime within the rule.
 """
 
 import pytest
@@ -212,3 +214,82 @@ def test_varlen_is_refused(tmp_path):
 def test_unknown_target():
     with pytest.raises(ValueError, match="target"):
         portattn.onnx.export(torch.nn.Identity(), (torch.randn(1),), None, target="tensorrt")
+
+
+# ----- a transformers model built with attn_implementation="portattn" ------------------------------
+
+class _CausalLM(torch.nn.Module):
+    """input_ids + 2-D padding mask -> logits. Positions come from the mask (left padding), and as a
+    (B, S) tensor: onnxscript's rotary-embedding fusion mis-sizes a (1, S) position input for B > 1."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                          use_cache=False).logits
+
+
+def _hf_inputs(batch, seq, seed, pad):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, :pad] = 0                                  # left padding
+    return ids, mask
+
+
+def _producer(model, name):
+    return next((n for n in model.graph.node if name in n.output), None)
+
+
+def test_transformers_llama_export(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import copy
+
+    from portattn.integrations.transformers import register
+
+    register()
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    built = {impl: transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl)
+             for impl in ("portattn", "eager")}
+    built["eager"].load_state_dict(built["portattn"].state_dict())
+    lm, eager = _CausalLM(built["portattn"]).eval(), _CausalLM(built["eager"]).eval()
+    reference = copy.deepcopy(lm).double()
+
+    path = tmp_path / "llama.onnx"
+    batch, seq = torch.export.Dim("batch", max=64), torch.export.Dim("seq", max=64)
+    model = portattn.onnx.export(lm, _hf_inputs(2, 10, 0, pad=3), path,
+                                 dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}})
+    nodes = [(n.domain, n.op_type) for n in model.graph.node]
+    fused = [n for n in model.graph.node if (n.domain, n.op_type) == (DOMAIN, OP_NAME)]
+    assert len(fused) == cfg.num_hidden_layers, nodes
+    assert ("", "Softmax") not in nodes
+    assert _top_level_matmuls_are_projections(model)
+    for node in fused:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["causal"] == 1 and attrs["alignment"] == 0 and attrs["window_left"] == -1   # bottom-right
+        # the mask input is the padding mask itself, unsqueezed to (B, 1, 1, S): no (S, S) mask is built
+        unsqueeze = _producer(model, node.input[4])
+        assert unsqueeze is not None and unsqueeze.op_type == "Unsqueeze", unsqueeze
+        axes = _producer(model, unsqueeze.input[1])
+        axes = (onnx.numpy_helper.to_array(axes.attribute[0].t) if axes is not None else
+                next(onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name == unsqueeze.input[1]))
+        assert axes.tolist() == [1, 2]
+        cast = _producer(model, unsqueeze.input[0])
+        assert cast.op_type == "Cast" and cast.input[0] == "attention_mask"
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for b, s, seed, pad in ((2, 10, 1, 3), (3, 7, 2, 2)):
+        ids, mask = _hf_inputs(b, s, seed, pad)
+        out = torch.from_numpy(session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0])
+        keep = mask.bool()                  # padded query rows see no key: compared nowhere
+        with torch.no_grad(), portattn.use_backend("reference"):
+            ref = reference(ids, mask)
+        with torch.no_grad():
+            naive = eager(ids, mask)
+        result = compare("logits", out[keep], ref[keep], naive[keep])
+        assert result.passed, f"B={b} S={s}: {result}"

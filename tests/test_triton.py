@@ -25,6 +25,7 @@ from portattn.testing import check_backend
 pytest.importorskip("triton")
 
 from portattn.backends.triton import TritonBackend  # noqa: E402
+from test_cu_seqlens_safety import BAD, FEATURES, run_bad_case  # noqa: E402
 from test_lse_grad import check_lse_grads  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -350,6 +351,17 @@ def test_gpu_lse_gradient_deterministic(dtype, monkeypatch):
         else:
             for a, b in zip(first, grads):
                 assert torch.equal(a, b)
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("features", FEATURES)
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_gpu_bad_cu_seqlens_stay_in_bounds(monkeypatch, name, features, dtype):
+    """Bad cu_seqlens/max_seqlen as torch.compile passes them (unchecked): clamped on the GPU too,
+    with guarded inputs and outputs (see test_cu_seqlens_safety.py)."""
+    run_bad_case(monkeypatch, "triton", name, features, dtype=dtype, device=DEVICE, guard_outputs=True)
 
 
 def test_spec_level_forward_matches_reference():

@@ -4,6 +4,8 @@
 #   bash tools/h200_session.sh bench    # the shared benchmark alone (timings), then the GPU property profile
 #   PREV=report.json bash tools/h200_session.sh reverify   # after a float32-path change (below)
 #   PROFILE=ci bash tools/h200_session.sh properties       # the Hypothesis suite on cpu and cuda
+#   bash tools/h200_session.sh tests        # the GPU tests alone (every file with GPU parts)
+#   bash tools/h200_session.sh wave2bench   # call-path overhead, the decode grid, the fastest policy
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -12,6 +14,11 @@ OUT=${OUT:-/tmp/portattn-out}
 LIMIT=${LIMIT:-430}          # seconds each parallel part may run
 mkdir -p "$OUT"
 what=${1:-verify}
+# the test files with GPU parts (the rest of the suite is CPU-only and runs in CI)
+GPU_TESTS=${GPU_TESTS:-$(ls tests/test_triton.py tests/test_cupy.py tests/test_sdpa.py tests/test_dispatch.py \
+    tests/test_compile.py tests/test_cuda_graph.py tests/test_lse_grad.py tests/test_call_path.py \
+    tests/test_kvcache*.py tests/test_transformers*.py tests/test_sdpa_kernels.py tests/test_tuning.py \
+    tests/test_cu_seqlens_safety.py tests/test_distributed.py tests/test_compat_*.py tests/test_chunked.py 2>/dev/null)}
 PY=python3
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv; $PY -m portattn.cli info; } \
     > "$OUT/env.txt" 2>&1
@@ -42,8 +49,10 @@ if [[ $what == verify ]]; then
   t0=$(date +%s)
   rm -rf "$shards"; mkdir -p "$shards"
   # GPU tests: triton/cupy/sdpa at real sizes, dispatch, torch.compile (4 workers)
-  timeout "$LIMIT" $PY -m pytest -q -p no:cacheprovider -n 4 tests/test_triton.py tests/test_cupy.py \
-      tests/test_sdpa.py tests/test_dispatch.py tests/test_compile.py -rfEs > "$OUT/pytest_gpu.txt" 2>&1 &
+  # shellcheck disable=SC2086  # GPU_TESTS: one word per test file
+  # -v: one line per test, so a run stopped at its limit still says which tests failed
+  timeout -s INT -k 20 "$LIMIT" $PY -m pytest -v --tb=short -p no:cacheprovider -n "${WORKERS:-4}" $GPU_TESTS -rfEs \
+      > "$OUT/pytest_gpu.txt" 2>&1 &
   # the catalogue: the fast backends over every case in one process, triton in nine shards
   run_shard others --backends reference sdpa cupy onnx &
   # (globs: a plain pattern matches anywhere in the id, so 'varlen/' would also take large/varlen/...)
@@ -57,7 +66,7 @@ if [[ $what == verify ]]; then
   run_shard t-bias --backends triton --cases 'bias/*' 'alibi/*' &
   run_shard t-window --backends triton --cases 'window/*' 'combo/*' &
   wait
-  echo "== GPU tests:"; tail -25 "$OUT/pytest_gpu.txt"
+  echo "== GPU tests:"; grep -E "(FAILED|ERROR) tests" "$OUT/pytest_gpu.txt" | sort -u | head -40; tail -3 "$OUT/pytest_gpu.txt"
   merge_shards conformance-h200.json
 fi
 
@@ -106,6 +115,34 @@ if [[ $what == bench ]]; then
   if (( left > 60 )); then
     PROFILE=gpu run_properties $(( left - 15 ))
   fi
+fi
+
+if [[ $what == tests ]]; then
+  t0=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout -s INT -k 20 "${TEST_LIMIT:-400}" $PY -m pytest -v --tb=short -p no:cacheprovider -n "${WORKERS:-8}" $GPU_TESTS -rfEs \
+      > "$OUT/pytest_gpu.txt" 2>&1
+  echo "== GPU tests rc=$? ($(( $(date +%s) - t0 ))s):"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.txt" | head -40
+  tail -3 "$OUT/pytest_gpu.txt"
+fi
+
+if [[ $what == wave2bench ]]; then
+  # each part bounded; what a part printed last is its summary. The benchmarks write many
+  # files (JSON, PNG, tables): they go to $W and come back as one archive (the device tool
+  # returns at most 8 files).
+  W=/tmp/portattn-wave2; rm -rf "$W"; mkdir -p "$W"
+  t0=$(date +%s)
+  timeout -s INT -k 10 "${OVERHEAD_LIMIT:-90}" $PY benchmarks/overhead.py --out "$W" > "$OUT/overhead.txt" 2>&1
+  echo "== overhead rc=$? ($(( $(date +%s) - t0 ))s):"; tail -30 "$OUT/overhead.txt"
+  t1=$(date +%s)
+  timeout -s INT -k 10 "${DECODE_LIMIT:-240}" $PY benchmarks/bench_decode.py --out "$W" ${DECODE_ARGS:-} \
+      > "$OUT/decode.txt" 2>&1
+  echo "== decode rc=$? ($(( $(date +%s) - t1 ))s):"; tail -45 "$OUT/decode.txt"
+  t2=$(date +%s)
+  timeout -s INT -k 10 "${FASTEST_LIMIT:-200}" $PY benchmarks/bench_fastest.py --out "$W" ${FASTEST_ARGS:-} \
+      > "$OUT/fastest.txt" 2>&1
+  echo "== fastest rc=$? ($(( $(date +%s) - t2 ))s):"; tail -45 "$OUT/fastest.txt"
+  tar czf "$OUT/wave2bench.tgz" -C "$W" . && ls -la "$W"
 fi
 
 if [[ $what == properties ]]; then

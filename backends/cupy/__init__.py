@@ -82,10 +82,10 @@ class CupyBackend(Backend):
 
         return runtime.forward(spec)
 
-    def backward(self, spec, out, lse, dout):
+    def backward(self, spec, out, lse, dout, dlse=None):
         from . import runtime
 
-        return runtime.backward(spec, out, lse, dout)
+        return runtime.backward(spec, out, lse, dout, dlse)
 
 
 #: What each kernel family is, for reasons and docs (which path runs: configs.backward_config).

@@ -1,7 +1,9 @@
 // portattn CuPy backend: backward kernels (FlashAttention-2 backward, float32 FMA).
 //
 // With P = exp(s - lse) recomputed from q, k and the forward's lse:
-//   delta_i = sum_d dO_id O_id                      (attn_bwd_preprocess)
+//   delta_i = sum_d dO_id O_id - dlse_i             (attn_bwd_preprocess)
+// (dlse_i: the loss gradient of the returned natural-log lse, 0 when none reaches it; since
+// d lse_i / d s_ij = P_ij it adds dlse_i P_ij to dS_ij, which is the shift of delta)
 // (natural-log units throughout: P = expf(s - lse), as the float32 forward computes it)
 //   dV_j    = sum_i P_ij dO_i                        (attn_bwd_dkdv)
 //   dS_ij   = P_ij (dO_i . v_j - delta_i)            natural-log logit gradient
@@ -20,20 +22,20 @@ __global__ void __launch_bounds__(128)
 attn_bwd_preprocess(const T* __restrict__ o, long long o_sb, long long o_ss, long long o_sh,
                     const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
                     float* __restrict__ delta, long long lse_sb, long long lse_sh,
-                    const int* __restrict__ cu_q, int seqlen_q, int head_dim_v) {
+                    const int* __restrict__ cu_q, int seqlen_q, int total_q, int head_dim_v,
+                    const float* __restrict__ dlse) {
     const int b = blockIdx.z, h = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
     long long q0 = 0;
     int sq = seqlen_q;
-    if (cu_q != nullptr) {
-        q0 = cu_q[b];
-        sq = cu_q[b + 1] - cu_q[b];
-    }
+    if (cu_q != nullptr) seq_span(cu_q, b, seqlen_q, total_q, &q0, &sq);
     if (i >= sq) return;
     const T* orow = o + b * o_sb + (q0 + i) * o_ss + h * o_sh;
     const T* drow = dout + b * do_sb + (q0 + i) * do_ss + h * do_sh;
     float acc = 0.f;
     for (int d = 0; d < head_dim_v; ++d) acc = fmaf(Elem<T>::to_float(drow[d]), Elem<T>::to_float(orow[d]), acc);
-    delta[b * lse_sb + h * lse_sh + q0 + i] = acc;
+    const long long idx = b * lse_sb + h * lse_sh + q0 + i;
+    // (rows with lse = -inf never read delta: their P and dS are 0 in every kernel)
+    delta[idx] = dlse != nullptr ? acc - dlse[idx] : acc;
 }
 
 // Copy rows [r0, r0 + ROWS) of a (tokens, head_dim) slice into shared float32, zero outside.
@@ -78,7 +80,8 @@ __device__ __forceinline__ void grad_entry(float dot, float dpv, const RowStats&
 template <typename T, int HD>
 __global__ void __launch_bounds__(256, 1)
 attn_bwd_stats(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
-               float* __restrict__ row_m, float* __restrict__ row_l, float* __restrict__ delta) {
+               float* __restrict__ row_m, float* __restrict__ row_l, float* __restrict__ delta,
+               const float* __restrict__ dlse) {
     constexpr int BM = 16, BN = 32, NT = 256, LD = HD + 1;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* sQ = reinterpret_cast<float*>(smem_raw);   // BM x LD
@@ -88,7 +91,7 @@ attn_bwd_stats(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lo
 
     const int tid = threadIdx.x, row = tid / 16, sub = tid % 16;
     const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
     const int m0 = blockIdx.x * BM;
     if (m0 >= s.sq) return;
     const int i = m0 + row;
@@ -155,7 +158,9 @@ attn_bwd_stats(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lo
         const long long idx = b * lse_sb + h * lse_sh + s.q0 + i;
         row_m[idx] = m;
         row_l[idx] = l_f;
-        delta[idx] = (float)dsum;
+        // minus dlse (see the top of the file), rounded once; a row with no visible key takes none
+        const double dl = (dlse != nullptr && l_f > 0.f) ? (double)dlse[idx] : 0.0;
+        delta[idx] = (float)(dsum - dl);
     }
 }
 
@@ -178,7 +183,7 @@ attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lon
 
     const int tid = threadIdx.x, key_l = tid / 8, sub = tid % 8;
     const int b = blockIdx.z, hk = blockIdx.y;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
     const int n0 = blockIdx.x * BN;
     if (n0 >= s.sk) return;
     const int j = n0 + key_l;
@@ -266,7 +271,7 @@ attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long 
 
     const int tid = threadIdx.x, row = tid / 16, sub = tid % 16;
     const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
     const int m0 = blockIdx.x * BM;
     if (m0 >= s.sq) return;
     const int i = m0 + row;

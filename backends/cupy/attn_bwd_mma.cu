@@ -141,7 +141,7 @@ attn_bwd_dkdv_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
     const int b = blockIdx.z, hk = blockIdx.y;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
     const int n0 = blockIdx.x * BN;
     if (n0 >= s.sk) return;
     const float scale_log2 = scale * PA_LOG2E;
@@ -250,7 +250,7 @@ attn_bwd_dq_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, l
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
     const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, top_left);
+    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
     const int m0 = blockIdx.x * BM;
     if (m0 >= s.sq) return;
     const float scale_log2 = scale * PA_LOG2E;

@@ -91,14 +91,22 @@ struct SeqInfo {
     int off_alibi;         // ALiBi distance uses i + Sk - Sq - j always (DESIGN.md §2)
 };
 
+// (start, length) of sequence b from cu_seqlens, clamped so that a bad one (its contents are not
+// validated under torch.compile or graph capture) never reads or writes out of bounds: start
+// and end in [0, total], end >= start, length <= max_len (docs/semantics.md).
+__device__ __forceinline__ void seq_span(const int* cu, int b, int max_len, int total, long long* start, int* len) {
+    const int s = min(max(cu[b], 0), total);
+    const int e = min(max(cu[b + 1], s), total);
+    *start = s;
+    *len = min(e - s, max_len);
+}
+
 __device__ __forceinline__ SeqInfo seq_info(int b, const int* cu_q, const int* cu_k, int seqlen_q,
-                                            int seqlen_k, int top_left) {
+                                            int seqlen_k, int total_q, int total_k, int top_left) {
     SeqInfo s;
     if (cu_q != nullptr) {
-        s.q0 = cu_q[b];
-        s.sq = cu_q[b + 1] - cu_q[b];
-        s.k0 = cu_k[b];
-        s.sk = cu_k[b + 1] - cu_k[b];
+        seq_span(cu_q, b, seqlen_q, total_q, &s.q0, &s.sq);
+        seq_span(cu_k, b, seqlen_k, total_k, &s.k0, &s.sk);
     } else {
         s.q0 = 0;
         s.k0 = 0;
@@ -357,6 +365,7 @@ __device__ __forceinline__ void warp_mma_pb(float (*acc)[4], const float (*p)[4]
         long long q_sb, long long q_ss, long long q_sh, long long k_sb, long long k_ss,           \
         long long k_sh, long long v_sb, long long v_ss, long long v_sh,                           \
         const int *__restrict__ cu_q, const int *__restrict__ cu_k, int seqlen_q, int seqlen_k,   \
+        int total_q, int total_k,                                                                 \
         int head_dim, int head_dim_v, int gqa_ratio, float scale, float softcap, int win_left,    \
         int win_right, int top_left, const float *__restrict__ alibi, long long alibi_sb,         \
         const void *__restrict__ bias, int bias_kind, long long bias_sb, long long bias_sh,       \

@@ -128,6 +128,7 @@ def common_args(spec, q, k, v) -> list:
         lse_strides = [spec.num_heads_q * spec.seqlen_q, spec.seqlen_q]   # lse (B, Hq, Sq)
     args = [_ptr(q), _ptr(k), _ptr(v), *_strides3(q, varlen), *_strides3(k, varlen), *_strides3(v, varlen),
             _ptr(spec.cu_seqlens_q), _ptr(spec.cu_seqlens_k), _i32(spec.seqlen_q), _i32(spec.seqlen_k),
+            _i32(q.shape[0]), _i32(k.shape[0]),   # packed totals: the kernels clamp cu_seqlens into them
             _i32(q.shape[-1]), _i32(v.shape[-1]), _i32(spec.gqa_ratio), np.float32(spec.scale),
             np.float32(spec.softcap or 0.0), _i32(left), _i32(right), _i32(spec.alignment == "top_left"),
             _ptr(alibi), _i64(alibi.stride(0) if alibi is not None else 0),
@@ -201,6 +202,9 @@ def plan_forward(spec, cfg: configs.KernelConfig | None = None) -> Plan:
     q, k, v = prepare_inputs(spec, tensor_cores)
     dv_alloc = v.shape[-1]
     out = torch.empty((*spec.q.shape[:-1], dv_alloc), dtype=spec.dtype, device=spec.device)
+    if spec.is_varlen:   # rows no (clamped) sequence covers (a bad cu_seqlens, unchecked when compiled)
+        out.zero_()
+        lse.fill_(float("-inf"))
     args, keep = common_args(spec, q, k, v)
     args += [_ptr(out), *_strides3(out, spec.is_varlen), _ptr(lse)]
     role = "extras" if tensor_cores and _needs_extras(spec) else "plain"
@@ -221,19 +225,23 @@ def _grad_buffer(like: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-                  cfg: configs.KernelConfig | None = None) -> Plan:
+                  cfg: configs.KernelConfig | None = None, dlse: torch.Tensor | None = None) -> Plan:
     """Allocate ``(dq, dk, dv)`` and describe the three backward launches.
 
     ``cfg`` overrides the configuration choice: ``configs.fma_backward_config(...)`` forces the
-    FMA kernels for fp16/bf16 (tests compare them with the tensor-core ones).
+    FMA kernels for fp16/bf16 (tests compare them with the tensor-core ones). ``dlse`` (float32,
+    ``spec.lse_shape``, or None) is the gradient of the returned lse: the kernel that forms
+    delta (preprocess or stats) subtracts it.
     """
     dtype = _DTYPE_NAMES[spec.dtype]
     cfg = cfg or configs.backward_config(dtype, spec.head_dim, spec.head_dim_v)
     if spec.is_empty or spec.seqlen_q == 0:
         zeros = tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (spec.q, spec.k, spec.v))
         return Plan(outputs=zeros)
+    if dlse is not None:   # laid out like lse (contiguous spec.lse_shape)
+        dlse = dlse.to(device=spec.device, dtype=torch.float32).contiguous()
     if cfg.family == "bwd_mma":
-        return _plan_backward_mma(spec, out, lse, dout, cfg)
+        return _plan_backward_mma(spec, out, lse, dout, cfg, dlse)
     dq = torch.zeros_like(spec.q, memory_format=torch.contiguous_format)
     dk = torch.zeros_like(spec.k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(spec.v, memory_format=torch.contiguous_format)
@@ -253,12 +261,12 @@ def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
     else:
         row_m = row_l = None
         stats_ptrs = [_ptr(None), _ptr(None)]
-    plan = Plan(outputs=(dq, dk, dv), keep_alive=(keep, out, dout, lse, delta, row_m, row_l))
+    plan = Plan(outputs=(dq, dk, dv), keep_alive=(keep, out, dout, lse, delta, row_m, row_l, dlse))
     rows_grid = (_cdiv(spec.seqlen_q, configs.BWD_BLOCK_M), spec.num_heads_q, spec.batch)
     if cfg.exact_stats:
-        plan.launches.append(Launch(cfg, "stats", rows_grid, args + do_args + [*stats_ptrs, _ptr(delta)]))
+        plan.launches.append(Launch(cfg, "stats", rows_grid, args + do_args + [*stats_ptrs, _ptr(delta), _ptr(dlse)]))
     else:
-        plan.launches.append(_preprocess_launch(spec, cfg, out, do_args, delta, lse_strides))
+        plan.launches.append(_preprocess_launch(spec, cfg, out, do_args, delta, lse_strides, dlse))
     if spec.seqlen_k > 0:
         plan.launches.append(Launch(cfg, "dkdv", (_cdiv(spec.seqlen_k, configs.BWD_BLOCK_N), spec.num_heads_kv, spec.batch),
                                     args + do_args + [_ptr(lse), _ptr(delta), _ptr(dk), *_strides3(dk, varlen),
@@ -269,14 +277,16 @@ def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
     return plan
 
 
-def _preprocess_launch(spec, cfg, out, do_args, delta, lse_strides) -> Launch:
-    """delta_i = dO_i . O_i (attn_bwd_preprocess), shared by both 16-bit backward families."""
+def _preprocess_launch(spec, cfg, out, do_args, delta, lse_strides, dlse) -> Launch:
+    """delta_i = dO_i . O_i - dlse_i (attn_bwd_preprocess; dlse None: no lse gradient), shared
+    by both 16-bit backward families."""
     return Launch(cfg, "preprocess", (_cdiv(spec.seqlen_q, configs.PRE_ROWS), spec.num_heads_q, spec.batch),
                   [_ptr(out), *_strides3(out, spec.is_varlen), *do_args, _ptr(delta), *lse_strides,
-                   _ptr(spec.cu_seqlens_q), _i32(spec.seqlen_q), _i32(spec.head_dim_v)])
+                   _ptr(spec.cu_seqlens_q), _i32(spec.seqlen_q), _i32(spec.q.shape[0]), _i32(spec.head_dim_v),
+                   _ptr(dlse)])
 
 
-def _plan_backward_mma(spec, out, lse, dout, cfg) -> Plan:
+def _plan_backward_mma(spec, out, lse, dout, cfg, dlse) -> Plan:
     """The tensor-core backward (fp16/bf16): q, k, v and dO with 16-byte aligned rows (padded
     copies only when needed, as in the forward), gradients allocated at the padded widths (so
     the kernels store aligned pairs) and sliced back to the caller's head dims."""
@@ -295,8 +305,8 @@ def _plan_backward_mma(spec, out, lse, dout, cfg) -> Plan:
     do_args = [_ptr(dout), *_strides3(dout, varlen)]
     suffix = "_extras" if _needs_extras(spec) else ""
     plan = Plan(outputs=(dq[..., : spec.head_dim], dk[..., : spec.head_dim], dv[..., : spec.head_dim_v]),
-                keep_alive=(keep, out, dout, lse, delta, dq, dk, dv))
-    plan.launches.append(_preprocess_launch(spec, cfg, out, do_args, delta, args[-2:]))
+                keep_alive=(keep, out, dout, lse, delta, dlse, dq, dk, dv))
+    plan.launches.append(_preprocess_launch(spec, cfg, out, do_args, delta, args[-2:], dlse))
     if spec.seqlen_k > 0:
         role = "dkdv" + suffix
         plan.launches.append(Launch(cfg, role, (_cdiv(spec.seqlen_k, cfg.block_rows(role)), spec.num_heads_kv, spec.batch),
@@ -323,13 +333,14 @@ def forward(spec) -> tuple[torch.Tensor, torch.Tensor]:
     return plan.outputs
 
 
-def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, force_fma: bool = False):
+def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,
+             force_fma: bool = False):
     """``(dq, dk, dv, None)``: deterministic (no atomics). fp16/bf16 up to padded head dim 128 run
     on tensor cores (float32 accumulation); ``force_fma`` (private: tests, benchmarks) runs the
-    FMA kernels instead, as every other case does."""
+    FMA kernels instead, as every other case does. ``dlse``: see :func:`plan_backward`."""
     cfg = None
     if force_fma:
         cfg = configs.fma_backward_config(_DTYPE_NAMES[spec.dtype], spec.head_dim, spec.head_dim_v)
-    plan = plan_backward(spec, out, lse, dout, cfg)
+    plan = plan_backward(spec, out, lse, dout, cfg, dlse)
     execute(plan, spec.device)
     return (*plan.outputs, None)

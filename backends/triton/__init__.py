@@ -9,6 +9,7 @@ This module imports neither triton nor the kernels: a missing triton is a reason
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -36,6 +37,30 @@ def _ops():
     return ops
 
 
+@functools.cache
+def _device_reasons(device: torch.device) -> tuple[str, ...]:
+    """Reasons that depend only on the device and on how triton was imported (fixed for the
+    life of the process, so computed once per device)."""
+    ops = _ops()
+    if device.type == "cpu":
+        if not ops.interpreter_active():
+            return ("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before triton is first "
+                    "imported (e.g. in the environment of the process), or move the tensors to a GPU",)
+        if not ops.triton_library_interpreted():
+            return ("triton was imported before TRITON_INTERPRET=1 was set: portattn's kernels are interpreted but "
+                    "triton's own library functions were compiled for a GPU, so the interpreter cannot run them; "
+                    "set TRITON_INTERPRET=1 before the first `import triton` (in the process environment)",)
+        return ()
+    if ops.interpreter_active():
+        return ("Triton's interpreter is on (TRITON_INTERPRET=1): it runs only CPU tensors here; "
+                "unset TRITON_INTERPRET to run on the GPU",)
+    if device.type == "cuda" and not getattr(torch.version, "hip", None):
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return (f"NVIDIA sm_{major}{minor} is too old (needs sm_80 or newer: Ampere, Ada, Hopper, …)",)
+    return ()
+
+
 class TritonBackend(Backend):
     """FlashAttention-2 in Triton: tiled online softmax forward, FA2 backward (delta, dK/dV, dQ)."""
 
@@ -58,20 +83,7 @@ class TritonBackend(Backend):
         return []
 
     def extra_reasons(self, spec) -> list[str]:
-        reasons = []
-        ops = _ops()
-        if spec.vendor == "cpu":
-            if not ops.interpreter_active():
-                reasons.append("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before triton "
-                               "is first imported (e.g. in the environment of the process), or move the "
-                               "tensors to a GPU")
-        elif ops.interpreter_active():
-            reasons.append("Triton's interpreter is on (TRITON_INTERPRET=1): it runs only CPU tensors here; "
-                           "unset TRITON_INTERPRET to run on the GPU")
-        elif spec.vendor == "nvidia":
-            major, minor = torch.cuda.get_device_capability(spec.device)
-            if major < 8:
-                reasons.append(f"NVIDIA sm_{major}{minor} is too old (needs sm_80 or newer: Ampere, Ada, Hopper, …)")
+        reasons = list(_device_reasons(spec.device))
         reach = _row_offset_reach(spec)
         if reach >= 2 ** 31:
             reasons.append(f"sequence length × row stride = {reach} does not fit in int32 offsets inside one "
@@ -89,3 +101,44 @@ class TritonBackend(Backend):
         """``(dq, dk, dv, dbias)``; dbias has the expanded bias shape when a float bias needs grad;
         ``dlse`` (the gradient of the returned lse, or None) is folded into delta."""
         return _ops().backward(spec, out, lse, dout, dlse)
+
+
+# ----- KV-cache decoding (portattn.kvcache): split-KV kernels in decode.py ------------------------
+
+def _kvcache_reasons(self, kv) -> list[str]:
+    """Why the split-KV decode kernels cannot run ``kv`` (a :class:`portattn.kvcache.KVCacheSpec`)."""
+    reasons = list(self.availability())
+    if reasons:
+        return reasons
+    if kv.vendor not in self.vendors:
+        reasons.append(f"device {kv.device} ({kv.vendor}) is not supported")
+    if kv.dtype not in self.dtypes:
+        reasons.append(f"dtype {str(kv.dtype).replace('torch.', '')} is not supported (float16, bfloat16, float32)")
+    for label, d in (("head_dim", kv.head_dim), ("head_dim_v", kv.head_dim_v)):
+        if not 1 <= d <= 256:
+            reasons.append(f"{label}={d} is out of range (supported: 1..256)")
+    for name, t in (("k_cache", kv.k_cache), ("v_cache", kv.v_cache)):
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            reasons.append(f"{name}'s last dimension is not contiguous (stride {t.stride(-1)}); the cache is "
+                           f"updated in place, so it is not copied: pass a cache with unit stride on D")
+    if reasons:
+        return reasons
+    reasons.extend(_device_reasons(kv.device))
+    rows = kv.page_size if kv.paged else kv.capacity
+    for name, t in (("k_cache", kv.k_cache), ("v_cache", kv.v_cache)):
+        if rows * abs(t.stride(1)) >= 2 ** 31:
+            reasons.append(f"{name}: {rows} rows x row stride {t.stride(1)} does not fit int32 offsets; "
+                           f"use a paged cache or fewer heads per call")
+    if kv.batch > MAX_BATCH_HEADS or kv.seqlen_new > MAX_BATCH_HEADS:
+        reasons.append(f"batch ({kv.batch}) and new keys ({kv.seqlen_new}) must be <= {MAX_BATCH_HEADS} (grid limit)")
+    return reasons
+
+
+def _forward_kvcache(self, kv):
+    """Append the new k/v in place, then split-KV attention: ``(out (B, Sq, Hq, Dv), lse (B, Hq, Sq))``."""
+    from . import decode
+    return decode.forward(kv)
+
+
+TritonBackend.kvcache_reasons = _kvcache_reasons
+TritonBackend.forward_kvcache = _forward_kvcache

@@ -188,3 +188,59 @@ PORTABILITY_TARGETS = (
 
 #: Element sizes of the supported dtypes (fp16 and bf16 share the 2-byte tables).
 ELEM_SIZES = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
+
+
+# ----- decode (split-KV) kernels: backends/triton/decode.py ------------------------------------
+# BLOCK_D -> (BLOCK_N, num_warps, num_stages) for 2-byte inputs and a packed query tile of at
+# most 32 rows (GQA group x Sq); 64 rows take 8 warps and one stage less (sm_90 D128 bf16:
+# M64 w4 s3 needed 254 registers, w8 218; M128 spilled even at BLOCK_N 32, so tiles stop at 64). Decode is bound by
+# the K/V bytes: 16-byte loads (a D 128 bf16 row is 16 lanes x 16 B), BLOCK_N 64-128 keys per
+# iteration and 3-4 stages keep >= 64 KB in flight per program (PERF_NOTES §7). Not yet measured
+# on a GPU: benchmarks/bench_decode.py --sweep times the alternatives.
+_DECODE_NVIDIA = {
+    "hopper": {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 4, 3), 128: (64, 4, 4), 256: (32, 4, 3)},
+    "ampere": {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)},
+    "small":  {16: (64, 4, 2), 32: (64, 4, 2), 64: (64, 4, 2), 128: (32, 4, 2), 256: (16, 4, 2)},
+}
+# AMD CDNA (64 KiB LDS; the stream pipeliner: num_stages <= 2): (BLOCK_N, num_warps, num_stages, waves_per_eu)
+_DECODE_AMD = {16: (64, 4, 2, 2), 32: (64, 4, 2, 2), 64: (64, 4, 2, 2), 128: (32, 4, 2, 2), 256: (16, 4, 1, 1)}
+#: resident decode programs per SM / CU the split heuristic plans for
+_DECODE_PROGRAMS_PER_SM = {"nvidia": 2, "amd": 2, "cpu": 2}
+#: the packed query-tile heights the decode kernel uses (powers of two, >= 16 for tl.dot)
+DECODE_BLOCK_MS = (16, 32, 64)
+
+
+def decode_config(target: Target, block_d: int, elem_size: int, block_m: int) -> KernelConfig:
+    """Config of the split-KV decode kernel for a packed (GQA x Sq) tile of ``block_m`` rows.
+
+    The returned ``block_m`` may be smaller (more row blocks, K/V read once per block): at most
+    64 rows, 32 at D 256, and 16 for float32 (whose scores are float64 dots, kernels._scores) —
+    the portability check found spills beyond these (sm_90 fp16 D256 M64: 48 B; sm_80 fp32 D64
+    M32 N64: 5 KB; fp32 D256 M64: 328 B) and AMD LDS overflows (fp32 D256 M64: 128 KB)."""
+    cap = 32 if block_d >= 256 else 64
+    if elem_size > 2:
+        cap = 16
+    block_m = min(block_m, cap)
+    if target.vendor == "cpu":
+        return KernelConfig(block_m, 16, 4, 1)   # small tiles: CPU tests then split the keys too
+    if target.vendor == "amd":
+        n, w, s, wpe = _DECODE_AMD[block_d]
+        amd = dict(waves_per_eu=wpe, matrix_instr_nonkdim=16, kpack=1)
+    else:
+        n, w, s = _DECODE_NVIDIA[_nvidia_family(int(target.arch))][block_d]
+        amd = {}
+    if block_m >= 64:
+        w, n, s = 8, min(n, 64), max(2 if target.vendor == "nvidia" else 1, s - 1)
+    if elem_size > 2:
+        n, s = max(16, n // 2), max(1, s - 1)
+        if block_d >= 256 and target.vendor == "nvidia":
+            w = 8   # sm_80 fp32 D256 M16 N16 spilled 56 B with 4 warps (gfx942: 22 VGPRs with 8)
+    return KernelConfig(block_m, n, w, s, **amd)
+
+
+def decode_programs_per_sm(target: Target, block_m: int = 16) -> int:
+    """Decode programs resident per SM / CU that the split heuristic plans for: 2 for tiles of
+    up to 32 rows (sm_90 D128 bf16 M16: 104 KB shared memory, 160 registers x 128 threads), 1
+    for 64 rows (8 warps x 196 registers)."""
+    per = _DECODE_PROGRAMS_PER_SM.get(target.vendor, 1)
+    return per if block_m < 64 or target.vendor == "cpu" else 1

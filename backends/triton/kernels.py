@@ -155,13 +155,22 @@ def _tanh(x, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
-    """(q_start, sq, k_start, sk) of sequence ``b``."""
+def _seq_span(CU, b, max_len, total):
+    """(start, length) of sequence ``b`` from ``cu_seqlens``, clamped so that a bad one (its
+    contents are not validated under torch.compile or graph capture) can never read or write
+    out of bounds: start in [0, total], end in [start, total], length <= max_len."""
+    start = tl.minimum(tl.maximum(tl.load(CU + b), 0), total)
+    end = tl.minimum(tl.maximum(tl.load(CU + b + 1), start), total)
+    return start, tl.minimum(end - start, max_len)
+
+
+@triton.jit
+def _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN: tl.constexpr):
+    """(q_start, sq, k_start, sk) of sequence ``b``; varlen: clamped by :func:`_seq_span` into
+    the ``total_q``/``total_k`` packed rows and the max lengths ``seqlen_q``/``seqlen_k``."""
     if IS_VARLEN:
-        q_start = tl.load(CU_Q + b)
-        sq = tl.load(CU_Q + b + 1) - q_start
-        k_start = tl.load(CU_K + b)
-        sk = tl.load(CU_K + b + 1) - k_start
+        q_start, sq = _seq_span(CU_Q, b, seqlen_q, total_q)
+        k_start, sk = _seq_span(CU_K, b, seqlen_k, total_k)
     else:
         zero = b * 0   # tensors, even when a length was specialised to a constant
         q_start = zero
@@ -319,7 +328,7 @@ def attn_fwd(
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
     stride_bb, stride_bh, stride_bm, stride_bn,
-    num_heads_q, gqa_ratio, seqlen_q, seqlen_k,
+    num_heads_q, gqa_ratio, seqlen_q, seqlen_k, total_q, total_k,
     qk_scale2, softcap_scale, softcap2, window_left, window_right,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -332,7 +341,7 @@ def attn_fwd(
     b = pid_bh // num_heads_q
     h = pid_bh % num_heads_q
     h_kv = h // gqa_ratio            # GQA/MQA: K/V are shared, never copied
-    q_start, sq, k_start, sk = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
+    q_start, sq, k_start, sk = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= sq:
         return
@@ -457,7 +466,7 @@ def attn_bwd_dkdv(
     stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
     stride_bb, stride_bh, stride_bm, stride_bn,
-    num_heads_q, num_heads_kv, gqa_ratio, seqlen_q, seqlen_k,
+    num_heads_q, num_heads_kv, gqa_ratio, seqlen_q, seqlen_k, total_q, total_k,
     sm_scale, qk_scale2, softcap_scale, softcap2, window_left, window_right,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -470,7 +479,7 @@ def attn_bwd_dkdv(
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_kv
     h_kv = pid_bh % num_heads_kv
-    q_start, sq, k_start, sk = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
+    q_start, sq, k_start, sk = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= sk:
         return
@@ -594,7 +603,7 @@ def attn_bwd_dq(
     stride_lb, stride_lh,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_dbb, stride_dbh, stride_dbm, stride_dbn,
-    num_heads_q, gqa_ratio, seqlen_q, seqlen_k,
+    num_heads_q, gqa_ratio, seqlen_q, seqlen_k, total_q, total_k,
     sm_scale, qk_scale2, softcap_scale, softcap2, window_left, window_right,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -611,7 +620,7 @@ def attn_bwd_dq(
     b = pid_bh // num_heads_q
     h = pid_bh % num_heads_q
     h_kv = h // gqa_ratio
-    q_start, sq, k_start, sk = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
+    q_start, sq, k_start, sk = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= sq:
         return

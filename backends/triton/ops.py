@@ -36,11 +36,36 @@ def _seq_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _lse_strides(spec) -> tuple[int, int]:
-    """(batch, head) strides of lse/delta: (B, Hq, Sq) dense, (Hq, total_q) varlen."""
+def _lse_strides(spec, lse: torch.Tensor | None = None) -> tuple[int, int]:
+    """(batch, head) strides of lse/delta: (B, Hq, Sq) dense, (Hq, total_q) varlen; of ``lse``
+    itself when given (unit stride along the rows), else of a contiguous one."""
+    if lse is not None:
+        return (0, lse.stride(0)) if spec.is_varlen else (lse.stride(0), lse.stride(1))
     if spec.is_varlen:
         return 0, spec.q.shape[0]
     return spec.num_heads_q * spec.seqlen_q, spec.seqlen_q
+
+
+def _packed_totals(spec) -> tuple[int, int]:
+    """(total_q, total_k): the packed rows the kernels clamp cu_seqlens into (varlen; dense
+    problems pass 0, unread, so that the batch size does not change the kernels' specialisation)."""
+    return (spec.q.shape[0], spec.k.shape[0]) if spec.is_varlen else (0, 0)
+
+
+def _output(spec, given: torch.Tensor | None, shape, dtype, fill: float) -> torch.Tensor:
+    """An output buffer: ``given`` (a view the kernels write through its strides; tests use one
+    inside a guarded buffer) or a new one. Varlen outputs start filled: rows that no (clamped)
+    sequence covers (a bad cu_seqlens, not validated under torch.compile) read 0 / -inf."""
+    if given is None:
+        if spec.is_varlen:
+            return torch.full(shape, fill, dtype=dtype, device=spec.device)
+        return torch.empty(shape, dtype=dtype, device=spec.device)
+    if tuple(given.shape) != tuple(shape) or given.dtype != dtype or given.stride(-1) != 1:
+        raise ValueError(f"output buffer must be {dtype} of shape {tuple(shape)} with unit last stride; "
+                         f"got {given.dtype} {tuple(given.shape)} strides {given.stride()}")
+    if spec.is_varlen:
+        given.fill_(fill)
+    return given
 
 
 def _bias_args(spec, dummy: torch.Tensor):
@@ -101,13 +126,14 @@ def _empty_result(spec):
     return out, lse
 
 
-def forward(spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the forward kernel: ``(out, lse)`` in the canonical layout (see the backend)."""
+def forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the forward kernel: ``(out, lse)`` in the canonical layout (see the backend), written
+    into ``out``/``lse`` when given (views are fine: the kernel uses their strides)."""
     if spec.is_empty:
         return _empty_result(spec)
     q, k, v = (_last_contiguous(t) for t in (spec.q, spec.k, spec.v))
-    out = torch.empty(spec.out_shape, dtype=spec.dtype, device=spec.device)
-    lse = torch.empty(spec.lse_shape, dtype=torch.float32, device=spec.device)
+    out = _output(spec, out, spec.out_shape, spec.dtype, 0.0)
+    lse = _output(spec, lse, spec.lse_shape, torch.float32, float("-inf"))
     varlen = spec.is_varlen
     bias, bias_strides, bias_mode = _bias_args(spec, q)
     slopes = spec.alibi_slopes if spec.alibi_slopes is not None else lse
@@ -119,8 +145,8 @@ def forward(spec) -> tuple[torch.Tensor, torch.Tensor]:
     kernels.attn_fwd[grid](
         q, k, v, out, lse, bias, slopes, cu_q, cu_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
-        *_lse_strides(spec), *bias_strides,
-        spec.num_heads_q, spec.gqa_ratio, spec.seqlen_q, spec.seqlen_k,
+        *_lse_strides(spec, lse), *bias_strides,
+        spec.num_heads_q, spec.gqa_ratio, spec.seqlen_q, spec.seqlen_k, *_packed_totals(spec),
         scalars["qk_scale2"], scalars["softcap_scale"], scalars["softcap2"],
         scalars["window_left"], scalars["window_right"],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BIAS_MODE=bias_mode, **consts, **cfg.launch_options(),
@@ -128,10 +154,12 @@ def forward(spec) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None):
+def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,
+             *, grads: tuple | None = None):
     """Run dQ (which first recomputes the row stats) then dK/dV: ``(dq, dk, dv, dbias or None)``.
     ``out`` and ``lse`` are accepted for the backend interface and not read; ``dlse`` (float32,
-    ``spec.lse_shape``), the gradient of the returned lse, is subtracted from delta by the dQ kernel."""
+    ``spec.lse_shape``), the gradient of the returned lse, is subtracted from delta by the dQ kernel.
+    ``grads``: ``(dq, dk, dv)`` buffers to write into (views are fine), else new ones."""
     want_dbias = (spec.attn_bias is not None and spec.attn_bias.dtype != torch.bool
                   and spec.attn_bias.requires_grad)
     if spec.is_empty:
@@ -140,9 +168,7 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
     q, k, v = (_last_contiguous(t) for t in (spec.q, spec.k, spec.v))
     dout = _last_contiguous(dout)
     varlen = spec.is_varlen
-    dq = torch.empty(q.shape, dtype=spec.dtype, device=spec.device)
-    dk = torch.empty(k.shape, dtype=spec.dtype, device=spec.device)
-    dv = torch.empty(v.shape, dtype=spec.dtype, device=spec.device)
+    dq, dk, dv = (_output(spec, g, t.shape, spec.dtype, 0.0) for g, t in zip(grads or (None,) * 3, (q, k, v)))
     # per-row (m, 1/l, delta), written by the dQ kernel's first pass and read by dK/dV; the
     # forward's lse is not read (see kernels.py: P from separate m and l)
     rowmax, rowinv, delta = (torch.empty(spec.lse_shape, dtype=torch.float32, device=spec.device) for _ in range(3))
@@ -172,7 +198,7 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
         *_seq_strides(dout, varlen), *_seq_strides(dq, varlen),
         *lse_strides, *bias_strides, *dbias_strides,
-        spec.num_heads_q, spec.gqa_ratio, spec.seqlen_q, spec.seqlen_k,
+        spec.num_heads_q, spec.gqa_ratio, spec.seqlen_q, spec.seqlen_k, *_packed_totals(spec),
         spec.scale, *window,
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BIAS_MODE=bias_mode, BIAS_GRAD=want_dbias,
         HAS_DLSE=has_dlse, **consts, **c2.launch_options(),
@@ -184,7 +210,7 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
         *_seq_strides(dout, varlen), *_seq_strides(dk, varlen), *_seq_strides(dv, varlen),
         *lse_strides, *bias_strides,
-        spec.num_heads_q, spec.num_heads_kv, spec.gqa_ratio, spec.seqlen_q, spec.seqlen_k,
+        spec.num_heads_q, spec.num_heads_kv, spec.gqa_ratio, spec.seqlen_q, spec.seqlen_k, *_packed_totals(spec),
         spec.scale, *window,
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BIAS_MODE=bias_mode, **consts, **c1.launch_options(),
     )
@@ -194,5 +220,12 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
 def interpreter_active() -> bool:
     """True when the kernels were defined under TRITON_INTERPRET=1 (they then run on CPU tensors)."""
     return type(kernels.attn_fwd).__name__ == "InterpretedFunction"
+
+
+def triton_library_interpreted() -> bool:
+    """True when triton's own ``@jit`` library functions (``tl.zeros``, ``tl.cdiv``, ...) were
+    defined under the interpreter too: they are fixed when triton is first imported."""
+    import triton.language.standard as standard
+    return type(standard.zeros).__name__ == "InterpretedFunction"
 
 

@@ -347,5 +347,153 @@ def main(argv=None) -> int:
     return 0 if rows and all(r["ok"] for r in rows) else 1
 
 
+
+# ----- decode (split-KV) kernels: backends/triton/decode.py -------------------------------------
+# Their cases join the list above (``cases`` and ``compile_case`` are extended, not changed):
+# for every target, each distinct decode config the backend can choose (configs.decode_config
+# over every padded head dim, element size and packed tile height), compiled at the largest head
+# dim that uses it with features alternating (paged, softcap, ALiBi, top-left, odd head dims),
+# plus the combine and append kernels once per target and dtype size. Tile heights 16 and 32
+# share their tiles (fewer rows: less shared memory and fewer registers), so a config is
+# compiled at height 32 for both.
+
+DECODE_KERNELS = ("decode_split", "decode_combine", "decode_append")
+
+
+@dataclass(frozen=True)
+class DecodeFeatures:
+    """The feature constexprs of one decode case."""
+
+    paged: bool = False
+    softcap: bool = False
+    alibi: bool = False
+    bottom_right: bool = True
+    ieee: bool = True
+    head_d: int | None = None
+    head_dv: int | None = None
+    num_splits: int = 8
+
+    def label(self) -> str:
+        names = [n for n, on in (("paged", self.paged), ("softcap", self.softcap), ("alibi", self.alibi),
+                                 ("top_left", not self.bottom_right)) if on]
+        if self.head_d is not None:
+            names.append(f"D{self.head_d}/Dv{self.head_dv}")
+        return "+".join(names) or "plain"
+
+
+def decode_cases(quick: bool = False, smoke: bool = False) -> list[Case]:
+    """The decode kernels' cases (``smoke``: none; ``quick``: the D 128 bf16 decode kernel with
+    every feature, once per target)."""
+    from .configs import DECODE_BLOCK_MS, PADDED_DIMS, decode_config
+    if smoke:
+        return []
+    out: list[Case] = []
+    every = DecodeFeatures(paged=True, softcap=True, alibi=True, bottom_right=False)
+    for target, limit in PORTABILITY_TARGETS:
+        if quick:
+            out.append(Case("decode_split", target, limit, torch.bfloat16, 128,
+                            decode_config(target, 128, 2, 16), every))
+            continue
+        chosen: dict = {}
+        for block_d in PADDED_DIMS:                      # ascending: the largest head dim wins
+            for dtype in (torch.float16, torch.float32):
+                for block_m in DECODE_BLOCK_MS:
+                    cfg = decode_config(target, block_d, ELEM_SIZES[dtype], max(32, block_m))
+                    chosen[cfg] = (dtype, block_d)
+        for n, (cfg, (dtype, block_d)) in enumerate(sorted(chosen.items(), key=lambda kv: kv[0].short())):
+            if n % 2:
+                feats = DecodeFeatures(paged=True, softcap=n % 4 == 1, alibi=n % 4 == 3,
+                                       bottom_right=n % 3 != 0, ieee=n % 4 != 3)
+            else:
+                d, dv = _odd_dims(block_d)
+                feats = DecodeFeatures(head_d=d, head_dv=dv, ieee=n % 4 != 2)
+            out.append(Case("decode_split", target, limit, dtype, block_d, cfg, feats))
+        for dtype in (torch.bfloat16, torch.float32):
+            out.append(Case("decode_combine", target, limit, dtype, 128, KernelConfig(16, 16, 4, 1),
+                            DecodeFeatures(num_splits=MAX_DECODE_SPLITS_COMPILED)))
+            out.append(Case("decode_append", target, limit, dtype, 128, KernelConfig(16, 16, 1, 1),
+                            DecodeFeatures(paged=dtype == torch.bfloat16)))
+    return out
+
+
+MAX_DECODE_SPLITS_COMPILED = 128
+_DECODE_I32_PTRS = {"BT", "SEQLENS"}
+_DECODE_FP32_PTRS = {"SLOPES", "LSE", "OP", "LSEP"}
+_DECODE_FLOATS = {"qk_scale2", "softcap_scale", "softcap2"}
+
+
+def _decode_signature(fn, case: Case):
+    f = case.features
+    dt = _TRITON_DTYPE[case.dtype]
+    cfg = case.config
+    values = dict(
+        HEAD_D=f.head_d or case.block_d, HEAD_DV=f.head_dv or case.block_d, BLOCK_D=case.block_d,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=f.num_splits > 1, PAGED=f.paged,
+        BOTTOM_RIGHT=f.bottom_right, SOFTCAP=f.softcap, ALIBI=f.alibi,
+        IEEE=case.dtype == torch.float32 and f.ieee,
+        RAW_SCORES=case.dtype == torch.float32 and not f.softcap and not f.alibi,
+        BLOCK_S=max(16, MAX_DECODE_SPLITS_COMPILED),
+    )
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in values:
+            signature[name] = "constexpr"
+            constexprs[name] = values[name]
+        elif name.isupper():
+            signature[name] = ("*i32" if name in _DECODE_I32_PTRS else "*fp32" if name in _DECODE_FP32_PTRS
+                               else f"*{dt}")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in _DECODE_FLOATS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride_") and name[-1] in "psh" and name not in ("stride_bt",):
+                attrs[(i,)] = [["tt.divisibility", 16]]   # row/page/head strides of the caches and q
+    return signature, constexprs, attrs
+
+
+def _compile_decode_case(case: Case) -> dict:
+    import triton
+
+    from . import decode
+    fn = getattr(decode, case.kernel)
+    row = dict(kernel=case.kernel, config=case.describe(), target=str(case.target), limit=case.smem_limit,
+               shared=None, regs=None, spills=None, ok=False, error="", seconds=0.0)
+    start = time.perf_counter()
+    try:
+        compiled = triton.compile(_ast_source(fn, *_decode_signature(fn, case)), target=_gpu_target(case.target),
+                                  options=case.config.launch_options())
+        row["shared"] = shared = int(compiled.metadata.shared)
+        if case.target.vendor == "nvidia":
+            row["regs"], row["spills"] = _nvidia_resources(compiled.asm["cubin"])
+        else:
+            row["regs"], row["spills"] = _amd_resources(compiled.asm.get("amdgcn", ""))
+        if shared > case.smem_limit:
+            row["error"] = f"shared memory {shared} B > limit {case.smem_limit} B"
+        else:
+            row["ok"] = True
+    except Exception as exc:  # any compile error is a failed case, reported with its message
+        msg = f"{type(exc).__name__}: {exc}".strip().splitlines()
+        row["error"] = " | ".join(line for line in msg if line.strip())[-400:]
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    return row
+
+
+_attention_cases = cases
+_attention_compile_case = compile_case
+
+
+def cases(quick: bool = False, smoke: bool = False) -> list[Case]:  # noqa: F811 (extends the list above)
+    """The attention kernels' cases (see above) followed by the decode kernels' (:func:`decode_cases`)."""
+    return _attention_cases(quick, smoke) + decode_cases(quick, smoke)
+
+
+def compile_case(case: Case) -> dict:  # noqa: F811
+    """Compile one case (attention or decode kernel); a row of the report."""
+    if case.kernel in DECODE_KERNELS:
+        return _compile_decode_case(case)
+    return _attention_compile_case(case)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -36,6 +36,13 @@ def _run(args, *, quick: bool) -> int:
     if not args.no_interpret:
         _interpret_default()
     from .runner import print_summary, run_catalogue, write_report
+    patterns = _split(args.cases)
+    if quick and patterns:
+        from .catalogue import select_cases
+        n_quick, n_all = len(select_cases(quick=True, patterns=patterns)), len(select_cases(quick=False, patterns=patterns))
+        if n_quick < n_all:
+            print(f"note: --cases selects among the quick subset: {n_quick} of the {n_all} matching cases run "
+                  f"(add --full for all of them)", file=sys.stderr)
     _sigterm_interrupts()
     report = run_catalogue(quick=quick, patterns=_split(args.cases), backends=_split(args.backends),
                            devices=_split(args.devices), progress=not args.no_progress, direct=args.direct)
@@ -158,6 +165,8 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--cases", nargs="+", metavar="PATTERN")
     p.set_defaults(func=cmd_list)
+    from .kvcache import register as register_kvcache  # KV-cache cases: portattn/conformance/kvcache.py
+    register_kvcache(csub)
 
 
 def main(argv=None) -> int:

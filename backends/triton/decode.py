@@ -1,0 +1,409 @@
+"""Split-KV decoding kernels (Flash-Decoding) for :func:`portattn.kvcache.attention_with_kvcache`.
+
+Three launches per call, none of which synchronises with the host (CUDA-graph capturable):
+
+1. ``decode_append`` (only with new k/v): one program per (sequence, new position, KV head)
+   writes the new key/value row into the cache at ``cache_seqlens[b] + t`` (paged: through the
+   block table); rows that would land beyond the capacity are not written.
+2. ``decode_split``: grid ``(num_splits, Hkv · m_blocks, B)``. The ``G = Hq / Hkv`` query heads
+   of one KV head and the ``Sq`` queries are packed into the rows of one tile (row ``r`` is head
+   ``r // Sq`` of the group, query ``r % Sq``: GQA packing), so every K/V byte is read once per
+   KV head. Each program reads its sequence's length on the device, takes the band of keys its
+   rows can see (``[0, L)`` cut by causal/window on the aligned row ``i + L - Sq``), cuts it
+   into ``num_splits`` chunks of whole ``BLOCK_N`` tiles and runs the online softmax over its
+   chunk (one masked loop). It writes a float32 partial
+   output and its lse (natural log; ``-inf`` when the chunk holds no visible key), or — when
+   ``num_splits == 1`` (constexpr ``SPLIT`` off) — the final output and lse directly. The split
+   count is a run-time argument: a new count does not recompile.
+3. ``decode_combine``: one program per (sequence, query head, query) merges the partials:
+   ``out = Σ_s exp(lse_s - m) o_s / Σ_s exp(lse_s - m)``, ``lse = m + log Σ_s exp(lse_s - m)``;
+   a row with no visible key gets 0 and ``-inf``.
+
+Keys are read only below each sequence's length (masked loads), so NaN in unused slots never
+enters a sum; page ids are clamped into ``[0, num_pages)``. The split count is a host-side
+function of ``B``, ``Hkv``, the cache capacity and the SM count (:func:`num_splits_for`), never of
+``cache_seqlens`` contents. Tile sizes come from :func:`.configs.decode_config`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import ELEM_SIZES, decode_config, decode_programs_per_sm, device_target, padded_dim
+from .kernels import LN2, LOG2E, _div, _load_tile, _mm, _online_max, _round_to, _scores, _tanh
+
+#: an unbounded window side inside the kernels (|row ± window| stays far from int32 limits)
+UNBOUNDED = 1 << 30
+_BIG = tl.constexpr(UNBOUNDED)
+#: the most splits one call uses (the combine kernel's tile of partials)
+MAX_SPLITS = 128
+#: rows of the packed (GQA × Sq) query tile at most; more rows take more programs (m_blocks)
+MAX_BLOCK_M = 64
+
+
+# ----- kernels ------------------------------------------------------------------------------
+
+@triton.jit
+def _rows(BT, bt_base, cols, end, page_size, num_pages, stride_kp, stride_ks, stride_vp, stride_vs,
+          PAGED: tl.constexpr):
+    """Element offsets (K, V) of the cache rows at positions ``cols`` of one sequence. Paged: page
+    ``block_table[cols // page_size]`` (read only below ``end``, ids clamped into
+    ``[0, num_pages)``), row ``cols % page_size``."""
+    if PAGED:
+        page = tl.load(BT + bt_base + cols // page_size, mask=cols < end, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        in_page = cols % page_size
+        return page * stride_kp + in_page * stride_ks, page * stride_vp + in_page * stride_vs
+    else:
+        return cols * stride_ks, cols * stride_vs
+
+
+@triton.jit
+def _decode_tile(acc, l_i, m_i, q, k_base, v_base, krow, vrow, start_n, end, offs_n, offs_d,
+                 qpos, apos, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
+    """One K/V tile (rows at offsets ``krow``/``vrow``) of the online softmax for the packed rows."""
+    cols = start_n + offs_n
+    k = _load_tile(k_base + krow[:, None] + offs_d[None, :], cols, end, offs_d, HEAD_D, BLOCK_D, MASKED)
+    qk = _scores(q, k, IEEE)
+    if SOFTCAP:
+        s = _tanh(qk * softcap_scale, IEEE) * softcap2
+    elif RAW_SCORES:
+        s = qk
+    else:
+        s = qk * qk_scale2
+    if ALIBI:   # -slope·|i + L - Sq - j| (the bottom-right distance, whatever the alignment)
+        s = s - slope2[:, None] * tl.abs((apos[:, None] - cols[None, :]).to(tl.float32))
+    if MASKED:
+        c = cols[None, :]
+        visible = (c < end) & (c >= qpos[:, None] - window_left) & (c <= qpos[:, None] + window_right)
+        s = tl.where(visible, s, float("-inf"))
+    m_new, alpha, p = _online_max(m_i, s, qk_scale2, RAW_SCORES)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_tile(v_base + vrow[:, None] + offs_d[None, :], cols, end, offs_d, HEAD_DV, BLOCK_D, MASKED)
+    acc = _mm(_round_to(p, v.dtype), v, acc * alpha[:, None], IEEE)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _decode_range(acc, l_i, m_i, q, BT, k_base, v_base, bt_base, lo, hi, end, offs_n, offs_d, qpos, apos, slope2,
+                  page_size, num_pages, stride_kp, stride_ks, stride_vp, stride_vs,
+                  qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                  HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                  IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
+    """Tiles ``[lo, hi)`` of the key loop. The next tile's row offsets are computed one iteration
+    ahead (a loop-carried value): with paged caches the K/V addresses then do not depend on a
+    load of the same iteration, which Triton's software pipeliner (3.9, checked in the sm_90
+    output) otherwise leaves single-buffered."""
+    if PAGED:
+        krow, vrow = _rows(BT, bt_base, lo + offs_n, end, page_size, num_pages, stride_kp, stride_ks, stride_vp,
+                           stride_vs, PAGED)
+        for start_n in range(lo, hi, BLOCK_N):
+            next_k, next_v = _rows(BT, bt_base, start_n + BLOCK_N + offs_n, end, page_size, num_pages,
+                                   stride_kp, stride_ks, stride_vp, stride_vs, PAGED)
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_base, v_base, krow, vrow, start_n, end, offs_n,
+                                         offs_d, qpos, apos, slope2, qk_scale2, softcap_scale, softcap2,
+                                         window_left, window_right, HEAD_D, HEAD_DV, BLOCK_D, MASKED, SOFTCAP,
+                                         ALIBI, IEEE, RAW_SCORES)
+            krow, vrow = next_k, next_v
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            cols = start_n + offs_n
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_base, v_base, cols * stride_ks, cols * stride_vs,
+                                         start_n, end, offs_n, offs_d, qpos, apos, slope2, qk_scale2,
+                                         softcap_scale, softcap2, window_left, window_right, HEAD_D, HEAD_DV,
+                                         BLOCK_D, MASKED, SOFTCAP, ALIBI, IEEE, RAW_SCORES)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def decode_split(
+    Q, K, V, BT, SEQLENS, SLOPES, O, LSE, OP, LSEP,
+    stride_qb, stride_qs, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_bt,
+    stride_ob, stride_os, stride_oh,
+    seqlen_q, group, num_heads_q, capacity, seqlen_new, page_size, num_pages, m_blocks, num_splits,
+    qk_scale2, softcap_scale, softcap2, window_left, window_right,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    PAGED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
+):
+    """One (split, KV head · row block, sequence): online softmax over the split's key chunk."""
+    split = tl.program_id(0)
+    pid1 = tl.program_id(1)
+    b = tl.program_id(2)
+    hk = pid1 // m_blocks
+    mb = pid1 % m_blocks
+    b64 = b.to(tl.int64)
+    n0 = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), capacity)
+    seq_len = tl.minimum(n0 + seqlen_new, capacity)          # keys visible to this sequence
+
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < group * seqlen_q
+    qi = rows % seqlen_q                                      # query index
+    h = hk * group + tl.minimum(rows // seqlen_q, group - 1)  # query head (clamped for padding rows)
+    apos = qi + (seq_len - seqlen_q)                          # bottom-right aligned row (ALiBi's)
+    if BOTTOM_RIGHT:
+        qpos = apos
+    else:
+        qpos = qi
+    # the band of keys any row of this tile sees, and this split's chunk of it
+    q_lo = tl.min(tl.where(row_ok, qpos, _BIG), 0)
+    q_hi = tl.max(tl.where(row_ok, qpos, -_BIG), 0)
+    lo = tl.maximum(q_lo - window_left, 0)
+    hi = tl.minimum(tl.maximum(q_hi + window_right + 1, 0), seq_len)
+    n_keys = tl.maximum(hi - lo, 0)
+    chunk = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, hi)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = Q + b64 * stride_qb + qi[:, None] * stride_qs + h[:, None] * stride_qh + offs_d[None, :]
+    if HEAD_D == BLOCK_D:
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+    if PAGED:
+        k_base = K + hk.to(tl.int64) * stride_kh
+        v_base = V + hk.to(tl.int64) * stride_vh
+    else:
+        k_base = K + b64 * stride_kp + hk.to(tl.int64) * stride_kh
+        v_base = V + b64 * stride_vp + hk.to(tl.int64) * stride_vh
+    bt_base = b64 * stride_bt
+    slope2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ALIBI:
+        slope2 = tl.load(SLOPES + b * num_heads_q + h, mask=row_ok, other=0.0) * LOG2E
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # one masked loop: three (masked edges, unmasked inside) cost 185 -> 255 registers and 5x the
+    # compile time (sm_80 D64 M32 N128), for mask arithmetic a bandwidth-bound loop hides
+    acc, l_i, m_i = _decode_range(acc, l_i, m_i, q, BT, k_base, v_base, bt_base, start, end, end, offs_n, offs_d,
+                                  qpos, apos, slope2, page_size, num_pages, stride_kp, stride_ks, stride_vp,
+                                  stride_vs, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_N, True, PAGED, SOFTCAP, ALIBI, IEEE, RAW_SCORES)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = _div(acc, l_safe[:, None], IEEE)
+    if RAW_SCORES:
+        m_i = m_i * qk_scale2
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    row = (b64 * num_heads_q + h) * seqlen_q + qi             # (b, h, i) row of lse and the partials
+    dmask = row_ok[:, None] & (offs_d[None, :] < HEAD_DV)
+    if not SPLIT:
+        o_ptrs = O + b64 * stride_ob + qi[:, None] * stride_os + h[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, _round_to(out, O.dtype.element_ty), mask=dmask)
+        tl.store(LSE + row, lse, mask=row_ok)
+    else:
+        part = row * num_splits + split
+        tl.store(OP + part[:, None] * HEAD_DV + offs_d[None, :], out, mask=dmask)
+        tl.store(LSEP + part, lse, mask=row_ok)
+
+
+@triton.jit
+def decode_combine(
+    OP, LSEP, O, LSE, stride_ob, stride_os, stride_oh, num_heads_q, seqlen_q, num_splits,
+    HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Merge the partial outputs of one (b, h, i) row by their lse."""
+    row = tl.program_id(0).to(tl.int64)
+    qi = row % seqlen_q
+    bh = row // seqlen_q
+    h = bh % num_heads_q
+    b = bh // num_heads_q
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    lse = tl.load(LSEP + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2((lse - m_safe) * LOG2E)
+    total = tl.sum(w, 0)
+    parts = tl.load(OP + (row * num_splits + offs_s)[:, None] * HEAD_DV + offs_d[None, :],
+                    mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DV), other=0.0)
+    empty = total == 0.0
+    out = _div(tl.sum(w[:, None] * parts, 0), tl.where(empty, 1.0, total), IEEE)
+    o_ptrs = O + b * stride_ob + qi * stride_os + h * stride_oh + offs_d
+    tl.store(o_ptrs, _round_to(out, O.dtype.element_ty), mask=offs_d < HEAD_DV)
+    tl.store(LSE + row, tl.where(empty, float("-inf"), m_safe + tl.log2(tl.where(empty, 1.0, total)) * LN2))
+
+
+@triton.jit
+def decode_append(
+    KN, VN, K, V, BT, SEQLENS,
+    stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+    capacity, page_size, num_pages,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
+):
+    """Write new key/value row (b, t, kv head) at cache position cache_seqlens[b] + t."""
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    hk = tl.program_id(2).to(tl.int64)
+    pos = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), capacity) + t
+    offs_d = tl.arange(0, BLOCK_D)
+    fits = (offs_d * 0 + pos) < capacity     # a vector: the interpreter rejects scalar & block masks
+    pos = tl.minimum(pos, capacity - 1)
+    if PAGED:
+        page = tl.load(BT + b * stride_bt + pos // page_size)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        k_row = K + page * stride_kp + (pos % page_size) * stride_ks
+        v_row = V + page * stride_vp + (pos % page_size) * stride_vs
+    else:
+        k_row = K + b * stride_kp + pos * stride_ks
+        v_row = V + b * stride_vp + pos * stride_vs
+    k = tl.load(KN + b * stride_knb + t * stride_kns + hk * stride_knh + offs_d, mask=offs_d < HEAD_D)
+    tl.store(k_row + hk * stride_kh + offs_d, k, mask=fits & (offs_d < HEAD_D))
+    v = tl.load(VN + b * stride_vnb + t * stride_vns + hk * stride_vnh + offs_d, mask=offs_d < HEAD_DV)
+    tl.store(v_row + hk * stride_vh + offs_d, v, mask=fits & (offs_d < HEAD_DV))
+
+
+# ----- host side ----------------------------------------------------------------------------
+
+@functools.cache
+def _sm_count(device_type: str, index: int | None) -> int:
+    if device_type != "cuda":
+        return 8    # the interpreter: a few "SMs", so that CPU tests split the keys too
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                            ).multi_processor_count
+
+
+def num_splits_for(units: int, key_blocks: int, num_sms: int, programs_per_sm: int = 2) -> int:
+    """How many chunks to cut each (sequence, KV head, row block)'s keys into.
+
+    ``units`` programs exist without splitting; ``key_blocks`` is the number of ``BLOCK_N``
+    tiles of the longest possible sequence (the cache capacity, not its contents). Enough
+    resident programs (``programs_per_sm`` per SM) keep the memory system busy: when ``units``
+    already fills 80 % of them, no split; otherwise the smallest split count whose wave
+    efficiency (programs / slots, over whole waves) is within 85 % of the best, keeping at least
+    two tiles per split (the combine pass and the per-split epilogue cost more than they save
+    below that) and at most :data:`MAX_SPLITS`.
+    """
+    slots = max(1, num_sms * programs_per_sm)
+    if units <= 0 or key_blocks <= 2 or units >= 0.8 * slots:
+        return 1
+    max_splits = max(1, min(MAX_SPLITS, key_blocks // 2))
+
+    def efficiency(s):
+        waves = units * s / slots
+        return waves / -(-waves // 1)
+
+    best = max(efficiency(s) for s in range(1, max_splits + 1))
+    return next(s for s in range(1, max_splits + 1) if efficiency(s) >= 0.85 * best)
+
+
+def _plan(kv, config=None):
+    """(config, block_d, BLOCK_M, m_blocks, num_splits) of one call (host ints only);
+    ``config`` replaces the table's tiles (benchmarks' sweeps; its block_m is ignored)."""
+    return _plan_cached(kv.device.type, kv.device.index, kv.dtype, kv.head_dim, kv.head_dim_v, kv.gqa_ratio,
+                        kv.seqlen_q, kv.batch, kv.num_heads_kv, kv.capacity, kv.window_left, kv.window_right,
+                        kv.num_splits, config)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_cached(device_type, device_index, dtype, head_dim, head_dim_v, group, seqlen_q, batch, num_heads_kv,
+                 capacity, window_left, window_right, num_splits, config):
+    device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    target = device_target(device)
+    block_d = max(padded_dim(head_dim), padded_dim(head_dim_v))
+    rows = group * seqlen_q
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
+    cfg = decode_config(target, block_d, ELEM_SIZES[dtype], block_m) if config is None else config
+    block_m = min(block_m, cfg.block_m) if config is None else block_m
+    m_blocks = triton.cdiv(rows, block_m)
+    units = batch * num_heads_kv * m_blocks
+    keys = capacity
+    if window_left is not None:   # a window bounds the band of keys a tile can see
+        keys = min(keys, window_left + seqlen_q + (window_right or 0))
+    if num_splits:
+        splits = max(1, min(MAX_SPLITS, num_splits))
+    else:
+        splits = num_splits_for(units, triton.cdiv(keys, cfg.block_n), _sm_count(device_type, device_index),
+                                decode_programs_per_sm(target, block_m))
+    return cfg, block_d, block_m, m_blocks, splits
+
+
+def _contig_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def append(kv) -> None:
+    """Write ``kv.k_new``/``kv.v_new`` into the caches in place (one small launch)."""
+    if kv.k_new is None or kv.seqlen_new == 0 or kv.batch == 0 or kv.capacity == 0:
+        return
+    kn, vn = _contig_last(kv.k_new), _contig_last(kv.v_new)
+    kc, vc = kv.k_cache, kv.v_cache
+    bt = kv.block_table if kv.paged else kv.cache_seqlens
+    block_d = max(padded_dim(kv.head_dim), padded_dim(kv.head_dim_v))
+    decode_append[(kv.batch, kv.seqlen_new, kv.num_heads_kv)](
+        kn, vn, kc, vc, bt, kv.cache_seqlens,
+        kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
+        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+        bt.stride(0) if kv.paged else 0, kv.capacity, kv.page_size, kv.num_pages,
+        HEAD_D=kv.head_dim, HEAD_DV=kv.head_dim_v, BLOCK_D=block_d, PAGED=kv.paged, num_warps=1, enable_fp_fusion=True,
+    )
+
+
+def forward(kv, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append, split, combine: ``(out (B, Sq, Hq, Dv), lse (B, Hq, Sq) float32)``. ``config``
+    (a :class:`.configs.KernelConfig`) overrides the tile table, for benchmark sweeps."""
+    append(kv)
+    q = _contig_last(kv.q)
+    out = torch.empty(kv.out_shape, dtype=kv.dtype, device=kv.device)
+    lse = torch.empty(kv.lse_shape, dtype=torch.float32, device=kv.device)
+    cfg, block_d, block_m, m_blocks, splits = _plan(kv, config)
+    rows = kv.batch * kv.num_heads_q * kv.seqlen_q
+    if splits > 1:
+        part_o = torch.empty((rows, splits, kv.head_dim_v), dtype=torch.float32, device=kv.device)
+        part_lse = torch.empty((rows, splits), dtype=torch.float32, device=kv.device)
+    else:
+        part_o = part_lse = lse
+    log2e = 1.4426950408889634
+    softcap = kv.softcap
+    raw = kv.dtype == torch.float32 and softcap is None and kv.alibi_slopes is None
+    kc, vc = kv.k_cache, kv.v_cache
+    bt = kv.block_table if kv.paged else kv.cache_seqlens
+    slopes = kv.alibi_slopes if kv.alibi_slopes is not None else lse
+    decode_split[(splits, kv.num_heads_kv * m_blocks, kv.batch)](
+        q, kc, vc, bt, kv.cache_seqlens, slopes, out, lse, part_o, part_lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2),
+        bt.stride(0) if kv.paged else 0,
+        out.stride(0), out.stride(1), out.stride(2),
+        kv.seqlen_q, kv.gqa_ratio, kv.num_heads_q, kv.capacity, kv.seqlen_new, kv.page_size, kv.num_pages, m_blocks,
+        splits,
+        kv.scale * log2e, kv.scale / softcap if softcap else 1.0, softcap * log2e if softcap else 1.0,
+        UNBOUNDED if kv.window_left is None else kv.window_left,
+        UNBOUNDED if kv.window_right is None else kv.window_right,
+        HEAD_D=kv.head_dim, HEAD_DV=kv.head_dim_v, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        SPLIT=splits > 1, PAGED=kv.paged, BOTTOM_RIGHT=kv.alignment == "bottom_right",
+        SOFTCAP=softcap is not None, ALIBI=kv.alibi_slopes is not None,
+        IEEE=kv.dtype == torch.float32 and not kv.allow_tf32, RAW_SCORES=raw, **cfg.launch_options(),
+    )
+    if splits > 1:
+        decode_combine[(rows,)](
+            part_o, part_lse, out, lse, out.stride(0), out.stride(1), out.stride(2),
+            kv.num_heads_q, kv.seqlen_q, splits,
+            HEAD_DV=kv.head_dim_v, BLOCK_D=padded_dim(kv.head_dim_v), BLOCK_S=max(16, triton.next_power_of_2(splits)),
+            IEEE=kv.dtype == torch.float32 and not kv.allow_tf32, num_warps=4, enable_fp_fusion=True,
+        )
+    return out, lse
+
+
+def plan_summary(kv, config=None) -> dict:
+    """The launch choices of one call (for benchmarks and docs): tiles, splits, programs."""
+    cfg, block_d, block_m, m_blocks, splits = _plan(kv, config)
+    return dict(config=cfg.short(), block_d=block_d, block_m=block_m, m_blocks=m_blocks, num_splits=splits,
+                programs=splits * kv.num_heads_kv * m_blocks * kv.batch)

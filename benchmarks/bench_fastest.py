@@ -1,0 +1,432 @@
+"""The ``fastest`` policy against every single backend, on the training and decode grids.
+
+    python benchmarks/bench_fastest.py --out results/           # the H200 run (< 8 minutes)
+    python benchmarks/bench_fastest.py --dry-run                # a tiny CPU grid: checks the script
+
+Training grid (the FA3 paper's setting, shared/GPU.md): D 64/128/256 with hidden 2048
+(H = 2048 / D), S 1k/4k/16k with B·S = 16k tokens, causal and not, forward and forward+backward.
+Decode grid: Sq 1/8, B 1/8, Sk 8k/32k/128k, GQA 32:4, D 128, bottom-right causal, on the full
+cache through ``portattn.attention``. bf16.
+
+Per cell: the policy's first call (which checks and times its candidates: the *tuning cost*),
+then every single backend and the policy each run once and checked against the float64
+reference (on batch 0 and the first KV head's query group: attention is independent across
+them, so that slice of the output and gradients is exact to check), then all timed with
+``triton.testing.do_bench`` medians, twice, interleaved (benchmarks/bench_attention.py's
+``time_rounds``). The table gives fastest / best single backend per cell (target <= 1.03) and
+each backend's grid total against the policy's total over the same cells (target: below every
+single backend's); the host overhead of the policy per call after its first call is measured on
+a small problem. JSON (and a markdown table, and the tuning cache) go to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_attention as ba  # noqa: E402  (flops, make_fn, time_rounds, environment)
+
+import portattn  # noqa: E402
+from portattn import tuning  # noqa: E402
+from portattn.numerics import GRAD_FACTOR, compare  # noqa: E402
+from portattn.reference import naive_forward, reference_forward  # noqa: E402
+from portattn.spec import build_spec  # noqa: E402
+
+POLICY = "fastest"
+DEFAULT_BACKENDS = "triton,cupy,sdpa,sdpa_cudnn,sdpa_flash,sdpa_efficient"
+TARGET_CELL = 1.03
+TOKENS, HIDDEN = 16384, 2048
+
+
+# ----- the grids ---------------------------------------------------------------------------
+
+def training_cells(quick: bool = False, dry_run: bool = False) -> list[dict]:
+    """B·S = 16k tokens, H = 2048 / D (dry run: 256 tokens, hidden 64, tiny S)."""
+    dims, seqlens, tokens, hidden = (64, 128, 256), (1024, 4096, 16384), TOKENS, HIDDEN
+    if quick:
+        dims, seqlens = (128,), (1024, 4096)
+    if dry_run:
+        dims, seqlens, tokens, hidden = (16,), (32, 64), 128, 32
+    cells = []
+    for d in dims:
+        for s in seqlens:
+            for causal in (False, True):
+                cells.append(dict(name=f"D{d} S{_k(s)}{' causal' if causal else ''}", kind="train",
+                                  B=tokens // s, H=hidden // d, Hkv=hidden // d, Sq=s, Sk=s, D=d, causal=causal))
+    return cells
+
+
+def decode_cells(quick: bool = False, dry_run: bool = False) -> list[dict]:
+    """Sq 1/8 against a cache of Sk keys, GQA 32:4, D 128, bottom-right causal."""
+    kv_lens, h, hkv, d = (8192, 32768, 131072), 32, 4, 128
+    if quick:
+        kv_lens = (8192, 131072)
+    if dry_run:
+        kv_lens, h, hkv, d = (96,), 4, 2, 16
+    return [dict(name=f"decode Sq{sq} B{b} Sk{_k(sk)}", kind="decode", B=b, H=h, Hkv=hkv, Sq=sq, Sk=sk, D=d,
+                 causal=True) for sq in (1, 8) for b in (1, 8) for sk in kv_lens]
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def jobs(quick: bool = False, dry_run: bool = False) -> list[tuple[dict, str]]:
+    """(cell, mode): decode (forward) first, then training forward, then forward+backward."""
+    train = training_cells(quick, dry_run)
+    return ([(c, "fwd") for c in decode_cells(quick, dry_run)] + [(c, "fwd") for c in train]
+            + [(c, "fwd+bwd") for c in train])
+
+
+# ----- inputs and the check ----------------------------------------------------------------
+
+def make_inputs(cell: dict, mode: str, dtype, device):
+    g = torch.Generator(device=device).manual_seed(cell["Sq"] * 7 + cell["Sk"] + cell["D"])
+    grad = mode == "fwd+bwd"
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=g).requires_grad_(grad)
+    q = rand(cell["B"], cell["Sq"], cell["H"], cell["D"])
+    k = rand(cell["B"], cell["Sk"], cell["Hkv"], cell["D"])
+    v = rand(cell["B"], cell["Sk"], cell["Hkv"], cell["D"])
+    dout = torch.randn(q.shape, device=device, dtype=dtype, generator=g) if grad else None
+    return q, k, v, dout
+
+
+def reference_slice(q, k, v, causal: bool, dout):
+    """float64 reference and in-dtype naive results for batch 0, KV head 0 and its query heads
+    (attention is independent across batches and KV-head groups, so these slices of any
+    backend's full output and gradients must match them)."""
+    g = q.shape[2] // k.shape[2]
+    grad = dout is not None
+    parts = (q[:1, :, :g], k[:1, :, :1], v[:1, :, :1])
+    rq, rk, rv = (t.detach().double().requires_grad_(grad) for t in parts)
+    nq, nk, nv = (t.detach().clone().requires_grad_(grad) for t in parts)
+    ref_out, _ = reference_forward(build_spec(rq, rk, rv, causal=causal))
+    naive_out, _ = naive_forward(build_spec(nq, nk, nv, causal=causal))
+    pack = {"g": g, "out": (ref_out.detach(), naive_out.detach())}
+    if grad:
+        d = dout[:1, :, :g]
+        ref = torch.autograd.grad(ref_out, (rq, rk, rv), d.double())
+        naive = torch.autograd.grad(naive_out, (nq, nk, nv), d)
+        pack["grads"] = list(zip(ref, naive))
+        pack["magnitude"] = (d.abs().max() * parts[2].abs().max() * parts[1].abs().max()).item() / q.shape[-1] ** 0.5
+    return pack
+
+
+def compare_slice(pack: dict, out, grads=None) -> list:
+    """The equivalence rule on the slice of ``out`` (and ``grads`` = dq, dk, dv)."""
+    g = pack["g"]
+    results = [compare("out", out[:1, :, :g], *pack["out"])]
+    if grads is not None:
+        for name, got, (ref, naive) in zip(("dq", "dk", "dv"), grads, pack["grads"]):
+            sl = got[:1, :, :g] if name == "dq" else got[:1, :, :1]
+            results.append(compare(name, sl, ref, naive, factor=GRAD_FACTOR, zero_ref_scale=pack["magnitude"]))
+    return results
+
+
+def run_once(impl: str, q, k, v, causal: bool, dout):
+    """One call of ``impl`` (a backend name or the policy) through portattn.attention."""
+    out = portattn.attention(q, k, v, causal=causal, backend=impl)
+    grads = torch.autograd.grad(out, (q, k, v), dout) if dout is not None else None
+    return out.detach(), grads
+
+
+# ----- timing ------------------------------------------------------------------------------
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def gpu_median_ms(fn) -> float:
+    """``triton.testing.do_bench`` median (L2 flushed per run); without triton, the policy's own
+    CUDA-event timer (the same method)."""
+    try:
+        import triton.testing
+    except ImportError:
+        return tuning._gpu_times(fn, torch.device("cuda"), None)[0]
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def cpu_median_ms(fn, runs: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench_cell(cell: dict, mode: str, impls: list[str], dtype, device, timer) -> dict:
+    row = {"case": cell["name"], "kind": cell["kind"], "mode": mode,
+           **{key: cell[key] for key in ("B", "H", "Hkv", "Sq", "Sk", "D", "causal")}, "results": {}}
+    q, k, v, dout = make_inputs(cell, mode, dtype, device)
+    causal = cell["causal"]
+    spec = build_spec(q, k, v, causal=causal)
+    # 1. the policy's first call of this class: checks and times its candidates
+    _sync(device)
+    t0 = time.perf_counter()
+    try:
+        run_once(POLICY, q, k, v, causal, dout)
+        _sync(device)
+        row["policy_first_call_s"] = time.perf_counter() - t0
+    except Exception as exc:
+        row["policy_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    details = tuning.timing_details(spec) or {}
+    row["policy_choice"] = details.get("winner")
+    row["policy_tuning_s"] = details.get("tuning_s")
+    row["policy_record"] = {n: {key: val for key, val in r.items() if key != "runs"} for n, r in
+                            details.get("results", {}).items()}
+    # 2. every implementation once, checked on the slice
+    pack = reference_slice(q, k, v, causal, dout)
+    fns = {}
+    extra = [row["policy_choice"]] if row["policy_choice"] and row["policy_choice"] not in impls else []
+    for impl in impls + extra + [POLICY]:   # the policy's choice is timed as a single backend too
+        entry = row["results"].setdefault(impl, {})
+        try:
+            out, grads = run_once(impl, q, k, v, causal, dout)
+            checks = compare_slice(pack, out, grads)
+            del out, grads
+        except Exception as exc:   # a backend that cannot run this cell: why, and no time
+            entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            continue
+        bad = [str(c) for c in checks if not c.passed]
+        entry["check"] = "ok" if not bad else "FAIL " + "; ".join(bad)
+        fns[impl] = ba.make_fn(impl, q, k, v, causal, mode)
+    # 3. timings, interleaved
+    for impl, timing in ba.time_rounds(fns, ba.ROUNDS, timer).items():
+        entry = row["results"][impl]
+        entry.update(timing)
+        if "ms" in timing:
+            entry["tflops"] = ba.flops(cell["B"], cell["H"], cell["Sq"], cell["Sk"], cell["D"], causal, mode) \
+                / (timing["ms"] * 1e-3) / 1e12
+    del q, k, v, dout, fns, pack
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def host_overhead(device, dtype, calls: int = 1000, rounds: int = 3) -> dict:
+    """Wall-clock µs per call (host path + launch) on a small problem, the policy after its first
+    call against its own winner pinned, interleaved rounds; medians."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, 128, 8, 64, device=device, dtype=dtype, generator=g) for _ in range(3))
+    portattn.attention(q, k, v, backend=POLICY)
+    choice = tuning.lookup(build_spec(q, k, v))
+    per = {POLICY: [], "pinned": []}
+    for r in range(rounds):
+        for name in ([POLICY, "pinned"] if r % 2 == 0 else ["pinned", POLICY]):
+            backend = choice if name == "pinned" else POLICY
+            portattn.attention(q, k, v, backend=backend)
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                portattn.attention(q, k, v, backend=backend)
+            _sync(device)
+            per[name].append((time.perf_counter() - t0) / calls * 1e6)
+    out = {n: statistics.median(t) for n, t in per.items()}
+    return {"problem": "B=1 S=128 H=8 D=64 fwd", "winner": choice, "us_per_call_fastest": out[POLICY],
+            "us_per_call_pinned": out["pinned"], "overhead_us": out[POLICY] - out["pinned"]}
+
+
+# ----- summary and table -------------------------------------------------------------------
+
+def _ok_ms(entry: dict) -> float | None:
+    return entry.get("ms") if entry.get("check") == "ok" and "ms" in entry else None
+
+
+def summarize(rows: list[dict], impls: list[str]) -> dict:
+    """Per cell: the best single backend and fastest / best; per backend: its total over the
+    cells it ran (checked and timed) against the policy's total over the same cells."""
+    cells = []
+    for r in rows:
+        singles = {i: _ok_ms(e) for i, e in r["results"].items() if i != POLICY}   # impls + the choice
+        singles = {i: ms for i, ms in singles.items() if ms is not None}
+        policy = _ok_ms(r["results"].get(POLICY, {}))
+        best = min(singles, key=singles.get) if singles else None
+        ratio = policy / singles[best] if best and policy else None
+        cells.append({"case": r["case"], "mode": r["mode"], "best": best, "best_ms": singles.get(best),
+                      "fastest_ms": policy, "ratio": ratio, "choice": r.get("policy_choice"),
+                      "tuning_s": r.get("policy_first_call_s")})
+    totals = {}
+    for i in impls:
+        ran = [(c, r) for c, r in zip(cells, rows) if _ok_ms(r["results"].get(i, {})) is not None
+               and c["fastest_ms"] is not None]
+        if not ran:
+            totals[i] = {"cells": 0}
+            continue
+        own = sum(_ok_ms(r["results"][i]) for _, r in ran)
+        pol = sum(c["fastest_ms"] for c, _ in ran)
+        totals[i] = {"cells": len(ran), "total_ms": own, "fastest_total_ms": pol, "fastest_over_backend": pol / own}
+    ratios = [c["ratio"] for c in cells if c["ratio"] is not None]
+    return {
+        "cells": cells, "totals": totals,
+        "fastest_total_ms": sum(c["fastest_ms"] for c in cells if c["fastest_ms"] is not None),
+        "worst_ratio": max(ratios) if ratios else None,
+        "cells_over_target": [f"{c['case']} {c['mode']}" for c in cells if c["ratio"] and c["ratio"] > TARGET_CELL],
+        "cells_without_policy_time": [f"{c['case']} {c['mode']}" for c in cells if c["fastest_ms"] is None],
+        "below_every_backend_total": all(t.get("fastest_over_backend", 0) < 1.0 for t in totals.values()
+                                         if t["cells"]) and bool(ratios),
+        "tuning_s_total": sum(c["tuning_s"] or 0.0 for c in cells),
+    }
+
+
+def table(rows: list[dict], impls: list[str], summary: dict) -> str:
+    """Markdown: ms per backend (x: failed the check, -: could not run), the policy's choice,
+    fastest / best; then grid totals."""
+    head = ["case", "mode", *impls, "fastest", "chose", "fastest/best", "first call s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r, c in zip(rows, summary["cells"]):
+        cells = []
+        for i in impls + [POLICY]:
+            e = r["results"].get(i, {})
+            if "ms" in e and e.get("check") == "ok":
+                cells.append(f"{e['ms']:.3f}{'~' if e.get('spread', 0) > ba.NOISY else ''}")
+            elif "ms" in e:
+                cells.append(f"x {e['ms']:.3f}")
+            else:
+                cells.append("-")
+        ratio = f"{c['ratio']:.3f}{' !' if c['ratio'] > TARGET_CELL else ''}" if c["ratio"] else "-"
+        first = f"{c['tuning_s']:.2f}" if c["tuning_s"] is not None else "-"
+        lines.append("| " + " | ".join([r["case"], r["mode"], *cells, c["choice"] or "-", ratio, first]) + " |")
+    lines.append("")
+    lines.append("| backend | cells run | its total ms | fastest's total ms (same cells) | fastest / backend |")
+    lines.append("|---|---|---|---|---|")
+    for i, t in summary["totals"].items():
+        if t["cells"]:
+            lines.append(f"| {i} | {t['cells']} | {t['total_ms']:.2f} | {t['fastest_total_ms']:.2f} | "
+                         f"{t['fastest_over_backend']:.3f} |")
+        else:
+            lines.append(f"| {i} | 0 | - | - | - |")
+    worst = summary["worst_ratio"]
+    lines.append("")
+    lines.append(f"fastest over the whole grid: {summary['fastest_total_ms']:.2f} ms; worst cell fastest/best "
+                 f"{worst:.3f} (target <= {TARGET_CELL}); cells over target: "
+                 f"{', '.join(summary['cells_over_target']) or 'none'}; below every backend's total: "
+                 f"{summary['below_every_backend_total']}; tuning (first calls) {summary['tuning_s_total']:.1f} s"
+                 if worst is not None else "no cell has a policy time")
+    lines.append(f"ms are medians of do_bench, {ba.ROUNDS} interleaved rounds (~: rounds differ > {ba.NOISY:.0%}); "
+                 f"x: failed the equivalence check (excluded); -: could not run")
+    return "\n".join(lines)
+
+
+# ----- main --------------------------------------------------------------------------------
+
+def _environment(device) -> dict:
+    if device.type == "cuda":
+        env = ba.environment()
+    else:
+        env = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "device": "cpu",
+               "torch": torch.__version__, "portattn": portattn.__version__}
+    env["tuning_versions"] = tuning.software_versions(device)
+    return env
+
+
+def _progress(total: int):
+    try:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        return None
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backends", default=DEFAULT_BACKENDS, help="single backends to compare (comma-separated)")
+    ap.add_argument("--quick", action="store_true", help="a smaller grid (D 128, S 1k/4k, Sk 8k/128k)")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (checks the script)")
+    ap.add_argument("--budget-s", type=float, default=400.0,
+                    help="stop starting new cells after this many seconds (the rest are listed as skipped)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="PORTATTN_CACHE_DIR for the run (default: a fresh temporary one, so tuning is measured)")
+    ap.add_argument("--out", default=None, help="directory for the JSON, the markdown table and the tuning cache")
+    ap.add_argument("--tag", default="h200")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        device, dtype = torch.device("cpu"), torch.float32
+        timer = cpu_median_ms
+    else:
+        if not torch.cuda.is_available():
+            print("bench_fastest needs a CUDA GPU (or --dry-run for a CPU check of the script)", file=sys.stderr)
+            return 2
+        device, dtype, timer = torch.device("cuda"), torch.bfloat16, gpu_median_ms
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="portattn-fastest-")
+    os.environ["PORTATTN_CACHE_DIR"] = cache_dir
+    tuning.clear()
+    wanted = [b for b in args.backends.split(",") if b]
+    impls = [b for b in wanted if portattn.get_backend(b).available]
+    for b in set(wanted) - set(impls):
+        print(f"skipping {b}: {'; '.join(portattn.get_backend(b).availability())}", file=sys.stderr)
+    work = jobs(args.quick, args.dry_run)
+    rows, skipped = [], []
+    t_start = time.time()
+    bar = _progress(len(work))
+    with bar or contextlib.nullcontext():
+        task = bar.add_task("bench_fastest", total=len(work)) if bar else None
+        for n, (cell, mode) in enumerate(work):
+            if time.time() - t_start > args.budget_s:
+                skipped.append(f"{cell['name']} {mode}")
+                continue
+            if bar:
+                bar.update(task, description=f"{cell['name']} {mode}")
+            row = bench_cell(cell, mode, impls, dtype, device, timer)
+            rows.append(row)
+            line = (f"[{n + 1}/{len(work)} {time.time() - t_start:.0f}s] {cell['name']} {mode}: chose "
+                    f"{row.get('policy_choice')} (first call {row.get('policy_first_call_s', float('nan')):.2f}s); "
+                    + ", ".join(f"{i} {e['ms']:.3f}" + ("" if e.get("check") == "ok" else " FAIL")
+                                if "ms" in e else f"{i} -" for i, e in row["results"].items()))
+            if bar:
+                bar.console.print(line)
+                bar.advance(task)
+            else:
+                print(line, flush=True)
+    overhead = None
+    with contextlib.suppress(Exception):
+        overhead = host_overhead(device, dtype, calls=50 if args.dry_run else 1000)
+    summary = summarize(rows, impls)
+    result = {"environment": _environment(device), "dtype": str(dtype).replace("torch.", ""), "impls": impls,
+              "grid": {"training": "D 64/128/256, S 1k/4k/16k, B*S=16k, hidden 2048, causal and not, fwd and fwd+bwd",
+                       "decode": "Sq 1/8, B 1/8, Sk 8k/32k/128k, GQA 32:4, D 128, bottom-right causal, fwd"},
+              "quick": args.quick, "dry_run": args.dry_run, "rows": rows, "summary": summary,
+              "host_overhead": overhead, "skipped_for_budget": skipped, "wall_s": time.time() - t_start}
+    text = table(rows, impls, summary)
+    print()
+    print(text)
+    if overhead:
+        print(f"\nhost overhead of the policy after its first call ({overhead['problem']}): "
+              f"{overhead['us_per_call_fastest']:.1f} us/call vs {overhead['us_per_call_pinned']:.1f} pinned "
+              f"({overhead['winner']}): {overhead['overhead_us']:+.1f} us")
+    if skipped:
+        print(f"\nskipped (over --budget-s {args.budget_s:.0f}): {', '.join(skipped)}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        day = result["environment"]["date"][:10]
+        base = os.path.join(args.out, f"fastest-{args.tag}-{day}")
+        with open(base + ".json", "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        with open(base + ".md", "w") as f:
+            f.write(f"# fastest policy vs single backends ({result['environment'].get('gpu', device.type)}, "
+                    f"{day})\n\n{text}\n")
+        cache = tuning.cache_path(device)
+        if os.path.exists(cache):
+            shutil.copy(cache, base + "-tuning-cache.json")
+        print(f"\nwrote {base}.json, {base}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,690 @@
+"""The ``fastest`` policy: the fastest correct backend per shape class, measured once and remembered.
+
+Dispatch calls :func:`choose` with the backends that have no reasons for a problem, in priority
+order. The problem's *shape class* (:func:`shape_class`: dtype, head dims, features, GQA ratio,
+needs-grad, return_lse/determinism/TF32, and batch·heads, Sq, Sk and window sizes rounded up to
+powers of two) is looked up in memory, then in the cache file; on a miss, while timing is allowed,
+every candidate is
+
+1. checked once against the float64 reference on a small problem with the same features
+   (:func:`check_candidate`, the equivalence rule of docs/semantics.md through
+   :mod:`portattn.numerics`); a candidate that fails is never chosen for the class, and why is
+   recorded;
+2. timed on the caller's own inputs (forward, and forward + backward when a gradient is needed):
+   on GPUs the median of CUDA-event timings with the L2 cache flushed before each run (as
+   ``triton.testing.do_bench`` does), on CPUs the median of ``time.perf_counter`` runs.
+
+The winner and every timing are kept in memory and in a JSON file per device and software
+versions (:func:`cache_path`) under ``config.cache_dir()`` (``$PORTATTN_CACHE_DIR``), written
+atomically (temporary file + ``os.replace``) under a ``filelock`` lock so that several processes
+can tune at once; a corrupt file, or one written by other versions, is ignored with a warning.
+
+During CUDA-graph capture and ``torch.compile`` tracing nothing is timed and nothing waits for
+the device: :func:`choose` returns the cached winner, or the first candidate (the priority list's
+own choice). ``reference`` (the float64 oracle) and ``sdpa_math`` (O(S²) memory) are never timed:
+they are chosen only when no timed candidate passes.
+
+``portattn tune`` (:mod:`portattn.tuning_cli`, reached through :func:`add_arguments` and :func:`run`)
+fills the cache ahead of time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import re
+import statistics
+import tempfile
+import threading
+import time
+import warnings
+
+import torch
+
+from . import config
+from .spec import AttentionSpec, _is_compiling
+
+FORMAT = 1
+#: never timed: the float64 oracle and the O(S²)-memory math kernel (chosen only as a last resort)
+NOT_TIMED = frozenset({"reference", "sdpa_math"})
+#: a candidate whose first timed run is this many times slower than the best so far is not timed further
+SLOW_FACTOR = 8.0
+#: timing budget per candidate (milliseconds of runs), and bounds on the number of runs
+BUDGET_MS = 60.0
+MIN_RUNS, MAX_RUNS = 5, 200
+#: candidates whose times are within this fraction of the best are timed a second time
+CLOSE = 0.05
+
+_lock = threading.RLock()
+_busy = threading.local()
+_stores: dict[str, _Store] = {}
+_versions_cache: dict[str, dict] = {}
+
+
+# ----- shape classes -----------------------------------------------------------------------
+
+def bucket(n: int) -> int:
+    """``n`` rounded up to a power of two (0 stays 0): 1000 -> 1024, 1024 -> 1024, 1025 -> 2048."""
+    n = int(n)
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def _class_tuple(spec: AttentionSpec) -> tuple:
+    """The shape class as a tuple (cheap: the call path's in-memory key)."""
+    window = None
+    if spec.has_window:
+        window = (bucket(spec.window_left) if spec.window_left is not None else -1,
+                  bucket(spec.window_right) if spec.window_right is not None else -1)
+    return (spec.dtype, spec.head_dim, spec.head_dim_v, spec.features(), spec.gqa_ratio, spec.needs_grad,
+            spec.return_lse, spec.deterministic, spec.allow_tf32 and spec.dtype == torch.float32, window,
+            bucket(spec.batch * spec.num_heads_q), bucket(spec.seqlen_q), bucket(spec.seqlen_k))
+
+
+def _class_string(t: tuple) -> str:
+    dtype, d, dv, feats, gqa, grad, lse, det, tf32, window, bh, sq, sk = t
+    key = (f"{str(dtype).replace('torch.', '')}|D{d}/{dv}|{','.join(sorted(feats)) or '-'}|gqa{gqa}"
+           f"|{'grad' if grad else 'fwd'}{'|lse' if lse else ''}{'|det' if det else ''}{'|tf32' if tf32 else ''}")
+    if window is not None:
+        key += "|w" + ":".join("inf" if w < 0 else str(w) for w in window)
+    return key + f"|bh{bh}|sq{sq}|sk{sk}"
+
+
+def shape_class(spec: AttentionSpec) -> str:
+    """The key under which a winner is remembered (the device is the cache file's, see
+    :func:`cache_path`): dtype, head dims, features, GQA ratio, needs-grad, return_lse,
+    determinism, TF32, and batch·heads, Sq, Sk and window sizes rounded up to powers of two.
+    Two problems of one class run on the same backend."""
+    return _class_string(_class_tuple(spec))
+
+
+def device_name(device: torch.device) -> str:
+    """``"cpu"`` or the GPU's name (e.g. ``"NVIDIA H200"``)."""
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_name(index)
+
+
+
+# ----- versions and the cache file ---------------------------------------------------------
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _driver_version() -> int | None:
+    try:
+        import ctypes
+        lib = ctypes.CDLL("libcuda.so.1")
+        out = ctypes.c_int(0)
+        return int(out.value) if lib.cuDriverGetVersion(ctypes.byref(out)) == 0 else None
+    except Exception:   # no driver, another OS: the CUDA runtime version still tells versions apart
+        return None
+
+
+def software_versions(device: torch.device) -> dict:
+    """What a timing depends on besides the problem: device, driver, and library versions."""
+    dev = device_name(device)
+    cached = _versions_cache.get(dev)
+    if cached is not None:
+        return cached
+    from . import __version__
+    versions = {
+        "format": FORMAT, "device": dev, "portattn": __version__, "torch": torch.__version__,
+        "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
+        "triton": _dist_version("triton", "pytorch-triton", "triton-rocm"),
+        "cupy": _dist_version("cupy-cuda13x", "cupy-cuda12x", "cupy"),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        versions["capability"] = f"{props.major}.{props.minor}"
+        versions["sm_count"] = props.multi_processor_count
+        versions["driver"] = _driver_version()
+        try:
+            versions["cudnn"] = torch.backends.cudnn.version()
+        except Exception:
+            versions["cudnn"] = None
+    _versions_cache[dev] = versions
+    return versions
+
+
+def cache_path(device: torch.device) -> str:
+    """``<cache_dir>/tuning/fastest-<device>-<hash of software_versions>.json``."""
+    versions = software_versions(device)
+    digest = hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:16]
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", versions["device"]).strip("-").lower() or "device"
+    return os.path.join(config.cache_dir(), "tuning", f"fastest-{slug}-{digest}.json")
+
+
+class _Store:
+    """The entries of one cache file, in memory; :meth:`save` merges them into the file."""
+
+    def __init__(self, path: str, versions: dict):
+        self.path = path
+        self.versions = versions
+        self.entries: dict[str, dict] = {}
+        self._warned_write = False
+        data = self._read(warn=True)
+        if data:
+            self.entries.update(data)
+
+    def _read(self, warn: bool) -> dict | None:
+        """The file's classes, or None (missing, corrupt or from other versions: warned once)."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, ValueError) as exc:
+            if warn:
+                warnings.warn(f"portattn: ignoring the tuning cache {self.path}: unreadable or corrupt "
+                              f"({type(exc).__name__}: {exc}); it will be rewritten", RuntimeWarning, stacklevel=3)
+            return None
+        problem = None
+        if not isinstance(data, dict) or not isinstance(data.get("classes"), dict):
+            problem = "not a portattn tuning cache (no 'classes' table)"
+        elif data.get("versions") != self.versions:
+            problem = f"written by other versions ({data.get('versions')!r}, now {self.versions!r})"
+        elif not all(isinstance(e, dict) and isinstance(e.get("results"), dict) for e in data["classes"].values()):
+            problem = "malformed entries"
+        if problem:
+            if warn:
+                warnings.warn(f"portattn: ignoring the tuning cache {self.path}: {problem}; it will be rewritten",
+                              RuntimeWarning, stacklevel=3)
+            return None
+        return data["classes"]
+
+    def save(self, keys) -> None:
+        """Merge this process's entries for ``keys`` into the file, atomically, under a lock."""
+        new = {k: self.entries[k] for k in keys if k in self.entries}
+        try:
+            from filelock import FileLock
+            directory = os.path.dirname(self.path)
+            os.makedirs(directory, exist_ok=True)
+            with FileLock(self.path + ".lock", timeout=60):
+                merged = self._read(warn=False) or {}
+                merged.update(new)
+                fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fastest-", suffix=".tmp")
+                try:
+                    with os.fdopen(fd, "w", encoding="utf-8") as f:
+                        json.dump({"format": FORMAT, "versions": self.versions, "classes": merged}, f, indent=1,
+                                  sort_keys=True)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, self.path)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    raise
+            for k, e in merged.items():   # adopt what other processes tuned meanwhile
+                self.entries.setdefault(k, e)
+        except Exception as exc:   # read-only home, full disk, lock timeout: keep the results in memory
+            if not self._warned_write:
+                self._warned_write = True
+                warnings.warn(f"portattn: could not write the tuning cache {self.path} "
+                              f"({type(exc).__name__}: {exc}); winners are kept in memory only "
+                              f"(set PORTATTN_CACHE_DIR to a writable directory)", RuntimeWarning, stacklevel=3)
+
+
+_store_index: dict[tuple, _Store] = {}
+#: (cache dir, device, class tuple) -> entry: the call path's lookup (filled on first sight)
+_hot: dict[tuple, dict] = {}
+_HOT_LIMIT = 8192
+
+
+def _entry(spec: AttentionSpec) -> dict | None:
+    """The remembered entry of ``spec``'s class, or None (memory first, then the cache file)."""
+    device = spec.device
+    hot = (config.cache_dir(), device, _class_tuple(spec))
+    entry = _hot.get(hot)
+    if entry is None:
+        entry = _store(device).entries.get(_class_string(hot[2]))
+        if entry is not None:
+            if len(_hot) >= _HOT_LIMIT:
+                _hot.clear()
+            _hot[hot] = entry
+    return entry
+
+
+def _store(device: torch.device) -> _Store:
+    """The store of ``device``'s cache file (memoised per cache directory and device: this is on
+    the call path)."""
+    index = (config.cache_dir(), device.type, device.index)
+    store = _store_index.get(index)
+    if store is not None:
+        return store
+    with _lock:
+        path = cache_path(device)
+        store = _stores.get(path)
+        if store is None:
+            store = _stores[path] = _Store(path, software_versions(device))
+        _store_index[index] = store
+    return store
+
+
+def clear(*, disk: bool = False) -> list[str]:
+    """Forget every remembered winner; with ``disk=True`` also delete the cache files of the
+    current cache directory. Returns the files deleted."""
+    removed = []
+    with _lock:
+        _stores.clear()
+        _store_index.clear()
+        _hot.clear()
+        if disk:
+            directory = os.path.join(config.cache_dir(), "tuning")
+            if os.path.isdir(directory):
+                for name in sorted(os.listdir(directory)):
+                    if name.startswith("fastest-") and name.endswith(".json"):
+                        with contextlib.suppress(OSError):
+                            os.unlink(os.path.join(directory, name))
+                            removed.append(os.path.join(directory, name))
+    return removed
+
+
+# ----- the correctness gate ----------------------------------------------------------------
+
+def _small_lengths(sq: int, sk: int) -> tuple[int, int]:
+    """Small (Sq, Sk) keeping the relation that matters for masking (=, <, >, Sq = 1)."""
+    if sq == sk:
+        return (min(sq, 96),) * 2
+    if sq < sk:
+        sk2 = min(sk, 112)
+        return min(sq, max(1, sk2 // 2)), sk2
+    sq2 = min(sq, 112)
+    return sq2, min(sk, max(1, sq2 // 2))
+
+
+def small_problem(spec: AttentionSpec, seed: int = 0):
+    """``(q, k, v, kwargs)``: random inputs of ``spec``'s dtype, device, head dims, GQA ratio and
+    features (masking, softcap, ALiBi, bias, varlen, scale), a few heads and at most ~100 rows."""
+    g = torch.Generator().manual_seed(seed)
+    dev, dt = spec.device, spec.dtype
+    hkv = min(spec.num_heads_kv, 2)
+    hq = hkv * spec.gqa_ratio
+    sq, sk = _small_lengths(spec.seqlen_q, spec.seqlen_k)
+    d, dv = spec.head_dim, spec.head_dim_v
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dev, dt)
+
+    kw = dict(scale=spec.scale, causal=spec.causal, causal_alignment=spec.alignment, softcap=spec.softcap)
+    if spec.window_left is not None or (spec.window_right is not None and not spec.causal):
+        kw["window"] = (-1 if spec.window_left is None else spec.window_left,
+                        (0 if spec.causal else -1) if spec.window_right is None else spec.window_right)
+    if spec.is_varlen:
+        lq, lk = [sq, max(1, sq // 2)], [sk, max(1, sk // 2)]
+        q, k, v = rand(sum(lq), hq, d), rand(sum(lk), hkv, d), rand(sum(lk), hkv, dv)
+        kw["cu_seqlens_q"] = torch.tensor([0, lq[0], sum(lq)], dtype=torch.int32, device=dev)
+        kw["cu_seqlens_k"] = torch.tensor([0, lk[0], sum(lk)], dtype=torch.int32, device=dev)
+        b = 2
+    else:
+        b = min(spec.batch, 2)
+        q, k, v = rand(b, sq, hq, d), rand(b, sk, hkv, d), rand(b, sk, hkv, dv)
+    if spec.alibi_slopes is not None:
+        kw["alibi_slopes"] = torch.rand(hq, generator=g).to(dev)
+    if spec.attn_bias is not None:
+        if spec.bias_is_mask:
+            kw["attn_bias"] = (torch.rand(b, hq, sq, sk, generator=g) > 0.25).to(dev)
+        else:
+            kw["attn_bias"] = torch.randn(b, hq, sq, sk, generator=g).to(dev, spec.attn_bias.dtype)
+    return q, k, v, kw
+
+
+def _compare_backend(name: str, q, k, v, *, grad: bool, bias_grad: bool, **kw):
+    """Like portattn.testing.check_backend, with the bias's gradient only when ``bias_grad``."""
+    from .api import attention
+    from .numerics import GRAD_FACTOR, compare, compare_lse
+    from .reference import naive_forward, reference_forward
+    from .spec import build_spec
+
+    bias = kw.pop("attn_bias", None)
+
+    def leaves(dtype=None):
+        ts = [t.detach().to(dtype or t.dtype).requires_grad_(grad) for t in (q, k, v)]
+        b = bias
+        if bias is not None and bias_grad:
+            b = bias.detach().to(dtype or bias.dtype).requires_grad_(True)
+        return ts, b
+
+    (bq, bk, bv), bb = leaves()
+    out, lse = attention(bq, bk, bv, attn_bias=bb, return_lse=True, backend=name, **kw)
+    (rq, rk, rv), rb = leaves(torch.float64)
+    ref_out, ref_lse = reference_forward(build_spec(rq, rk, rv, attn_bias=rb, **kw))
+    (nq, nk, nv), nb = leaves()
+    naive_out, _ = naive_forward(build_spec(nq, nk, nv, attn_bias=nb, **kw))
+    results = [compare("out", out, ref_out, naive_out), compare_lse(lse, ref_lse)]
+    if grad:
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
+        extra = [bias_grad and bb is not None]
+        ins = [[bq, bk, bv] + ([bb] if extra[0] else []), [rq, rk, rv] + ([rb] if extra[0] else []),
+               [nq, nk, nv] + ([nb] if extra[0] else [])]
+        got = torch.autograd.grad(out, ins[0], dout)
+        ref = torch.autograd.grad(ref_out, ins[1], dout.double())
+        naive = torch.autograd.grad(naive_out, ins[2], dout)
+        scale = build_spec(q, k, v, **kw).scale
+        magnitude = (dout.abs().max() * v.abs().max() * k.abs().max()).item() * scale if dout.numel() else 1.0
+        for label, a, r, n in zip(("dq", "dk", "dv", "dbias"), got, ref, naive):
+            results.append(compare(label, a, r, n, factor=GRAD_FACTOR, zero_ref_scale=magnitude))
+    return results
+
+
+def check_candidate(name: str, spec: AttentionSpec) -> str | None:
+    """None when backend ``name`` passes the equivalence rule on :func:`small_problem` of
+    ``spec`` (forward, and gradients when ``spec`` needs them); otherwise why it failed."""
+    q, k, v, kw = small_problem(spec)
+    try:
+        results = _compare_backend(name, q, k, v, grad=spec.needs_grad, bias_grad="bias_grad" in spec.features(), **kw)
+    except Exception as exc:
+        return f"could not run the check problem: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    bad = [str(r) for r in results if not r.passed]
+    return "; ".join(bad) if bad else None
+
+
+# ----- timing ------------------------------------------------------------------------------
+
+def _runner(backend, spec: AttentionSpec):
+    """One forward (and backward when a gradient is needed) of ``backend`` on ``spec``'s inputs."""
+    if not spec.needs_grad:
+        def forward():
+            with torch.no_grad():
+                backend.forward(spec)
+        return forward
+    dout = torch.randn(spec.out_shape, dtype=spec.dtype, device=spec.device)
+
+    def forward_backward():
+        with torch.no_grad():
+            out, lse = backend.forward(spec)
+        backend.backward(spec, out, lse, dout)
+    return forward_backward
+
+
+_l2_flush: dict[int, torch.Tensor] = {}
+
+
+def _gpu_times(fn, device, first_only: float | None):
+    """Median milliseconds of ``fn`` with CUDA events (the L2 cache flushed before each run, as
+    triton.testing.do_bench does). Returns ``(ms, runs)``; a single run when that one already
+    takes more than ``first_only`` ms."""
+    with torch.cuda.device(device):
+        fn()   # compiles, allocates
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        estimate = (time.perf_counter() - t0) * 1e3
+        if first_only is not None and estimate > first_only:
+            return estimate, 1
+        idx = torch.cuda.current_device()
+        flush = _l2_flush.get(idx)
+        if flush is None:
+            flush = _l2_flush[idx] = torch.empty(64 << 20, dtype=torch.int32, device="cuda")   # 256 MB
+        runs = int(min(MAX_RUNS, max(MIN_RUNS, BUDGET_MS / max(estimate, 1e-3))))
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+        for s, e in zip(starts, ends):
+            flush.zero_()
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), runs
+
+
+def _cpu_times(fn, first_only: float | None):
+    fn()
+    times = []
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if len(times) == 1 and first_only is not None and times[0] > first_only:
+            break
+        if len(times) >= MAX_RUNS or (len(times) >= MIN_RUNS and sum(times) >= BUDGET_MS):
+            break
+    return statistics.median(times), len(times)
+
+
+def time_backend(name: str, spec: AttentionSpec, *, first_only: float | None = None) -> tuple[float, int]:
+    """``(median ms, runs)`` of backend ``name`` on ``spec``'s inputs (forward, + backward when
+    a gradient is needed)."""
+    from .registry import get_backend
+    fn = _runner(get_backend(name), spec)
+    if spec.device.type == "cuda":
+        return _gpu_times(fn, spec.device, first_only)
+    return _cpu_times(fn, first_only)
+
+
+# ----- the policy --------------------------------------------------------------------------
+
+def _timing_forbidden(spec: AttentionSpec) -> bool:
+    """Under torch.compile tracing or CUDA-graph capture nothing may be timed or synchronised."""
+    if _is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _order(results: dict) -> list[str]:
+    """Backends that passed and were timed, fastest first."""
+    timed = [(r["ms"], n) for n, r in results.items() if r.get("ms") is not None and not r.get("failed")
+             and not r.get("error")]
+    return [n for _, n in sorted(timed)]
+
+
+def _pick(entry: dict | None, candidates: list[str]) -> str | None:
+    """The fastest candidate timed in ``entry``, else the first candidate that is not known to
+    fail (untimed ones such as reference included), else None."""
+    if not entry:
+        return None
+    allowed = set(candidates)
+    for name in entry.get("order", ()):
+        if name in allowed:
+            return name
+    results = entry["results"]
+    for name in candidates:
+        r = results.get(name)
+        if r is not None and not r.get("failed") and not r.get("error"):
+            return name
+    return None
+
+
+def _fallback(key: str, candidates: list[str], entry: dict | None) -> str:
+    """No timed candidate passed: the first that did not fail the check; if every one failed,
+    an error (a backend that fails the equivalence rule is never chosen)."""
+    results = entry["results"] if entry else {}
+    for name in candidates:
+        if not results.get(name, {}).get("failed"):
+            return name
+    from .errors import BackendNotAvailableError
+    reasons = {n: [f"failed the fastest policy's equivalence check: {results[n]['failed']}"] for n in candidates}
+    detail = "\n".join(f"  - {n}: {r[0]}" for n, r in reasons.items())
+    raise BackendNotAvailableError(
+        f"the fastest policy found no candidate that passes the equivalence rule for class {key}:\n{detail}\n"
+        f"pin a backend (backend=...) or add 'reference' to the candidates", reasons)
+
+
+def lookup(spec: AttentionSpec) -> str | None:
+    """The remembered winner of ``spec``'s class, or None — no timing, no device sync (the fast
+    path: dispatch may try it first and verify that the winner has no reasons)."""
+    entry = _entry(spec)
+    order = entry.get("order") if entry else None
+    return order[0] if order else None
+
+
+def cached_choice(spec: AttentionSpec, candidates: list[str]) -> str | None:
+    """What :func:`choose` would return from what is remembered (None when the class was never
+    timed): no timing, no device sync (``explain`` uses it)."""
+    return _pick(_entry(spec), candidates)
+
+
+def timings_for(spec: AttentionSpec) -> dict[str, float] | None:
+    """Seconds per call measured for ``spec``'s class, per backend (``inf`` for one that failed
+    the equivalence check or could not run; untimed ones such as ``reference`` left out), or None
+    when the class was never timed. :func:`timing_details` has the whole record."""
+    entry = _entry(spec)
+    if entry is None:
+        return None
+    out = {}
+    for name, r in entry["results"].items():
+        if r.get("skipped"):
+            continue
+        ok = r.get("ms") is not None and not r.get("failed") and not r.get("error")
+        out[name] = r["ms"] * 1e-3 if ok else math.inf
+    return out
+
+
+def timing_details(spec: AttentionSpec) -> dict | None:
+    """The remembered record of ``spec``'s class: ``{"class", "device", "winner", "order", "mode",
+    "problem", "tuned_at", "tuning_s", "results": {backend: {"ms", "runs"} or {"failed"} /
+    {"error"} / {"skipped"}}}``, or None when the class was never timed."""
+    entry = _entry(spec)
+    if entry is None:
+        return None
+    return dict(entry, **{"class": shape_class(spec), "device": device_name(spec.device)})
+
+
+def format_timings(info: dict | None) -> str:
+    """A few lines from :func:`timing_details`: each backend's time, or why it is not chosen."""
+    if not info:
+        return "fastest: this shape class was never timed (the first call times it)"
+    lines = [f"fastest: class {info['class']} on {info['device']} ({info.get('mode')}), "
+             f"winner {info.get('winner')}, tuned {info.get('tuned_at', '?')}"]
+    best = None
+    for name in info.get("order", []):
+        best = best or info["results"][name]["ms"]
+    for name, r in info["results"].items():
+        if r.get("ms") is not None and not r.get("failed") and not r.get("error"):
+            rel = f" ({r['ms'] / best:.2f}x)" if best else ""
+            lines.append(f"  {name:<15} {r['ms']:.4g} ms{rel}")
+        else:
+            why = r.get("failed") or r.get("error") or r.get("skipped") or "?"
+            lines.append(f"  {name:<15} {'failed the check: ' if r.get('failed') else ''}{why}")
+    return "\n".join(lines)
+
+
+def _retime_close(spec: AttentionSpec, results: dict, timed_now: set) -> None:
+    """Candidates within CLOSE of the best are timed once more, in reverse order (so neither is
+    always first), and keep the mean of their two medians: a near tie is decided on twice the
+    runs, not on one round's noise."""
+    close = [n for n in _order(results) if n in timed_now
+             and results[n]["ms"] <= (1 + CLOSE) * results[_order(results)[0]]["ms"]]
+    if len(close) < 2:
+        return
+    for name in reversed(close):
+        try:
+            ms, runs = time_backend(name, spec)
+        except Exception:   # it ran once; keep that timing
+            continue
+        r = results[name]
+        r["ms"], r["runs"] = (r["ms"] + ms) / 2, r["runs"] + runs
+
+
+def _tune(spec: AttentionSpec, candidates: list[str], key: str, store: _Store, progress=None) -> dict:
+    """Check and time the candidates not yet in the class's entry; update memory and the file."""
+    t_start = time.perf_counter()
+    old = store.entries.get(key)
+    results = dict(old["results"]) if old else {}
+    best = min((r["ms"] for r in results.values() if r.get("ms") is not None and not r.get("failed")
+                and not r.get("error")), default=math.inf)
+    _busy.active = True
+    try:
+        for name in candidates:
+            if name in results:
+                continue
+            if progress:
+                progress(name)
+            if name in NOT_TIMED:
+                results[name] = {"skipped": "not timed (the float64 oracle / O(S^2) math kernel); "
+                                            "chosen only when no timed backend passes"}
+                continue
+            why = check_candidate(name, spec)
+            if why:
+                results[name] = {"failed": why}
+                continue
+            try:
+                ms, runs = time_backend(name, spec, first_only=SLOW_FACTOR * best if math.isfinite(best) else None)
+            except Exception as exc:   # out of memory, a kernel that refuses the real shape: not chosen
+                results[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
+                if spec.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            results[name] = {"ms": ms, "runs": runs}
+            best = min(best, ms)
+        _retime_close(spec, results, timed_now={n for n in candidates if n not in (old or {}).get("results", {})})
+    finally:
+        _busy.active = False
+    order = _order(results)
+    entry = {
+        "results": results, "order": order, "winner": order[0] if order else None,
+        "mode": "fwd+bwd" if spec.needs_grad else "fwd", "problem": spec.summary(),
+        "tuned_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "tuning_s": round(time.perf_counter() - t_start + (old or {}).get("tuning_s", 0.0), 3),
+    }
+    store.entries[key] = entry
+    _hot.clear()   # entries are replaced, not updated: forget the old objects
+    store.save([key])
+    return entry
+
+
+def tune(spec: AttentionSpec, candidates: list[str] | None = None, *, progress=None) -> dict:
+    """Time ``spec``'s class now (the candidates not timed yet) and return its entry.
+    ``candidates`` defaults to the device's priority list minus backends with reasons."""
+    if candidates is None:
+        candidates = supported_candidates(spec)
+    key = shape_class(spec)
+    with _lock:
+        return _tune(spec, list(candidates), key, _store(spec.device), progress)
+
+
+def supported_candidates(spec: AttentionSpec) -> list[str]:
+    """The device's priority list, minus the backends with reasons for ``spec``."""
+    from .dispatch import priority_for
+    from .registry import get_backend
+    return [n for n in priority_for(spec.vendor) if not get_backend(n).not_supported_reasons(spec)]
+
+
+def choose(spec: AttentionSpec, candidates: list[str]) -> str:
+    """The backend the ``fastest`` policy runs ``spec`` on, among ``candidates`` (the backends
+    with no reasons, in priority order). Times the class on first sight (see the module
+    docstring); under torch.compile tracing or CUDA-graph capture, or while a tuning is already
+    running in this thread, returns the cached winner or ``candidates[0]`` without timing."""
+    if not candidates:
+        raise ValueError("choose() needs at least one candidate backend")
+    if len(candidates) == 1 or getattr(_busy, "active", False):
+        return candidates[0]
+    entry = _entry(spec)
+    if entry is not None:
+        results = entry["results"]
+        if all(n in results for n in candidates):   # the call path after the first call of a class
+            for name in entry["order"]:
+                if name in candidates:
+                    return name
+            return _fallback(shape_class(spec), candidates, entry)
+    if _timing_forbidden(spec):
+        return _pick(entry, candidates) or _fallback(shape_class(spec), candidates, entry)
+    with _lock:
+        entry = _tune(spec, candidates, shape_class(spec), _store(spec.device))
+    return _pick(entry, candidates) or _fallback(shape_class(spec), candidates, entry)
+
+
+# ----- portattn tune (portattn/tuning_cli.py) ---------------------------------------------
+
+def add_arguments(parser) -> None:
+    """The arguments of ``portattn tune`` (see :mod:`portattn.tuning_cli`)."""
+    from . import tuning_cli
+    tuning_cli.add_arguments(parser)
+
+
+def run(args) -> int:
+    """``portattn tune``: time each shape's class (skipping classes already cached) and print the winners."""
+    from . import tuning_cli
+    return tuning_cli.run(args)

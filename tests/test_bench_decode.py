@@ -1,0 +1,103 @@
+"""benchmarks/bench_decode.py's GPU-free parts: the grid, bytes, paged copies, the float32
+reference, the ratio table and the plot."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _scripts import load_script
+
+bench = load_script("bench_decode")
+
+
+def test_grid_covers_the_issue_points():
+    pts = bench.grid()
+    assert {(p["B"], p["Sq"]) for p in pts} == {(1, 1), (1, 8), (8, 1), (8, 8)}
+    assert min(p["Sk"] for p in pts) == 1024 and max(p["Sk"] for p in pts) == 131072
+    assert {8192, 131072} <= {p["Sk"] for p in bench.grid(quick=True)}
+
+
+def test_bytes_and_bandwidth():
+    # batch 8, 128k keys, 4 KV heads, D 128, bf16: K and V are 1 GiB each
+    assert bench.kv_bytes(8, 131072) == 8 * 131072 * 4 * 256 * 2 == 2**31
+    assert bench.tbps(2**31, 0.5) == pytest.approx(2**31 / 0.5e-3 / 1e12)
+
+
+def test_paged_copy_holds_the_same_keys():
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 64, 3, 8), torch.randn(2, 64, 3, 8)
+    kp, vp, bt = bench.paged_copy(k, v, 16, g)
+    assert kp.shape == (8, 16, 3, 8) and bt.shape == (2, 4) and bt.dtype == torch.int32
+    assert sorted(bt.view(-1).tolist()) == list(range(8)) and bt.view(-1).tolist() != list(range(8))
+    for b in range(2):
+        for j in (0, 17, 63):
+            assert torch.equal(kp[bt[b, j // 16], j % 16], k[b, j])
+            assert torch.equal(vp[bt[b, j // 16], j % 16], v[b, j])
+
+
+def test_reference32_matches_portattn_reference():
+    import portattn
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 3, 8, 16, generator=g), torch.randn(2, 20, 2, 16, generator=g), \
+        torch.randn(2, 20, 2, 16, generator=g)
+    for causal in (False, True):
+        want = portattn.attention(q.double(), k.double(), v.double(), causal=causal, backend="reference")
+        torch.testing.assert_close(bench.reference32(q, k, v, causal), want.float(), atol=1e-5, rtol=1e-5)
+    assert bench.check(want.float() + 0.5, want.float())["ok"] is False
+
+
+def _rows():
+    return [{"B": 1, "Sq": 1, "Sk": sk, "results": {
+        "triton": {"tbps": 3.0 * sk / 8192, "ok": True}, "triton-paged16": {"tbps": 1.0, "ok": False},
+        "triton-paged256": {"error": "x"}, "sdpa-cudnn": {"tbps": 2.0}, "sdpa-flash": {"tbps": 1.5}}}
+        for sk in (1024, 8192)]
+
+
+def test_ratio_table_gives_ratios_to_cudnn_and_marks_bad_outputs():
+    text = bench.ratio_table(_rows())
+    lines = text.splitlines()
+    assert "triton/cuDNN" in lines[0]
+    last = lines[2].split()
+    assert last[:3] == ["1", "1", "8192"] and "BAD" in lines[2] and "err" in lines[2]
+    assert float(last[-3]) == pytest.approx(3.0 / 2.0) and float(last[-2]) == pytest.approx(0.5)
+    assert math.isclose(float(lines[1].split()[-3]), 3.0 / 8 / 2.0, abs_tol=0.006)   # printed to 2 places
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "p.png"
+    assert bench.plot(_rows(), str(path)) and path.stat().st_size > 1000
+
+
+def test_main_without_a_gpu_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    assert bench.main(["--quick"]) == 2
+    assert "needs a CUDA" in capsys.readouterr().err
+
+
+def test_point_and_sweep_run_end_to_end_on_cpu(monkeypatch):
+    """The GPU code paths at toy sizes on CPU tensors (triton under the interpreter; SDPA's
+    cuDNN/flash kernels cannot run there and become error entries), with a fake timer."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CPU smoke test")
+    monkeypatch.setattr(bench, "HQ", 4)
+    monkeypatch.setattr(bench, "HKV", 2)
+    monkeypatch.setattr(bench, "D", 16)
+    seen = []
+    gen = torch.Generator().manual_seed(0)
+    row = bench.bench_point(dict(B=2, Sq=2, Sk=512), torch.bfloat16, gen, seen.append, device="cpu",
+                            timer=lambda fn: (fn(), 0.5)[1])
+    res = row["results"]
+    for impl in ("triton", "triton-paged16", "triton-paged256"):
+        assert res[impl]["ok"] and res[impl]["tbps"] == pytest.approx(bench.tbps(row["bytes"], 0.5)), res[impl]
+        assert res[impl]["plan"]["num_splits"] >= 1
+    assert row["bytes"] == bench.kv_bytes(2, 512, 2, 16, 16)
+    assert "error" in res["sdpa-cudnn"] and len(seen) == len(bench.IMPLS)
+    rows = bench.sweep(torch.bfloat16, gen, seen.append, device="cpu", timer=lambda fn: (fn(), 1.0)[1],
+                       points=[((1, 1, 512), [(32, 4, 1), (16, 4, 1)])])
+    assert len(rows) == 5 and all(r["ok"] for r in rows), rows
+    assert rows[4]["num_splits"] == 128                  # 132 asked for, clamped to MAX_SPLITS

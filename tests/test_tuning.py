@@ -1,0 +1,620 @@
+"""The fastest policy's engine (portattn.tuning) on CPU with toy backends: shape classes, the
+correctness gate, the capture/compile rule, and the cache file (corrupt, other versions, several
+processes writing at once)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import portattn
+from portattn import tuning
+from portattn.spec import build_spec
+
+
+def _exact(spec):
+    """softmax(scale q kᵀ) v in float64 (dense, optional causal bottom-right), and its lse."""
+    q, k, v = (t.double().transpose(1, 2) for t in (spec.q, spec.k, spec.v))
+    s = (q @ k.transpose(-1, -2)) * spec.scale
+    if spec.causal:
+        sq, sk = spec.seqlen_q, spec.seqlen_k
+        keep = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return (torch.softmax(s, -1) @ v).transpose(1, 2), lse
+
+
+class _Toy(portattn.Backend):
+    """float32 CPU toy: exact results (or planted wrong ones), a chosen delay, call counts."""
+
+    dtypes = frozenset({torch.float32})
+    vendors = frozenset({"cpu"})
+    features = frozenset({"causal"})
+    has_backward = True
+    delay = 0.0
+    wrong = False
+
+    def __init__(self):
+        self.calls = 0
+
+    def forward(self, spec):
+        self.calls += 1
+        if self.delay:
+            time.sleep(self.delay)
+        out, lse = _exact(spec)
+        if self.wrong:
+            out = out + 0.5
+        return out.to(spec.dtype).contiguous(), lse.float()
+
+    def backward(self, spec, out, lse, dout):
+        self.calls += 1
+        if self.delay:
+            time.sleep(self.delay)
+        def f(q, k, v):   # torch.func.vjp works inside the custom op (autograd is below it)
+            fake = type("S", (), {})()
+            fake.q, fake.k, fake.v = q, k, v
+            fake.scale, fake.causal, fake.seqlen_q, fake.seqlen_k = spec.scale, spec.causal, spec.seqlen_q, spec.seqlen_k
+            return _exact(fake)[0]
+
+        _, vjp = torch.func.vjp(f, *(t.detach().double() for t in (spec.q, spec.k, spec.v)))
+        grads = vjp(dout.double())
+        return (*[g.to(spec.dtype) for g in grads], None)
+
+
+class SlowToy(_Toy):
+    name = "toy_slow"
+
+
+class FastToy(_Toy):
+    name = "toy_fast"
+
+
+class WrongToy(_Toy):
+    """Fastest of all, and wrong: must never be chosen."""
+
+    name = "toy_wrong"
+
+
+WrongToy.wrong = True
+TOYS = (SlowToy, FastToy, WrongToy)
+
+
+_REAL_TIME_BACKEND = tuning.time_backend
+#: what the fake clock reports per backend (ms): the CPU here is shared, real timings are noisy
+COST = {"toy_slow": 5.0, "toy_fast": 1.0, "toy_wrong": 0.1, "toy_wrong2": 0.1, "sdpa": 3.0}
+
+
+@pytest.fixture
+def toys(tmp_path, monkeypatch):
+    """The toy backends, a private cache directory, and a fake clock that still runs each timed
+    backend once (forward, and backward for gradient classes)."""
+    monkeypatch.setenv("PORTATTN_CACHE_DIR", str(tmp_path))
+    real = tuning.time_backend
+
+    def fake_clock(name, spec, first_only=None):
+        real(name, spec, first_only=0.0)        # one run (plus warm-up), so calls are counted
+        return COST.get(name, 50.0) * (3 if spec.needs_grad else 1), 1
+    monkeypatch.setattr(tuning, "time_backend", fake_clock)
+    tuning.clear()
+    made = {cls.name: portattn.register_backend(cls) for cls in TOYS}
+    yield made
+    for name in made:
+        portattn.unregister_backend(name)
+    tuning.clear()
+
+
+def _spec(b=2, sq=16, sk=16, h=2, d=8, grad=False, causal=True, **kw):
+    g = torch.Generator().manual_seed(b * 100 + sq)
+    q = torch.randn(b, sq, h, d, generator=g).requires_grad_(grad)
+    k = torch.randn(b, sk, h, d, generator=g)
+    v = torch.randn(b, sk, h, d, generator=g)
+    return build_spec(q, k, v, causal=causal, **kw)
+
+
+def _calls(toys):
+    return {n: t.calls for n, t in toys.items()}
+
+
+# ----- shape classes -----------------------------------------------------------------------
+
+def test_bucket_rounds_up_to_powers_of_two():
+    assert [tuning.bucket(n) for n in (0, 1, 2, 3, 1000, 1024, 1025, 131072)] == [0, 1, 2, 4, 1024, 1024, 2048, 131072]
+
+
+def test_shape_class_groups_similar_problems_and_separates_the_rest():
+    base = tuning.shape_class(_spec(b=2, sq=1000, sk=1000))
+    assert tuning.shape_class(_spec(b=2, sq=1024, sk=1024)) == base        # same buckets
+    assert tuning.shape_class(_spec(b=2, sq=1025, sk=1025)) != base        # next bucket
+    assert tuning.shape_class(_spec(b=4, sq=1000, sk=1000)) != base        # batch x heads
+    assert tuning.shape_class(_spec(b=2, sq=1000, sk=4000)) != base        # Sk alone
+    assert tuning.shape_class(_spec(b=2, sq=1000, sk=1000, causal=False)) != base
+    assert tuning.shape_class(_spec(b=2, sq=1000, sk=1000, grad=True)) != base
+    assert tuning.shape_class(_spec(b=2, sq=1000, sk=1000, return_lse=True)) != base
+    assert tuning.shape_class(_spec(b=2, sq=1000, sk=1000, d=16)) != base
+    q = torch.randn(2, 1000, 4, 8)
+    gqa = build_spec(q, torch.randn(2, 1000, 2, 8), torch.randn(2, 1000, 2, 8), causal=True)
+    assert "gqa2" in tuning.shape_class(gqa) and tuning.shape_class(gqa) != base
+    narrow = tuning.shape_class(_spec(b=2, sq=1000, sk=1000, causal=False, window=(100, 0)))
+    wide = tuning.shape_class(_spec(b=2, sq=1000, sk=1000, causal=False, window=(900, 0)))
+    assert narrow != wide
+
+
+# ----- choose: the fastest correct candidate -----------------------------------------------
+
+def test_choose_times_once_and_picks_the_fastest_correct(toys):
+    spec = _spec()
+    names = ["toy_wrong", "toy_slow", "toy_fast"]
+    assert tuning.choose(spec, names) == "toy_fast"
+    info = tuning.timing_details(spec)
+    assert info["winner"] == "toy_fast" and info["order"] == ["toy_fast", "toy_slow"]
+    seconds = tuning.timings_for(spec)
+    assert seconds["toy_fast"] == pytest.approx(COST["toy_fast"] * 1e-3) and seconds["toy_wrong"] == float("inf")
+    assert tuning.cached_choice(spec, ["toy_slow", "toy_wrong"]) == "toy_slow"
+    assert "failed" in info["results"]["toy_wrong"] and "out: FAIL" in info["results"]["toy_wrong"]["failed"]
+    assert info["results"]["toy_slow"]["ms"] > info["results"]["toy_fast"]["ms"]
+    text = tuning.format_timings(info)
+    assert "toy_wrong" in text and "failed the check" in text and "toy_fast" in text
+    before = _calls(toys)
+    # the same class again (other sizes in the same buckets): remembered, nothing runs
+    assert tuning.choose(_spec(b=2, sq=15, sk=15), names) == "toy_fast"
+    assert _calls(toys) == before
+    # a candidate list without the winner: the next fastest that passed, still no timing
+    assert tuning.choose(spec, ["toy_wrong", "toy_slow"]) == "toy_slow"
+    assert _calls(toys) == before
+
+
+def test_planted_wrong_backend_is_never_chosen_even_first_and_alone_with_a_fallback(toys):
+    spec = _spec(sq=8, sk=24)
+    assert tuning.choose(spec, ["toy_wrong", "reference"]) == "reference"
+    assert tuning.lookup(spec) is None           # nothing timed passed: no remembered winner
+    portattn.register_backend(WrongToy(), name="toy_wrong2")
+    try:
+        with pytest.raises(portattn.BackendNotAvailableError, match=r"no candidate that passes(?s:.*)toy_wrong2: failed"):
+            tuning.choose(_spec(sq=8, sk=40), ["toy_wrong", "toy_wrong2"])
+    finally:
+        portattn.unregister_backend("toy_wrong2")
+
+
+def test_gradient_classes_check_and_time_the_backward(toys):
+    spec = _spec(grad=True)
+    assert tuning.choose(spec, ["toy_wrong", "toy_fast", "toy_slow"]) == "toy_fast"
+    info = tuning.timing_details(spec)
+    assert info["mode"] == "fwd+bwd"
+    assert toys["toy_slow"].calls >= 4          # the check's and the timing's forward and backward
+
+
+def test_real_clock_measures_forward_and_backward(toys, monkeypatch):
+    monkeypatch.setattr(tuning, "time_backend", _REAL_TIME_BACKEND)
+    monkeypatch.setattr(tuning, "MIN_RUNS", 2)
+    monkeypatch.setattr(tuning, "BUDGET_MS", 1.0)
+    monkeypatch.setattr(SlowToy, "delay", 0.25)
+    spec = _spec(sq=4, sk=4, grad=True)
+    assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
+    slow = tuning.timing_details(spec)["results"]["toy_slow"]
+    assert slow["ms"] >= 2 * 250 * 0.95 and slow["runs"] >= 2          # forward + backward sleep, median
+
+
+def test_near_ties_are_timed_twice(toys, monkeypatch):
+    monkeypatch.setitem(COST, "toy_slow", COST["toy_fast"] * 1.03)
+    spec = _spec(sq=8, sk=8)
+    assert tuning.choose(spec, ["toy_slow", "toy_fast", "toy_wrong"]) == "toy_fast"
+    results = tuning.timing_details(spec)["results"]
+    assert results["toy_slow"]["runs"] == 2 and results["toy_fast"]["runs"] == 2
+    monkeypatch.setitem(COST, "toy_slow", COST["toy_fast"] * 1.5)          # not close: once
+    spec2 = _spec(sq=8, sk=16)
+    tuning.choose(spec2, ["toy_slow", "toy_fast"])
+    assert tuning.timing_details(spec2)["results"]["toy_fast"]["runs"] == 1
+
+
+def test_new_candidate_is_timed_later_without_retiming_the_others(toys):
+    spec = _spec(sq=32, sk=32)
+    assert tuning.choose(spec, ["toy_slow"] + ["reference"]) == "toy_slow"
+    slow_calls = toys["toy_slow"].calls
+    assert tuning.choose(spec, ["toy_slow", "toy_fast", "reference"]) == "toy_fast"
+    assert toys["toy_slow"].calls == slow_calls
+
+
+# ----- never during capture or compile -----------------------------------------------------
+
+def test_no_timing_during_compile_or_capture(toys, monkeypatch):
+    names = ["toy_slow", "toy_fast"]
+    monkeypatch.setattr(tuning, "_is_compiling", lambda: True)
+    spec = _spec(sq=64, sk=64)
+    assert tuning.choose(spec, names) == "toy_slow"          # priority list's first, nothing run
+    assert sum(_calls(toys).values()) == 0
+    assert tuning.timings_for(spec) is None and tuning.cached_choice(spec, names) is None
+    monkeypatch.setattr(tuning, "_is_compiling", lambda: False)
+    assert tuning.choose(spec, names) == "toy_fast"          # eager: timed
+    # capture: the cached winner, no timing, no sync
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+    def no_sync(*a, **k):
+        raise AssertionError("synchronised during capture")
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    before = _calls(toys)
+    assert tuning.choose(spec, names) == "toy_fast"
+    other = _spec(sq=128, sk=128)                              # an untimed class: first candidate
+    assert tuning.choose(other, names) == "toy_slow"
+    assert _calls(toys) == before
+
+
+def test_real_compile_traces_without_timing(toys):
+    """torch.compiler.is_compiling() is what tuning consults while dynamo traces."""
+    seen = []
+    spec = _spec()
+
+    def f(x):
+        seen.append(tuning._timing_forbidden(spec))
+        return x + 1
+
+    torch.compile(f, backend="eager", fullgraph=False)(torch.ones(2))
+    assert seen and seen[0] is True
+    assert tuning._timing_forbidden(spec) is False
+
+
+def test_pinned_backend_never_consults_the_policy(toys, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the policy was consulted for a pinned backend")
+    monkeypatch.setattr(tuning, "choose", boom)
+    spec_q = torch.randn(1, 8, 2, 8)
+    out = portattn.attention(spec_q, spec_q, spec_q, causal=True, backend="toy_slow")
+    assert toys["toy_slow"].calls == 1 and out.shape == spec_q.shape
+    with portattn.use_backend("toy_fast"):
+        portattn.attention(spec_q, spec_q, spec_q, causal=True)
+    assert toys["toy_fast"].calls == 1
+
+
+# ----- end to end: portattn.attention with the fastest policy -----------------------------
+
+@pytest.fixture
+def only_toys(toys, monkeypatch):
+    """CPU candidates restricted to the toys and reference (no onnx sessions built here)."""
+    for var in ("PORTATTN_BACKEND", "PORTATTN_POLICY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PORTATTN_PRIORITY_CPU", "toy_wrong,toy_slow,toy_fast,reference")
+    yield toys
+    portattn.set_policy(None)
+
+
+def _qkv(sq=12, sk=12, grad=False):
+    g = torch.Generator().manual_seed(sq + 7 * sk)
+    return (torch.randn(1, sq, 2, 8, generator=g).requires_grad_(grad), torch.randn(1, sk, 2, 8, generator=g),
+            torch.randn(1, sk, 2, 8, generator=g))
+
+
+@pytest.mark.parametrize("how", ["backend=", "use_backend", "PORTATTN_BACKEND", "set_policy", "PORTATTN_POLICY"])
+def test_every_way_to_ask_for_fastest_runs_the_fastest_correct(only_toys, monkeypatch, how):
+    q, k, v = _qkv()
+    kwargs = {}
+    ctx = torch.enable_grad()
+    if how == "backend=":
+        kwargs["backend"] = "fastest"
+    elif how == "use_backend":
+        ctx = portattn.use_backend("fastest")
+    elif how == "PORTATTN_BACKEND":
+        monkeypatch.setenv("PORTATTN_BACKEND", "fastest")
+    elif how == "set_policy":
+        portattn.set_policy("fastest")
+    else:
+        monkeypatch.setenv("PORTATTN_POLICY", "fastest")
+    with ctx:
+        out = portattn.attention(q, k, v, causal=True, **kwargs)
+        assert tuning.lookup(build_spec(q, k, v, causal=True)) == "toy_fast"
+        fast_calls = only_toys["toy_fast"].calls
+        out2 = portattn.attention(q, k, v, causal=True, **kwargs)       # remembered: one more call only
+        assert only_toys["toy_fast"].calls == fast_calls + 1
+        exp = portattn.explain(q, k, v, causal=True, **kwargs)
+    torch.testing.assert_close(out, out2)
+    torch.testing.assert_close(out, portattn.attention(q, k, v, causal=True, backend="reference"))
+    assert exp.selected == "toy_fast" and exp.timings["toy_fast"] == pytest.approx(1e-3)
+    text = str(exp)
+    assert "policy: fastest" in text and "[failed the check]" in text        # toy_wrong
+
+
+def test_fastest_backward_runs_on_the_forward_backend(only_toys):
+    q, k, v = _qkv(sq=10, sk=20, grad=True)
+    out = portattn.attention(q, k, v, causal=True, backend="fastest")
+    before = only_toys["toy_fast"].calls
+    out.sum().backward()
+    assert only_toys["toy_fast"].calls == before + 1 and q.grad is not None
+    ref_q = q.detach().double().requires_grad_(True)
+    portattn.attention(ref_q, k.double(), v.double(), causal=True, backend="reference").sum().backward()
+    torch.testing.assert_close(q.grad.double(), ref_q.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_pinning_is_untouched_by_the_fastest_policy(only_toys, monkeypatch):
+    portattn.set_policy("fastest")
+    q, k, v = _qkv(sq=6, sk=6)
+
+    def boom(*a, **k):
+        raise AssertionError("the policy was consulted for a pinned backend")
+    monkeypatch.setattr(tuning, "choose", boom)
+    portattn.attention(q, k, v, causal=True, backend="toy_slow")
+    assert only_toys["toy_slow"].calls == 1 and only_toys["toy_fast"].calls == 0
+    with portattn.use_backend("toy_wrong"):                     # even the wrong one, when pinned
+        portattn.attention(q, k, v, causal=True)
+    assert only_toys["toy_wrong"].calls == 1
+    monkeypatch.setenv("PORTATTN_BACKEND", "toy_slow")
+    portattn.attention(q, k, v, causal=True)
+    assert only_toys["toy_slow"].calls == 2
+
+
+# ----- the cache file ----------------------------------------------------------------------
+
+def test_winner_persists_across_processes(toys, tmp_path):
+    spec = _spec(sq=16, sk=48)
+    assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
+    path = Path(tuning.cache_path(spec.device))
+    assert path.parent == tmp_path / "tuning" and path.exists()
+    data = json.loads(path.read_text())
+    assert data["versions"] == tuning.software_versions(spec.device)
+    assert data["classes"][tuning.shape_class(spec)]["winner"] == "toy_fast"
+    tuning.clear()                                   # a new process: memory empty, file read
+    before = _calls(toys)
+    assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
+    assert _calls(toys) == before
+
+
+def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(toys):
+    spec = _spec(sq=16, sk=64)
+    path = Path(tuning.cache_path(spec.device))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"format": 1, "classes": {"x": ')            # truncated
+    with pytest.warns(RuntimeWarning, match="ignoring the tuning cache .*corrupt"):
+        assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
+    assert json.loads(path.read_text())["classes"][tuning.shape_class(spec)]["winner"] == "toy_fast"
+    path.write_text(json.dumps({"format": 1, "classes": {tuning.shape_class(spec): "toy_slow"},
+                                "versions": tuning.software_versions(spec.device)}))
+    tuning.clear()
+    with pytest.warns(RuntimeWarning, match="malformed entries"):
+        assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
+
+
+def test_cache_from_other_versions_is_not_used(toys, monkeypatch):
+    spec = _spec(sq=16, sk=80)
+    assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
+    old_path = Path(tuning.cache_path(spec.device))
+    # a newer torch: another file, nothing remembered, timed again
+    newer = dict(tuning.software_versions(spec.device), torch="99.0")
+    monkeypatch.setitem(tuning._versions_cache, "cpu", newer)
+    tuning.clear()
+    assert Path(tuning.cache_path(spec.device)) != old_path
+    before = toys["toy_fast"].calls
+    assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
+    assert toys["toy_fast"].calls > before
+    # a file whose recorded versions differ from its name's (copied by hand): warned, ignored
+    new_path = Path(tuning.cache_path(spec.device))
+    data = json.loads(new_path.read_text())
+    data["versions"]["torch"] = "1.0"
+    new_path.write_text(json.dumps(data))
+    tuning.clear()
+    with pytest.warns(RuntimeWarning, match="written by other versions"):
+        assert tuning.lookup(spec) is None
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    from portattn import tuning
+    path, who, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    store = tuning._Store(path, {"format": 1, "device": "test"})
+    for i in range(n):
+        key = f"{who}-{i}"
+        store.entries[key] = {"results": {"x": {"ms": float(i)}}, "order": ["x"], "winner": "x"}
+        store.save([key])
+""")
+
+
+def test_concurrent_writers_from_several_processes_lose_nothing(tmp_path):
+    path = tmp_path / "tuning" / "fastest-test.json"
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    procs = [subprocess.Popen([sys.executable, str(script), str(path), f"p{w}", "15"], env=env,
+                              stderr=subprocess.PIPE, text=True) for w in range(3)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    data = json.loads(path.read_text())
+    assert set(data["classes"]) == {f"p{w}-{i}" for w in range(3) for i in range(15)}
+    assert not [f for f in os.listdir(path.parent) if f.endswith(".tmp")]   # no temporary file left
+
+
+def test_unwritable_cache_dir_keeps_winners_in_memory(toys, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("PORTATTN_CACHE_DIR", str(blocker))
+    spec = _spec(sq=16, sk=96)
+    with pytest.warns(RuntimeWarning, match="could not write the tuning cache"):
+        assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
+    assert tuning.lookup(spec) == "toy_fast"
+
+
+def test_clear_removes_files(toys):
+    spec = _spec(sq=16, sk=112)
+    tuning.choose(spec, ["toy_slow", "toy_fast"])
+    path = tuning.cache_path(spec.device)
+    assert tuning.clear(disk=True) == [path] and not os.path.exists(path)
+    assert tuning.lookup(spec) is None
+
+
+# ----- the gate's small problem ------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [
+    dict(causal=True), dict(causal=True, causal_alignment="top_left"), dict(window=(3, 2)),
+    dict(softcap=5.0), dict(scale=0.3),
+])
+@pytest.mark.parametrize("sq,sk", [(1, 300), (200, 200), (300, 40)])
+def test_small_problem_keeps_features(kw, sq, sk):
+    q = torch.randn(2, sq, 8, 16)
+    k = torch.randn(2, sk, 2, 16)
+    v = torch.randn(2, sk, 2, 24)
+    spec = build_spec(q, k, v, **kw)
+    sq2, sk2, kw2 = tuning.small_problem(spec)[0].shape[1], tuning.small_problem(spec)[1].shape[1], \
+        tuning.small_problem(spec)[3]
+    small = build_spec(*tuning.small_problem(spec)[:3], **kw2)
+    assert small.features() == spec.features()
+    assert small.gqa_ratio == spec.gqa_ratio and small.head_dim_v == 24 and small.scale == spec.scale
+    assert (sq2 == sk2) == (sq == sk) and (sq2 < sk2) == (sq < sk) and (sq2 == 1) == (sq == 1)
+    assert sq2 * sk2 <= 112 * 112
+
+
+def test_small_problem_with_bias_mask_alibi_and_varlen():
+    q = torch.randn(1, 20, 4, 8)
+    for kw in (dict(attn_bias=torch.randn(1, 4, 20, 20)), dict(attn_bias=torch.rand(1, 1, 1, 20) > 0.5),
+               dict(alibi_slopes=torch.rand(4), causal=True)):
+        spec = build_spec(q, q, q, **kw)
+        q2, k2, v2, kw2 = tuning.small_problem(spec)
+        assert build_spec(q2, k2, v2, **kw2).features() == spec.features()
+    packed = torch.randn(30, 4, 8)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    spec = build_spec(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    q2, k2, v2, kw2 = tuning.small_problem(spec)
+    assert build_spec(q2, k2, v2, **kw2).features() == spec.features()
+
+
+def test_check_candidate_passes_a_real_backend_and_names_what_fails(toys):
+    spec = _spec(grad=True)
+    assert tuning.check_candidate("sdpa", spec) is None
+    assert tuning.check_candidate("toy_fast", spec) is None
+    why = tuning.check_candidate("toy_wrong", spec)
+    assert why.startswith("out: FAIL")
+    bias = torch.randn(2, 2, 16, 16, requires_grad=True)
+    bspec = build_spec(spec.q, spec.k, spec.v, attn_bias=bias)
+    assert "bias_grad" in bspec.features()
+    assert tuning.check_candidate("sdpa", bspec) is None
+
+
+# ----- portattn tune -----------------------------------------------------------------------
+
+def test_tune_cli_fills_the_cache(toys, capsys):
+    import argparse
+    parser = argparse.ArgumentParser()
+    tuning.add_arguments(parser)
+    args = parser.parse_args(["--shape", "1,16,16,2,2,8", "--heads", "2", "--head-dim", "8", "--seqlen", "32",
+                              "--kv-len", "64", "--q-len", "1", "--dtype", "fp32", "--device", "cpu", "--causal",
+                              "--backends", "toy_slow,toy_fast,toy_wrong", "--grad", "both"])
+    assert tuning.run(args) == 0
+    out = capsys.readouterr().out
+    assert out.count(": toy_fast") == 6, out          # 3 shapes x fwd, fwd+bwd
+    spec = build_spec(torch.randn(1, 1, 2, 8), torch.randn(1, 64, 2, 8), torch.randn(1, 64, 2, 8), causal=True)
+    assert tuning.lookup(spec) == "toy_fast"
+    assert tuning.run(parser.parse_args(["--show", "--device", "cpu"])) == 0
+    assert "6 classes" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="expected B,Sq,Sk,Hq,Hkv,D"):
+        tuning.run(parser.parse_args(["--shape", "1,2,3"]))
+    # a model's config.json, through the portattn command line
+    cfg = Path(os.environ["PORTATTN_CACHE_DIR"]) / "config.json"
+    cfg.write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 32}))
+    from portattn import cli
+    assert cli.main(["tune", "--config", str(cfg), "--seqlen", "16", "--dtype", "fp32", "--device", "cpu",
+                     "--causal", "--backends", "toy_slow,toy_fast"]) == 0
+    assert "B=1 Sq=16 Sk=16 H=4/4 D=8 fwd: toy_fast" in capsys.readouterr().out
+    cfg.write_text("{}")
+    assert cli.main(["tune", "--config", str(cfg), "--seqlen", "16"]) == 2
+    assert "needs num_attention_heads" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="nothing to tune"):
+        tuning.run(parser.parse_args([]))
+
+
+# ----- benchmarks/bench_fastest.py's GPU-free parts ----------------------------------------
+
+def _bench():
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _scripts import load_script
+    return load_script("bench_fastest")
+
+
+def test_bench_grids_are_the_issue_grids():
+    bench = _bench()
+    train = bench.training_cells()
+    assert len(train) == 18
+    assert {(c["D"], c["Sq"], c["causal"]) for c in train} == {(d, s, c) for d in (64, 128, 256)
+                                                              for s in (1024, 4096, 16384) for c in (False, True)}
+    assert all(c["B"] * c["Sq"] == 16384 and c["H"] * c["D"] == 2048 and c["Sq"] == c["Sk"] for c in train)
+    decode = bench.decode_cells()
+    assert len(decode) == 12 and all(c["H"] == 32 and c["Hkv"] == 4 and c["D"] == 128 and c["causal"] for c in decode)
+    assert {(c["Sq"], c["B"], c["Sk"]) for c in decode} == {(q, b, k) for q in (1, 8) for b in (1, 8)
+                                                           for k in (8192, 32768, 131072)}
+    work = bench.jobs()
+    assert len(work) == 12 + 18 + 18 and [m for _, m in work].count("fwd+bwd") == 18
+    assert work[0][0]["kind"] == "decode"
+
+
+def test_bench_slice_check_catches_a_wrong_output_and_gradient():
+    bench = _bench()
+    cell = dict(name="t", kind="decode", B=2, H=4, Hkv=2, Sq=3, Sk=20, D=16, causal=True)
+    q, k, v, dout = bench.make_inputs(cell, "fwd+bwd", torch.float32, torch.device("cpu"))
+    pack = bench.reference_slice(q, k, v, True, dout)
+    out, grads = bench.run_once("sdpa", q, k, v, True, dout)
+    results = bench.compare_slice(pack, out, grads)
+    assert [r.name for r in results] == ["out", "dq", "dk", "dv"] and all(r.passed for r in results)
+    wrong = out.clone()
+    wrong[0, :, 1] += 0.01                      # query head 1 reads KV head 0: inside the slice
+    assert not bench.compare_slice(pack, wrong)[0].passed
+    bad_dk = grads[1].clone()
+    bad_dk[0, 5, 0] += 0.01
+    assert not bench.compare_slice(pack, out, (grads[0], bad_dk, grads[2]))[2].passed
+
+
+def test_bench_summary_ratios_and_totals_on_the_same_cells():
+    bench = _bench()
+
+    def row(case, **ms):
+        return {"case": case, "mode": "fwd", "policy_choice": "a", "policy_first_call_s": 0.5,
+                "results": {n: ({"ms": t, "check": "ok"} if t is not None else {"error": "x"}) for n, t in ms.items()}}
+    rows = [row("c1", a=1.0, b=2.0, fastest=1.01), row("c2", a=3.0, b=1.0, fastest=1.1),
+            row("c3", a=2.0, b=None, fastest=2.0)]
+    rows[2]["results"]["b"] = {"ms": 0.1, "check": "FAIL out"}       # fast but wrong: not the best
+    s = bench.summarize(rows, ["a", "b"])
+    assert [c["best"] for c in s["cells"]] == ["a", "b", "a"]
+    assert s["cells"][1]["ratio"] == pytest.approx(1.1) and s["cells_over_target"] == ["c2 fwd"]
+    assert s["totals"]["a"] == {"cells": 3, "total_ms": 6.0, "fastest_total_ms": pytest.approx(4.11),
+                                "fastest_over_backend": pytest.approx(4.11 / 6.0)}
+    assert s["totals"]["b"]["cells"] == 2 and s["totals"]["b"]["total_ms"] == 3.0   # c3 failed its check
+    assert s["below_every_backend_total"] is True and s["tuning_s_total"] == pytest.approx(1.5)
+    text = bench.table(rows, ["a", "b"], s)
+    assert "| c2 | fwd | 3.000 | 1.000 | 1.100 | a | 1.100 ! | 0.50 |" in text
+    assert "x 0.100" in text and "| b | 2 | 3.00 |" in text
+
+
+# ----- on a GPU ----------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_tuning_and_cuda_graph_capture(tmp_path, monkeypatch):
+    """Real backends on the GPU: a class is tuned eagerly (every candidate checked and timed or
+    recorded as failed), then captured in a CUDA graph with the remembered winner — no timing
+    and no synchronisation during capture (either would fail the capture) — and replayed."""
+    monkeypatch.setenv("PORTATTN_CACHE_DIR", str(tmp_path))
+    for var in ("PORTATTN_BACKEND", "PORTATTN_POLICY"):
+        monkeypatch.delenv(var, raising=False)
+    tuning.clear()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 256, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    spec = build_spec(q, k, v, causal=True)
+    candidates = tuning.supported_candidates(spec)
+    winner = tuning.choose(spec, candidates)
+    details = tuning.timing_details(spec)
+    assert details["winner"] == winner and set(details["results"]) == set(candidates)
+    assert all({"ms"} <= set(r) or {"failed"} & set(r) or {"error"} & set(r) or {"skipped"} & set(r)
+               for r in details["results"].values())
+    eager = portattn.attention(q, k, v, causal=True, backend="fastest")
+    other = build_spec(q[:, :64], k[:, :64], v[:, :64], causal=True)            # never timed
+    static_q = q.clone()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        assert tuning.choose(spec, candidates) == winner
+        assert tuning.choose(other, tuning.supported_candidates(other)) == tuning.supported_candidates(other)[0]
+        out = portattn.attention(static_q, k, v, causal=True, backend="fastest")
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager)
+    assert tuning.timings_for(other) is None
