@@ -27,8 +27,8 @@ from hypothesis import strategies as st  # noqa: E402
 from test_lse_grad import CASES as LSE_CASES  # noqa: E402
 from test_lse_grad import _make, check_lse_grads  # noqa: E402
 
-#: None = the module default; 1 forces one query row and one key per chunk where the heads allow
-BUDGETS = [None, 1, 37, 600]
+#: None = the module default; 1 forces one key per chunk (16 query rows); 600 a few keys per chunk
+BUDGETS = [None, 1, 600]
 
 
 @contextlib.contextmanager
@@ -48,7 +48,7 @@ def _verdict(problem, elements):
 
 
 @settings(max_examples=30)
-@given(problem=problem_strategy(CPU_CAP), elements=st.sampled_from(BUDGETS))
+@given(problem=problem_strategy(CPU_CAP), elements=st.sampled_from([*BUDGETS, 37]))
 def test_matches_reference_on_drawn_problems(problem, elements):
     note(f"problem: {problem!r} budget={elements}")
     outcome = _verdict(problem, elements)
@@ -151,7 +151,7 @@ def test_deterministic_bits():
     runs = []
     for _ in range(2):
         c = Checker(p, "cpu")
-        with budget(37):
+        with budget(600):
             runs.append(c.run_backend("chunked", grads=True, bias_grad=True))
     a, b = runs
     for x, y in [(a.out, b.out), (a.lse, b.lse)] + [(a.grads[n], b.grads[n]) for n in a.grads]:
@@ -176,18 +176,18 @@ class _LargestAllocation(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("causal", [False, True])
 def test_memory_is_linear_in_the_sequence_length(causal):
     """No tensor larger than the chunk budget or the inputs: the S×S scores never exist."""
-    b, s, h, d = 1, 512, 2, 16
+    b, s, h, d = 1, 256, 2, 16
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, generator=gen) for _ in range(3))
     spec = build_spec(q, k, v, causal=causal, return_lse=True)
     backend = portattn.get_backend("chunked")
-    with budget(4096):
+    with budget(2048):
         with _LargestAllocation() as mode:
             out, lse = backend.forward(spec)
             backend.backward(spec, out, lse, torch.ones_like(out), None)
     linear = b * s * h * d
-    assert mode.largest <= max(linear, 4096 * 2), (mode.largest, linear, h * s * s)
-    assert h * s * s > 8 * max(linear, 4096 * 2)   # the test would see a quadratic buffer
+    assert mode.largest <= max(linear, 2048 * 2), (mode.largest, linear, h * s * s)
+    assert h * s * s > 8 * max(linear, 2048 * 2)   # the test would see a quadratic buffer
 
 
 def test_capabilities_and_reasons():
