@@ -1,14 +1,31 @@
-"""The portattn ONNX op ``portattn.FlashAttention`` (domain ``portattn``, version 1).
+"""The portattn ONNX ops ``portattn.FlashAttention``, ``portattn.FlashAttentionKVCache`` and
+``portattn.FlashAttentionPagedKVCache`` (domain ``portattn``, version 1).
 
-* :mod:`.schema` — the ``OpSchema`` (inputs, attributes, types) and :func:`register_schema`;
-* :mod:`.function` — the op's body, an onnxscript function: FlashAttention's tiled online softmax;
-* :mod:`.model` — the body as a model-local function, and one-node models of the op;
-* :mod:`.export` — translations of the torch op ``portattn::attention`` for ``torch.onnx.export``.
+* :mod:`.schema` — the ``OpSchema``s (inputs, attributes, types) and :func:`register_schema`;
+* :mod:`.function` — the ops' bodies, onnxscript functions sharing FlashAttention's tiled online
+  softmax (helper functions ``FlashAttentionLayout``/``Block``/``Finish``);
+* :mod:`.model` — the bodies as model-local functions, and one-node models of the ops;
+* :mod:`.export` — translations of the torch ops ``portattn::attention`` and
+  ``portattn::attention_with_kvcache`` for ``torch.onnx.export``;
+* :mod:`.kvcache_op` — the functional torch op ``portattn::attention_with_kvcache`` that
+  ``attention_with_kvcache`` calls under ``torch.export`` (torch only).
 
 Importing this package needs ``onnx`` only for the functions that build protos; the submodules
 that need onnxscript/onnxruntime import them when used.
 """
 
-from .schema import ALIGNMENT_CODES, ATTRIBUTES, DOMAIN, NEUTRAL_DOC, OP_NAME, VERSION, register_schema
+from .schema import (
+    ALIGNMENT_CODES,
+    ATTRIBUTES,
+    DOMAIN,
+    KV_ATTRIBUTES,
+    KV_OP_NAME,
+    NEUTRAL_DOC,
+    OP_NAME,
+    PAGED_KV_OP_NAME,
+    VERSION,
+    register_schema,
+)
 
-__all__ = ["ALIGNMENT_CODES", "ATTRIBUTES", "DOMAIN", "NEUTRAL_DOC", "OP_NAME", "VERSION", "register_schema"]
+__all__ = ["ALIGNMENT_CODES", "ATTRIBUTES", "DOMAIN", "KV_ATTRIBUTES", "KV_OP_NAME", "NEUTRAL_DOC", "OP_NAME",
+           "PAGED_KV_OP_NAME", "VERSION", "register_schema"]

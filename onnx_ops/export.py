@@ -16,7 +16,17 @@ The translations are called by the exporter with onnxscript's tracing evaluator 
 
 from __future__ import annotations
 
-from .schema import ALIGNMENT_CODES, DOMAIN, OP_NAME, VERSION, op_schema, register_schema
+from .schema import (
+    ALIGNMENT_CODES,
+    DOMAIN,
+    KV_OP_NAME,
+    OP_NAME,
+    PAGED_KV_OP_NAME,
+    VERSION,
+    kv_op_schema,
+    op_schema,
+    register_schema,
+)
 
 TARGETS = ("portattn", "standard")
 
@@ -25,12 +35,13 @@ class UnsupportedFeatureError(ValueError):
     """A feature of an attention call that the chosen export target cannot express."""
 
 
-def _flash_attention_op():
+def _flash_attention_op(name: str = OP_NAME):
     import onnxscript
 
     register_schema()
     opset = onnxscript.values.Opset(DOMAIN, VERSION)
-    return onnxscript.values.Op(opset, OP_NAME, op_schema())
+    schema = op_schema() if name == OP_NAME else kv_op_schema(paged=name == PAGED_KV_OP_NAME)
+    return onnxscript.values.Op(opset, name, schema)
 
 
 def _tensor_constant(op, array):
@@ -91,6 +102,50 @@ def make_portattn_translation(block_size: int = 256):
             softcap=float(softcap), block_size=int(block_size), _num_outputs=2)
 
     return portattn_attention
+
+
+def make_kvcache_translation(block_size: int = 256):
+    """The translation of ``portattn::attention_with_kvcache`` (the functional KV-cache op of
+    :mod:`.kvcache_op`) emitting one ``portattn.FlashAttentionKVCache`` node per call
+    (``FlashAttentionPagedKVCache`` when it has a block table). Its four outputs are the op's:
+    ``out``, the updated key and value caches, ``lse``."""
+    kv_attention = _flash_attention_op(KV_OP_NAME)
+    paged_kv_attention = _flash_attention_op(PAGED_KV_OP_NAME)
+
+    def portattn_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                                        alibi_slopes=None, scale=1.0, causal=False, alignment="bottom_right",
+                                        window_left=-1, window_right=-1, softcap=0.0, backend=""):
+        import numpy as np
+        from onnxscript import opset18 as op
+
+        if k is None:   # nothing to append: empty (B, 0, Hkv, D/Dv) new keys and values
+            head = op.Concat(op.Shape(q, start=0, end=1), _tensor_constant(op, np.array([0], np.int64)), axis=0)
+            k, v = (op.CastLike(op.ConstantOfShape(op.Concat(head, op.Shape(c, start=2, end=4), axis=0)), c)
+                    for c in (k_cache, v_cache))
+        if alibi_slopes is None:
+            alibi_slopes = _tensor_constant(op, np.zeros((1, 1), np.float32))
+        attributes = dict(scale=float(scale), causal=int(bool(causal)), alignment=ALIGNMENT_CODES[alignment],
+                          window_left=int(window_left), window_right=0 if causal else int(window_right),
+                          softcap=float(softcap), block_size=int(block_size), _num_outputs=4)
+        if block_table is not None:
+            return paged_kv_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes,
+                                      **attributes)
+        return kv_attention(q, k_cache, v_cache, k, v, cache_seqlens, alibi_slopes, **attributes)
+
+    return portattn_attention_with_kvcache
+
+
+def make_standard_kvcache_translation():
+    """``target="standard"`` has no KV-cache form: ONNX ``Attention`` appends past keys by
+    concatenation, not at per-sequence lengths. Refused with a message."""
+
+    def standard_attention_with_kvcache(*args, **kwargs):
+        raise UnsupportedFeatureError(
+            "attention_with_kvcache cannot be exported with target='standard': ONNX Attention has no "
+            "per-sequence cache lengths (cache_seqlens) or in-place append; use target='portattn' "
+            "(the portattn.FlashAttentionKVCache op)")
+
+    return standard_attention_with_kvcache
 
 
 def _same_length(a, b) -> bool:

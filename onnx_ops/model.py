@@ -1,4 +1,4 @@
-"""Build ONNX models around ``portattn.FlashAttention``: the function proto, and one-node models.
+"""Build ONNX models around the portattn ops: their function protos, and one-node models.
 
 :func:`function_proto` gives the op's body as a model-local ``FunctionProto`` stamped with the
 model's default opset (onnxruntime requires a local function to import the same ``""`` opset
@@ -10,7 +10,20 @@ from __future__ import annotations
 
 import functools
 
-from .schema import ALIGNMENT_CODES, ATTRIBUTES, DOMAIN, OP_NAME, VERSION, register_schema
+from .schema import (
+    ALIGNMENT_CODES,
+    ATTRIBUTES,
+    DOMAIN,
+    KV_ATTRIBUTES,
+    KV_OP_NAME,
+    OP_NAME,
+    PAGED_KV_OP_NAME,
+    VERSION,
+    register_schema,
+)
+
+#: the portattn ops whose functions :func:`attach_function` adds
+OP_NAMES = (OP_NAME, KV_OP_NAME, PAGED_KV_OP_NAME)
 
 #: Default ONNX opset of exported models (23: the first with the standard ``Attention`` op).
 DEFAULT_OPSET = 23
@@ -19,39 +32,60 @@ IR_VERSION = 10
 
 
 @functools.cache
-def _function_bytes(opset: int) -> bytes:
+def _function_bytes(name: str, opset: int) -> bytes:
     from . import function
 
-    proto = function.FlashAttention.to_function_proto()
+    fn = function.OPS.get(name) or {h.name: h for h in function.HELPERS + function.KV_HELPERS}[name]
+    proto = fn.to_function_proto()
     for imp in proto.opset_import:
         if imp.domain == "":
             imp.version = opset
     return proto.SerializeToString()
 
 
-def function_proto(opset: int = DEFAULT_OPSET):
-    """The body of ``portattn.FlashAttention`` as a ``FunctionProto`` importing opset ``opset``.
+def _check_opset(opset: int) -> None:
+    if not 18 <= opset <= 23:
+        raise ValueError(f"opset={opset} is not supported by the portattn op; use 18..23")
 
-    The body only uses operators whose semantics are unchanged from opset 18 to 23.
+
+def function_proto(opset: int = DEFAULT_OPSET, name: str = OP_NAME):
+    """The body of ``portattn.<name>`` (``FlashAttention``, ``FlashAttentionKVCache`` or one of
+    the helpers they call) as a ``FunctionProto`` importing opset ``opset``.
+
+    The bodies only use operators whose semantics are unchanged from opset 18 to 23.
     """
     import onnx
 
-    if not 18 <= opset <= 23:
-        raise ValueError(f"opset={opset} is not supported by the portattn op; use 18..23")
+    _check_opset(opset)
     proto = onnx.FunctionProto()
-    proto.ParseFromString(_function_bytes(opset))
+    proto.ParseFromString(_function_bytes(name, opset))
     return proto
 
 
+def function_protos(opset: int = DEFAULT_OPSET, names=OP_NAMES) -> list:
+    """The functions a model using the ops ``names`` must carry: the shared helpers (and the
+    KV-cache helpers when a KV-cache op is among them), then the ops."""
+    from . import function
+
+    _check_opset(opset)
+    helpers = list(function.HELPERS)
+    if any(n != OP_NAME for n in names):
+        helpers += function.KV_HELPERS
+    return [function_proto(opset, n) for n in [h.name for h in helpers] + list(names)]
+
+
 def attach_function(model) -> None:
-    """Add the op's function (and the ``portattn`` opset import) to ``model`` in place, if it
-    uses the op and does not carry the function yet."""
-    uses = any(n.domain == DOMAIN and n.op_type == OP_NAME for n in model.graph.node)
-    if not uses:
+    """Add the functions of the portattn ops ``model`` uses (and the ``portattn`` opset import) to
+    it in place, those it does not carry yet."""
+    used = [name for name in OP_NAMES
+            if any(n.domain == DOMAIN and n.op_type == name for n in model.graph.node)]
+    if not used:
         return
     opset = next((imp.version for imp in model.opset_import if imp.domain == ""), DEFAULT_OPSET)
-    if not any(f.domain == DOMAIN and f.name == OP_NAME for f in model.functions):
-        model.functions.append(function_proto(opset))
+    have = {(f.domain, f.name) for f in model.functions}
+    for proto in function_protos(opset, used):
+        if (proto.domain, proto.name) not in have:
+            model.functions.append(proto)
     if not any(imp.domain == DOMAIN for imp in model.opset_import):
         imp = model.opset_import.add()
         imp.domain, imp.version = DOMAIN, VERSION
@@ -116,6 +150,64 @@ def one_node_model(*, dtype: str, bias_dtype: str, attributes: dict, opset: int 
     node = helper.make_node(OP_NAME, [i.name for i in inputs], [o.name for o in outputs],
                             domain=DOMAIN, name="attention", **attributes)
     graph = helper.make_graph([node], "portattn_flash_attention", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
+                                                    helper.make_opsetid(DOMAIN, VERSION)],
+                              producer_name="portattn", ir_version=IR_VERSION)
+    attach_function(model)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def kv_attribute_values(*, scale: float, causal: bool = False, alignment: str = "bottom_right",
+                        window_left: int | None = None, window_right: int | None = None,
+                        softcap: float | None = None, block_size: int = 256) -> dict:
+    """Attributes of a ``FlashAttentionKVCache`` node from portattn's arguments."""
+    values = attribute_values(scale=scale, causal=causal, alignment=alignment, window_left=window_left,
+                              window_right=window_right, softcap=softcap, block_size=block_size)
+    return {name: values[name] for name in KV_ATTRIBUTES}
+
+
+def kv_one_node_model(*, dtype: str, attributes: dict, opset: int = DEFAULT_OPSET, with_lse: bool = True,
+                      seqlens_dtype: str = "int32", paged: bool = False):
+    """A model holding a single ``FlashAttentionKVCache`` (``paged``: ``FlashAttentionPagedKVCache``)
+    node with dynamic shapes.
+
+    Inputs Q, K_cache, V_cache, K_new, V_new, cache_seqlens, (block_table, int32,) alibi_slopes;
+    outputs Y, K_present, V_present (and LSE). ``dtype`` is the element type name of Q and the caches.
+    """
+    import onnx
+    from onnx import TensorProto, helper
+
+    register_schema()
+    unknown = set(attributes) - set(KV_ATTRIBUTES)
+    if unknown:
+        raise ValueError(f"unknown {KV_OP_NAME} attribute(s) {sorted(unknown)}; known: {sorted(KV_ATTRIBUTES)}")
+    elem = {"float": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+    lens = {"int32": TensorProto.INT32, "int64": TensorProto.INT64}
+    if dtype not in elem:
+        raise ValueError(f"dtype={dtype!r}: the op supports {sorted(elem)}")
+    if seqlens_dtype not in lens:
+        raise ValueError(f"seqlens_dtype={seqlens_dtype!r}: the op supports {sorted(lens)}")
+    t = elem[dtype]
+    rows = ["num_pages", "page_size"] if paged else ["B", "S_max"]
+    inputs = [
+        helper.make_tensor_value_info("Q", t, ["B", "Sq", "Hq", "D"]),
+        helper.make_tensor_value_info("K_cache", t, [*rows, "Hkv", "D"]),
+        helper.make_tensor_value_info("V_cache", t, [*rows, "Hkv", "Dv"]),
+        helper.make_tensor_value_info("K_new", t, ["B", "Sk_new", "Hkv", "D"]),
+        helper.make_tensor_value_info("V_new", t, ["B", "Sk_new", "Hkv", "Dv"]),
+        helper.make_tensor_value_info("cache_seqlens", lens[seqlens_dtype], ["B"]),
+        *([helper.make_tensor_value_info("block_table", TensorProto.INT32, ["B", "max_pages"])] if paged else []),
+        helper.make_tensor_value_info("alibi_slopes", TensorProto.FLOAT, ["aB", "aH"]),
+    ]
+    outputs = [helper.make_tensor_value_info("Y", t, ["B", "Sq", "Hq", "Dv"]),
+               helper.make_tensor_value_info("K_present", t, [*rows, "Hkv", "D"]),
+               helper.make_tensor_value_info("V_present", t, [*rows, "Hkv", "Dv"])]
+    if with_lse:
+        outputs.append(helper.make_tensor_value_info("LSE", TensorProto.FLOAT, ["B", "Hq", "Sq"]))
+    node = helper.make_node(PAGED_KV_OP_NAME if paged else KV_OP_NAME, [i.name for i in inputs], [o.name for o in outputs],
+                            domain=DOMAIN, name="attention_with_kvcache", **attributes)
+    graph = helper.make_graph([node], "portattn_flash_attention_kvcache", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
                                                     helper.make_opsetid(DOMAIN, VERSION)],
                               producer_name="portattn", ir_version=IR_VERSION)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 
@@ -39,9 +41,18 @@ _KEYS: dict[str, bytes] = {}
 _PARSED: dict[tuple[str, bytes | str | None], object] = {}
 
 
+def _tracing() -> bool:
+    """Under torch.compile the memo dictionaries are not touched: dynamo guards on their
+    contents, and filling one while tracing would recompile the graph on the next call."""
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:   # torch < 2.3
+        return False
+
+
 def _raw(name: str):
     """The variable's raw value (bytes on POSIX, str elsewhere) or None, cheaply."""
-    if _ENV_BYTES is None:
+    if _ENV_BYTES is None or _tracing():
         return os.environ.get(name)
     key = _KEYS.get(name)
     if key is None:
@@ -53,6 +64,8 @@ def _parsed(name: str, parse, default):
     raw = _raw(name)
     if raw is None:
         return default
+    if _tracing():
+        return parse(name, os.fsdecode(raw) if isinstance(raw, bytes) else raw)
     memo = (name, raw)
     value = _PARSED.get(memo, _PARSED)
     if value is _PARSED:

@@ -551,6 +551,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     ``backend`` pins a backend (else ``use_backend``, ``PORTATTN_BACKEND``, the priority list);
     a pinned backend that cannot run raises :class:`portattn.BackendNotAvailableError`.
     """
+    if torch.compiler.is_exporting():   # torch.export / portattn.onnx.export: one functional op (onnx_ops/kvcache_op.py)
+        from portattn.onnx_ops.kvcache_op import export_attention_with_kvcache
+        return export_attention_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table, causal=causal,
+            causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
+            alibi_slopes=alibi_slopes, return_lse=return_lse, backend=backend)
     kv = build_kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
                             causal=causal, causal_alignment=causal_alignment, window=window, scale=scale,
                             softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse)

@@ -1,4 +1,4 @@
-"""The equivalence rule of DESIGN.md §3, used by every test and by the conformance suite.
+"""The equivalence rule of docs/semantics.md, used by every test and by the conformance suite.
 
 For inputs in dtype ``T`` with float64 reference ``ref`` and naive in-dtype result ``naive``::
 

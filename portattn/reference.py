@@ -1,11 +1,11 @@
 """The float64 oracle, and the plain "naive" math the equivalence rule compares against.
 
-:func:`reference_forward` computes DESIGN.md §2 literally, materialising the score matrix in
+:func:`reference_forward` computes docs/semantics.md literally, materialising the score matrix in
 float64 (one sequence and a few heads at a time, so memory stays bounded). It is differentiable
 through torch autograd, which is how the ``reference`` backend gets its backward.
 
 :func:`naive_forward` is the same formula in the input dtype (scores and ``P·V`` in that dtype,
-softmax in float32): its error against the reference is the yardstick of DESIGN.md §3.
+softmax in float32): its error against the reference is the yardstick of docs/semantics.md.
 """
 
 from __future__ import annotations

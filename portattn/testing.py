@@ -1,4 +1,4 @@
-"""Check a backend against the float64 reference under DESIGN.md §3 — for tests and for
+"""Check a backend against the float64 reference under docs/semantics.md — for tests and for
 third-party backend authors::
 
     from portattn.testing import check_backend

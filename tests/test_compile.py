@@ -50,3 +50,16 @@ def test_compiled_call_respects_use_backend_at_run_time():
         with pytest.raises(ValueError, match="does not support softcap"):
             compiled(q)
     torch.testing.assert_close(compiled(q), portattn.attention(q, q, q, softcap=2.0, backend="reference"))
+
+
+def test_compiled_call_does_not_recompile_on_the_second_call(monkeypatch):
+    """The call path's memoised environment reads must not change what dynamo guards on."""
+    from torch._dynamo.utils import counters
+    for var in ("PORTATTN_DETERMINISTIC", "PORTATTN_ALLOW_TF32", "PORTATTN_BACKEND"):
+        monkeypatch.delenv(var, raising=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda q: portattn.attention(q, q, q, causal=True), fullgraph=True, backend="eager")
+    for seed in range(3):
+        compiled(torch.randn(1, 4, 2, 8, generator=torch.Generator().manual_seed(seed)))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

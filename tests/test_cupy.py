@@ -1,5 +1,5 @@
 """GPU tests of the cupy backend: forward, lse and gradients against the float64 reference
-under the DESIGN.md §3 rule (portattn.numerics), across features, dtypes and odd sizes.
+under the equivalence rule of docs/semantics.md (portattn.numerics), across features, dtypes and odd sizes.
 
 Skipped without a CUDA device or without cupy (run on the H200 by the lead).
 """

@@ -4,7 +4,7 @@ Problems are drawn whole by :func:`portattn.conformance.problem_strategy` (sizes
 dims, dtype, scale, masking, softcap, ALiBi, bias, varlen, layout, strides, magnitude); tensor
 values come from a seeded ``torch.Generator``. Each problem runs through every available backend
 that supports it (skipped backends are recorded as Hypothesis events with their reasons; see
-``--hypothesis-show-statistics``) and is judged by DESIGN.md §3 through
+``--hypothesis-show-statistics``) and is judged by docs/semantics.md through
 :class:`portattn.conformance.Checker` — the same checking function ``portattn conformance run``
 uses.
 

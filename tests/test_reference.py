@@ -1,4 +1,4 @@
-"""The float64 reference against an independent, literal float64 formula (DESIGN.md §2).
+"""The float64 reference against an independent, literal float64 formula (docs/semantics.md).
 
 ``literal`` below is written from the contract text, row by row, sharing no code with
 portattn.reference, so a slip in either shows up as a mismatch.

@@ -1,4 +1,4 @@
-"""The sdpa backend against the float64 reference under DESIGN.md §3, on CPU and, where one is
+"""The sdpa backend against the float64 reference under docs/semantics.md, on CPU and, where one is
 visible, on the GPU (the fused CUDA kernels and the view copies run only there)."""
 
 import pytest

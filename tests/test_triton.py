@@ -1,4 +1,4 @@
-"""Tests of the triton backend against the float64 reference under DESIGN.md §3.
+"""Tests of the triton backend against the float64 reference under docs/semantics.md.
 
 Without a GPU the very same kernels run on CPU tensors through Triton's interpreter (conftest
 sets TRITON_INTERPRET=1 before triton is imported); sizes are small because the interpreter is

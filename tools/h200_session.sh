@@ -6,6 +6,8 @@
 #   PROFILE=ci bash tools/h200_session.sh properties       # the Hypothesis suite on cpu and cuda
 #   bash tools/h200_session.sh tests        # the GPU tests alone (every file with GPU parts)
 #   bash tools/h200_session.sh wave2bench   # call-path overhead, the decode grid, the fastest policy
+#   PREV=report.json bash tools/h200_session.sh wave2final   # GPU tests + the cases PREV did not run
+#       (and triton's quick subset again) side by side, one merged report, then wave2bench
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -126,11 +128,62 @@ if [[ $what == tests ]]; then
   tail -3 "$OUT/pytest_gpu.txt"
 fi
 
+if [[ $what == wave2final ]]; then
+  t0=$(date +%s)
+  PREV=${PREV:?set PREV to the previous conformance report}
+  rm -rf "$shards"; mkdir -p "$shards" /tmp/portattn-quick
+  # shellcheck disable=SC2086
+  timeout -s INT -k 20 "${TEST_LIMIT:-240}" $PY -m pytest -v --tb=short -p no:cacheprovider -n "${WORKERS:-6}" \
+      $GPU_TESTS -rfEs > "$OUT/pytest_gpu.txt" 2>&1 &
+  mapfile -t missing < <($PY - "$PREV" <<'PYEOF'
+import json, sys
+report = json.load(open(sys.argv[1]))
+ran = {(r["case"], r["backend"]) for r in report["results"]}
+from portattn.conformance.catalogue import build_catalogue
+ids = [c.id for c in build_catalogue() if (c.id, "triton") not in ran]
+for part in range(4):
+    print(" ".join(ids[part::4]))
+PYEOF
+)
+  LIMIT=${CONF_LIMIT:-240}
+  for i in 0 1 2 3; do
+    # shellcheck disable=SC2086  # one word per case id
+    [[ -n ${missing[$i]:-} ]] && run_shard "rest$i" --backends triton --cases ${missing[$i]} &
+  done
+  timeout "$LIMIT" $PY -m portattn.cli conformance run --devices cuda --no-progress --quick --backends triton \
+      --out /tmp/portattn-quick/quick-triton.json > /tmp/portattn-quick/quick-triton.log 2>&1 &
+  wait
+  echo "== GPU tests ($(( $(date +%s) - t0 ))s):"; grep -E "(FAILED|ERROR) tests" "$OUT/pytest_gpu.txt" | sort -u | head -40
+  tail -2 "$OUT/pytest_gpu.txt"
+  echo "== triton quick subset again:"; tail -4 /tmp/portattn-quick/quick-triton.log
+  $PY - "$PREV" "$shards" "$OUT/conformance-h200.json" > "$OUT/conformance.txt" 2>&1 <<'PYEOF'
+import glob, json, sys
+from portattn.conformance.runner import merge_reports, print_summary, write_report
+prev, shard_dir, out = sys.argv[1:]
+reports = [json.load(open(prev))] + [json.load(open(f)) for f in sorted(glob.glob(shard_dir + "/*.json"))]
+merged = merge_reports(reports)
+done = {(r["case"], r["backend"]) for r in merged["results"]}
+still = [c for c in merged.get("not_run", []) if (c, "triton") not in done]
+if still:
+    merged["interrupted"], merged["not_run"] = True, still
+else:
+    merged.pop("interrupted", None); merged.pop("not_run", None)
+write_report(merged, out)
+print_summary(merged)
+print("not run:", still)
+PYEOF
+  echo "== conformance merge rc=$?:"; tail -12 "$OUT/conformance.txt"
+  cat "$shards"/*.log > /tmp/portattn-quick/shards.log 2>/dev/null
+  W=/tmp/portattn-wave2; rm -rf "$W"; mkdir -p "$W"; cp -r /tmp/portattn-quick "$W/"
+  what=wave2bench KEEP_W=1
+fi
+
 if [[ $what == wave2bench ]]; then
   # each part bounded; what a part printed last is its summary. The benchmarks write many
   # files (JSON, PNG, tables): they go to $W and come back as one archive (the device tool
   # returns at most 8 files).
-  W=/tmp/portattn-wave2; rm -rf "$W"; mkdir -p "$W"
+  W=/tmp/portattn-wave2
+  [[ -n ${KEEP_W:-} ]] || { rm -rf "$W"; mkdir -p "$W"; }
   t0=$(date +%s)
   timeout -s INT -k 10 "${OVERHEAD_LIMIT:-90}" $PY benchmarks/overhead.py --out "$W" > "$OUT/overhead.txt" 2>&1
   echo "== overhead rc=$? ($(( $(date +%s) - t0 ))s):"; tail -30 "$OUT/overhead.txt"

@@ -10,7 +10,7 @@
 //  * the tensor-core forward keeps scores in base 2: s2 = log2(e) * score, so softmax uses
 //    exp2 and the scale is folded into one multiply (scale_log2 = scale * log2(e)); the float32
 //    kernels stay in natural units (expf/logf), so that float32 results carry no extra
-//    rounding from the base change (DESIGN.md §3 compares them with plain float32 math);
+//    rounding from the base change (docs/semantics.md compares them with plain float32 math);
 //  * a query row i of a sequence with Sq rows and Sk keys sees key j iff
 //      j < Sk  and  i' - left <= j <= i' + right,   i' = i + off_mask
 //    where off_mask = Sk - Sq (bottom-right alignment) or 0 (top-left); an unbounded side is
@@ -88,7 +88,7 @@ struct SeqInfo {
     int sq, sk;            // this sequence's query rows and keys
     long long q0, k0;      // first token of the sequence in the (packed) q / k tensors
     int off_mask;          // i' = i + off_mask for causal/window
-    int off_alibi;         // ALiBi distance uses i + Sk - Sq - j always (DESIGN.md §2)
+    int off_alibi;         // ALiBi distance uses i + Sk - Sq - j always (docs/semantics.md)
 };
 
 // (start, length) of sequence b from cu_seqlens, clamped so that a bad one (its contents are not
@@ -193,7 +193,7 @@ __device__ __forceinline__ float score_dot(const float* a, const float* b) {
 }
 
 // Natural-log logit of query row i (in-sequence) and key j from the raw dot product q_i . k_j,
-// in DESIGN.md §2's order: scale, softcap, ALiBi, bias (a False bool entry gives -inf).
+// in docs/semantics.md's order: scale, softcap, ALiBi, bias (a False bool entry gives -inf).
 // `th` receives tanh(scale * dot / c) when softcap is on (the backward needs it).
 // Callers guarantee (i, j) is inside the sequence when bias is on.
 __device__ __forceinline__ float score_nat(float dot, const ScoreMods& m, const SeqInfo& s, int i, int j,

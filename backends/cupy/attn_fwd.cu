@@ -264,7 +264,7 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     key_range(s, m0, m0 + BM - 1, win_left, win_right, &n_lo, &n_hi);
 
     // P V and the row sum accumulate in float64: sums of hundreds of terms of either sign would
-    // otherwise lose a few float32 ulps against plain float32 math (DESIGN.md §3's yardstick).
+    // otherwise lose a few float32 ulps against plain float32 math (docs/semantics.md's yardstick).
     double acc[CPT];
     #pragma unroll
     for (int c = 0; c < CPT; ++c) acc[c] = 0.0;

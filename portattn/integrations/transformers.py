@@ -47,10 +47,23 @@ __all__ = ["register", "attention_forward", "attention_mask", "NAME", "MIN_TRANS
 
 # ----- the mask function --------------------------------------------------------------------------
 
+try:   # a plain module object, bound once at import (this module is imported only by its users)
+    import transformers.masking_utils as _MU
+except ImportError:   # register() says what to install
+    _MU = None
+
+
+def _masking_utils():
+    """``transformers.masking_utils``. An ``import`` inside the mask function, which transformers
+    calls while torch.compile traces the model, goes through transformers' lazy module and breaks
+    the graph on torch 2.11 ("Bad import result: _LazyModule"), so it is bound at import."""
+    return _MU
+
+
 def _sliding_window_of(mask_function) -> int | None:
     """The window of ``masking_utils.sliding_window_causal_mask_function(w)`` (eager only: reads the
     closure), else None."""
-    from transformers import masking_utils as mu
+    mu = _masking_utils()
 
     and_code = mu.and_masks(mu.causal_mask_function).__code__
     overlay_code = mu.sliding_window_overlay(1).__code__
@@ -66,7 +79,7 @@ def _sliding_window_of(mask_function) -> int | None:
 
 def _is_plain_causal(mask_function, local_size, use_vmap) -> bool:
     """True for the masks portattn expresses as bottom-right causal (+ window from the layer)."""
-    from transformers import masking_utils as mu
+    mu = _masking_utils()
 
     if use_vmap:
         return False
@@ -91,7 +104,7 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
     """transformers' mask interface for ``"portattn"`` (module docstring): a key-padding mask
     ``(B, 1, 1, Sk)`` bool or ``None`` for bottom-right-aligned (sliding) causal attention, else the
     dense boolean ``(B, 1, Sq, Sk)`` mask (True = keep) of ``masking_utils.sdpa_mask``."""
-    from transformers import masking_utils as mu
+    mu = _masking_utils()
 
     if mask_function is None:
         mask_function = mu.causal_mask_function
@@ -180,6 +193,7 @@ def register(name: str = NAME, *, backend: str | None = None) -> str:
     _check_version()
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
+
 
     fn = attention_forward if backend is None else functools.partial(attention_forward, _portattn_backend=backend)
     AttentionInterface.register(name, fn)
