@@ -17,10 +17,10 @@ from every row of a chunk are zeroed before the products, so a key hidden from e
 NaN or inf. Rows with no visible key output exactly 0 with ``lse = -inf``. Deterministic: a
 fixed order of chunks and no atomics.
 
-Backward (memory linear too): per chunk, recompute ``P = exp(s − lse)`` from the forward's lse
-(float32 and float64 inputs recompute lse in float64 first: one more pass of ``Q Kᵀ``), then
-``dV += Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP − δ + dlse)`` with ``δ = rowsum(dO ∘ O)``
-(float32 inputs: ``δ = Σ_j P dP`` in float64, one more pass), ``dQ += dS K · scale``,
+Backward (memory linear too): per query chunk, one pass recomputes the row statistics (lse with a
+float64 sum, and ``δ = Σ_j P dP`` in float64 rather than ``rowsum(dO ∘ O)``, which carries O's
+rounding; see :func:`_row_stats`), then per key chunk ``P = exp(s − lse)``, ``dV += Pᵀ dO``,
+``dP = dO Vᵀ``, ``dS = P ∘ (dP − δ + dlse)``, ``dQ += dS K · scale``,
 ``dK += dSᵀ Q · scale``; softcap multiplies dS by ``1 − tanh²``; a float bias that requires grad
 gets ``dS`` summed over its broadcast dimensions.
 """
@@ -241,19 +241,17 @@ def _grouped(t: torch.Tensor, hkv: int) -> torch.Tensor:
     return t.view(t.shape[0], hkv, -1, t.shape[-1])
 
 
-def _forward_group(spec, g: _Group, cd, *, with_out: bool = True, lse_dtype=None):
-    """Online-softmax forward of one group: ``(out (nb, Hq, Sq, Dv) | None, lse (nb, Hq, Sq))``;
-    lse in ``lse_dtype`` (default: the compute dtype)."""
+def _forward_group(spec, g: _Group, cd):
+    """Online-softmax forward of one group: ``(out (nb, Hq, Sq, Dv), lse (nb, Hq, Sq))`` in ``cd``."""
     nb, hq, hkv = g.q.shape[0], spec.num_heads_q, spec.num_heads_kv
     dv = g.v.shape[-1]
     device = g.q.device
-    out = g.q.new_zeros((nb, hq, g.sq, dv), dtype=cd) if with_out else None
-    lse_dtype = lse_dtype or cd
-    lse = torch.full((nb, hq, g.sq), _NEG_INF, dtype=lse_dtype, device=device)
+    out = g.q.new_zeros((nb, hq, g.sq, dv), dtype=cd)
+    lse = torch.full((nb, hq, g.sq), _NEG_INF, dtype=cd, device=device)
     if g.sk == 0:
         return out, lse
     kh = _heads_first(g.k, cd)                  # (nb, Hkv, Sk, D): one copy, linear in Sk
-    vh = _heads_first(g.v, cd) if with_out else None
+    vh = _heads_first(g.v, cd)
     rows, keys = _tiles(spec, nb, g.sq, g.sk)
     scratch = _Scratch(cd, device)
     for i0 in range(0, g.sq, rows):
@@ -271,44 +269,66 @@ def _forward_group(spec, g: _Group, cd, *, with_out: bool = True, lse_dtype=None
                 m_new = torch.maximum(m, m_new)
             m_use = m_new.masked_fill(m_new == _NEG_INF, 0.0)
             p = s.sub_(m_use).exp_()
-            if with_out:
-                vc = ch.clean(vh[:, :, j0:j1])
-                pv = torch.matmul(_grouped(p, hkv), vc).view(nb, hq, i1 - i0, dv)
+            vc = ch.clean(vh[:, :, j0:j1])
+            pv = torch.matmul(_grouped(p, hkv), vc).view(nb, hq, i1 - i0, dv)
             if m is None:
                 l = p.sum(dim=-1, keepdim=True)
-                acc = pv if with_out else None
+                acc = pv
             else:
                 alpha = torch.exp(m - m_use)
                 l = l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
-                if with_out:
-                    acc = acc.mul_(alpha).add_(pv)
+                acc = acc.mul_(alpha).add_(pv)
             m = m_new
             del ch, s, p   # free this chunk's scores before the next one is allocated
         m_use = m.masked_fill(m == _NEG_INF, 0.0)
-        lse[:, :, i0:i1] = (m_use.to(lse_dtype) + torch.log(l.to(lse_dtype))).squeeze(-1)
-        if with_out:
-            empty = l == 0
-            out[:, :, i0:i1] = torch.where(empty, 0.0, acc / l.masked_fill(empty, 1.0))
+        lse[:, :, i0:i1] = (m_use + torch.log(l)).squeeze(-1)
+        empty = l == 0
+        out[:, :, i0:i1] = torch.where(empty, 0.0, acc / l.masked_fill(empty, 1.0))
     return out, lse
 
 
-def _delta_from_p(spec, g: _Group, qc, kh, vh, do, lse, i0, i1, lo, hi, keys, cd, scratch):
-    """``δ_i = Σ_j P_ij dP_ij`` (float64 sums) for float32 inputs: the softmax backward's own row
-    sum, with the same P as the gradient pass, instead of ``dO_i · O_i``, which carries O's
-    float32 rounding. On tiny problems (a row that sees one or two keys) that rounding alone is
-    several times the naive math's error in dq/dk; this costs one more pass of two gemms."""
+def _row_stats(spec, g: _Group, qc, kh, vh, do, i0, i1, lo, hi, keys, cd, scratch):
+    """One pass over the keys of rows ``[i0, i1)``: ``(lse, δ)``, float64 ``(nb, Hq, rows, 1)``.
+
+    ``lse`` is recomputed (running max and sum, the sum in float64) rather than taken from the
+    forward: the float32 lse's rounding, ulp(|lse|) (1.5e-5 at logits ~150), would be P's
+    relative error. ``δ_i = Σ_j P_ij dP_ij`` is the softmax backward's own row sum, accumulated
+    online like the sum, instead of ``dO_i · O_i``, which carries O's rounding to the input dtype:
+    where ``dS = P∘(dP − δ)`` cancels (a row that sees one or two keys, a nearly one-hot softmax)
+    that rounding alone was 3-400x the naive math's error in dq/dk/dbias (float16 x5 logits:
+    408x; float32 rows with two keys: 7x; bfloat16 dbias: 7.7x). Costs the gemms ``Q Kᵀ`` and
+    ``dO Vᵀ`` once more.
+    """
     nb, hq, hkv = qc.shape[0], spec.num_heads_q, spec.num_heads_kv
     n, dvd = i1 - i0, vh.shape[-1]
-    delta = torch.zeros((nb, hq, n, 1), dtype=torch.float64, device=qc.device)
+    f64 = torch.float64
+    m = l = u = None
     for j0, j1 in _key_chunks(spec, g.sq, g.sk, i0, i1, lo, hi, keys):
         ch = _Chunk(spec, g, qc, kh[:, :, j0:j1], i0, i1, j0, j1, cd, scratch)
-        p = ch.s.sub_(lse).exp_()
+        s = ch.s
+        m_new = s.amax(dim=-1, keepdim=True)
+        if m is not None:
+            m_new = torch.maximum(m, m_new)
+        m_use = m_new.masked_fill(m_new == _NEG_INF, 0.0)
+        p = s.sub_(m_use).exp_()
         vc = ch.clean(vh[:, :, j0:j1])
         dp = torch.bmm(do.reshape(nb * hkv, -1, dvd), vc.reshape(nb * hkv, j1 - j0, dvd).transpose(1, 2),
                        out=scratch.take("ds", (nb * hkv, do.shape[2], j1 - j0))).view(nb, hq, n, j1 - j0)
-        delta += dp.mul_(p).sum(dim=-1, keepdim=True, dtype=torch.float64)
-        del ch, p, dp
-    return delta.to(cd)
+        p_sum = p.sum(dim=-1, keepdim=True, dtype=f64)
+        pdp_sum = dp.mul_(p).sum(dim=-1, keepdim=True, dtype=f64)
+        if m is None:
+            l, u = p_sum, pdp_sum
+        else:
+            alpha = torch.exp(m.to(f64) - m_use.to(f64))
+            l = l.mul_(alpha).add_(p_sum)
+            u = u.mul_(alpha).add_(pdp_sum)
+        m = m_new
+        del ch, s, p, dp
+    m_use = m.masked_fill(m == _NEG_INF, 0.0).to(f64)
+    empty = l == 0
+    lse = m_use + torch.log(l)                                   # -inf where no key is visible
+    delta = torch.where(empty, 0.0, u / l.masked_fill(empty, 1.0))
+    return lse, delta
 
 
 def _reduced_shape(bias: torch.Tensor) -> tuple[int, ...]:
@@ -364,8 +384,10 @@ class ChunkedBackend(Backend):
     # ----- backward ----------------------------------------------------------------------
     def backward(self, spec, out, lse, dout, dlse=None):
         """``(dq, dk, dv, dbias)``; ``dlse`` (float32 ``spec.lse_shape`` or None) is the
-        gradient with respect to the returned lse. ``dbias`` has the bias's shape with its
-        broadcast dimensions reduced to 1 (``sum_to_size`` of it to the caller's shape is exact)."""
+        gradient with respect to the returned lse. ``out`` and ``lse`` are not read: the row
+        statistics are recomputed in float64 (:func:`_row_stats`). ``dbias`` has the bias's shape
+        with its broadcast dimensions reduced to 1 (``sum_to_size`` of it to the caller's shape is
+        exact)."""
         cd = _compute_dtype(spec.dtype)
         bias = spec.attn_bias
         want_dbias = bias is not None and bias.dtype != torch.bool and bias.requires_grad
@@ -376,13 +398,12 @@ class ChunkedBackend(Backend):
         with torch.no_grad():
             for g in _groups(spec):
                 if g.rows is None:
-                    out_g, dout_g, lse_g = out[g.batch], dout[g.batch], lse[g.batch]
+                    dout_g = dout[g.batch]
                     dlse_g = dlse[g.batch] if dlse is not None else None
                 else:
-                    out_g, dout_g = out[g.rows].unsqueeze(0), dout[g.rows].unsqueeze(0)
-                    lse_g = lse[:, g.rows].unsqueeze(0)
+                    dout_g = dout[g.rows].unsqueeze(0)
                     dlse_g = dlse[:, g.rows].unsqueeze(0) if dlse is not None else None
-                gq, gk, gv = self._backward_group(spec, g, cd, out_g, lse_g, dout_g, dlse_g, dbias)
+                gq, gk, gv = self._backward_group(spec, g, cd, dout_g, dlse_g, dbias)
                 if g.rows is None:
                     dq[g.batch], dk[g.batch], dv[g.batch] = gq, gk, gv
                 else:
@@ -392,7 +413,7 @@ class ChunkedBackend(Backend):
         return dq, dk, dv, dbias
 
     @staticmethod
-    def _backward_group(spec, g: _Group, cd, out, lse, dout, dlse, dbias):
+    def _backward_group(spec, g: _Group, cd, dout, dlse, dbias):
         """Gradients of one group in its canonical layout (``(nb, Sq, Hq, D)``, ...)."""
         nb, hq, hkv = g.q.shape[0], spec.num_heads_q, spec.num_heads_kv
         d, dvd = g.q.shape[-1], g.v.shape[-1]
@@ -400,14 +421,6 @@ class ChunkedBackend(Backend):
         dk = torch.zeros((nb, hkv, g.sk, d), dtype=cd, device=g.q.device)
         dv = torch.zeros((nb, hkv, g.sk, dvd), dtype=cd, device=g.q.device)
         if g.sk > 0:
-            if spec.dtype in (torch.float32, torch.float64):
-                # P = exp(s - lse) with lse recomputed in float64: the float32 lse's rounding
-                # (ulp(|lse|), 1.5e-5 at logits ~150) would be P's relative error, several times
-                # the naive math's in dq; float64 inputs need it for float64 gradients.
-                lse = _forward_group(spec, g, cd, with_out=False, lse_dtype=torch.float64)[1]
-            else:
-                lse = lse.to(cd)
-            lse = lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1)   # rows without keys: P = 0
             kh, vh = _heads_first(g.k, cd), _heads_first(g.v, cd)
             rows, keys = _tiles(spec, nb, g.sq, g.sk)
             scratch = _Scratch(cd, g.q.device)
@@ -419,14 +432,11 @@ class ChunkedBackend(Backend):
                 n = i1 - i0
                 qc = _grouped(_heads_first(g.q[:, i0:i1], cd), hkv)
                 do = _heads_first(dout[:, i0:i1], cd)                         # (nb, Hq, n, Dv)
-                lse_c = lse[:, :, i0:i1]
-                if spec.dtype == torch.float32:
-                    delta = _delta_from_p(spec, g, qc, kh, vh, _grouped(do, hkv), lse_c, i0, i1, lo, hi, keys,
-                                          cd, scratch)
-                else:
-                    delta = (do * _heads_first(out[:, i0:i1], cd)).sum(dim=-1, keepdim=True)
-                if dlse is not None:
-                    delta = delta - dlse[:, :, i0:i1].to(cd).unsqueeze(-1)
+                lse_c, delta = _row_stats(spec, g, qc, kh, vh, _grouped(do, hkv), i0, i1, lo, hi, keys, cd, scratch)
+                empty = torch.isneginf(lse_c)
+                lse_c = lse_c.masked_fill(empty, 0.0)                          # rows without keys: P = 0
+                if dlse is not None:   # rows without keys take no lse gradient (whatever dlse holds there)
+                    delta = delta - dlse[:, :, i0:i1].unsqueeze(-1).to(delta.dtype).masked_fill(empty, 0.0)
                 do = _grouped(do, hkv)
                 dq_c = torch.zeros((nb, hq, n, d), dtype=cd, device=g.q.device)
                 for j0, j1 in _key_chunks(spec, g.sq, g.sk, i0, i1, lo, hi, keys):

@@ -107,10 +107,11 @@ def _fmt(x, spec):
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'mode':<8} {'S':>6}  {'implementation':<38} {'seconds':>9} {'peak RSS MiB':>13} "
-             f"{'delta MiB':>10}"]
+             f"{'delta MiB':>10} {'RSS before':>11}"]
     for r in rows:
         lines.append(f"{r['mode']:<8} {r['seqlen']:>6}  {IMPLS[r['impl']]:<38} {_fmt(r.get('seconds'), '9.2f')} "
-                     f"{_fmt(r.get('peak_rss_mib'), '13.1f')} {_fmt(r.get('peak_delta_mib'), '10.1f')}"
+                     f"{_fmt(r.get('peak_rss_mib'), '13.1f')} {_fmt(r.get('peak_delta_mib'), '10.1f')} "
+                     f"{_fmt(r.get('rss_before_mib'), '11.1f')}"
                      + (f"  {r['error']}" if "error" in r else ""))
     return "\n".join(lines)
 
@@ -183,7 +184,10 @@ def main(argv=None) -> int:
         out.write_text(json.dumps(report, indent=1) + "\n")
         out.with_suffix(".txt").write_text(
             f"{report['what']}\n{report['created']}  {report['machine']['cpu']}, {args.threads} thread(s), "
-            f"torch {torch.__version__}\nB={args.batch} H={args.heads} D={args.head_dim}\n\n{text}\n\n"
+            f"torch {torch.__version__}\nB={args.batch} H={args.heads} D={args.head_dim}\n"
+            f"peak RSS = the whole process; delta = peak - RSS before the call (after a warm-up call: the\n"
+            f"default path's first call loads every CPU backend, onnxruntime included, hence its larger RSS before)\n\n"
+            f"{text}\n\n"
             + "\n".join(f"{key}: {name} / torch SDPA: peak RSS x{r['peak_rss_ratio']}, time x{r['time_ratio']}"
                         for key, val in summary.items() for name, r in val.items()) + "\n")
         print(f"wrote {out} and {out.with_suffix('.txt')}")

@@ -27,8 +27,8 @@ from hypothesis import strategies as st  # noqa: E402
 from test_lse_grad import CASES as LSE_CASES  # noqa: E402
 from test_lse_grad import _make, check_lse_grads  # noqa: E402
 
-#: None = the module default; 1 forces one query row and one key per chunk where the heads allow
-BUDGETS = [None, 1, 37, 600]
+#: None = the module default; 1 forces one key per chunk (16 query rows); 600 a few keys per chunk
+BUDGETS = [None, 1, 600]
 
 
 @contextlib.contextmanager
@@ -48,7 +48,7 @@ def _verdict(problem, elements):
 
 
 @settings(max_examples=30)
-@given(problem=problem_strategy(CPU_CAP), elements=st.sampled_from(BUDGETS))
+@given(problem=problem_strategy(CPU_CAP), elements=st.sampled_from([*BUDGETS, 37]))
 def test_matches_reference_on_drawn_problems(problem, elements):
     note(f"problem: {problem!r} budget={elements}")
     outcome = _verdict(problem, elements)
@@ -151,7 +151,7 @@ def test_deterministic_bits():
     runs = []
     for _ in range(2):
         c = Checker(p, "cpu")
-        with budget(37):
+        with budget(600):
             runs.append(c.run_backend("chunked", grads=True, bias_grad=True))
     a, b = runs
     for x, y in [(a.out, b.out), (a.lse, b.lse)] + [(a.grads[n], b.grads[n]) for n in a.grads]:
@@ -176,18 +176,18 @@ class _LargestAllocation(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("causal", [False, True])
 def test_memory_is_linear_in_the_sequence_length(causal):
     """No tensor larger than the chunk budget or the inputs: the S×S scores never exist."""
-    b, s, h, d = 1, 512, 2, 16
+    b, s, h, d = 1, 256, 2, 16
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, generator=gen) for _ in range(3))
     spec = build_spec(q, k, v, causal=causal, return_lse=True)
     backend = portattn.get_backend("chunked")
-    with budget(4096):
+    with budget(2048):
         with _LargestAllocation() as mode:
             out, lse = backend.forward(spec)
             backend.backward(spec, out, lse, torch.ones_like(out), None)
     linear = b * s * h * d
-    assert mode.largest <= max(linear, 4096 * 2), (mode.largest, linear, h * s * s)
-    assert h * s * s > 8 * max(linear, 4096 * 2)   # the test would see a quadratic buffer
+    assert mode.largest <= max(linear, 2048 * 2), (mode.largest, linear, h * s * s)
+    assert h * s * s > 8 * max(linear, 2048 * 2)   # the test would see a quadratic buffer
 
 
 def test_capabilities_and_reasons():
@@ -327,6 +327,20 @@ def _verdict_on(problem, elements, device):
         return Checker(problem, device).check("chunked")
 
 
+FOUND = [   # delta = dO·O carried O's rounding: dbias 7.7x (bf16), dq 408x (fp16 x5, one-hot softmax)
+    (1, Problem(batch=1, seqlen_q=2, seqlen_k=2, heads_q=2, heads_kv=2, head_dim=64, dtype="bfloat16", scale=0.5,
+                bias="float_heads", bias_grad=True, layout="bhsd", strided=True, seed=2446861)),
+    (None, Problem(heads_q=3, heads_kv=1, head_dim=16, dtype="float16", seqlens_q=(2, 2), seqlens_k=(2, 2),
+                   alibi="batch", magnitude=5.0, strided=True, seed=0)),
+]
+
+
+@pytest.mark.parametrize("elements,problem", FOUND)
+def test_problems_found_by_the_property_search(elements, problem):
+    outcome = _verdict(problem, elements)
+    assert outcome.verdict == "pass", outcome.summary()
+
+
 @pytest.mark.parametrize("case_id", ["core/fp32/sq2-sk3/d40/causal-tl", "core/fp32/sq3-sk2/d24/causal-br",
                                      "core/fp32/sq3-sk2/d24/causal-tl"])
 def test_float32_gradients_of_rows_with_one_or_two_keys(case_id):
@@ -351,3 +365,11 @@ def test_bad_cu_seqlens_are_clamped_never_read_out_of_bounds():
         assert torch.isfinite(t).all()
     ref, _ = backend.forward(build_spec(q, k, v, cu_seqlens_q=good, cu_seqlens_k=good, causal=True))
     assert torch.equal(out, ref)   # the clamped sequence is the packed tensor's end
+
+
+def test_varlen_where_no_row_has_a_key():
+    """The checker's own oracle has no gradient here (found by the property search): grads are 0."""
+    p = Problem(batch=2, heads_q=1, heads_kv=1, head_dim=16, dtype="float16", seqlens_q=(1, 0), seqlens_k=(0, 1),
+                extreme=True)
+    outcome = Checker(p, "cpu").check("chunked")
+    assert outcome.verdict == "pass" and "dq" in outcome.checks, outcome.summary()

@@ -162,7 +162,9 @@ class Checker:
             if p.grad:
                 dout = inp.canonical(inp.dout).to(out.dtype)
                 leaves = [q, k, v] + ([bias] if p.bias_grad and bias is not None else [])
-                got = torch.autograd.grad(out, leaves, dout, allow_unused=True)
+                # every query row without a key (e.g. varlen q (1, 0), k (0, 1)): nothing depends on the leaves
+                got = (torch.autograd.grad(out, leaves, dout, allow_unused=True) if out.requires_grad
+                       else [None] * len(leaves))
                 for name, g, leaf in zip(GRAD_NAMES, got, leaves):
                     grads[name] = torch.zeros_like(leaf) if g is None else g
         if self._grad_scale is None:
@@ -227,7 +229,8 @@ class Checker:
             result = Raw(inp.canonical(out).detach(), lse.detach())
             if grads:
                 leaves = [inp.q, inp.k, inp.v] + ([inp.bias] if bias_grad else [])
-                got = torch.autograd.grad(out, leaves, inp.dout, allow_unused=True)
+                got = (torch.autograd.grad(out, leaves, inp.dout, allow_unused=True) if out.requires_grad
+                       else [None] * len(leaves))
                 for name, g, leaf in zip(GRAD_NAMES, got, leaves):
                     g = torch.zeros_like(leaf) if g is None else g
                     result.grads[name] = (inp.canonical(g) if name != "dbias" else g).detach()
