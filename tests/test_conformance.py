@@ -194,13 +194,18 @@ def test_a_run_stopped_by_sigterm_keeps_its_finished_cases(tmp_path):
     import time
     out = tmp_path / "partial.json"
     env = {**os.environ, "PORTATTN_BACKEND": ""}
+    # signal once the run is inside its case loop (its first progress line), whatever the load
     proc = subprocess.Popen([sys.executable, "-m", "portattn.cli", "conformance", "run", "--backends", "reference",
-                             "onnx", "--devices", "cpu", "--no-progress", "--out", str(out)],
+                             "onnx", "--devices", "cpu", "--out", str(out)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(6.0)                    # the whole catalogue takes a minute or more: stop it early
+    first = proc.stderr.readline()
+    while first and not first.startswith("["):
+        first = proc.stderr.readline()
+    assert first.startswith("[1/"), f"no progress line before the end: {first!r}"
+    time.sleep(0.5)
     assert proc.poll() is None, "the run ended before it could be interrupted"
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err
     report = load_report(str(out))
     assert report["interrupted"] is True and report["not_run"], "the run should have been cut short"

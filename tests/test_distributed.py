@@ -178,6 +178,17 @@ POOL = 4
 GROUPS_OF_2 = ([0, 2], [1, 3])
 
 
+def _owned(x):
+    """``x`` with every tensor replaced by a detached copy that owns its storage."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone(memory_format=torch.contiguous_format)
+    if isinstance(x, dict):
+        return {k: _owned(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_owned(v) for v in x)
+    return x
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -196,7 +207,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             results[(size, "_checks")] = _worker_checks(size, group_rank, group)
         results["bench"] = _run_bench(out_dir)
     finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        # every tensor saved with its own storage: views into shared (or empty) storages made
+        # torch.load fail now and then ("record size (128 bytes) does not match expected size (0 bytes ...)")
+        torch.save(_owned(results), os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
         dist.destroy_process_group()
 

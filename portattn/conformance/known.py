@@ -44,16 +44,6 @@ KNOWN_LIMITATIONS = (
         "(2026-11-29)",
         Problem(batch=1, seqlen_q=2, seqlen_k=2, heads_q=1, heads_kv=1, head_dim=8, dtype="float32",
                 extreme=True, grad=False, seed=0)),
-    KnownLimitation(
-        "chunked", lambda p: p.dtype == "float32" and (p.extreme or p.magnitude >= 3), frozenset({"out"}) | _GRADS,
-        "float32 with large logits (inputs x3..x5, or extreme offsets): the scores are float32 gemms, q·k "
-        "summed over D in float32 like the naive yardstick's, so both carry a rounding of ~ulp(|s|) and the "
-        "factor-2 bound fails by chance: 8 of 900 random problems of two property searches, all float32 with "
-        "extreme offsets or x5 inputs (out up to 4.7x naive, dq/dk up to 4.3x; 2026-12-01); the same class as "
-        "triton's and sdpa's entries. Scores from float64 gemms rounded once (as triton does) would remove it",
-        Problem(seqlens_q=(37,), seqlens_k=(37,), heads_q=2, heads_kv=1, head_dim=3, dtype="float32",
-                causal=True, alignment="top_left", alibi="batch", bias="bool_keys", magnitude=5.0, grad=False,
-                seed=527)),
 )
 
 
