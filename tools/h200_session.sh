@@ -161,6 +161,15 @@ import glob, json, sys
 from portattn.conformance.runner import merge_reports, print_summary, write_report
 prev, shard_dir, out = sys.argv[1:]
 reports = [json.load(open(prev))] + [json.load(open(f)) for f in sorted(glob.glob(shard_dir + "/*.json"))]
+seen = set()   # --cases patterns match by substring: a case can land in two shards; keep its first result
+for r in reports:
+    keep = []
+    for res in r["results"]:
+        key = (res["case"], res["backend"], res["device"])
+        if key not in seen:
+            seen.add(key)
+            keep.append(res)
+    r["results"] = keep
 merged = merge_reports(reports)
 done = {(r["case"], r["backend"]) for r in merged["results"]}
 still = [c for c in merged.get("not_run", []) if (c, "triton") not in done]
