@@ -347,7 +347,12 @@ def _fwd_band(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, lo, hi, offs_m, offs_
     return acc, l_i, m_i
 
 
-@triton.jit
+#: sizes and the lse strides (H·S) are not specialised on (divisibility by 16, == 1): a new
+#: sequence length reuses the compiled kernels (docs/triton.md, "Compiles")
+_SIZES = ("seqlen_q", "seqlen_k", "total_q", "total_k", "stride_lb", "stride_lh")
+
+
+@triton.jit(do_not_specialize=_SIZES)
 def attn_fwd(
     Q, K, V, O, LSE, BIAS, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
@@ -463,24 +468,33 @@ def _dot_f32(a, b, IEEE_: tl.constexpr):
 
 
 @triton.jit
-def _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq):
+def _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq, EXACT_STATS: tl.constexpr):
     """(m, 1/l, delta) of rows ``offs_m``; rows with no visible key (and rows past the end) read
-    m = +inf, 1/l = 0, so that their probabilities are exactly 0."""
+    m = +inf, 1/l = 0, so that their probabilities are exactly 0. Without ``EXACT_STATS`` m is the
+    base-2 lse and l = 1: 1/l is not read (one load fewer per streamed tile in dK/dV), and the
+    ``inv_l`` returned is a placeholder that :func:`_probs` ignores."""
     in_rows = offs_m < sq
     m2 = tl.load(ROWMAX + row_base + offs_m, mask=in_rows, other=float("inf"))
-    inv_l = tl.load(ROWINV + row_base + offs_m, mask=in_rows, other=0.0)
     delta = tl.load(DELTA + row_base + offs_m, mask=in_rows, other=0.0)
+    if EXACT_STATS:
+        inv_l = tl.load(ROWINV + row_base + offs_m, mask=in_rows, other=0.0)
+    else:
+        inv_l = delta
     return m2, inv_l, delta
 
 
 @triton.jit
-def _probs(s, m2, inv_l, qk_scale2, RAW_SCORES: tl.constexpr):
-    """P = exp2(S - m) / l from a row's max and reciprocal sum, given broadcast to ``s``'s shape
-    (``m[:, None]`` for a (query, key) tile, ``m[None, :]`` for a transposed one)."""
-    return _exp2_diff(s, m2, qk_scale2, RAW_SCORES) * inv_l
+def _probs(s, m2, inv_l, qk_scale2, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr):
+    """P = exp2(S - m) / l from a row's max and reciprocal sum (only m, the base-2 lse, without
+    ``EXACT_STATS``), given broadcast to ``s``'s shape (``m[:, None]`` for a (query, key) tile,
+    ``m[None, :]`` for a transposed one)."""
+    p = _exp2_diff(s, m2, qk_scale2, RAW_SCORES)
+    if EXACT_STATS:
+        p = p * inv_l
+    return p
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("seqlen_q", "total_q", "stride_ilb", "stride_ilh", "stride_lb", "stride_lh"))
 def attn_bwd_prep(
     O, DO, LSE, DLSE, ROWMAX, ROWINV, DELTA, CU_Q,
     stride_ob, stride_os, stride_oh,
@@ -557,7 +571,7 @@ def _dq_band(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs,
              slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
              MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
-             BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
+             BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr):
     """Key tiles ``[lo, hi)`` against the resident Q tile: accumulate dQ (unscaled); write dBias."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
@@ -568,7 +582,7 @@ def _dq_band(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs,
         s, t = _logits(qk, offs_m[:, None], offs_n[None, :], sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                        qk_scale2, softcap_scale, softcap2, window_left, window_right,
                        MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
-        p = _probs(s, m2[:, None], inv_l[:, None], qk_scale2, RAW_SCORES)
+        p = _probs(s, m2[:, None], inv_l[:, None], qk_scale2, RAW_SCORES, EXACT_STATS)
         # dS = P ∘ (dO Vᵀ - delta): the gradient of the (natural-log) score, i.e. dBias
         dp = _mm(do, tl.trans(v), None, IEEE)
         ds = p * (dp - delta[:, None])
@@ -583,7 +597,7 @@ def _dq_band(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs,
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def attn_bwd_dq(
     Q, K, V, DO, ROWMAX, ROWINV, DELTA, DLSE, DQ, BIAS, DBIAS, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
@@ -668,7 +682,7 @@ def attn_bwd_dq(
         tl.store(ROWINV + row_base + offs_m, inv_l, mask=in_rows)
         tl.store(DELTA + row_base + offs_m, delta, mask=in_rows)
     else:
-        m2, inv_l, delta = _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq)
+        m2, inv_l, delta = _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq, False)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for phase in tl.static_range(3):
@@ -677,7 +691,7 @@ def attn_bwd_dq(
                       offs_d, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm, stride_dbn,
                       slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
                       HEAD_D, HEAD_DV, BLOCK_D, BLOCK_N, phase != 1, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD,
-                      IEEE, RAW_SCORES)
+                      IEEE, RAW_SCORES, EXACT_STATS)
 
     dq = dq * sm_scale
     dq_ptrs = (DQ + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h64 * stride_dqh
@@ -691,19 +705,19 @@ def _dkdv_band(dk, dv, k, v, qt_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, 
                qk_scale2, softcap_scale, softcap2, window_left, window_right,
                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
-               IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
+               IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr):
     """Query tiles ``[lo, hi)`` against the resident K/V tile, in the (key, query) orientation:
     Sᵀ = K Qᵀ, Pᵀ, dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q (unscaled)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
         qt = _load_tile_t(qt_ptrs + start_m * stride_qs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, MASKED)
         do = _load_tile(do_ptrs + start_m * stride_dos, offs_m, sq, offs_d, HEAD_DV, BLOCK_D, MASKED)
-        m2, inv_l, delta = _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq)
+        m2, inv_l, delta = _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq, EXACT_STATS)
         qkt = _dot_f32(k, qt, IEEE)
         st, tt = _logits(qkt, offs_m[None, :], offs_n[:, None], sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                          qk_scale2, softcap_scale, softcap2, window_left, window_right,
                          MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
-        pt = _probs(st, m2[None, :], inv_l[None, :], qk_scale2, RAW_SCORES)
+        pt = _probs(st, m2[None, :], inv_l[None, :], qk_scale2, RAW_SCORES, EXACT_STATS)
         dv = _mm(_round_to(pt, do.dtype), do, dv, IEEE)
         dpt = _mm(v, tl.trans(do), None, IEEE)
         dst = pt * (dpt - delta[None, :])
@@ -713,7 +727,7 @@ def _dkdv_band(dk, dv, k, v, qt_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, 
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def attn_bwd_dkdv(
     Q, K, V, DO, ROWMAX, ROWINV, DELTA, DK, DV, BIAS, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
@@ -729,7 +743,8 @@ def attn_bwd_dkdv(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
 ):
     """dK, dV of one (key tile, batch·kv head): K/V resident, loop over the query heads of the
     GQA group and over their query tiles. Each program owns its output tile (no atomics)."""
@@ -777,7 +792,7 @@ def attn_bwd_dkdv(
                                 offs_m0, offs_n, offs_d, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
                                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
                                 HEAD_D, HEAD_DV, BLOCK_D, BLOCK_M, phase != 1, SOFTCAP, ALIBI, BIAS_MODE,
-                                IEEE, RAW_SCORES)
+                                IEEE, RAW_SCORES, EXACT_STATS)
 
     dk = dk * sm_scale
     dk_ptrs = (DK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv.to(tl.int64) * stride_dkh

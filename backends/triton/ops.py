@@ -335,7 +335,7 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
         *seq, *_seq3(dk.stride(), varlen), *_seq3(dv.stride(), varlen),
         *lse_strides, *bias_strides,
         spec.num_heads_q, spec.num_heads_kv, gqa, *sizes, *scalars,
-        **_launch_kwargs(c1, bias_mode, static_key, LONGEST_FIRST=_anticausal_like(spec)),
+        **_launch_kwargs(c1, bias_mode, static_key, EXACT_STATS=exact, LONGEST_FIRST=_anticausal_like(spec)),
     )
     return dq, dk, dv, dbias
 
