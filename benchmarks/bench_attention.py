@@ -14,7 +14,9 @@ Conventions (shared/GPU.md): FLOPs = 4·B·H·S²·D forward, halved for causal;
 2.5 × forward. The forward is timed without autograd (``torch.no_grad``); the backward alone, as
 ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)`` of one saved forward, so no
 forward is in it. A timing is the mean of ``n`` back-to-back calls between two CUDA events, ``n``
-chosen so a round lasts ``--round-ms``; every implementation is timed ``--rounds`` times,
+chosen so a round lasts ``--round-ms``, queued behind a GPU sleep as long as the host needs to
+launch them (so host overhead is not in it; the host's ms per call is recorded beside it, as
+``host_ms``); every implementation is timed ``--rounds`` times,
 interleaved (odd rounds in reverse order), and the median round is reported with the spread.
 Inputs are random normal; when one set of inputs fits twice in the L2 cache, the calls rotate
 over copies (never on the full grid: each of q, k, v is 64 MiB). Every timed output (forward
@@ -193,34 +195,59 @@ def sync(device: torch.device):
 
 
 class Timer:
-    """``timer(fn) -> ms per call``: ``n`` back-to-back calls between two CUDA events (the host
-    clock on a CPU), ``n`` fixed per ``fn`` on its first use from one probe call so that a round
-    lasts about ``round_ms`` (between ``min_calls`` and ``max_calls``)."""
+    """``timer(fn) -> ms per call``: the GPU time of ``n`` back-to-back calls between two CUDA
+    events (the host clock on a CPU). ``n`` is fixed per ``fn`` on its first use from one probe
+    call, so that a round lasts about ``round_ms`` (``min_calls`` to ``max_calls``). On a GPU the
+    calls are queued behind a ``torch.cuda._sleep`` as long as the host needs to launch them, so
+    the host's launch overhead (portattn's dispatch, Python) is not in the time: it is recorded
+    beside it (``stats[fn]["host_ms"]``, per call), as what an eager caller would add when the
+    GPU is faster than the host. Call :meth:`forget` once a cell is done (the callables hold
+    its tensors)."""
+
+    #: GPU clock cycles per ms for the sleep (an H200 boosts to 1.98 GHz; a slower clock sleeps longer)
+    CYCLES_PER_MS = 2.0e6
+    #: the sleep never exceeds this (ms): a host slower than that shows up in the timing
+    MAX_LEAD_MS = 200.0
 
     def __init__(self, device: torch.device, round_ms: float = 25.0, min_calls: int = 2, max_calls: int = 200):
         self.device, self.round_ms, self.min_calls, self.max_calls = device, round_ms, min_calls, max_calls
-        self.calls: dict = {}
+        self.stats: dict = {}
+        self.can_sleep = device.type == "cuda" and hasattr(torch.cuda, "_sleep")
 
-    def measure(self, fn, n: int) -> float:
+    def measure(self, fn, n: int, lead_ms: float = 0.0) -> tuple[float, float]:
+        """(device ms per call, host ms per call) of ``n`` calls."""
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if lead_ms > 0 and self.can_sleep:
+                torch.cuda._sleep(int(lead_ms * self.CYCLES_PER_MS))
             start.record()
+            t0 = time.perf_counter()
             for _ in range(n):
                 fn()
+            host = (time.perf_counter() - t0) * 1e3 / n
             end.record()
             end.synchronize()
-            return start.elapsed_time(end) / n
+            return start.elapsed_time(end) / n, host
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        return (time.perf_counter() - t0) * 1e3 / n
+        ms = (time.perf_counter() - t0) * 1e3 / n
+        return ms, ms
 
     def __call__(self, fn) -> float:
-        n = self.calls.get(fn)
-        if n is None:
-            probe = self.measure(fn, 1)
-            n = self.calls[fn] = max(self.min_calls, min(self.max_calls, int(self.round_ms / max(probe, 1e-3))))
-        return self.measure(fn, n)
+        st = self.stats.get(fn)
+        if st is None:
+            probe, host = self.measure(fn, 1)
+            n = max(self.min_calls, min(self.max_calls, int(self.round_ms / max(probe, 1e-3))))
+            st = self.stats[fn] = {"calls": n, "host_ms": host}
+        lead = min(self.MAX_LEAD_MS, 1.25 * st["calls"] * st["host_ms"] + 0.05)
+        ms, host = self.measure(fn, st["calls"], lead)
+        st["host_ms"] = host
+        return ms
+
+    def forget(self, fns):
+        for fn in fns:
+            self.stats.pop(fn, None)
 
 
 def _error(exc: BaseException) -> str:
@@ -358,10 +385,14 @@ def bench_cell(cell: Cell, impls, directions, device, timer, rounds: int, l2_byt
             entry["bwd"] = {"error": _error(exc)}
     for d in directions:
         for impl, timing in time_rounds(fns[d], rounds, timer).items():
+            st = getattr(timer, "stats", {}).get(fns[d][impl], {})
             if "ms" in timing:
                 timing["tflops"] = tflops(cell, d, timing["ms"])
-                timing["calls_per_round"] = timer.calls.get(fns[d][impl]) if hasattr(timer, "calls") else None
+                timing["calls_per_round"] = st.get("calls")
+                timing["host_ms"] = st.get("host_ms")
             row["results"][impl][d] = timing
+        if hasattr(timer, "forget"):
+            timer.forget(fns[d].values())
     for entry in row["results"].values():
         entry["ok"] = all(c["ok"] for c in entry["check"].values())
     row["ratios"] = ratios(row, impls, directions)

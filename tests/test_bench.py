@@ -85,10 +85,45 @@ def test_timer_fixes_the_calls_per_round_from_one_probe():
     fn = lambda: (count.append(1), time.sleep(0.002))
     timer = bench.Timer(torch.device("cpu"), round_ms=8.0, min_calls=2, max_calls=50)
     ms = timer(fn)
-    n = timer.calls[fn]
+    n = timer.stats[fn]["calls"]
     assert 2 <= n <= 4 and ms >= 2.0 and len(count) == 1 + n   # probe + one round
+    assert timer.stats[fn]["host_ms"] >= 2.0
     timer(fn)
-    assert timer.calls[fn] == n and len(count) == 1 + 2 * n
+    assert timer.stats[fn]["calls"] == n and len(count) == 1 + 2 * n
+    timer.forget([fn])
+    assert not timer.stats   # nothing of a finished cell is kept
+
+
+def test_timer_on_a_gpu_queues_the_calls_behind_a_sleep(monkeypatch):
+    """The CUDA branch with fake events: the sleep covers the host's launch time of a round."""
+    import time
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            log.append("record")
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            log.append("sync")
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)), raising=False)
+    fn = lambda: (log.append("call"), time.sleep(0.001))
+    timer = bench.Timer(torch.device("cuda"), round_ms=4.0)
+    timer(fn)
+    n = timer.stats[fn]["calls"]
+    assert log[:4] == ["record", "call", "record", "sync"]            # the probe: no sleep
+    sleep = log[4]
+    assert sleep[0] == "sleep" and log[5] == "record" and log[6:6 + n] == ["call"] * n
+    lead_ms = sleep[1] / bench.Timer.CYCLES_PER_MS
+    assert 1.25 * n * 1.0 <= lead_ms <= bench.Timer.MAX_LEAD_MS       # >= 1.25 x the host's time of the round
 
 
 def test_rotating_cycles_over_the_copies():
@@ -156,7 +191,7 @@ def test_cpu_run_writes_json_markdown_png_and_the_ratio_table_last(tmp_path):
             assert e["ok"] and set(e["check"]) == {"out", "dq", "dk", "dv"}, (impl, e)
             for d in ("fwd", "bwd"):
                 assert e[d]["tflops"] == pytest.approx(bench.cell_flops(cell, d) / (e[d]["ms"] * 1e-3) / 1e12)
-                assert len(e[d]["ms_rounds"]) == 2 and e[d]["calls_per_round"] >= 2
+                assert len(e[d]["ms_rounds"]) == 2 and e[d]["calls_per_round"] >= 2 and e[d]["host_ms"] > 0
         for base in ("sdpa_flash", "sdpa_math"):
             for d in ("fwd", "bwd"):
                 want = r["results"]["chunked"][d]["tflops"] / r["results"][base][d]["tflops"]
