@@ -393,8 +393,8 @@ def bench_cell(cell: Cell, impls, directions, device, timer, rounds: int, l2_byt
             row["results"][impl][d] = timing
         if hasattr(timer, "forget"):
             timer.forget(fns[d].values())
-    for entry in row["results"].values():
-        entry["ok"] = all(c["ok"] for c in entry["check"].values())
+    for entry in row["results"].values():   # None: nothing was checked (it did not run)
+        entry["ok"] = all(c["ok"] for c in entry["check"].values()) if entry["check"] else None
     row["ratios"] = ratios(row, impls, directions)
     return row
 
@@ -626,12 +626,15 @@ def cell_line(cell: Cell, row: dict, directions) -> str:
             f"{label(i)} {_num(e[d]['tflops'])}" if "tflops" in e.get(d, {}) else f"{label(i)} err"
             for i, e in row["results"].items()))
     bad = [i for i, e in row["results"].items() if e.get("ok") is False]
+    if "error" in row:
+        return f"{cell.name}: ERROR {row['error']}"
     return f"{cell.name}: " + " | ".join(parts) + (f"  CHECK FAILED: {', '.join(bad)}" if bad else "")
 
 
 class Progress:
     """A rich progress bar (cell i/N, elapsed, ETA) when ``stream`` is a terminal and rich is
-    installed; otherwise one plain line per finished cell with the same counts."""
+    installed; otherwise one plain line per finished cell with the same counts. The ETA weighs
+    the cells left by their FLOPs (:func:`cell_weight`)."""
 
     def __init__(self, cells: list[Cell], directions, stream=None, rich: bool | None = None):
         self.stream = stream or sys.stdout
@@ -644,13 +647,14 @@ class Progress:
         if rich:
             try:
                 from rich.console import Console
-                from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+                from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
             except ImportError:
                 return
             self.bar = Progress(TextColumn("cell {task.fields[cell]}"), BarColumn(), TextColumn("{task.description}"),
-                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"),
                                 console=Console(file=self.stream))
-            self.task = self.bar.add_task(cells[0].name if cells else "", total=self.total, cell=f"1/{len(cells)}")
+            self.task = self.bar.add_task(cells[0].name if cells else "", total=self.total, cell=f"1/{len(cells)}",
+                                          eta="?")
             self.bar.start()
 
     def eta(self) -> float:
@@ -662,9 +666,9 @@ class Progress:
         self.i += 1
         n = len(self.weights)
         if self.bar is not None:
-            self.bar.console.print(line)
+            self.bar.console.print(line, highlight=False)
             self.bar.update(self.task, completed=self.done_weight, cell=f"{min(self.i + 1, n)}/{n}",
-                            description=next_cell.name if next_cell else "done")
+                            description=next_cell.name if next_cell else "done", eta=_fmt_s(self.eta()))
         else:
             elapsed = time.monotonic() - self.t0
             print(f"[{self.i}/{n} {_fmt_s(elapsed)} ETA {_fmt_s(self.eta())}] {line}", file=self.stream, flush=True)
@@ -802,7 +806,10 @@ def main(argv=None, stream=None) -> int:
             if i and args.time_limit is not None and time.monotonic() - t0 >= args.time_limit:
                 result["stopped"] = f"time limit {args.time_limit:g} s after {i} of {len(cells)} cells"
                 break
-            row = bench_cell(cell, impls, directions, device, timer, s["rounds"], l2)
+            try:
+                row = bench_cell(cell, impls, directions, device, timer, s["rounds"], l2)
+            except Exception as exc:   # the inputs or the reference failed (out of memory?): the run goes on
+                row = {**cell._asdict(), "error": _error(exc), "results": {}, "ratios": {}}
             result["rows"].append(row)
             progress.cell_done(cell_line(cell, row, directions), cells[i + 1] if i + 1 < len(cells) else None)
             if device.type == "cuda":

@@ -304,3 +304,28 @@ def test_make_fn_for_bench_fastest_runs_both_modes():
     out = bench.make_fn("chunked", q, k, v, True, "fwd")()
     torch.testing.assert_close(out, bench.forward_fn("sdpa_math", True)(q, k, v), atol=1e-5, rtol=1e-5)
     assert bench.make_fn("chunked", q, k, v, True, "fwd+bwd")() is None and q.grad is None   # autograd.grad
+
+
+def test_a_failing_cell_or_implementation_does_not_stop_the_run(monkeypatch, tmp_path):
+    real, calls = bench.reference_slice, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "reference_slice", flaky)
+    stream = io.StringIO()
+    rc = bench.main(["--cpu", "--backends", "chunked", "--baselines", "sdpa_math,sdpa_cudnn", "--head-dims", "16",
+                     "--seqlens", "32", "--dtypes", "fp32", "--directions", "fwd", "--out", str(tmp_path)],
+                    stream=stream)
+    assert rc == 0, stream.getvalue()
+    first, second = json.loads(open(_files(tmp_path)["json"]).read())["rows"]
+    assert first["error"] == "RuntimeError: CUDA out of memory (simulated)" and first["results"] == {}
+    assert "ERROR RuntimeError: CUDA out of memory" in stream.getvalue()
+    cudnn = second["results"]["sdpa_cudnn"]            # no cuDNN on a CPU: an error entry, nothing checked
+    assert "error" in cudnn["fwd"] and cudnn["ok"] is None and second["results"]["chunked"]["ok"] is True
+    assert set(second["ratios"]["chunked"]) == {"sdpa_math"}
+    rows = _table_rows(stream.getvalue())
+    assert rows[0]["chunked"] == "-" and rows[1]["cuDNN"] == "err" and rows[1]["chunked/cuDNN"] == "-"
