@@ -197,11 +197,11 @@ def sync(device: torch.device):
 class Timer:
     """``timer(fn) -> ms per call``: the GPU time of ``n`` back-to-back calls between two CUDA
     events (the host clock on a CPU). ``n`` is fixed per ``fn`` on its first use from one probe
-    call, so that a round lasts about ``round_ms`` (``min_calls`` to ``max_calls``). On a GPU the
-    calls are queued behind a ``torch.cuda._sleep`` as long as the host needs to launch them, so
-    the host's launch overhead (portattn's dispatch, Python) is not in the time: it is recorded
-    beside it (``stats[fn]["host_ms"]``, per call), as what an eager caller would add when the
-    GPU is faster than the host. Call :meth:`forget` once a cell is done (the callables hold
+    call, so that a round lasts about ``round_ms`` (``min_calls`` to ``max_calls``; 1 for a call
+    longer than 4 rounds). On a GPU the calls are queued behind a ``torch.cuda._sleep`` as long
+    as the host needs to launch them, so the host's launch overhead (portattn's dispatch,
+    Python) is not in the time: it is recorded beside it (``stats[fn]["host_ms"]``, per call), as
+    what an eager caller would add when the GPU is faster than the host. Call :meth:`forget` once a cell is done (the callables hold
     its tensors)."""
 
     #: GPU clock cycles per ms for the sleep (an H200 boosts to 1.98 GHz; a slower clock sleeps longer)
@@ -238,7 +238,8 @@ class Timer:
         st = self.stats.get(fn)
         if st is None:
             probe, host = self.measure(fn, 1)
-            n = max(self.min_calls, min(self.max_calls, int(self.round_ms / max(probe, 1e-3))))
+            least = 1 if probe > 4 * self.round_ms else self.min_calls   # a very slow call: one a round is enough
+            n = max(least, min(self.max_calls, int(self.round_ms / max(probe, 1e-3))))
             st = self.stats[fn] = {"calls": n, "host_ms": host}
         lead = min(self.MAX_LEAD_MS, 1.25 * st["calls"] * st["host_ms"] + 0.05)
         ms, host = self.measure(fn, st["calls"], lead)

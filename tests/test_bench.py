@@ -92,6 +92,9 @@ def test_timer_fixes_the_calls_per_round_from_one_probe():
     assert timer.stats[fn]["calls"] == n and len(count) == 1 + 2 * n
     timer.forget([fn])
     assert not timer.stats   # nothing of a finished cell is kept
+    slow = lambda: time.sleep(0.04)   # longer than 4 rounds: one call a round
+    timer(slow)
+    assert timer.stats[slow]["calls"] == 1
 
 
 def test_timer_on_a_gpu_queues_the_calls_behind_a_sleep(monkeypatch):
