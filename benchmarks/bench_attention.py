@@ -512,10 +512,68 @@ def summary(result: dict) -> list[str]:
     return lines
 
 
+#: issue 14's speed targets (bf16, ratios from one run): (what, direction, baseline, minimum, cells)
+TARGETS = (
+    ("fwd D128 S>=2k >= 1.0 x cuDNN", "fwd", "sdpa_cudnn", 1.0, lambda r: r["D"] == 128 and r["S"] >= 2048),
+    ("fwd D64/D256 S>=2k >= 0.9 x cuDNN", "fwd", "sdpa_cudnn", 0.9, lambda r: r["D"] != 128 and r["S"] >= 2048),
+    ("fwd S 512/1k >= 0.8 x cuDNN", "fwd", "sdpa_cudnn", 0.8, lambda r: r["S"] <= 1024),
+    ("bwd D128 S>=2k >= 1.0 x FA2", "bwd", "sdpa_flash", 1.0, lambda r: r["D"] == 128 and r["S"] >= 2048),
+    ("bwd D128 S>=2k >= 0.85 x cuDNN (goal)", "bwd", "sdpa_cudnn", 0.85, lambda r: r["D"] == 128 and r["S"] >= 2048),
+    ("bwd D64/D256 S>=2k >= 1.0 x FA2", "bwd", "sdpa_flash", 1.0, lambda r: r["D"] != 128 and r["S"] >= 2048),
+    ("fwd every cell >= 0.5 x FA2", "fwd", "sdpa_flash", 0.5, lambda r: True),
+    ("bwd every cell >= 0.5 x FA2", "bwd", "sdpa_flash", 0.5, lambda r: True),
+)
+#: fp16 within this (relative) of bf16, per cell, backend and direction
+FP16_TOLERANCE = 0.05
+
+
+def _cell_name(r: dict) -> str:
+    return f"{r['dtype']} D{r['D']} S{r['S']}{' causal' if r['causal'] else ''}"
+
+
+def targets(result: dict) -> list[dict]:
+    """Issue 14's targets per portattn backend over the bf16 cells that have both ratios:
+    ``{"backend", "target", "cells", "missed", "worst", "worst_cell"}`` (``missed`` lists cells
+    below the minimum with their ratio); then fp16 against bf16 per cell and direction."""
+    out = []
+    bf16 = [r for r in result["rows"] if r["dtype"] == "bf16"]
+    for o in result.get("portattn_backends", []):
+        for what, d, base, minimum, cells in TARGETS:
+            vals = [(r["ratios"][o][base][d], _cell_name(r)) for r in bf16 if cells(r)
+                    and d in r.get("ratios", {}).get(o, {}).get(base, {})]
+            if vals:
+                worst = min(vals)
+                out.append({"backend": o, "target": what, "cells": len(vals), "worst": worst[0],
+                            "worst_cell": worst[1], "missed": [[n, round(v, 3)] for v, n in vals if v < minimum]})
+        fp16 = {(r["D"], r["S"], r["causal"]): r for r in result["rows"] if r["dtype"] == "fp16"}
+        vals = []
+        for r in bf16:
+            twin = fp16.get((r["D"], r["S"], r["causal"]))
+            for d in result["directions"] if twin else ():
+                a = r["results"].get(o, {}).get(d, {}).get("tflops")
+                b = twin["results"].get(o, {}).get(d, {}).get("tflops")
+                if a and b:
+                    vals.append((b / a, f"{_cell_name(twin)} {d}"))
+        if vals:
+            worst = max(vals, key=lambda x: abs(x[0] - 1.0))
+            out.append({"backend": o, "target": f"fp16 within {FP16_TOLERANCE:.0%} of bf16", "cells": len(vals),
+                        "worst": worst[0], "worst_cell": worst[1],
+                        "missed": [[n, round(v, 3)] for v, n in vals if abs(v - 1.0) > FP16_TOLERANCE]})
+    return out
+
+
+def target_lines(result: dict) -> list[str]:
+    lines = []
+    for t in result.get("targets", []):
+        verdict = "met" if not t["missed"] else f"MISSED in {len(t['missed'])} of {t['cells']} cells"
+        lines.append(f"{t['backend']}: {t['target']}: {verdict}; worst {t['worst']:.2f} ({t['worst_cell']})")
+    return lines
+
+
 def _collect_ratios(result: dict) -> dict:
     acc: dict = {}
     for r in result["rows"]:
-        name = f"{r['dtype']} D{r['D']} S{r['S']}{' causal' if r['causal'] else ''}"
+        name = _cell_name(r)
         for o, per_base in r["ratios"].items():
             for b, per_dir in per_base.items():
                 for d, v in per_dir.items():
@@ -552,6 +610,9 @@ def format_markdown(result: dict) -> str:
     lines += ["", legend(result) + ".", "", "Backward timed alone: " + result["bwd_method"] + ".",
               f"Run: {result.get('seconds')} s; {first_calls(result)}.", ""]
     lines += [f"- {s}" for s in summary(result)]
+    if result.get("targets"):
+        lines += ["", "Issue 14's targets (bf16 cells; fp16 against bf16):", ""]
+        lines += [f"- {s}" for s in target_lines(result)]
     return "\n".join(lines) + "\n"
 
 
@@ -823,6 +884,7 @@ def main(argv=None, stream=None) -> int:
             signal.signal(signal.SIGTERM, previous)
     result["cells_done"] = len(result["rows"])
     result["seconds"] = round(time.monotonic() - t0, 1)
+    result["targets"] = targets(result)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         stem = os.path.join(args.out, f"bench-{args.tag or _tag(env)}-{env['date'][:10]}")
@@ -835,7 +897,7 @@ def main(argv=None, stream=None) -> int:
     if result["stopped"]:
         print(f"stopped: {result['stopped']}", file=stream)
     print(f"\n{result['cells_done']} of {len(cells)} cells in {result['seconds']} s; {first_calls(result)}", file=stream)
-    for line in summary(result):
+    for line in summary(result) + target_lines(result):
         print(line, file=stream)
     header, body = table(result)
     print(legend(result), file=stream)

@@ -194,7 +194,7 @@ def test_cpu_run_writes_json_markdown_png_and_the_ratio_table_last(tmp_path):
             assert e["ok"] and set(e["check"]) == {"out", "dq", "dk", "dv"}, (impl, e)
             for d in ("fwd", "bwd"):
                 assert e[d]["tflops"] == pytest.approx(bench.cell_flops(cell, d) / (e[d]["ms"] * 1e-3) / 1e12)
-                assert len(e[d]["ms_rounds"]) == 2 and e[d]["calls_per_round"] >= 2 and e[d]["host_ms"] > 0
+                assert len(e[d]["ms_rounds"]) == 2 and e[d]["calls_per_round"] >= 1 and e[d]["host_ms"] > 0
         for base in ("sdpa_flash", "sdpa_math"):
             for d in ("fwd", "bwd"):
                 want = r["results"]["chunked"][d]["tflops"] / r["results"][base][d]["tflops"]
@@ -332,3 +332,33 @@ def test_a_failing_cell_or_implementation_does_not_stop_the_run(monkeypatch, tmp
     assert set(second["ratios"]["chunked"]) == {"sdpa_math"}
     rows = _table_rows(stream.getvalue())
     assert rows[0]["chunked"] == "-" and rows[1]["cuDNN"] == "err" and rows[1]["chunked/cuDNN"] == "-"
+
+
+def _row(dtype, d, s, causal, fwd, bwd, flash=(100.0, 100.0), cudnn=(200.0, 200.0)):
+    res = {"triton": {"fwd": {"tflops": fwd}, "bwd": {"tflops": bwd}},
+           "sdpa_flash": {"fwd": {"tflops": flash[0]}, "bwd": {"tflops": flash[1]}},
+           "sdpa_cudnn": {"fwd": {"tflops": cudnn[0]}, "bwd": {"tflops": cudnn[1]}}}
+    row = {"dtype": dtype, "D": d, "S": s, "causal": causal, "results": res}
+    row["ratios"] = bench.ratios(row, ["triton", "sdpa_flash", "sdpa_cudnn"], ["fwd", "bwd"])
+    return row
+
+
+def test_issue_targets_name_the_missed_cells_and_the_worst_ratio():
+    rows = [_row("bf16", 128, 4096, False, 210.0, 120.0), _row("bf16", 128, 2048, True, 150.0, 90.0),
+            _row("bf16", 64, 1024, False, 170.0, 60.0), _row("fp16", 128, 4096, False, 200.0, 100.0)]
+    result = {"rows": rows, "portattn_backends": ["triton"], "directions": ["fwd", "bwd"]}
+    got = {t["target"]: t for t in bench.targets(result)}
+    fwd128 = got["fwd D128 S>=2k >= 1.0 x cuDNN"]
+    assert fwd128["cells"] == 2 and fwd128["missed"] == [["bf16 D128 S2048 causal", 0.75]]
+    assert fwd128["worst"] == 0.75 and fwd128["worst_cell"] == "bf16 D128 S2048 causal"
+    assert got["bwd D128 S>=2k >= 1.0 x FA2"]["missed"] == [["bf16 D128 S2048 causal", 0.9]]
+    short = got["fwd S 512/1k >= 0.8 x cuDNN"]                 # 170 / 200: met
+    assert short["missed"] == [] and short["worst"] == 0.85 and short["cells"] == 1
+    assert got["bwd every cell >= 0.5 x FA2"]["missed"] == [] and got["bwd every cell >= 0.5 x FA2"]["cells"] == 3
+    assert "bwd D64/D256 S>=2k >= 1.0 x FA2" not in got        # no such cell
+    fp16 = got["fp16 within 5% of bf16"]                        # fwd 200/210 (-4.8 %), bwd 100/120 (-17 %)
+    assert fp16["cells"] == 2 and fp16["missed"] == [["fp16 D128 S4096 bwd", 0.833]]
+    result["targets"] = bench.targets(result)
+    lines = bench.target_lines(result)
+    assert "triton: fwd D128 S>=2k >= 1.0 x cuDNN: MISSED in 1 of 2 cells; worst 0.75 (bf16 D128 S2048 causal)" in lines
+    assert "triton: fwd every cell >= 0.5 x FA2: met; worst 1.50 (bf16 D128 S2048 causal)" in lines
