@@ -217,6 +217,11 @@ def test_cpu_run_writes_json_markdown_png_and_the_ratio_table_last(tmp_path):
     md = open(files["md"]).read()
     assert "| dtype | D | S | causal |" in md and md.count("\n| fp32 | 16 |") == 4
     assert any(line.startswith("- chunked / FA2 fwd: geomean") for line in md.splitlines())
+    # benchmarks/bench_report.py redraws the same markdown from the JSON alone
+    os.remove(files["md"])
+    report = load_script("bench_report")
+    assert report.main([files["json"]]) == 0
+    assert open(files["md"]).read() == md
     pytest.importorskip("matplotlib")
     with open(files["png"], "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
