@@ -560,7 +560,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds per implementation (default 3)")
     ap.add_argument("--round-ms", type=float, default=None, help="length of one timing round in ms (default 25)")
     ap.add_argument("--time-limit", type=float, default=None,
-                    help="seconds after which no new cell starts; what is done is written (default: none)")
+                    help="no new cell starts after this many seconds, or when one like it (same D, S) would end "
+                         "after them; what is done is written (default: none)")
     ap.add_argument("--l2-mib", type=float, default=None, help="L2 size for input rotation (default: the device's)")
     ap.add_argument("--device", default=None, help="default cuda (cpu with --cpu)")
     ap.add_argument("--quick", action="store_true", help="D 128, S 1k and 4k, bf16, causal and not (4 cells)")
@@ -649,14 +650,19 @@ def main(argv=None, stream=None) -> int:
     t0 = time.monotonic()
     previous = signal.signal(signal.SIGTERM, _sigterm) if _main_thread() else None
     try:   # Ctrl-C, SIGTERM (timeout) and --time-limit keep what is done: it is summarised and written
+        taken: dict = {}   # (D, S) -> seconds of the last such cell: the estimate for the next one
         for i, cell in enumerate(cells):
-            if i and args.time_limit is not None and time.monotonic() - t0 >= args.time_limit:
-                result["stopped"] = f"time limit {args.time_limit:g} s after {i} of {len(cells)} cells"
+            stop = i and args.time_limit is not None and stop_reason(time.monotonic() - t0, args.time_limit,
+                                                                     taken.get((cell.D, cell.S)))
+            if stop:
+                result["stopped"] = f"time limit {args.time_limit:g} s after {i} of {len(cells)} cells ({stop})"
                 break
+            started = time.monotonic()
             try:
                 row = bench_cell(cell, impls, directions, device, timer, s["rounds"], l2)
             except Exception as exc:   # the inputs or the reference failed (out of memory?): the run goes on
                 row = {**cell._asdict(), "error": _error(exc), "results": {}, "ratios": {}}
+            row["seconds"] = taken[(cell.D, cell.S)] = round(time.monotonic() - started, 2)
             result["rows"].append(row)
             progress.cell_done(cell_line(cell, row, directions), cells[i + 1] if i + 1 < len(cells) else None)
             if device.type == "cuda":
@@ -689,6 +695,16 @@ def main(argv=None, stream=None) -> int:
     print(format_text(header, body), file=stream)
     failed = any(e.get("ok") is False for r in result["rows"] for e in r["results"].values())
     return 1 if failed else 0
+
+
+def stop_reason(elapsed: float, limit: float, estimate: float | None) -> str | None:
+    """Why no new cell starts: the limit is reached, or a cell like it (same D and S) took long
+    enough that this one would end after it; None to go on (a cell with no estimate starts)."""
+    if elapsed >= limit:
+        return f"{elapsed:.0f} s elapsed"
+    if estimate is not None and elapsed + estimate > limit:
+        return f"{elapsed:.0f} s elapsed, the next cell would take ~{estimate:.0f} s"
+    return None
 
 
 def _main_thread() -> bool:

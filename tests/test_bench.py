@@ -235,11 +235,19 @@ def test_time_limit_stops_cleanly_and_writes_what_it_has(tmp_path):
     assert rc == 0, text
     result = json.loads(open(_files(tmp_path)["json"]).read())
     assert result["cells_done"] == 1 and result["cells_total"] == 4
-    assert result["stopped"].startswith("time limit 0 s after 1 of 4 cells")
+    assert result["stopped"].startswith("time limit 0 s after 1 of 4 cells (")
+    assert result["rows"][0]["seconds"] > 0
     assert result["rows"][0]["copies"] == 1 and set(result["rows"][0]["results"]["chunked"]) >= {"fwd", "check"}
     assert "bwd" not in result["rows"][0]["results"]["chunked"]
     assert "stopped: time limit" in text and len(_table_rows(text)) == 1
     assert _table_rows(text)[0]["chunked/sdpa_math"].count("/") == 0   # one direction: one ratio
+
+
+def test_stop_reason_projects_the_next_cell_from_one_like_it():
+    assert bench.stop_reason(10.0, 300.0, None) is None
+    assert bench.stop_reason(300.0, 300.0, None) == "300 s elapsed"
+    assert bench.stop_reason(290.0, 300.0, 5.0) is None
+    assert bench.stop_reason(290.0, 300.0, 12.0) == "290 s elapsed, the next cell would take ~12 s"
 
 
 def test_progress_bar_with_rich_and_plain_fallback():
