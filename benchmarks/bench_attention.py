@@ -683,8 +683,12 @@ def main(argv=None, stream=None) -> int:
             json.dump(result, fh, indent=1)
         with open(stem + ".md", "w") as fh:
             fh.write(format_markdown(result))
-        wrote = [stem + ".json", stem + ".md"] + ([stem + ".png"] if plot(result, stem + ".png") else [])
-        print("wrote " + ", ".join(wrote) + ("" if len(wrote) == 3 else " (no matplotlib: no plot)"), file=stream)
+        try:
+            drew, why = plot(result, stem + ".png"), "no matplotlib"
+        except Exception as exc:   # the numbers matter more than the picture: report and go on
+            drew, why = False, _error(exc)
+        wrote = [stem + ".json", stem + ".md"] + ([stem + ".png"] if drew else [])
+        print("wrote " + ", ".join(wrote) + ("" if drew else f" (no plot: {why})"), file=stream)
     if result["stopped"]:
         print(f"stopped: {result['stopped']}", file=stream)
     print(f"\n{result['cells_done']} of {len(cells)} cells in {result['seconds']} s; {first_calls(result)}", file=stream)
