@@ -1,7 +1,7 @@
 """portattn's training benchmark: portattn backends side by side with torch SDPA's flash (FA2)
 and cuDNN kernels, forward and backward timed separately, in one run, as TFLOP/s and ratios.
 
-    portattn bench --out results/ --time-limit 300     # the full grid (72 cells), ~5 min on an H200
+    portattn bench --out results/ --time-limit 280     # the full grid (72 cells); no new cell after 280 s
     portattn bench --quick                             # D 128, S 1k/4k, bf16 (4 cells)
     portattn bench --cpu --out /tmp/b                  # tiny grid on the CPU (tests, no GPU)
     portattn bench --decode --out results/             # the decode grid (benchmarks/bench_decode.py)

@@ -298,6 +298,8 @@ def test_bad_options_are_refused(capsys):
         bench.main(["--cpu", "--backends", "sdpa_math", "--baselines", "sdpa_math"])
     assert bench.main(["--cpu", "--head-dims", "48"]) == 2
     assert "does not divide" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert bench.main(["--quick"]) == 2 and "--cpu runs a tiny grid" in capsys.readouterr().err
 
 
 def test_portattn_bench_passes_every_option_through(capsys):
