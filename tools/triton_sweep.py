@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import portattn  # noqa: E402
 from portattn.backends.triton import ops  # noqa: E402  (the module the registered backend uses)
 from portattn.backends.triton.configs import BackwardConfigs, KernelConfig  # noqa: E402
+
+import portattn  # noqa: E402
 
 # (block_m, block_n, warps, stages)
 FWD = {
