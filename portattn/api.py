@@ -64,12 +64,25 @@ def _forward(impl, spec: AttentionSpec):
     return out, lse
 
 
-def _backward(impl, spec: AttentionSpec, out, lse, dout, dlse):
+def _forward_for_backward(impl, spec: AttentionSpec):
+    """``(out, lse, residuals)``: the forward of a call whose backward follows on ``impl``
+    (:meth:`Backend.forward_for_backward`; a backend without it keeps no residuals)."""
+    fwd = getattr(impl, "forward_for_backward", None)
+    if fwd is None:
+        return (*_forward(impl, spec), ())
+    out, lse, residuals = fwd(spec)
+    if out.numel() and out.data_ptr() in (spec.q.data_ptr(), spec.k.data_ptr(), spec.v.data_ptr()):
+        out = out.clone()
+    return out, lse, tuple(residuals)
+
+
+def _backward(impl, spec: AttentionSpec, out, lse, dout, dlse, residuals=()):
     if dout is None:
         dout = torch.zeros_like(out)
+    extra = {"residuals": residuals} if residuals else {}
     if dlse is None:
-        return impl.backward(spec, out, lse, dout.contiguous())
-    return impl.backward(spec, out, lse, dout.contiguous(), dlse.contiguous())
+        return impl.backward(spec, out, lse, dout.contiguous(), **extra)
+    return impl.backward(spec, out, lse, dout.contiguous(), dlse.contiguous(), **extra)
 
 
 def _dbias_for(dbias, bias: Tensor | None):
@@ -84,16 +97,16 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, impl, spec, q, k, v, bias):
-        out, lse = _forward(impl, spec)
+        out, lse, residuals = _forward_for_backward(impl, spec)
         ctx.impl, ctx.spec, ctx.bias = impl, spec, bias
-        ctx.save_for_backward(out, lse)
+        ctx.save_for_backward(out, lse, *residuals)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        out, lse = ctx.saved_tensors
-        dq, dk, dv, dbias = _backward(ctx.impl, ctx.spec, out, lse, dout, dlse)
+        out, lse, *residuals = ctx.saved_tensors
+        dq, dk, dv, dbias = _backward(ctx.impl, ctx.spec, out, lse, dout, dlse, tuple(residuals))
         bias = ctx.bias
         return None, None, dq, dk, dv, _dbias_for(dbias, bias) if bias is not None and bias.requires_grad else None
 

@@ -574,7 +574,7 @@ def _block_backward(cfg, call, backend_name, q, k, v, lse, delta, dout, dlse, dq
                         f"block gradients; pin a backend that has it (backend='sdpa' or 'reference')")
     spec = _block_spec(cfg, call, q, k, v, needs_grad=True)
     with torch.no_grad():
-        o_b, l_b = backend.forward(spec)   # recomputed: see the module docstring
+        o_b, l_b, res_b = backend.forward_for_backward(spec)   # recomputed: see the module docstring
     acc = dq.dtype
     rows = slice(call.q0, call.q1)
     big_l = lse[:, :, rows].to(acc)
@@ -588,7 +588,8 @@ def _block_backward(cfg, call, backend_name, q, k, v, lse, delta, dout, dlse, dq
         g = g + dlse[:, :, rows].to(acc)
     dlse_b = (w * g).to(torch.float32).contiguous()
     dout_b = (do * w.transpose(1, 2).unsqueeze(-1)).to(q.dtype).contiguous()
-    dq_b, dk_b, dv_b, _ = backend.backward(spec, o_b, l_b.to(torch.float32), dout_b, dlse=dlse_b)
+    dq_b, dk_b, dv_b, _ = backend.backward(spec, o_b, l_b.to(torch.float32), dout_b, dlse=dlse_b,
+                                           **({"residuals": res_b} if res_b else {}))
     dq[:, rows] += dq_b.to(acc)
     dk[:, call.k0:call.k1] += dk_b.to(dk.dtype)
     dv[:, call.k0:call.k1] += dv_b.to(dv.dtype)

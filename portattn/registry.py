@@ -147,6 +147,14 @@ class Backend:
         """Return ``(out, lse)`` for ``spec`` (canonical layout, see the class docstring)."""
         raise NotImplementedError(f"backend {self.name!r} does not implement forward")
 
+    def forward_for_backward(self, spec) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """``(out, lse, residuals)`` for a call whose backward follows on this backend: a backend
+        may keep extra tensors from its forward (the triton backend: O's rounding residual) that
+        its :meth:`backward` then receives as ``residuals=`` (never passed when empty, so a
+        backend without residuals need not accept the keyword). Default: :meth:`forward`, none."""
+        out, lse = self.forward(spec)
+        return out, lse, ()
+
     def backward(self, spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                  dlse: torch.Tensor | None = None):
         """Return ``(dq, dk, dv, dbias)`` in the canonical layout; ``dbias`` is None unless a

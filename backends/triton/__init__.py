@@ -107,10 +107,16 @@ class TritonBackend(Backend):
         """``(out, lse)``: out in ``spec.out_shape`` and q's dtype, lse float32 ``spec.lse_shape``."""
         return _ops().forward(spec)
 
-    def backward(self, spec, out, lse, dout, dlse=None):
+    def forward_for_backward(self, spec):
+        """``(out, lse, residuals)``: 16-bit inputs also keep O's rounding residual for the backward
+        (see :func:`ops.forward_for_backward`)."""
+        return _ops().forward_for_backward(spec)
+
+    def backward(self, spec, out, lse, dout, dlse=None, residuals=()):
         """``(dq, dk, dv, dbias)``; dbias has the expanded bias shape when a float bias needs grad;
-        ``dlse`` (the gradient of the returned lse, or None) is folded into delta."""
-        return _ops().backward(spec, out, lse, dout, dlse)
+        ``dlse`` (the gradient of the returned lse, or None) is folded into delta; ``residuals``
+        from :meth:`forward_for_backward` (else exact row statistics are recomputed)."""
+        return _ops().backward(spec, out, lse, dout, dlse, residuals=residuals)
 
 
 # ----- KV-cache decoding (portattn.kvcache): split-KV kernels in decode.py ------------------------

@@ -354,7 +354,7 @@ _SIZES = ("seqlen_q", "seqlen_k", "total_q", "total_k", "stride_lb", "stride_lh"
 
 @triton.jit(do_not_specialize=_SIZES)
 def attn_fwd(
-    Q, K, V, O, LSE, BIAS, SLOPES, CU_Q, CU_K,
+    Q, K, V, O, ORES, LSE, BIAS, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -367,8 +367,12 @@ def attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):
-    """O = softmax(scale·QKᵀ + bias)V for one (query tile, batch·head); writes O and lse."""
+    """O = softmax(scale·QKᵀ + bias)V for one (query tile, batch·head); writes O and lse, and with
+    ``RESIDUAL`` (a 16-bit forward whose backward follows) ``ORES`` = the rounding residual
+    O_f32 − round(O_f32) in O's dtype and strides, so that the backward's delta = rowsum(dO ∘ O)
+    is taken of the unrounded output."""
     pid_m = _tile_order(tl.program_id(0), tl.num_programs(0), LONGEST_FIRST)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
@@ -420,9 +424,13 @@ def attn_fwd(
     if RAW_SCORES:
         m_i = m_i * qk_scale2
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-    o_ptrs = (O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
+    o_offs = (b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
               + offs_m[:, None] * stride_os + offs_d[None, :])
-    _store_tile(o_ptrs, _round_to(out, O.dtype.element_ty), offs_m, sq, offs_d, HEAD_DV, BLOCK_D)
+    out16 = _round_to(out, O.dtype.element_ty)
+    _store_tile(O + o_offs, out16, offs_m, sq, offs_d, HEAD_DV, BLOCK_D)
+    if RESIDUAL:
+        res = _round_to(out - out16.to(tl.float32), O.dtype.element_ty)
+        _store_tile(ORES + o_offs, res, offs_m, sq, offs_d, HEAD_DV, BLOCK_D)
     l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m
     tl.store(l_ptrs, lse, mask=offs_m < sq)
 
@@ -430,9 +438,12 @@ def attn_fwd(
 # ----- backward -----------------------------------------------------------------------------
 # dS = P ∘ (dP − delta) with P = exp2(S − m)/l, dP = dO Vᵀ and delta_i = Σ_j P_ij dP_ij − dlse_i.
 # Row statistics (m, 1/l, delta) come from one of two places (constexpr EXACT_STATS of the dQ kernel):
-#  * 16-bit inputs: :func:`attn_bwd_prep` turns the forward's lse into m = lse·log2(e), 1/l = 1 and
-#    computes delta = rowsum(dO ∘ O) — no pass over the keys (FA2's preprocess);
-#  * float32 inputs: the dQ kernel's first pass recomputes m and l exactly as the forward does and
+#  * 16-bit inputs whose forward kept O's rounding residual (eager autograd: the backend's
+#    ``forward_for_backward``): :func:`attn_bwd_prep` turns the forward's lse into m = lse·log2(e),
+#    1/l = 1 and computes delta = rowsum(dO ∘ (O + residual)) — no pass over the keys (FA2's
+#    preprocess, of the unrounded O);
+#  * float32 inputs, and 16-bit ones without the residual (the torch.compile custom op, ring
+#    attention's blocks): the dQ kernel's first pass recomputes m and l exactly as the forward does and
 #    keeps them apart, and delta as Σ_j P_ij dP_ij: folding m and l into a float32 lse costs
 #    ulp(|lse|) relative error in every P, and dO·O inherits O's rounding — both visible against
 #    float32's naive error, invisible against 16-bit rounding. A row with one visible key then
@@ -496,7 +507,7 @@ def _probs(s, m2, inv_l, qk_scale2, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.co
 
 @triton.jit(do_not_specialize=("seqlen_q", "total_q", "stride_ilb", "stride_ilh", "stride_lb", "stride_lh"))
 def attn_bwd_prep(
-    O, DO, LSE, DLSE, ROWMAX, ROWINV, DELTA, CU_Q,
+    O, ORES, DO, LSE, DLSE, ROWMAX, ROWINV, DELTA, CU_Q,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     stride_ilb, stride_ilh, stride_lb, stride_lh,
@@ -506,7 +517,10 @@ def attn_bwd_prep(
 ):
     """Row statistics of the 16-bit backward for one (query tile, batch·head), from the forward's
     ``lse`` (read through its strides ``stride_il*``): m = lse·log2(e) and 1/l = 1 (+inf and 0 for
-    a row with no visible key, lse = -inf), delta = rowsum(dO ∘ O) − dlse."""
+    a row with no visible key, lse = -inf), delta = rowsum(dO ∘ (O + ORES)) − dlse with ``ORES``
+    the forward's rounding residual (O's strides): the unrounded output, so delta carries no
+    rounding of O — with O alone, |dO|·|O|·2⁻⁹ in every dS made dQ 8–25× the naive error at
+    peaked (large-logit) softmaxes, where the exact dS is nearly 0."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
@@ -524,11 +538,13 @@ def attn_bwd_prep(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     in_rows = offs_m < sq
-    o = _load_tile(O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h64 * stride_oh
-                   + offs_m[:, None] * stride_os + offs_d[None, :], offs_m, sq, offs_d, HEAD_DV, BLOCK_D, True)
+    o_offs = (b64 * stride_ob + q_start.to(tl.int64) * stride_os + h64 * stride_oh
+              + offs_m[:, None] * stride_os + offs_d[None, :])
+    o = (_load_tile(O + o_offs, offs_m, sq, offs_d, HEAD_DV, BLOCK_D, True).to(tl.float32)
+         + _load_tile(ORES + o_offs, offs_m, sq, offs_d, HEAD_DV, BLOCK_D, True).to(tl.float32))
     do = _load_tile(DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h64 * stride_doh
                     + offs_m[:, None] * stride_dos + offs_d[None, :], offs_m, sq, offs_d, HEAD_DV, BLOCK_D, True)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    delta = tl.sum(o * do.to(tl.float32), 1)
     lse = tl.load(LSE + b64 * stride_ilb + h64 * stride_ilh + q_start + offs_m, mask=in_rows, other=float("-inf"))
     empty = lse == float("-inf")
     row_base = b64 * stride_lb + h64 * stride_lh + q_start

@@ -238,11 +238,29 @@ def _empty_result(spec):
 def forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel: ``(out, lse)`` in the canonical layout (see the backend), written
     into ``out``/``lse`` when given (views are fine: the kernel uses their strides)."""
+    out, lse, _ = _forward(spec, out, lse, residual=False)
+    return out, lse
+
+
+def forward_for_backward(spec) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """``(out, lse, residuals)`` for a call whose backward follows: 16-bit inputs also return O's
+    rounding residual (``(ores,)``, O's shape, dtype and strides), which lets the backward take
+    delta = rowsum(dO ∘ O) of the unrounded output in one cheap pass; float32 returns none (its
+    backward recomputes exact row statistics)."""
+    if spec.dtype == torch.float32 or spec.is_empty:
+        out, lse = forward(spec)
+        return out, lse, ()
+    out, lse, ores = _forward(spec, None, None, residual=True)
+    return out, lse, (ores,)
+
+
+def _forward(spec, out, lse, residual: bool):
     if spec.is_empty:
-        return _empty_result(spec)
+        return (*_empty_result(spec), None)
     (q, qs), (k, ks), (v, vs) = _with_strides(spec.q), _with_strides(spec.k), _with_strides(spec.v)
     out = _output(spec, out, spec.out_shape, spec.dtype, 0.0)
     lse = _output(spec, lse, spec.lse_shape, torch.float32, float("-inf"))
+    ores = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device) if residual else out
     varlen = spec.is_varlen
     bias, bias_strides, bias_mode = _bias_args(spec, q)
     slopes = spec.alibi_slopes if spec.alibi_slopes is not None else lse
@@ -252,23 +270,24 @@ def forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | None =
     ls = lse.stride()
     grid = (_cdiv(spec.seqlen_q, cfg.block_m), spec.batch * spec.num_heads_q)
     kernels.attn_fwd[grid](
-        q, k, v, out, lse, bias, slopes, cu_q, cu_k,
+        q, k, v, out, ores, lse, bias, slopes, cu_q, cu_k,
         *_seq3(qs, varlen), *_seq3(ks, varlen), *_seq3(vs, varlen), *_seq3(out.stride(), varlen),
         *((0, ls[0]) if varlen else ls[:2]), *bias_strides,
         spec.num_heads_q, spec.num_heads_q // spec.num_heads_kv, spec.seqlen_q, spec.seqlen_k,
         *((q.shape[0], k.shape[0]) if varlen else (0, 0)),
         *_scalars(spec.scale, spec.softcap, spec.window_left, spec.window_right),
-        **_launch_kwargs(cfg, bias_mode, _static_key(spec), LONGEST_FIRST=_causal_like(spec)),
+        **_launch_kwargs(cfg, bias_mode, _static_key(spec), LONGEST_FIRST=_causal_like(spec), RESIDUAL=residual),
     )
-    return out, lse
+    return out, lse, (ores if residual else None)
 
 
 def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,
-             *, grads: tuple | None = None):
+             *, grads: tuple | None = None, residuals: tuple = ()):
     """The backward kernels (kernels.py): ``(dq, dk, dv, dbias or None)``.
 
-    16-bit inputs: :func:`kernels.attn_bwd_prep` turns ``lse`` into the row statistics and computes
-    delta = rowsum(dO ∘ O) − dlse, then dQ and dK/dV. float32: the dQ kernel recomputes exact row
+    With ``residuals`` from :func:`forward_for_backward` (16-bit): :func:`kernels.attn_bwd_prep`
+    turns ``lse`` into the row statistics and computes delta = rowsum(dO ∘ (O + residual)) − dlse,
+    then dQ and dK/dV. Otherwise (float32, or no residual): the dQ kernel recomputes exact row
     statistics first (``out`` and ``lse`` unread), then dK/dV. ``dlse`` (float32,
     ``spec.lse_shape``) is the gradient of the returned lse. ``grads``: ``(dq, dk, dv)`` buffers
     to write into (views are fine), else new ones."""
@@ -301,19 +320,23 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
     bh_q = spec.batch * spec.num_heads_q
     static_key = _static_key(spec)
     consts = _consts(*static_key)
-    exact = spec.dtype == torch.float32
+    exact = spec.dtype == torch.float32 or not residuals
     seq = (*_seq3(qs, varlen), *_seq3(ks, varlen), *_seq3(vs, varlen), *_seq3(dos, varlen))
     gqa = spec.num_heads_q // spec.num_heads_kv
     sizes = (spec.seqlen_q, spec.seqlen_k, *_packed_totals(spec))
     scalars = (spec.scale, *_scalars(spec.scale, spec.softcap, spec.window_left, spec.window_right))
     if not exact:
         # 0. row statistics from lse, delta = rowsum(dO ∘ O) - dlse
-        out, ost = _with_strides(out)
+        (ores,) = residuals
+        ost = out.stride()
+        if ores.stride() != ost or ost[-1] != 1:   # the prep kernel reads both through O's strides
+            out, ores = out.contiguous(), ores.contiguous()
+            ost = out.stride()
         if lse.stride(-1) != 1:
             lse = lse.contiguous()
         cp = cfgs.prep
         kernels.attn_bwd_prep[(_cdiv(spec.seqlen_q, cp.block_m), bh_q)](
-            out, dout, lse, dlse, rowmax, rowinv, delta, cu_q,
+            out, ores, dout, lse, dlse, rowmax, rowinv, delta, cu_q,
             *_seq3(ost, varlen), *_seq3(dos, varlen), *_lse_strides(spec, lse), *lse_strides,
             spec.num_heads_q, spec.seqlen_q, _packed_totals(spec)[0],
             **_prep_kwargs(cp, consts["HEAD_DV"], consts["BLOCK_D"], varlen, has_dlse),

@@ -178,6 +178,7 @@ def _signature(fn, case: Case):
         IEEE=case.dtype == torch.float32 and f.ieee,
         RAW_SCORES=case.dtype == torch.float32 and not f.softcap and not f.alibi and f.bias_mode != kernels.BIAS_ADD,
         EXACT_STATS=case.dtype == torch.float32, LONGEST_FIRST=not f.bottom_right,
+        RESIDUAL=case.dtype != torch.float32,
     )
     bias_ty = "*u8" if f.bias_mode == kernels.BIAS_BOOL else f"*{dt}"
     signature, constexprs, attrs = {}, {}, {}
