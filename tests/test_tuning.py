@@ -3,6 +3,7 @@ correctness gate, the capture/compile rule, and the cache file (corrupt, other v
 processes writing at once)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import portattn
-from portattn import tuning
+from portattn import timing, tuning
 from portattn.spec import build_spec
 
 
@@ -85,22 +86,49 @@ WrongToy.wrong = True
 TOYS = (SlowToy, FastToy, WrongToy)
 
 
-_REAL_TIME_BACKEND = tuning.time_backend
 #: what the fake clock reports per backend (ms): the CPU here is shared, real timings are noisy
 COST = {"toy_slow": 5.0, "toy_fast": 1.0, "toy_wrong": 0.1, "toy_wrong2": 0.1, "sdpa": 3.0}
 
 
-@pytest.fixture
-def toys(tmp_path, monkeypatch):
-    """The toy backends, a private cache directory, and a fake clock that still runs each timed
-    backend once (forward, and backward for gradient classes)."""
-    monkeypatch.setenv("PORTATTN_CACHE_DIR", str(tmp_path))
-    real = tuning.time_backend
+class FakeClock:
+    """portattn.timing's clock interface: a sample runs the callable once (so calls are counted)
+    and reports ``COST[name]`` ms per call, times ``jitter[name][i]`` for the name's i-th sample
+    when given; the samples' order is logged and the fake time advances by what was reported."""
 
-    def fake_clock(name, spec, first_only=None):
-        real(name, spec, first_only=0.0)        # one run (plus warm-up), so calls are counted
-        return COST.get(name, 50.0) * (3 if spec.needs_grad else 1), 1
-    monkeypatch.setattr(tuning, "time_backend", fake_clock)
+    def __init__(self, cost=None, jitter=None):
+        self.cost = COST if cost is None else cost
+        self.jitter = jitter or {}
+        self.log = []
+        self.t = 0.0
+        self.seen = {}
+
+    def sync(self):
+        pass
+
+    def now(self):
+        return self.t
+
+    def sample(self, name, fn, reps):
+        fn()
+        i = self.seen[name] = self.seen.get(name, -1) + 1
+        factors = self.jitter.get(name)
+        ms = self.cost.get(name, 50.0) * (factors[i % len(factors)] if factors else 1.0)
+        self.log.append((name, reps))
+        self.t += ms * reps * 1e-3
+        return ms
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def toys(tmp_path, monkeypatch, clock):
+    """The toy backends, a private cache directory, and a fake clock (``clock``) that still runs
+    each timed backend (forward, and backward for gradient classes)."""
+    monkeypatch.setenv("PORTATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_clock", lambda device: clock)
     tuning.clear()
     made = {cls.name: portattn.register_backend(cls) for cls in TOYS}
     yield made
@@ -190,26 +218,95 @@ def test_gradient_classes_check_and_time_the_backward(toys):
 
 
 def test_real_clock_measures_forward_and_backward(toys, monkeypatch):
-    monkeypatch.setattr(tuning, "time_backend", _REAL_TIME_BACKEND)
-    monkeypatch.setattr(tuning, "MIN_RUNS", 2)
-    monkeypatch.setattr(tuning, "BUDGET_MS", 1.0)
+    monkeypatch.setattr(tuning, "_clock", timing.clock_for)
+    for name, value in (("WARMUP", 1), ("ROUNDS", 2), ("MIN_ROUNDS", 2), ("SAMPLES_PER_ROUND", 1)):
+        monkeypatch.setattr(tuning, name, value)
     monkeypatch.setattr(SlowToy, "delay", 0.25)
     spec = _spec(sq=4, sk=4, grad=True)
     assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
-    slow = tuning.timing_details(spec)["results"]["toy_slow"]
-    assert slow["ms"] >= 2 * 250 * 0.95 and slow["runs"] >= 2          # forward + backward sleep, median
-
-
-def test_near_ties_are_timed_twice(toys, monkeypatch):
-    monkeypatch.setitem(COST, "toy_slow", COST["toy_fast"] * 1.03)
-    spec = _spec(sq=8, sk=8)
-    assert tuning.choose(spec, ["toy_slow", "toy_fast", "toy_wrong"]) == "toy_fast"
     results = tuning.timing_details(spec)["results"]
-    assert results["toy_slow"]["runs"] == 2 and results["toy_fast"]["runs"] == 2
-    monkeypatch.setitem(COST, "toy_slow", COST["toy_fast"] * 1.5)          # not close: once
+    slow, fast = results["toy_slow"], results["toy_fast"]
+    assert slow["ms"] >= 2 * 250 * 0.95                  # forward + backward sleep
+    assert slow.get("pruned") and fast["ms"] < slow["ms"] / 2   # over PRUNE x the best estimate: not timed further
+    assert len(fast["ms_rounds"]) == 2 and fast["runs"] >= 1 + 1 + 2 * fast["reps"]
+
+
+def test_the_policy_times_candidates_in_interleaved_rounds(toys, clock, monkeypatch):
+    monkeypatch.setitem(COST, "toy_slow", 1.2)          # under PRUNE x the best: timed in every round
+    spec = _spec(sq=8, sk=8)
+    assert tuning.choose(spec, ["toy_wrong", "toy_slow", "toy_fast"]) == "toy_fast"
+    names = [n for n, _ in clock.log]
+    assert "toy_wrong" not in names                     # failed the check: never timed
+    per = tuning.SAMPLES_PER_ROUND * 2
+    rounds = names[-tuning.ROUNDS * per:]
+    assert sorted(names[:-len(rounds)]) == ["toy_fast", "toy_slow"]   # one estimate sample each (>= 1 ms calls)
+    blocks = [rounds[i:i + per] for i in range(0, len(rounds), per)]
+    assert all(sorted(set(b)) == ["toy_fast", "toy_slow"] for b in blocks)   # both in every round
+    firsts = [b[0] for b in blocks]
+    assert "toy_fast" in firsts and "toy_slow" in firsts                     # neither always first
+    results = tuning.timing_details(spec)["results"]
+    fast = results["toy_fast"]
+    assert fast["ms"] == COST["toy_fast"] and fast["spread"] == 0 and len(fast["ms_rounds"]) == tuning.ROUNDS
+    # a candidate over PRUNE x the best estimate keeps its estimate and is not timed in rounds
+    monkeypatch.setitem(COST, "toy_slow", 5.0)
+    clock.log.clear()
     spec2 = _spec(sq=8, sk=16)
-    tuning.choose(spec2, ["toy_slow", "toy_fast"])
-    assert tuning.timing_details(spec2)["results"]["toy_fast"]["runs"] == 1
+    assert tuning.choose(spec2, ["toy_slow", "toy_fast"]) == "toy_fast"
+    assert [n for n, _ in clock.log].count("toy_slow") == 1
+    assert tuning.timing_details(spec2)["results"]["toy_slow"] == {"ms": 5.0, "runs": 3, "reps": 1, "spread": 0.0,
+                                                                  "ms_rounds": [5.0], "pruned": True}
+    # reps from the estimate: ~ROUND_MS of calls per candidate per round
+    assert fast["reps"] == math.ceil(tuning.ROUND_MS / tuning.SAMPLES_PER_ROUND / COST["toy_fast"])
+
+
+@pytest.mark.parametrize("ratio,priority,expected", [
+    (1.002, ["toy_slow", "toy_fast"], "toy_slow"),     # within TIE_MIN: equal, the priority order decides
+    (1.002, ["toy_fast", "toy_slow"], "toy_fast"),
+    (1.05, ["toy_slow", "toy_fast"], "toy_fast"),      # a real difference: the faster
+])
+def test_tie_rule_prefers_the_priority_order_within_the_noise(toys, monkeypatch, ratio, priority, expected):
+    monkeypatch.setitem(COST, "toy_slow", COST["toy_fast"] * ratio)
+    spec = _spec(sq=8, sk=8)
+    assert tuning.choose(spec, priority) == expected
+    info = tuning.timing_details(spec)
+    assert info["winner"] == expected and info["order"][0] == expected
+    assert set(info["tied"]) == ({"toy_slow", "toy_fast"} if ratio < 1.01 else {"toy_fast"})
+
+
+@pytest.mark.parametrize("bump,ratio,expected", [
+    (1.012, 1.004, "toy_slow"),     # rounds spread 1.2 %: within 0.6 % is a tie, the priority order decides
+    (1.012, 1.008, "toy_fast"),     # 0.8 %: over half the spread, the faster
+    (1.2, 1.008, "toy_slow"),       # a 20 % spread: the tolerance is capped at TIE_MAX (1 %)...
+    (1.2, 1.015, "toy_fast"),       # ...so a 1.5 % difference still counts
+])
+def test_tie_tolerance_follows_the_measured_spread_up_to_its_cap(toys, clock, monkeypatch, bump, ratio, expected):
+    clock.jitter["toy_fast"] = [1.0] * 4 + [bump] * 3 + [1.0] * 9   # the estimate, then round 1 of 5 slower
+    monkeypatch.setitem(COST, "toy_slow", COST["toy_fast"] * ratio)
+    spec = _spec(sq=8, sk=8)
+    assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == expected
+    fast = tuning.timing_details(spec)["results"]["toy_fast"]
+    assert fast["ms"] == COST["toy_fast"] and fast["spread"] == pytest.approx(bump - 1)
+
+
+def test_after_the_first_call_the_winner_is_a_dict_hit(toys, monkeypatch):
+    spec = _spec(sq=8, sk=24)
+    assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
+    assert tuning.lookup(spec) == "toy_fast"           # fills the hot table
+
+    def boom(*a, **k):
+        raise AssertionError("the class key was rebuilt on the hot path")
+    monkeypatch.setattr(tuning, "shape_class", boom)
+    monkeypatch.setattr(tuning, "_store", boom)
+    again = _spec(sq=8, sk=24)                           # a new spec of the same problem
+    assert tuning.lookup(again) == "toy_fast" and tuning.choose(again, ["toy_slow", "toy_fast"]) == "toy_fast"
+
+
+def test_a_new_cache_dir_forgets_the_hot_table(toys, tmp_path, monkeypatch):
+    spec = _spec(sq=8, sk=40)
+    assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
+    assert tuning.lookup(spec) == "toy_fast"
+    monkeypatch.setenv("PORTATTN_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert tuning.lookup(spec) is None                   # that directory's file knows nothing
 
 
 def test_new_candidate_is_timed_later_without_retiming_the_others(toys):
@@ -401,7 +498,7 @@ def test_cache_from_other_versions_is_not_used(toys, monkeypatch):
 
 _WRITER = textwrap.dedent("""
     import sys
-    from portattn import tuning
+    from portattn import timing, tuning
     path, who, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     store = tuning._Store(path, {"format": 1, "device": "test"})
     for i in range(n):
