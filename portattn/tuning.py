@@ -412,8 +412,60 @@ def check_candidate(name: str, spec: AttentionSpec) -> str | None:
 
 # ----- timing ------------------------------------------------------------------------------
 
+def _call_kwargs(spec: AttentionSpec) -> dict:
+    """Keyword arguments of :func:`portattn.attention` that rebuild ``spec`` from its canonical
+    tensors (``q``, ``k``, ``v`` are passed as they are: bshd views)."""
+    kw = dict(scale=spec.scale, causal=spec.causal, causal_alignment=spec.alignment, softcap=spec.softcap,
+              alibi_slopes=spec.alibi_slopes, attn_bias=spec.attn_bias, return_lse=spec.return_lse)
+    if spec.window_left is not None or (spec.window_right is not None and not spec.causal):
+        kw["window"] = (-1 if spec.window_left is None else spec.window_left,
+                        (0 if spec.causal else -1) if spec.window_right is None else spec.window_right)
+    if spec.is_varlen:
+        kw.update(cu_seqlens_q=spec.cu_seqlens_q, cu_seqlens_k=spec.cu_seqlens_k, max_seqlen_q=spec.max_seqlen_q,
+                  max_seqlen_k=spec.max_seqlen_k)
+    return kw
+
+
+def _api_runner(name: str, spec: AttentionSpec):
+    """One ``portattn.attention(..., backend=name)`` call on ``spec``'s tensors (forward, and a
+    backward through autograd when a gradient is needed): the call a user makes, so that host
+    costs of the call path count as they will (a host-bound call is max(host, device), not a
+    sum). None when the arguments cannot be rebuilt to the same class (then :func:`_runner`)."""
+    from .api import attention
+    from .spec import build_spec
+    try:
+        kw = _call_kwargs(spec)
+        grad = spec.needs_grad
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (spec.q, spec.k, spec.v)]
+        bias = spec.attn_bias
+        if bias is not None and bias.requires_grad:
+            kw["attn_bias"] = bias = bias.detach().requires_grad_(True)
+        if shape_class(build_spec(*leaves, **kw)) != shape_class(spec):
+            return None
+    except Exception:
+        return None
+    wrt = [t for t in [*leaves, bias] if t is not None and t.requires_grad]
+    if not grad:
+        def forward():
+            with torch.no_grad():
+                attention(*leaves, backend=name, **kw)
+        return forward
+    dout = torch.randn(spec.out_shape, dtype=spec.dtype, device=spec.device)
+
+    def forward_backward():
+        with torch.enable_grad():
+            out = attention(*leaves, backend=name, **kw)
+            torch.autograd.grad(out[0] if isinstance(out, tuple) else out, wrt, dout)
+    return forward_backward
+
+
 def _runner(backend, spec: AttentionSpec):
-    """One forward (and backward when a gradient is needed) of ``backend`` on ``spec``'s inputs."""
+    """One forward (and backward when a gradient is needed) of ``backend`` on ``spec``'s inputs,
+    through the call path (:func:`_api_runner`) or, when that cannot rebuild the call, the
+    backend's own methods."""
+    fn = _api_runner(backend.name, spec)
+    if fn is not None:
+        return fn
     if not spec.needs_grad:
         def forward():
             with torch.no_grad():

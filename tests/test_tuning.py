@@ -576,6 +576,29 @@ def test_small_problem_with_bias_mask_alibi_and_varlen():
     assert build_spec(q2, k2, v2, **kw2).features() == spec.features()
 
 
+@pytest.mark.parametrize("kw", [
+    dict(causal=True, causal_alignment="top_left"), dict(window=(3, 2)), dict(window=(4, 0), causal=True),
+    dict(softcap=5.0, scale=0.3, return_lse=True), dict(attn_bias=torch.randn(1, 4, 20, 20)),
+    dict(attn_bias=torch.rand(1, 1, 1, 20) > 0.5), dict(alibi_slopes=torch.rand(4), causal=True),
+])
+def test_candidates_are_timed_through_the_call_a_user_makes(kw):
+    """The timing runner rebuilds portattn.attention's arguments from the spec (so host costs of
+    the call path count): the same class, and it runs."""
+    q = torch.randn(1, 20, 4, 8)
+    spec = build_spec(q, q, q, **kw)
+    fn = tuning._api_runner("reference", spec)
+    assert fn is not None
+    fn()
+    packed = torch.randn(30, 4, 8, requires_grad=True)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    spec = build_spec(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=20, max_seqlen_k=20,
+                      causal=True)
+    assert spec.needs_grad and tuning.shape_class(spec) == tuning.shape_class(
+        build_spec(packed, packed, packed, **tuning._call_kwargs(spec)))
+    tuning._api_runner("reference", spec)()
+    assert packed.grad is None                             # timing never touches the caller's .grad
+
+
 def test_check_candidate_passes_a_real_backend_and_names_what_fails(toys):
     spec = _spec(grad=True)
     assert tuning.check_candidate("sdpa", spec) is None
