@@ -692,16 +692,43 @@ def test_bench_summary_ratios_and_totals_on_the_same_cells():
     rows = [row("c1", a=1.0, b=2.0, fastest=1.01), row("c2", a=3.0, b=1.0, fastest=1.1),
             row("c3", a=2.0, b=None, fastest=2.0)]
     rows[2]["results"]["b"] = {"ms": 0.1, "check": "FAIL out"}       # fast but wrong: not the best
+    # interleaved rounds: the policy and the best side by side, round by round
+    rows[1]["results"]["fastest"].update(ms_rounds=[1.1, 1.12, 1.08], spread=0.04 / 1.1)
+    rows[1]["results"]["b"].update(ms_rounds=[1.0, 1.0, 1.02], spread=0.02)
     s = bench.summarize(rows, ["a", "b"])
     assert [c["best"] for c in s["cells"]] == ["a", "b", "a"]
     assert s["cells"][1]["ratio"] == pytest.approx(1.1) and s["cells_over_target"] == ["c2 fwd"]
+    assert s["cells"][1]["ratio_rounds"] == [pytest.approx(1.08 / 1.02), pytest.approx(1.12)]
+    assert s["cells_within_target"] == 2 and s["cells_with_ratio"] == 3
     assert s["totals"]["a"] == {"cells": 3, "total_ms": 6.0, "fastest_total_ms": pytest.approx(4.11),
                                 "fastest_over_backend": pytest.approx(4.11 / 6.0)}
     assert s["totals"]["b"]["cells"] == 2 and s["totals"]["b"]["total_ms"] == 3.0   # c3 failed its check
     assert s["below_every_backend_total"] is True and s["tuning_s_total"] == pytest.approx(1.5)
     text = bench.table(rows, ["a", "b"], s)
-    assert "| c2 | fwd | 3.000 | 1.000 | 1.100 | a | 1.100 ! | 0.50 |" in text
-    assert "x 0.100" in text and "| b | 2 | 3.00 |" in text
+    assert "| c2 | fwd | 3.000 | 1.000 | 1.100~ | a | 1.100 ! | 1.059-1.120 | 3.6/2.0 | 0.50 |" in text
+    assert "x 0.100" in text and "| b | 2 | 3.00 |" in text and "within 1.03 x the best single backend: 2 of 3" in text
+
+
+def test_bench_cell_times_every_implementation_in_interleaved_rounds(tmp_path, monkeypatch):
+    """bench_cell on the CPU with a fake clock: the policy tunes, every implementation is checked
+    and then timed in the same interleaved rounds (the rows hold the rounds and spreads)."""
+    bench = _bench()
+    monkeypatch.setenv("PORTATTN_CACHE_DIR", str(tmp_path))
+    tuning.clear()
+    clock = FakeClock(cost={"sdpa": 2.0, "reference": 9.0, "fastest": 2.02})
+    monkeypatch.setattr(tuning, "_clock", lambda device: FakeClock(cost={"sdpa": 2.0, "chunked": 4.0}))
+    monkeypatch.setenv("PORTATTN_PRIORITY_CPU", "chunked,sdpa,reference")
+    cell = dict(name="t", kind="decode", B=1, H=4, Hkv=2, Sq=1, Sk=40, D=16, causal=True)
+    row = bench.bench_cell(cell, "fwd", ["sdpa", "reference"], torch.float32, torch.device("cpu"), clock,
+                           budget_s=1.0)
+    assert row["policy_choice"] == "sdpa" and set(row["policy_tied"]) == {"sdpa"}
+    assert all(row["results"][n]["check"] == "ok" for n in ("sdpa", "reference", "fastest"))
+    rounds = [n for n, _ in clock.log][-bench.ROUNDS * bench.SAMPLES * 3:]
+    assert {n for n in rounds[:bench.SAMPLES * 3]} == {"sdpa", "reference", "fastest"}
+    assert len(row["results"]["fastest"]["ms_rounds"]) == bench.ROUNDS
+    s = bench.summarize([row], ["sdpa", "reference"])
+    assert s["cells"][0]["best"] == "sdpa" and s["cells"][0]["ratio"] == pytest.approx(1.01)
+    tuning.clear()
 
 
 # ----- on a GPU ----------------------------------------------------------------------------
