@@ -16,7 +16,7 @@ them, so that slice of the output and gradients is exact to check), then all of 
 against each other by the policy's own method (:func:`portattn.timing.compare`): warm-up,
 ``ROUNDS`` interleaved rounds (the visiting order rotates and reverses, so none is always first),
 in each round ``SAMPLES`` samples of back-to-back calls between two CUDA events after an L2 flush
-and a device sync, ~3-40 ms of calls per implementation per round (``--time-limit`` decides), the
+and a device sync, ~3-60 ms of calls per implementation per round (``--time-limit`` decides), the
 median of the per-round medians and the rounds' spread. Because the policy and the best single
 backend ran side by side in each round, the per-round ratios give the ratio's own range.
 
@@ -156,7 +156,9 @@ def run_once(impl: str, q, k, v, causal: bool, dout):
 #: interleaved rounds per cell (portattn.timing.compare), samples per round, and the bounds on the
 #: ms of back-to-back calls each implementation gets per round (the time limit picks within them)
 ROUNDS, MIN_ROUNDS, SAMPLES = 7, 4, 3
-ROUND_MS_MIN, ROUND_MS_MAX = 3.0, 40.0
+ROUND_MS_MIN, ROUND_MS_MAX = 3.0, 60.0
+#: what a later cell's first call and checks are assumed to cost when sharing out the time left
+LATER_CELL_S = 4.0
 
 
 def _sync(device):
@@ -170,9 +172,12 @@ def clock_for(device):
     return timing.clock_for(device)
 
 
-def bench_cell(cell: dict, mode: str, impls: list[str], dtype, device, clock, budget_s: float = 10.0) -> dict:
+def bench_cell(cell: dict, mode: str, impls: list[str], dtype, device, clock, deadline: float | None = None,
+               cells_left: int = 1) -> dict:
     """One cell: the policy's first call (its tuning), every implementation once and checked on
-    the exact slice, then all timed against each other in interleaved rounds within ~``budget_s``."""
+    the exact slice, then all timed against each other in interleaved rounds, with this cell's
+    share of the time to ``deadline`` (``time.time()`` units; None: the longest rounds) among
+    ``cells_left`` cells (this one included)."""
     t_cell = time.perf_counter()
     row = {"case": cell["name"], "kind": cell["kind"], "mode": mode,
            **{key: cell[key] for key in ("B", "H", "Hkv", "Sq", "Sk", "D", "causal")}, "results": {}}
@@ -213,7 +218,10 @@ def bench_cell(cell: dict, mode: str, impls: list[str], dtype, device, clock, bu
         fns[impl] = ba.make_fn(impl, q, k, v, causal, mode)
     del pack
     # 3. timings: all implementations against each other, interleaved rounds
-    left = max(0.5, budget_s - (time.perf_counter() - t_cell))
+    if deadline is None:
+        left = 1e3
+    else:
+        left = max(0.5, (deadline - time.time() - LATER_CELL_S * (cells_left - 1)) / max(1, cells_left))
     round_ms = min(ROUND_MS_MAX, max(ROUND_MS_MIN, 0.7 * left * 1e3 / (ROUNDS * max(1, len(fns)))))
     row["round_ms"] = round_ms
     results = timing.compare(fns, clock, warmup=3, rounds=ROUNDS, min_rounds=MIN_ROUNDS, round_ms=round_ms,
@@ -473,7 +481,7 @@ def main(argv=None) -> int:
                 continue
             if bar:
                 bar.update(task, description=f"{cell['name']} {mode}")
-            row = bench_cell(cell, mode, impls, dtype, device, clock, budget_s=left / (len(work) - n))
+            row = bench_cell(cell, mode, impls, dtype, device, clock, deadline=deadline, cells_left=len(work) - n)
             rows.append(row)
             line = (f"[{n + 1}/{len(work)} {time.time() - t_start:.0f}s] {cell['name']} {mode}: chose "
                     f"{row.get('policy_choice')} (first call {row.get('policy_first_call_s', float('nan')):.2f}s); "

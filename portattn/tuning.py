@@ -10,9 +10,14 @@ every candidate is
    (:func:`check_candidate`, the equivalence rule of docs/semantics.md through
    :mod:`portattn.numerics`); a candidate that fails is never chosen for the class, and why is
    recorded;
-2. timed on the caller's own inputs (forward, and forward + backward when a gradient is needed):
-   on GPUs the median of CUDA-event timings with the L2 cache flushed before each run (as
-   ``triton.testing.do_bench`` does), on CPUs the median of ``time.perf_counter`` runs.
+2. timed against the other candidates on the caller's own inputs, through
+   ``portattn.attention(..., backend=name)`` (forward, and forward + backward when a gradient is
+   needed), by :func:`portattn.timing.compare`: warm-up, a ~1 ms estimate (over ``PRUNE`` × the
+   best: not timed further), ``ROUNDS`` interleaved rounds of ~``ROUND_MS`` of back-to-back
+   calls per candidate (CUDA events after an L2 flush and a sync on GPUs, ``perf_counter`` on
+   CPUs), the median of per-round medians and the rounds' spread, within ``TUNE_BUDGET_S``;
+3. ranked with the tie rule of :func:`portattn.timing.pick`: within the measured noise of the
+   fastest (0.3-1 %), the first in priority order wins (the entry's ``tied``).
 
 The winner and every timing are kept in memory and in a JSON file per device and software
 versions (:func:`cache_path`) under ``config.cache_dir()`` (``$PORTATTN_CACHE_DIR``), written

@@ -3,6 +3,7 @@ share, with a fake clock (the order of samples, reps from the estimate, pruning,
 errors, the median of per-round medians, the tie rule)."""
 
 import pytest
+import torch
 
 from portattn import timing
 
@@ -103,3 +104,16 @@ def test_pick_tie_rule():
     res = {"x": T(1.0), "y": T(1.001, pruned=True), "e": T(None, error="boom")}
     assert timing.pick(res, ["y", "x", "e"]) == ("x", ["x"])          # a pruned (estimate-only) result never ties
     assert timing.pick({"e": T(None, error="boom")}, ["e"]) == (None, [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_clock_measures_device_time_between_events():
+    """Two device-side sleeps of 1 and 2 units, timed against each other: the ratio is 2 and the
+    rounds agree (the clock flushes L2 and syncs before each sample, so samples do not overlap)."""
+    clock = timing.CudaClock(torch.device("cuda"))
+    fns = {"one": lambda: torch.cuda._sleep(100_000), "two": lambda: torch.cuda._sleep(200_000)}
+    res = timing.compare(fns, clock, rounds=5, round_ms=5.0)
+    assert 1.85 < res["two"].ms / res["one"].ms < 2.15
+    assert res["one"].spread < 0.05 and res["two"].spread < 0.05 and res["one"].reps > 1
+    assert timing.pick(res, ["two", "one"])[0] == "one"
