@@ -629,13 +629,17 @@ def format_timings(info: dict | None) -> str:
         return "fastest: this shape class was never timed (the first call times it)"
     lines = [f"fastest: class {info['class']} on {info['device']} ({info.get('mode')}), "
              f"winner {info.get('winner')}, tuned {info.get('tuned_at', '?')}"]
-    best = None
-    for name in info.get("order", []):
-        best = best or info["results"][name]["ms"]
+    timed = _timed(info["results"])
+    best = min((t.ms for t in timed.values()), default=None)
+    tied = set(info.get("tied") or ())
+    if len(tied) > 1:
+        lines[0] += f" (tied within the noise: {', '.join(info['tied'])}; the priority order decides)"
     for name, r in info["results"].items():
-        if r.get("ms") is not None and not r.get("failed") and not r.get("error"):
-            rel = f" ({r['ms'] / best:.2f}x)" if best else ""
-            lines.append(f"  {name:<15} {r['ms']:.4g} ms{rel}")
+        if name in timed:
+            rel = f" ({r['ms'] / best:.3f}x)" if best else ""
+            how = " estimate only (cannot win)" if r.get("pruned") else (
+                f" ±{100 * r['spread'] / 2:.1f}% over {len(r.get('ms_rounds', ()))} rounds" if "spread" in r else "")
+            lines.append(f"  {name:<15} {r['ms']:.4g} ms{rel}{how}")
         else:
             why = r.get("failed") or r.get("error") or r.get("skipped") or "?"
             lines.append(f"  {name:<15} {'failed the check: ' if r.get('failed') else ''}{why}")
