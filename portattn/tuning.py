@@ -251,8 +251,10 @@ def _hot_key(spec: AttentionSpec) -> tuple:
     """Everything the shape class depends on, unrounded and uncomputed (a few attribute reads:
     no bucketing, no strings). Finer than the class: problems of one class may have several keys,
     all mapped to the class's entry."""
-    return (spec.capability_key, spec.return_lse, spec.batch, spec.num_heads_q, spec.num_heads_kv,
-            spec.seqlen_q, spec.seqlen_k, spec.window_left, spec.window_right)
+    q = spec.q   # spec.capability_key's fields, flattened (one tuple fewer on the call path)
+    return (q.device, q.dtype, spec.head_dim, spec.head_dim_v, spec._features, spec.needs_grad, spec.deterministic,
+            spec.allow_tf32, spec.return_lse, spec.batch, spec.num_heads_q, spec.num_heads_kv, spec.seqlen_q,
+            spec.seqlen_k, spec.window_left, spec.window_right)
 
 
 def _hot_get(spec: AttentionSpec) -> tuple:

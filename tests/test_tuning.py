@@ -301,6 +301,31 @@ def test_after_the_first_call_the_winner_is_a_dict_hit(toys, monkeypatch):
     assert tuning.lookup(again) == "toy_fast" and tuning.choose(again, ["toy_slow", "toy_fast"]) == "toy_fast"
 
 
+def test_the_hot_key_is_finer_than_the_shape_class():
+    """Two problems with one call-path key always share their class (else a winner would be used
+    for a class it was not timed on)."""
+    specs = []
+    for sq, sk in ((1, 40), (8, 40), (16, 16), (15, 16), (16, 17)):
+        q = torch.randn(2, sq, 4, 8)
+        kv = torch.randn(2, sk, 2, 8)
+        specs += [build_spec(q, kv, kv), build_spec(q, kv, kv, causal=True), build_spec(q, kv, kv, window=(4, 0)),
+                  build_spec(q, kv, kv, window=(8, 0)), build_spec(q, kv, kv, return_lse=True),
+                  build_spec(q, kv, kv, softcap=3.0), build_spec(q.double(), kv.double(), kv.double()),
+                  build_spec(q.requires_grad_(), kv, kv, causal=True, causal_alignment="top_left")]
+    seen = {}
+    for spec in specs:
+        assert seen.setdefault(tuning._hot_key(spec), tuning.shape_class(spec)) == tuning.shape_class(spec)
+    assert len(set(seen.values())) > 20
+
+
+def test_policy_overhead_tool_runs():
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "tools" / "policy_overhead.py"), "--calls", "20", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert proc.returncode == 0, proc.stderr
+    assert "policy in select:" in proc.stdout and "tuning.lookup" in proc.stdout
+
+
 def test_a_new_cache_dir_forgets_the_hot_table(toys, tmp_path, monkeypatch):
     spec = _spec(sq=8, sk=40)
     assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
