@@ -35,6 +35,7 @@ cuDNN kernel) give the same choice on every run, and the choice costs at most ``
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -153,8 +154,24 @@ def compare(fns: dict[str, Callable], clock, *, warmup: int = 2, rounds: int = 5
             prune: float | None = None, deadline: float | None = None, on_error=None) -> dict[str, Timing]:
     """Time the callables of ``fns`` against each other (module docstring). ``deadline``
     (``clock.now()`` units) stops starting rounds after ``min_rounds``; ``on_error(name, exc)``
-    runs when a callable raises (it is then left out, with its ``error``). Returns a
-    :class:`Timing` per name, in the order of ``fns``."""
+    runs when a callable raises (it is then left out, with its ``error``). Python's cyclic
+    garbage collector is paused meanwhile (as ``timeit`` does: a collection inside one sample
+    would be charged to whichever callable it hit). Returns a :class:`Timing` per name, in the
+    order of ``fns``."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        return _compare(fns, clock, warmup=warmup, rounds=rounds, min_rounds=min_rounds, round_ms=round_ms,
+                        samples_per_round=samples_per_round, max_reps=max_reps, prune=prune, deadline=deadline,
+                        on_error=on_error)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _compare(fns, clock, *, warmup, rounds, min_rounds, round_ms, samples_per_round, max_reps, prune, deadline,
+             on_error) -> dict[str, Timing]:
     out: dict[str, Timing] = {}
     live: list[str] = []
 

@@ -117,3 +117,23 @@ def test_cuda_clock_measures_device_time_between_events():
     assert 1.85 < res["two"].ms / res["one"].ms < 2.15
     assert res["one"].spread < 0.05 and res["two"].spread < 0.05 and res["one"].reps > 1
     assert timing.pick(res, ["two", "one"])[0] == "one"
+
+
+def test_garbage_collector_paused_while_timing_and_restored():
+    import gc
+    states = []
+
+    class GcClock(Clock):
+        def sample(self, name, fn, reps):
+            states.append(gc.isenabled())
+            return super().sample(name, fn, reps)
+    fns, _ = _fns(["a"])
+    assert gc.isenabled()
+    timing.compare(fns, GcClock({"a": 1.0}), rounds=2)
+    assert states and not any(states) and gc.isenabled()
+    gc.disable()
+    try:
+        timing.compare(fns, GcClock({"a": 1.0}), rounds=2)
+        assert not gc.isenabled()                      # a caller's own setting is kept
+    finally:
+        gc.enable()
