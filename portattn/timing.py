@@ -8,8 +8,9 @@ Method (:func:`compare`):
 
 1. **warm-up**: every callable runs ``warmup`` times (compilation, allocation, autotuning);
 2. **estimate**: one *sample* of ~1 ms per callable gives its time per call;
-3. optional **pruning**: a callable whose estimate is over ``prune`` × the best estimate cannot
-   win and keeps its estimate (``pruned``), timed no further;
+3. optional **pruning**: the estimates are taken a second time in reverse order and the least
+   kept (a GPU whose clock still ramps up must not prune the first callable); one whose estimate
+   is over ``prune`` × the best cannot win and keeps its estimate (``pruned``), timed no further;
 4. **interleaved rounds**: round ``r`` visits the callables in an order rotated by ``r // 2`` (and
    reversed on odd rounds, :func:`round_order`), so none is always first or last and drifts of the machine (clocks,
    other processes) hit every callable alike; in each round every callable takes
@@ -200,6 +201,16 @@ def _compare(fns, clock, *, warmup, rounds, min_rounds, round_ms, samples_per_ro
         except Exception as exc:
             fail(name, exc)
             live.remove(name)
+    if prune is not None and len(live) > 1:      # a second estimate in reverse order, the least kept:
+        for name in live[::-1]:                  # a clock still ramping up must not prune the first
+            try:
+                one = estimate[name]
+                reps = max(1, min(max_reps, int(ESTIMATE_MS / max(one, 1e-6))))
+                estimate[name] = min(one, clock.sample(name, fns[name], reps))
+                calls[name] += reps
+            except Exception as exc:
+                fail(name, exc)
+                live.remove(name)
     if not live:
         return {n: out[n] for n in fns}
     best = min(estimate[n] for n in live)

@@ -89,7 +89,17 @@ def test_pruning_deadline_and_errors():
         "error": "RuntimeError: out of memory"}
     assert res["slow"].pruned and res["slow"].ms == 3.0 and ("slow", 1) in clock.log
     assert 3 <= len(res["a"].rounds) < 50                       # stopped by the deadline after min_rounds
-    assert [n for n, _ in clock.log].count("slow") == 1
+    assert [n for n, _ in clock.log].count("slow") == 2                     # its two estimates
+    order = [n for n, _ in clock.log][:6]
+    assert order == ["a", "b", "slow", "slow", "b", "a"]                    # the second in reverse
+
+
+def test_a_ramping_clock_does_not_prune_the_first():
+    """The first callable's first estimate is slow (a GPU clock ramping up): the second estimate,
+    taken last, keeps it in the rounds."""
+    fns, _ = _fns(["first", "second"])
+    res = timing.compare(fns, Clock({"first": 1.0, "second": 1.1}, {"first": [2.5]}), rounds=3, prune=1.5)
+    assert not res["first"].pruned and res["first"].ms == 1.0 and timing.pick(res, ["second", "first"])[0] == "first"
 
 
 def test_pick_tie_rule():
