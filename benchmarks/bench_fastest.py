@@ -1,7 +1,8 @@
 """The ``fastest`` policy against every single backend, on the training and decode grids.
 
-    python benchmarks/bench_fastest.py --out results/           # the H200 run (< 8 minutes)
-    python benchmarks/bench_fastest.py --dry-run                # a tiny CPU grid: checks the script
+    python benchmarks/bench_fastest.py --quick --out $OUT --time-limit 240   # 16 cells, ~4 minutes on an H200
+    python benchmarks/bench_fastest.py --full --out $OUT --time-limit 540    # the issue's grids (48 cells)
+    python benchmarks/bench_fastest.py --dry-run                             # a tiny CPU grid: checks the script
 
 Training grid (the FA3 paper's setting, shared/GPU.md): D 64/128/256 with hidden 2048
 (H = 2048 / D), S 1k/4k/16k with B·S = 16k tokens, causal and not, forward and forward+backward.
@@ -11,12 +12,19 @@ cache through ``portattn.attention``. bf16.
 Per cell: the policy's first call (which checks and times its candidates: the *tuning cost*),
 then every single backend and the policy each run once and checked against the float64
 reference (on batch 0 and the first KV head's query group: attention is independent across
-them, so that slice of the output and gradients is exact to check), then all timed with
-``triton.testing.do_bench`` medians, twice, interleaved (benchmarks/bench_attention.py's
-``time_rounds``). The table gives fastest / best single backend per cell (target <= 1.03) and
-each backend's grid total against the policy's total over the same cells (target: below every
-single backend's); the host overhead of the policy per call after its first call is measured on
-a small problem. JSON (and a markdown table, and the tuning cache) go to ``--out``.
+them, so that slice of the output and gradients is exact to check), then all of them timed
+against each other by the policy's own method (:func:`portattn.timing.compare`): warm-up,
+``ROUNDS`` interleaved rounds (the visiting order rotates and reverses, so none is always first),
+in each round ``SAMPLES`` samples of back-to-back calls between two CUDA events after an L2 flush
+and a device sync, ~3-60 ms of calls per implementation per round (``--time-limit`` decides), the
+median of the per-round medians and the rounds' spread. Because the policy and the best single
+backend ran side by side in each round, the per-round ratios give the ratio's own range.
+
+The table gives fastest / best single backend per cell (target <= 1.03), the count of cells
+within it, and each backend's grid total against the policy's total over the same cells (target:
+below every single backend's); the host overhead of the policy per call after its first call is
+measured on a small problem. JSON, a markdown table, a PNG (with matplotlib) and the tuning
+cache go to ``--out``.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402  (flops, make_fn, time_rounds, environment)
 
 import portattn  # noqa: E402
-from portattn import tuning  # noqa: E402
+from portattn import timing, tuning  # noqa: E402
 from portattn.numerics import GRAD_FACTOR, compare  # noqa: E402
 from portattn.reference import naive_forward, reference_forward  # noqa: E402
 from portattn.spec import build_spec  # noqa: E402
@@ -145,32 +153,32 @@ def run_once(impl: str, q, k, v, causal: bool, dout):
 
 # ----- timing ------------------------------------------------------------------------------
 
+#: interleaved rounds per cell (portattn.timing.compare), samples per round, and the bounds on the
+#: ms of back-to-back calls each implementation gets per round (the time limit picks within them)
+ROUNDS, MIN_ROUNDS, SAMPLES = 7, 4, 3
+ROUND_MS_MIN, ROUND_MS_MAX = 3.0, 60.0
+#: what a later cell's first call and checks are assumed to cost when sharing out the time left
+LATER_CELL_S = 4.0
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def gpu_median_ms(fn) -> float:
-    """``triton.testing.do_bench`` median (L2 flushed per run); without triton, the policy's own
-    CUDA-event timer (the same method)."""
-    try:
-        import triton.testing
-    except ImportError:
-        return tuning._gpu_times(fn, torch.device("cuda"), None)[0]
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+def clock_for(device):
+    """The policy's own clock (portattn.timing): L2 flushed and the device idle before each
+    sample of back-to-back calls between two CUDA events."""
+    return timing.clock_for(device)
 
 
-def cpu_median_ms(fn, runs: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def bench_cell(cell: dict, mode: str, impls: list[str], dtype, device, timer) -> dict:
+def bench_cell(cell: dict, mode: str, impls: list[str], dtype, device, clock, deadline: float | None = None,
+               cells_left: int = 1) -> dict:
+    """One cell: the policy's first call (its tuning), every implementation once and checked on
+    the exact slice, then all timed against each other in interleaved rounds, with this cell's
+    share of the time to ``deadline`` (``time.time()`` units; None: the longest rounds) among
+    ``cells_left`` cells (this one included)."""
+    t_cell = time.perf_counter()
     row = {"case": cell["name"], "kind": cell["kind"], "mode": mode,
            **{key: cell[key] for key in ("B", "H", "Hkv", "Sq", "Sk", "D", "causal")}, "results": {}}
     q, k, v, dout = make_inputs(cell, mode, dtype, device)
@@ -187,9 +195,11 @@ def bench_cell(cell: dict, mode: str, impls: list[str], dtype, device, timer) ->
         row["policy_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     details = tuning.timing_details(spec) or {}
     row["policy_choice"] = details.get("winner")
+    row["policy_tied"] = details.get("tied")
     row["policy_tuning_s"] = details.get("tuning_s")
-    row["policy_record"] = {n: {key: val for key, val in r.items() if key != "runs"} for n, r in
-                            details.get("results", {}).items()}
+    row["policy_record"] = {n: {key: val for key, val in r.items() if key in ("ms", "spread", "pruned", "failed",
+                                                                           "error", "skipped")}
+                            for n, r in details.get("results", {}).items()}
     # 2. every implementation once, checked on the slice
     pack = reference_slice(q, k, v, causal, dout)
     fns = {}
@@ -206,22 +216,33 @@ def bench_cell(cell: dict, mode: str, impls: list[str], dtype, device, timer) ->
         bad = [str(c) for c in checks if not c.passed]
         entry["check"] = "ok" if not bad else "FAIL " + "; ".join(bad)
         fns[impl] = ba.make_fn(impl, q, k, v, causal, mode)
-    # 3. timings, interleaved
-    for impl, timing in ba.time_rounds(fns, ba.ROUNDS, timer).items():
+    del pack
+    # 3. timings: all implementations against each other, interleaved rounds
+    if deadline is None:
+        left = 1e3
+    else:
+        left = max(0.5, (deadline - time.time() - LATER_CELL_S * (cells_left - 1)) / max(1, cells_left))
+    round_ms = min(ROUND_MS_MAX, max(ROUND_MS_MIN, 0.7 * left * 1e3 / (ROUNDS * max(1, len(fns)))))
+    row["round_ms"] = round_ms
+    results = timing.compare(fns, clock, warmup=3, rounds=ROUNDS, min_rounds=MIN_ROUNDS, round_ms=round_ms,
+                             samples_per_round=SAMPLES, deadline=clock.now() + left)
+    for impl, t in results.items():
         entry = row["results"][impl]
-        entry.update(timing)
-        if "ms" in timing:
+        entry.update(t.as_dict())
+        if t.ms is not None:
             entry["tflops"] = ba.flops(cell["B"], cell["H"], cell["Sq"], cell["Sk"], cell["D"], causal, mode) \
-                / (timing["ms"] * 1e-3) / 1e12
-    del q, k, v, dout, fns, pack
+                / (t.ms * 1e-3) / 1e12
+    row["cell_s"] = time.perf_counter() - t_cell
+    del q, k, v, dout, fns
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
 
 
-def host_overhead(device, dtype, calls: int = 1000, rounds: int = 3) -> dict:
-    """Wall-clock µs per call (host path + launch) on a small problem, the policy after its first
-    call against its own winner pinned, interleaved rounds; medians."""
+def host_overhead(device, dtype, calls: int = 2000, rounds: int = 9) -> dict:
+    """Wall-clock µs per call (host path + launch) on a small problem: the policy after its first
+    call against its own winner pinned, ``rounds`` interleaved rounds of ``calls`` calls; the
+    medians, the least round, and the paired difference per round."""
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(1, 128, 8, 64, device=device, dtype=dtype, generator=g) for _ in range(3))
     portattn.attention(q, k, v, backend=POLICY)
@@ -230,37 +251,52 @@ def host_overhead(device, dtype, calls: int = 1000, rounds: int = 3) -> dict:
     for r in range(rounds):
         for name in ([POLICY, "pinned"] if r % 2 == 0 else ["pinned", POLICY]):
             backend = choice if name == "pinned" else POLICY
-            portattn.attention(q, k, v, backend=backend)
+            for _ in range(20):
+                portattn.attention(q, k, v, backend=backend)
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(calls):
                 portattn.attention(q, k, v, backend=backend)
             _sync(device)
             per[name].append((time.perf_counter() - t0) / calls * 1e6)
-    out = {n: statistics.median(t) for n, t in per.items()}
-    return {"problem": "B=1 S=128 H=8 D=64 fwd", "winner": choice, "us_per_call_fastest": out[POLICY],
-            "us_per_call_pinned": out["pinned"], "overhead_us": out[POLICY] - out["pinned"]}
+    med = {n: statistics.median(t) for n, t in per.items()}
+    diffs = [a - b for a, b in zip(per[POLICY], per["pinned"])]
+    return {"problem": "B=1 S=128 H=8 D=64 fwd", "winner": choice, "us_per_call_fastest": med[POLICY],
+            "us_per_call_pinned": med["pinned"], "overhead_us": med[POLICY] - med["pinned"],
+            "overhead_us_paired_median": statistics.median(diffs), "least_us": {n: min(t) for n, t in per.items()},
+            "rounds": rounds, "calls_per_round": calls}
 
 
 # ----- summary and table -------------------------------------------------------------------
 
 def _ok_ms(entry: dict) -> float | None:
-    return entry.get("ms") if entry.get("check") == "ok" and "ms" in entry else None
+    return entry.get("ms") if entry.get("check") == "ok" and entry.get("ms") is not None else None
 
 
 def summarize(rows: list[dict], impls: list[str]) -> dict:
-    """Per cell: the best single backend and fastest / best; per backend: its total over the
-    cells it ran (checked and timed) against the policy's total over the same cells."""
+    """Per cell: the best single backend, fastest / best, the range of the per-round ratios (the
+    rounds are interleaved, so round r of the policy and of the best ran side by side) and both
+    spreads; per backend: its total over the cells it ran (checked and timed) against the
+    policy's total over the same cells; the count of cells within ``TARGET_CELL``."""
     cells = []
     for r in rows:
         singles = {i: _ok_ms(e) for i, e in r["results"].items() if i != POLICY}   # impls + the choice
         singles = {i: ms for i, ms in singles.items() if ms is not None}
-        policy = _ok_ms(r["results"].get(POLICY, {}))
+        pol = r["results"].get(POLICY, {})
+        policy = _ok_ms(pol)
         best = min(singles, key=singles.get) if singles else None
         ratio = policy / singles[best] if best and policy else None
-        cells.append({"case": r["case"], "mode": r["mode"], "best": best, "best_ms": singles.get(best),
-                      "fastest_ms": policy, "ratio": ratio, "choice": r.get("policy_choice"),
-                      "tuning_s": r.get("policy_first_call_s")})
+        cell = {"case": r["case"], "mode": r["mode"], "best": best, "best_ms": singles.get(best),
+                "fastest_ms": policy, "ratio": ratio, "choice": r.get("policy_choice"),
+                "tuning_s": r.get("policy_first_call_s"), "within": ratio is not None and ratio <= TARGET_CELL}
+        if ratio is not None:
+            pr, br = pol.get("ms_rounds") or [], r["results"][best].get("ms_rounds") or []
+            paired = [a / b for a, b in zip(pr, br) if b]
+            if paired:
+                cell["ratio_rounds"] = [min(paired), max(paired)]
+            cell["spread_fastest"] = pol.get("spread")
+            cell["spread_best"] = r["results"][best].get("spread")
+        cells.append(cell)
     totals = {}
     for i in impls:
         ran = [(c, r) for c, r in zip(cells, rows) if _ok_ms(r["results"].get(i, {})) is not None
@@ -272,36 +308,48 @@ def summarize(rows: list[dict], impls: list[str]) -> dict:
         pol = sum(c["fastest_ms"] for c, _ in ran)
         totals[i] = {"cells": len(ran), "total_ms": own, "fastest_total_ms": pol, "fastest_over_backend": pol / own}
     ratios = [c["ratio"] for c in cells if c["ratio"] is not None]
+    small = [c for c in cells if c["best_ms"] is not None and c["best_ms"] < 0.2 and c.get("spread_fastest") is not None]
     return {
         "cells": cells, "totals": totals,
         "fastest_total_ms": sum(c["fastest_ms"] for c in cells if c["fastest_ms"] is not None),
         "worst_ratio": max(ratios) if ratios else None,
+        "cells_within_target": sum(1 for c in cells if c["within"]), "cells_with_ratio": len(ratios),
         "cells_over_target": [f"{c['case']} {c['mode']}" for c in cells if c["ratio"] and c["ratio"] > TARGET_CELL],
         "cells_without_policy_time": [f"{c['case']} {c['mode']}" for c in cells if c["fastest_ms"] is None],
         "below_every_backend_total": all(t.get("fastest_over_backend", 0) < 1.0 for t in totals.values()
                                          if t["cells"]) and bool(ratios),
         "tuning_s_total": sum(c["tuning_s"] or 0.0 for c in cells),
+        "max_spread_sub_0.2ms": max((max(c["spread_fastest"] or 0.0, c.get("spread_best") or 0.0) for c in small),
+                                    default=None),
     }
 
 
+NOISY = 0.02   # a result whose rounds differ by more than this is marked ~ in the table
+
+
 def table(rows: list[dict], impls: list[str], summary: dict) -> str:
-    """Markdown: ms per backend (x: failed the check, -: could not run), the policy's choice,
-    fastest / best; then grid totals."""
-    head = ["case", "mode", *impls, "fastest", "chose", "fastest/best", "first call s"]
+    """Markdown: ms per backend (x: failed the check, -: could not run, ~: rounds spread > 2 %),
+    the policy's choice, fastest / best with the per-round range and the spreads; then totals."""
+    head = ["case", "mode", *impls, "fastest", "chose", "fastest/best", "per round", "spread f/b %", "first call s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r, c in zip(rows, summary["cells"]):
         cells = []
         for i in impls + [POLICY]:
             e = r["results"].get(i, {})
-            if "ms" in e and e.get("check") == "ok":
-                cells.append(f"{e['ms']:.3f}{'~' if e.get('spread', 0) > ba.NOISY else ''}")
-            elif "ms" in e:
+            if e.get("ms") is not None and e.get("check") == "ok":
+                cells.append(f"{e['ms']:.3f}{'~' if (e.get('spread') or 0) > NOISY else ''}")
+            elif e.get("ms") is not None:
                 cells.append(f"x {e['ms']:.3f}")
             else:
                 cells.append("-")
         ratio = f"{c['ratio']:.3f}{' !' if c['ratio'] > TARGET_CELL else ''}" if c["ratio"] else "-"
+        rr = c.get("ratio_rounds")
+        per_round = f"{rr[0]:.3f}-{rr[1]:.3f}" if rr else "-"
+        spreads = (f"{100 * (c.get('spread_fastest') or 0):.1f}/{100 * (c.get('spread_best') or 0):.1f}"
+                   if c["ratio"] else "-")
         first = f"{c['tuning_s']:.2f}" if c["tuning_s"] is not None else "-"
-        lines.append("| " + " | ".join([r["case"], r["mode"], *cells, c["choice"] or "-", ratio, first]) + " |")
+        lines.append("| " + " | ".join([r["case"], r["mode"], *cells, c["choice"] or "-", ratio, per_round, spreads,
+                                        first]) + " |")
     lines.append("")
     lines.append("| backend | cells run | its total ms | fastest's total ms (same cells) | fastest / backend |")
     lines.append("|---|---|---|---|---|")
@@ -313,14 +361,51 @@ def table(rows: list[dict], impls: list[str], summary: dict) -> str:
             lines.append(f"| {i} | 0 | - | - | - |")
     worst = summary["worst_ratio"]
     lines.append("")
-    lines.append(f"fastest over the whole grid: {summary['fastest_total_ms']:.2f} ms; worst cell fastest/best "
-                 f"{worst:.3f} (target <= {TARGET_CELL}); cells over target: "
-                 f"{', '.join(summary['cells_over_target']) or 'none'}; below every backend's total: "
+    spread = summary.get("max_spread_sub_0.2ms")
+    lines.append(f"cells within {TARGET_CELL:.2f} x the best single backend: {summary['cells_within_target']} of "
+                 f"{summary['cells_with_ratio']}; worst cell fastest/best {worst:.3f}; cells over target: "
+                 f"{', '.join(summary['cells_over_target']) or 'none'}; fastest over the whole grid "
+                 f"{summary['fastest_total_ms']:.2f} ms, below every backend's total: "
                  f"{summary['below_every_backend_total']}; tuning (first calls) {summary['tuning_s_total']:.1f} s"
-                 if worst is not None else "no cell has a policy time")
-    lines.append(f"ms are medians of do_bench, {ba.ROUNDS} interleaved rounds (~: rounds differ > {ba.NOISY:.0%}); "
-                 f"x: failed the equivalence check (excluded); -: could not run")
+                 + (f"; largest spread of rounds at the sub-0.2 ms cells {100 * spread:.1f} %" if spread is not None
+                    else "") if worst is not None else "no cell has a policy time")
+    lines.append(f"ms per call: median over {ROUNDS} interleaved rounds (at least {MIN_ROUNDS}) of the per-round "
+                 f"median of {SAMPLES} samples, each sample back-to-back calls between two CUDA events after an L2 "
+                 f"flush and a device sync (portattn.timing, the policy's own method); per round: the range of "
+                 f"fastest/best round by round; spread: (max - min) / median of the rounds; ~: spread > "
+                 f"{NOISY:.0%}; x: failed the equivalence check (excluded); -: could not run")
     return "\n".join(lines)
+
+
+def plot(summary: dict, path: str, title: str) -> bool:
+    """fastest / best per cell with the per-round range, and the 1.03 line; False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cells = [c for c in summary["cells"] if c["ratio"] is not None]
+    if not cells:
+        return False
+    labels = [f"{c['case']} {c['mode']}" for c in cells]
+    ratios = [c["ratio"] for c in cells]
+    lo = [c["ratio"] - c.get("ratio_rounds", [c["ratio"]] * 2)[0] for c in cells]
+    hi = [c.get("ratio_rounds", [c["ratio"]] * 2)[1] - c["ratio"] for c in cells]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(cells) + 2), 4.5))
+    colors = ["tab:green" if r <= TARGET_CELL else "tab:red" for r in ratios]
+    ax.bar(range(len(cells)), [r - 1 for r in ratios], bottom=1, color=colors, yerr=[lo, hi], capsize=3)
+    ax.axhline(TARGET_CELL, color="k", ls="--", lw=1, label=f"target {TARGET_CELL}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(cells)))
+    ax.set_xticklabels(labels, rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel("fastest / best single backend")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 # ----- main --------------------------------------------------------------------------------
@@ -344,26 +429,37 @@ def _progress(total: int):
                     TimeElapsedColumn())
 
 
+#: seconds kept back at the end of --time-limit for the host-overhead measurement and the files
+RESERVE_S = 12.0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default=DEFAULT_BACKENDS, help="single backends to compare (comma-separated)")
-    ap.add_argument("--quick", action="store_true", help="a smaller grid (D 128, S 1k/4k, Sk 8k/128k)")
+    grid = ap.add_mutually_exclusive_group()
+    grid.add_argument("--quick", action="store_true", help="a smaller grid: D 128, S 1k/4k, Sk 8k/128k (16 cells)")
+    grid.add_argument("--full", action="store_true", help="the issue's whole training and decode grids (48 cells; "
+                                                          "the default)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (checks the script)")
-    ap.add_argument("--budget-s", type=float, default=400.0,
-                    help="stop starting new cells after this many seconds (the rest are listed as skipped)")
+    ap.add_argument("--time-limit", "--budget-s", dest="time_limit", type=float, default=None,
+                    help="seconds for the whole run, tuning included (default 240 with --quick, 540 otherwise): "
+                         "each cell's timing gets its share of what is left; cells that no longer fit are "
+                         "listed as skipped")
     ap.add_argument("--cache-dir", default=None,
                     help="PORTATTN_CACHE_DIR for the run (default: a fresh temporary one, so tuning is measured)")
-    ap.add_argument("--out", default=None, help="directory for the JSON, the markdown table and the tuning cache")
+    ap.add_argument("--out", default=None, help="directory for the JSON, the markdown table, the PNG and the "
+                                                "tuning cache")
     ap.add_argument("--tag", default="h200")
     args = ap.parse_args(argv)
+    time_limit = args.time_limit if args.time_limit is not None else (240.0 if args.quick else 540.0)
     if args.dry_run:
         device, dtype = torch.device("cpu"), torch.float32
-        timer = cpu_median_ms
     else:
         if not torch.cuda.is_available():
             print("bench_fastest needs a CUDA GPU (or --dry-run for a CPU check of the script)", file=sys.stderr)
             return 2
-        device, dtype, timer = torch.device("cuda"), torch.bfloat16, gpu_median_ms
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    clock = clock_for(device)
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="portattn-fastest-")
     os.environ["PORTATTN_CACHE_DIR"] = cache_dir
     tuning.clear()
@@ -374,44 +470,56 @@ def main(argv=None) -> int:
     work = jobs(args.quick, args.dry_run)
     rows, skipped = [], []
     t_start = time.time()
+    deadline = t_start + time_limit - RESERVE_S
     bar = _progress(len(work))
     with bar or contextlib.nullcontext():
         task = bar.add_task("bench_fastest", total=len(work)) if bar else None
         for n, (cell, mode) in enumerate(work):
-            if time.time() - t_start > args.budget_s:
+            left = deadline - time.time()
+            if left < 1.0:
                 skipped.append(f"{cell['name']} {mode}")
                 continue
             if bar:
                 bar.update(task, description=f"{cell['name']} {mode}")
-            row = bench_cell(cell, mode, impls, dtype, device, timer)
+            row = bench_cell(cell, mode, impls, dtype, device, clock, deadline=deadline, cells_left=len(work) - n)
             rows.append(row)
             line = (f"[{n + 1}/{len(work)} {time.time() - t_start:.0f}s] {cell['name']} {mode}: chose "
                     f"{row.get('policy_choice')} (first call {row.get('policy_first_call_s', float('nan')):.2f}s); "
-                    + ", ".join(f"{i} {e['ms']:.3f}" + ("" if e.get("check") == "ok" else " FAIL")
-                                if "ms" in e else f"{i} -" for i, e in row["results"].items()))
+                    + ", ".join(f"{i} {e['ms']:.4f}" + ("" if e.get("check") == "ok" else " FAIL")
+                                + f" ±{100 * (e.get('spread') or 0):.1f}%"
+                                if e.get("ms") is not None else f"{i} -" for i, e in row["results"].items()))
             if bar:
                 bar.console.print(line)
                 bar.advance(task)
             else:
                 print(line, flush=True)
     overhead = None
-    with contextlib.suppress(Exception):
-        overhead = host_overhead(device, dtype, calls=50 if args.dry_run else 1000)
+    try:
+        overhead = host_overhead(device, dtype, calls=50 if args.dry_run else 2000, rounds=3 if args.dry_run else 9)
+    except Exception as exc:   # the grid's results matter more; say why
+        print(f"host overhead not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
     summary = summarize(rows, impls)
     result = {"environment": _environment(device), "dtype": str(dtype).replace("torch.", ""), "impls": impls,
               "grid": {"training": "D 64/128/256, S 1k/4k/16k, B*S=16k, hidden 2048, causal and not, fwd and fwd+bwd",
                        "decode": "Sq 1/8, B 1/8, Sk 8k/32k/128k, GQA 32:4, D 128, bottom-right causal, fwd"},
-              "quick": args.quick, "dry_run": args.dry_run, "rows": rows, "summary": summary,
-              "host_overhead": overhead, "skipped_for_budget": skipped, "wall_s": time.time() - t_start}
+              "quick": args.quick, "dry_run": args.dry_run, "time_limit_s": time_limit,
+              "method": {"rounds": ROUNDS, "min_rounds": MIN_ROUNDS, "samples_per_round": SAMPLES,
+                         "round_ms": [ROUND_MS_MIN, ROUND_MS_MAX], "clock": type(clock).__name__,
+                         "policy": {"rounds": tuning.ROUNDS, "round_ms": tuning.ROUND_MS, "prune": tuning.PRUNE,
+                                    "tie": [timing.TIE_MIN, timing.TIE_MAX], "budget_s": tuning.TUNE_BUDGET_S}},
+              "rows": rows, "summary": summary, "host_overhead": overhead, "skipped_for_time": skipped,
+              "wall_s": time.time() - t_start}
     text = table(rows, impls, summary)
     print()
     print(text)
     if overhead:
         print(f"\nhost overhead of the policy after its first call ({overhead['problem']}): "
               f"{overhead['us_per_call_fastest']:.1f} us/call vs {overhead['us_per_call_pinned']:.1f} pinned "
-              f"({overhead['winner']}): {overhead['overhead_us']:+.1f} us")
+              f"({overhead['winner']}): {overhead['overhead_us']:+.1f} us (paired per round "
+              f"{overhead['overhead_us_paired_median']:+.1f} us)")
     if skipped:
-        print(f"\nskipped (over --budget-s {args.budget_s:.0f}): {', '.join(skipped)}")
+        print(f"\nskipped (over --time-limit {time_limit:.0f} s): {', '.join(skipped)}")
+    print(f"\nwall {result['wall_s']:.0f} s")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         day = result["environment"]["date"][:10]
@@ -419,12 +527,24 @@ def main(argv=None) -> int:
         with open(base + ".json", "w") as f:
             json.dump(result, f, indent=1, default=str)
         with open(base + ".md", "w") as f:
-            f.write(f"# fastest policy vs single backends ({result['environment'].get('gpu', device.type)}, "
-                    f"{day})\n\n{text}\n")
+            title = f"fastest policy vs single backends ({result['environment'].get('gpu', device.type)}, {day})"
+            extra = ""
+            if overhead:
+                extra = (f"\n\nHost overhead of the policy after its first call ({overhead['problem']}, "
+                         f"{overhead['rounds']} interleaved rounds of {overhead['calls_per_round']} calls): "
+                         f"{overhead['us_per_call_fastest']:.1f} us/call vs {overhead['us_per_call_pinned']:.1f} "
+                         f"pinned ({overhead['winner']}), {overhead['overhead_us_paired_median']:+.1f} us paired.")
+            if skipped:
+                extra += f"\n\nSkipped (over the time limit): {', '.join(skipped)}."
+            f.write(f"# {title}\n\n{text}{extra}\n")
+        wrote = [base + ".json", base + ".md"]
+        if plot(summary, base + ".png", title):
+            wrote.append(base + ".png")
         cache = tuning.cache_path(device)
         if os.path.exists(cache):
             shutil.copy(cache, base + "-tuning-cache.json")
-        print(f"\nwrote {base}.json, {base}.md")
+            wrote.append(base + "-tuning-cache.json")
+        print(f"\nwrote {', '.join(wrote)}")
     return 0
 
 

@@ -30,7 +30,7 @@ import contextlib
 import contextvars
 from dataclasses import dataclass, field
 
-from . import config, registry
+from . import config, registry, tuning
 from .errors import BackendNotAvailableError
 from .registry import Backend, get_backend, list_backends, preferred_backends
 from .spec import AttentionSpec
@@ -196,7 +196,6 @@ def select(spec: AttentionSpec, backend: str | None = None) -> Backend:
     names, _ = _requested(backend)
     fits = _fitting(spec, names)
     if names == (FASTEST,):
-        from . import tuning
         winner = tuning.lookup(spec)   # a class timed before: its winner, no timing, no sync
         if winner is not None:
             for b in fits:

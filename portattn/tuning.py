@@ -10,9 +10,14 @@ every candidate is
    (:func:`check_candidate`, the equivalence rule of docs/semantics.md through
    :mod:`portattn.numerics`); a candidate that fails is never chosen for the class, and why is
    recorded;
-2. timed on the caller's own inputs (forward, and forward + backward when a gradient is needed):
-   on GPUs the median of CUDA-event timings with the L2 cache flushed before each run (as
-   ``triton.testing.do_bench`` does), on CPUs the median of ``time.perf_counter`` runs.
+2. timed against the other candidates on the caller's own inputs, through
+   ``portattn.attention(..., backend=name)`` (forward, and forward + backward when a gradient is
+   needed), by :func:`portattn.timing.compare`: warm-up, a ~1 ms estimate (over ``PRUNE`` × the
+   best: not timed further), ``ROUNDS`` interleaved rounds of ~``ROUND_MS`` of back-to-back
+   calls per candidate (CUDA events after an L2 flush and a sync on GPUs, ``perf_counter`` on
+   CPUs), the median of per-round medians and the rounds' spread, within ``TUNE_BUDGET_S``;
+3. ranked with the tie rule of :func:`portattn.timing.pick`: within the measured noise of the
+   fastest (0.3-1 %), the first in priority order wins (the entry's ``tied``).
 
 The winner and every timing are kept in memory and in a JSON file per device and software
 versions (:func:`cache_path`) under ``config.cache_dir()`` (``$PORTATTN_CACHE_DIR``), written
@@ -38,7 +43,6 @@ import json
 import math
 import os
 import re
-import statistics
 import tempfile
 import threading
 import time
@@ -46,19 +50,18 @@ import warnings
 
 import torch
 
-from . import config
+from . import config, timing
 from .spec import AttentionSpec, _is_compiling
 
-FORMAT = 1
+FORMAT = 2   # 2: interleaved rounds and the tie rule (portattn.timing); format-1 winners are re-timed
 #: never timed: the float64 oracle and the O(S²)-memory math kernel (chosen only as a last resort)
 NOT_TIMED = frozenset({"reference", "sdpa_math"})
-#: a candidate whose first timed run is this many times slower than the best so far is not timed further
-SLOW_FACTOR = 8.0
-#: timing budget per candidate (milliseconds of runs), and bounds on the number of runs
-BUDGET_MS = 60.0
-MIN_RUNS, MAX_RUNS = 5, 200
-#: candidates whose times are within this fraction of the best are timed a second time
-CLOSE = 0.05
+#: the policy's timing (portattn.timing.compare): warm-up calls, interleaved rounds (at least
+#: MIN_ROUNDS, more while the class's TUNE_BUDGET_S lasts), ~ROUND_MS of calls per candidate per
+#: round in SAMPLES_PER_ROUND samples; a candidate whose estimate is over PRUNE x the best cannot win
+WARMUP, ROUNDS, MIN_ROUNDS, ROUND_MS, SAMPLES_PER_ROUND = 2, 5, 3, 10.0, 3
+PRUNE = 1.5
+TUNE_BUDGET_S = 2.0
 
 _lock = threading.RLock()
 _busy = threading.local()
@@ -237,23 +240,47 @@ class _Store:
 
 
 _store_index: dict[tuple, _Store] = {}
-#: (cache dir, device, class tuple) -> entry: the call path's lookup (filled on first sight)
+#: exact problem key (:func:`_hot_key`) -> entry: the call path's lookup, filled on first sight of
+#: a problem, emptied when any entry changes or PORTATTN_CACHE_DIR does
 _hot: dict[tuple, dict] = {}
 _HOT_LIMIT = 8192
+_hot_dir: list = [None]   # the raw PORTATTN_CACHE_DIR value _hot was filled under
+
+
+def _hot_key(spec: AttentionSpec) -> tuple:
+    """Everything the shape class depends on, unrounded and uncomputed (a few attribute reads:
+    no bucketing, no strings). Finer than the class: problems of one class may have several keys,
+    all mapped to the class's entry."""
+    q = spec.q   # spec.capability_key's fields, flattened (one tuple fewer on the call path)
+    return (q.device, q.dtype, spec.head_dim, spec.head_dim_v, spec._features, spec.needs_grad, spec.deterministic,
+            spec.allow_tf32, spec.return_lse, spec.batch, spec.num_heads_q, spec.num_heads_kv, spec.seqlen_q,
+            spec.seqlen_k, spec.window_left, spec.window_right)
+
+
+def _hot_get(spec: AttentionSpec) -> tuple:
+    """``(entry, winner)`` of ``spec``'s class (``(None, None)`` when never timed): a dict hit on
+    :func:`_hot_key` after the first sight of a problem, else the class's entry from the store."""
+    raw_dir = config._raw("PORTATTN_CACHE_DIR")
+    if raw_dir != _hot_dir[0]:
+        _hot.clear()
+        _hot_dir[0] = raw_dir
+    hot = _hot_key(spec)
+    got = _hot.get(hot)
+    if got is None:
+        entry = _store(spec.device).entries.get(shape_class(spec))
+        if entry is None:
+            return None, None
+        order = entry.get("order")
+        got = (entry, order[0] if order else None)
+        if len(_hot) >= _HOT_LIMIT:
+            _hot.clear()
+        _hot[hot] = got
+    return got
 
 
 def _entry(spec: AttentionSpec) -> dict | None:
     """The remembered entry of ``spec``'s class, or None (memory first, then the cache file)."""
-    device = spec.device
-    hot = (config.cache_dir(), device, _class_tuple(spec))
-    entry = _hot.get(hot)
-    if entry is None:
-        entry = _store(device).entries.get(_class_string(hot[2]))
-        if entry is not None:
-            if len(_hot) >= _HOT_LIMIT:
-                _hot.clear()
-            _hot[hot] = entry
-    return entry
+    return _hot_get(spec)[0]
 
 
 def _store(device: torch.device) -> _Store:
@@ -392,8 +419,60 @@ def check_candidate(name: str, spec: AttentionSpec) -> str | None:
 
 # ----- timing ------------------------------------------------------------------------------
 
+def _call_kwargs(spec: AttentionSpec) -> dict:
+    """Keyword arguments of :func:`portattn.attention` that rebuild ``spec`` from its canonical
+    tensors (``q``, ``k``, ``v`` are passed as they are: bshd views)."""
+    kw = dict(scale=spec.scale, causal=spec.causal, causal_alignment=spec.alignment, softcap=spec.softcap,
+              alibi_slopes=spec.alibi_slopes, attn_bias=spec.attn_bias, return_lse=spec.return_lse)
+    if spec.window_left is not None or (spec.window_right is not None and not spec.causal):
+        kw["window"] = (-1 if spec.window_left is None else spec.window_left,
+                        (0 if spec.causal else -1) if spec.window_right is None else spec.window_right)
+    if spec.is_varlen:
+        kw.update(cu_seqlens_q=spec.cu_seqlens_q, cu_seqlens_k=spec.cu_seqlens_k, max_seqlen_q=spec.max_seqlen_q,
+                  max_seqlen_k=spec.max_seqlen_k)
+    return kw
+
+
+def _api_runner(name: str, spec: AttentionSpec):
+    """One ``portattn.attention(..., backend=name)`` call on ``spec``'s tensors (forward, and a
+    backward through autograd when a gradient is needed): the call a user makes, so that host
+    costs of the call path count as they will (a host-bound call is max(host, device), not a
+    sum). None when the arguments cannot be rebuilt to the same class (then :func:`_runner`)."""
+    from .api import attention
+    from .spec import build_spec
+    try:
+        kw = _call_kwargs(spec)
+        grad = spec.needs_grad
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (spec.q, spec.k, spec.v)]
+        bias = spec.attn_bias
+        if bias is not None and bias.requires_grad:
+            kw["attn_bias"] = bias = bias.detach().requires_grad_(True)
+        if shape_class(build_spec(*leaves, **kw)) != shape_class(spec):
+            return None
+    except Exception:
+        return None
+    wrt = [t for t in [*leaves, bias] if t is not None and t.requires_grad]
+    if not grad:
+        def forward():
+            with torch.no_grad():
+                attention(*leaves, backend=name, **kw)
+        return forward
+    dout = torch.randn(spec.out_shape, dtype=spec.dtype, device=spec.device)
+
+    def forward_backward():
+        with torch.enable_grad():
+            out = attention(*leaves, backend=name, **kw)
+            torch.autograd.grad(out[0] if isinstance(out, tuple) else out, wrt, dout)
+    return forward_backward
+
+
 def _runner(backend, spec: AttentionSpec):
-    """One forward (and backward when a gradient is needed) of ``backend`` on ``spec``'s inputs."""
+    """One forward (and backward when a gradient is needed) of ``backend`` on ``spec``'s inputs,
+    through the call path (:func:`_api_runner`) or, when that cannot rebuild the call, the
+    backend's own methods."""
+    fn = _api_runner(backend.name, spec)
+    if fn is not None:
+        return fn
     if not spec.needs_grad:
         def forward():
             with torch.no_grad():
@@ -408,60 +487,38 @@ def _runner(backend, spec: AttentionSpec):
     return forward_backward
 
 
-_l2_flush: dict[int, torch.Tensor] = {}
+def _clock(device: torch.device):
+    """The clock the policy times with (tests replace it with a fake one)."""
+    return timing.clock_for(device)
 
 
-def _gpu_times(fn, device, first_only: float | None):
-    """Median milliseconds of ``fn`` with CUDA events (the L2 cache flushed before each run, as
-    triton.testing.do_bench does). Returns ``(ms, runs)``; a single run when that one already
-    takes more than ``first_only`` ms."""
-    with torch.cuda.device(device):
-        fn()   # compiles, allocates
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        estimate = (time.perf_counter() - t0) * 1e3
-        if first_only is not None and estimate > first_only:
-            return estimate, 1
-        idx = torch.cuda.current_device()
-        flush = _l2_flush.get(idx)
-        if flush is None:
-            flush = _l2_flush[idx] = torch.empty(64 << 20, dtype=torch.int32, device="cuda")   # 256 MB
-        runs = int(min(MAX_RUNS, max(MIN_RUNS, BUDGET_MS / max(estimate, 1e-3))))
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-        for s, e in zip(starts, ends):
-            flush.zero_()
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), runs
-
-
-def _cpu_times(fn, first_only: float | None):
-    fn()
-    times = []
-    while True:
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-        if len(times) == 1 and first_only is not None and times[0] > first_only:
-            break
-        if len(times) >= MAX_RUNS or (len(times) >= MIN_RUNS and sum(times) >= BUDGET_MS):
-            break
-    return statistics.median(times), len(times)
-
-
-def time_backend(name: str, spec: AttentionSpec, *, first_only: float | None = None) -> tuple[float, int]:
-    """``(median ms, runs)`` of backend ``name`` on ``spec``'s inputs (forward, + backward when
-    a gradient is needed)."""
+def _measure(names: list[str], spec: AttentionSpec, *, on_error=None) -> dict[str, timing.Timing]:
+    """Time backends ``names`` against each other on ``spec``'s inputs (forward, + backward when
+    a gradient is needed) with :func:`portattn.timing.compare`: warm-up, a ~1 ms estimate,
+    candidates over ``PRUNE`` × the best estimate left out, then ``ROUNDS`` interleaved rounds of
+    ~``ROUND_MS`` per candidate (the median of per-round medians), within ``TUNE_BUDGET_S``."""
     from .registry import get_backend
-    fn = _runner(get_backend(name), spec)
-    if spec.device.type == "cuda":
-        return _gpu_times(fn, spec.device, first_only)
-    return _cpu_times(fn, first_only)
+    fns = {}
+    errors = {}
+    for name in names:
+        try:
+            fns[name] = _runner(get_backend(name), spec)
+        except Exception as exc:
+            errors[name] = timing.Timing(None, error=timing._error(exc))
+    clock = _clock(spec.device)
+    out = timing.compare(fns, clock, warmup=WARMUP, rounds=ROUNDS, min_rounds=MIN_ROUNDS, round_ms=ROUND_MS,
+                         samples_per_round=SAMPLES_PER_ROUND, prune=PRUNE, deadline=clock.now() + TUNE_BUDGET_S,
+                         on_error=on_error)
+    return {n: errors.get(n) or out[n] for n in names}
+
+
+def time_backend(name: str, spec: AttentionSpec) -> tuple[float, int]:
+    """``(ms per call, calls)`` of backend ``name`` alone on ``spec``'s inputs (forward, +
+    backward when a gradient is needed), by the policy's method. Raises what the backend raises."""
+    t = _measure([name], spec)[name]
+    if t.error:
+        raise RuntimeError(t.error)
+    return t.ms, t.calls
 
 
 # ----- the policy --------------------------------------------------------------------------
@@ -473,11 +530,28 @@ def _timing_forbidden(spec: AttentionSpec) -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _timed(results: dict) -> dict[str, timing.Timing]:
+    """The results that passed the check and have a time, as :class:`portattn.timing.Timing`."""
+    return {n: timing.Timing(r["ms"], spread=r.get("spread", 0.0), pruned=bool(r.get("pruned")))
+            for n, r in results.items() if r.get("ms") is not None and not r.get("failed") and not r.get("error")}
+
+
+def _rank(results: dict, priority: list[str]) -> tuple[list[str], list[str]]:
+    """``(order, tied)``: the backends that passed and were timed, the winner first (the fastest,
+    or among those tied with it within the measured noise the first in ``priority``:
+    :func:`portattn.timing.pick`), the others fastest first; and the tied ones."""
+    timed = _timed(results)
+    winner, tied = timing.pick(timed, priority)
+    if winner is None:
+        return [], []
+    rest = sorted((n for n in timed if n != winner), key=lambda n: (timed[n].ms, n))
+    return [winner, *rest], tied
+
+
 def _order(results: dict) -> list[str]:
-    """Backends that passed and were timed, fastest first."""
-    timed = [(r["ms"], n) for n, r in results.items() if r.get("ms") is not None and not r.get("failed")
-             and not r.get("error")]
-    return [n for _, n in sorted(timed)]
+    """Backends that passed and were timed, fastest first (no tie rule)."""
+    timed = _timed(results)
+    return sorted(timed, key=lambda n: (timed[n].ms, n))
 
 
 def _pick(entry: dict | None, candidates: list[str]) -> str | None:
@@ -514,10 +588,9 @@ def _fallback(key: str, candidates: list[str], entry: dict | None) -> str:
 
 def lookup(spec: AttentionSpec) -> str | None:
     """The remembered winner of ``spec``'s class, or None — no timing, no device sync (the fast
-    path: dispatch may try it first and verify that the winner has no reasons)."""
-    entry = _entry(spec)
-    order = entry.get("order") if entry else None
-    return order[0] if order else None
+    path: dispatch may try it first and verify that the winner has no reasons). After the first
+    sight of a problem this is one dict hit on a tuple of the spec's attributes."""
+    return _hot_get(spec)[1]
 
 
 def cached_choice(spec: AttentionSpec, candidates: list[str]) -> str | None:
@@ -558,45 +631,32 @@ def format_timings(info: dict | None) -> str:
         return "fastest: this shape class was never timed (the first call times it)"
     lines = [f"fastest: class {info['class']} on {info['device']} ({info.get('mode')}), "
              f"winner {info.get('winner')}, tuned {info.get('tuned_at', '?')}"]
-    best = None
-    for name in info.get("order", []):
-        best = best or info["results"][name]["ms"]
+    timed = _timed(info["results"])
+    best = min((t.ms for t in timed.values()), default=None)
+    tied = set(info.get("tied") or ())
+    if len(tied) > 1:
+        lines[0] += f" (tied within the noise: {', '.join(info['tied'])}; the priority order decides)"
     for name, r in info["results"].items():
-        if r.get("ms") is not None and not r.get("failed") and not r.get("error"):
-            rel = f" ({r['ms'] / best:.2f}x)" if best else ""
-            lines.append(f"  {name:<15} {r['ms']:.4g} ms{rel}")
+        if name in timed:
+            rel = f" ({r['ms'] / best:.3f}x)" if best else ""
+            how = " estimate only (cannot win)" if r.get("pruned") else (
+                f" ±{100 * r['spread'] / 2:.1f}% over {len(r.get('ms_rounds', ()))} rounds" if "spread" in r else "")
+            lines.append(f"  {name:<15} {r['ms']:.4g} ms{rel}{how}")
         else:
             why = r.get("failed") or r.get("error") or r.get("skipped") or "?"
             lines.append(f"  {name:<15} {'failed the check: ' if r.get('failed') else ''}{why}")
     return "\n".join(lines)
 
 
-def _retime_close(spec: AttentionSpec, results: dict, timed_now: set) -> None:
-    """Candidates within CLOSE of the best are timed once more, in reverse order (so neither is
-    always first), and keep the mean of their two medians: a near tie is decided on twice the
-    runs, not on one round's noise."""
-    close = [n for n in _order(results) if n in timed_now
-             and results[n]["ms"] <= (1 + CLOSE) * results[_order(results)[0]]["ms"]]
-    if len(close) < 2:
-        return
-    for name in reversed(close):
-        try:
-            ms, runs = time_backend(name, spec)
-        except Exception:   # it ran once; keep that timing
-            continue
-        r = results[name]
-        r["ms"], r["runs"] = (r["ms"] + ms) / 2, r["runs"] + runs
-
-
 def _tune(spec: AttentionSpec, candidates: list[str], key: str, store: _Store, progress=None) -> dict:
-    """Check and time the candidates not yet in the class's entry; update memory and the file."""
+    """Check the candidates not yet in the class's entry, time those that pass against each other
+    (:func:`_measure`), rank them with the tie rule; update memory and the file."""
     t_start = time.perf_counter()
     old = store.entries.get(key)
     results = dict(old["results"]) if old else {}
-    best = min((r["ms"] for r in results.values() if r.get("ms") is not None and not r.get("failed")
-                and not r.get("error")), default=math.inf)
     _busy.active = True
     try:
+        to_time = []
         for name in candidates:
             if name in results:
                 continue
@@ -610,21 +670,21 @@ def _tune(spec: AttentionSpec, candidates: list[str], key: str, store: _Store, p
             if why:
                 results[name] = {"failed": why}
                 continue
-            try:
-                ms, runs = time_backend(name, spec, first_only=SLOW_FACTOR * best if math.isfinite(best) else None)
-            except Exception as exc:   # out of memory, a kernel that refuses the real shape: not chosen
-                results[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
+            to_time.append(name)
+        if to_time:
+            if progress:
+                progress("timing " + ", ".join(to_time))
+
+            def on_error(name, exc):   # out of memory, a kernel that refuses the real shape: not chosen
                 if spec.device.type == "cuda":
                     torch.cuda.empty_cache()
-                continue
-            results[name] = {"ms": ms, "runs": runs}
-            best = min(best, ms)
-        _retime_close(spec, results, timed_now={n for n in candidates if n not in (old or {}).get("results", {})})
+            for name, t in _measure(to_time, spec, on_error=on_error).items():
+                results[name] = t.as_dict()
     finally:
         _busy.active = False
-    order = _order(results)
+    order, tied = _rank(results, candidates)
     entry = {
-        "results": results, "order": order, "winner": order[0] if order else None,
+        "results": results, "order": order, "winner": order[0] if order else None, "tied": tied,
         "mode": "fwd+bwd" if spec.needs_grad else "fwd", "problem": spec.summary(),
         "tuned_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "tuning_s": round(time.perf_counter() - t_start + (old or {}).get("tuning_s", 0.0), 3),

@@ -3,6 +3,7 @@ correctness gate, the capture/compile rule, and the cache file (corrupt, other v
 processes writing at once)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import portattn
-from portattn import tuning
+from portattn import timing, tuning
 from portattn.spec import build_spec
 
 
@@ -85,22 +86,49 @@ WrongToy.wrong = True
 TOYS = (SlowToy, FastToy, WrongToy)
 
 
-_REAL_TIME_BACKEND = tuning.time_backend
 #: what the fake clock reports per backend (ms): the CPU here is shared, real timings are noisy
 COST = {"toy_slow": 5.0, "toy_fast": 1.0, "toy_wrong": 0.1, "toy_wrong2": 0.1, "sdpa": 3.0}
 
 
-@pytest.fixture
-def toys(tmp_path, monkeypatch):
-    """The toy backends, a private cache directory, and a fake clock that still runs each timed
-    backend once (forward, and backward for gradient classes)."""
-    monkeypatch.setenv("PORTATTN_CACHE_DIR", str(tmp_path))
-    real = tuning.time_backend
+class FakeClock:
+    """portattn.timing's clock interface: a sample runs the callable once (so calls are counted)
+    and reports ``COST[name]`` ms per call, times ``jitter[name][i]`` for the name's i-th sample
+    when given; the samples' order is logged and the fake time advances by what was reported."""
 
-    def fake_clock(name, spec, first_only=None):
-        real(name, spec, first_only=0.0)        # one run (plus warm-up), so calls are counted
-        return COST.get(name, 50.0) * (3 if spec.needs_grad else 1), 1
-    monkeypatch.setattr(tuning, "time_backend", fake_clock)
+    def __init__(self, cost=None, jitter=None):
+        self.cost = COST if cost is None else cost
+        self.jitter = jitter or {}
+        self.log = []
+        self.t = 0.0
+        self.seen = {}
+
+    def sync(self):
+        pass
+
+    def now(self):
+        return self.t
+
+    def sample(self, name, fn, reps):
+        fn()
+        i = self.seen[name] = self.seen.get(name, -1) + 1
+        factors = self.jitter.get(name)
+        ms = self.cost.get(name, 50.0) * (factors[i % len(factors)] if factors else 1.0)
+        self.log.append((name, reps))
+        self.t += ms * reps * 1e-3
+        return ms
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def toys(tmp_path, monkeypatch, clock):
+    """The toy backends, a private cache directory, and a fake clock (``clock``) that still runs
+    each timed backend (forward, and backward for gradient classes)."""
+    monkeypatch.setenv("PORTATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_clock", lambda device: clock)
     tuning.clear()
     made = {cls.name: portattn.register_backend(cls) for cls in TOYS}
     yield made
@@ -190,26 +218,121 @@ def test_gradient_classes_check_and_time_the_backward(toys):
 
 
 def test_real_clock_measures_forward_and_backward(toys, monkeypatch):
-    monkeypatch.setattr(tuning, "time_backend", _REAL_TIME_BACKEND)
-    monkeypatch.setattr(tuning, "MIN_RUNS", 2)
-    monkeypatch.setattr(tuning, "BUDGET_MS", 1.0)
+    monkeypatch.setattr(tuning, "_clock", timing.clock_for)
+    for name, value in (("WARMUP", 1), ("ROUNDS", 2), ("MIN_ROUNDS", 2), ("SAMPLES_PER_ROUND", 1)):
+        monkeypatch.setattr(tuning, name, value)
     monkeypatch.setattr(SlowToy, "delay", 0.25)
     spec = _spec(sq=4, sk=4, grad=True)
     assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
-    slow = tuning.timing_details(spec)["results"]["toy_slow"]
-    assert slow["ms"] >= 2 * 250 * 0.95 and slow["runs"] >= 2          # forward + backward sleep, median
-
-
-def test_near_ties_are_timed_twice(toys, monkeypatch):
-    monkeypatch.setitem(COST, "toy_slow", COST["toy_fast"] * 1.03)
-    spec = _spec(sq=8, sk=8)
-    assert tuning.choose(spec, ["toy_slow", "toy_fast", "toy_wrong"]) == "toy_fast"
     results = tuning.timing_details(spec)["results"]
-    assert results["toy_slow"]["runs"] == 2 and results["toy_fast"]["runs"] == 2
-    monkeypatch.setitem(COST, "toy_slow", COST["toy_fast"] * 1.5)          # not close: once
+    slow, fast = results["toy_slow"], results["toy_fast"]
+    assert slow["ms"] >= 2 * 250 * 0.95                  # forward + backward sleep
+    assert slow.get("pruned") and fast["ms"] < slow["ms"] / 2   # over PRUNE x the best estimate: not timed further
+    assert len(fast["ms_rounds"]) == 2 and fast["runs"] >= 1 + 1 + 2 * fast["reps"]
+
+
+def test_the_policy_times_candidates_in_interleaved_rounds(toys, clock, monkeypatch):
+    monkeypatch.setitem(COST, "toy_slow", 1.2)          # under PRUNE x the best: timed in every round
+    spec = _spec(sq=8, sk=8)
+    assert tuning.choose(spec, ["toy_wrong", "toy_slow", "toy_fast"]) == "toy_fast"
+    names = [n for n, _ in clock.log]
+    assert "toy_wrong" not in names                     # failed the check: never timed
+    per = tuning.SAMPLES_PER_ROUND * 2
+    rounds = names[-tuning.ROUNDS * per:]
+    # estimates (>= 1 ms calls: one sample each), then once more in reverse order (pruning is on)
+    assert names[:-len(rounds)] == ["toy_slow", "toy_fast", "toy_fast", "toy_slow"]
+    blocks = [rounds[i:i + per] for i in range(0, len(rounds), per)]
+    assert all(sorted(set(b)) == ["toy_fast", "toy_slow"] for b in blocks)   # both in every round
+    firsts = [b[0] for b in blocks]
+    assert "toy_fast" in firsts and "toy_slow" in firsts                     # neither always first
+    results = tuning.timing_details(spec)["results"]
+    fast = results["toy_fast"]
+    assert fast["ms"] == COST["toy_fast"] and fast["spread"] == 0 and len(fast["ms_rounds"]) == tuning.ROUNDS
+    # a candidate over PRUNE x the best estimate keeps its estimate and is not timed in rounds
+    monkeypatch.setitem(COST, "toy_slow", 5.0)
+    clock.log.clear()
     spec2 = _spec(sq=8, sk=16)
-    tuning.choose(spec2, ["toy_slow", "toy_fast"])
-    assert tuning.timing_details(spec2)["results"]["toy_fast"]["runs"] == 1
+    assert tuning.choose(spec2, ["toy_slow", "toy_fast"]) == "toy_fast"
+    assert [n for n, _ in clock.log].count("toy_slow") == 2      # its two estimates
+    assert tuning.timing_details(spec2)["results"]["toy_slow"] == {"ms": 5.0, "runs": 4, "reps": 1, "spread": 0.0,
+                                                                  "ms_rounds": [5.0], "pruned": True}
+    # reps from the estimate: ~ROUND_MS of calls per candidate per round
+    assert fast["reps"] == math.ceil(tuning.ROUND_MS / tuning.SAMPLES_PER_ROUND / COST["toy_fast"])
+
+
+@pytest.mark.parametrize("ratio,priority,expected", [
+    (1.002, ["toy_slow", "toy_fast"], "toy_slow"),     # within TIE_MIN: equal, the priority order decides
+    (1.002, ["toy_fast", "toy_slow"], "toy_fast"),
+    (1.05, ["toy_slow", "toy_fast"], "toy_fast"),      # a real difference: the faster
+])
+def test_tie_rule_prefers_the_priority_order_within_the_noise(toys, monkeypatch, ratio, priority, expected):
+    monkeypatch.setitem(COST, "toy_slow", COST["toy_fast"] * ratio)
+    spec = _spec(sq=8, sk=8)
+    assert tuning.choose(spec, priority) == expected
+    info = tuning.timing_details(spec)
+    assert info["winner"] == expected and info["order"][0] == expected
+    assert set(info["tied"]) == ({"toy_slow", "toy_fast"} if ratio < 1.01 else {"toy_fast"})
+
+
+@pytest.mark.parametrize("bump,ratio,expected", [
+    (1.012, 1.004, "toy_slow"),     # rounds spread 1.2 %: within 0.6 % is a tie, the priority order decides
+    (1.012, 1.008, "toy_fast"),     # 0.8 %: over half the spread, the faster
+    (1.2, 1.008, "toy_slow"),       # a 20 % spread: the tolerance is capped at TIE_MAX (1 %)...
+    (1.2, 1.015, "toy_fast"),       # ...so a 1.5 % difference still counts
+])
+def test_tie_tolerance_follows_the_measured_spread_up_to_its_cap(toys, clock, monkeypatch, bump, ratio, expected):
+    clock.jitter["toy_fast"] = [1.0] * 4 + [bump] * 3 + [1.0] * 9   # the estimate, then round 1 of 5 slower
+    monkeypatch.setitem(COST, "toy_slow", COST["toy_fast"] * ratio)
+    spec = _spec(sq=8, sk=8)
+    assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == expected
+    fast = tuning.timing_details(spec)["results"]["toy_fast"]
+    assert fast["ms"] == COST["toy_fast"] and fast["spread"] == pytest.approx(bump - 1)
+
+
+def test_after_the_first_call_the_winner_is_a_dict_hit(toys, monkeypatch):
+    spec = _spec(sq=8, sk=24)
+    assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
+    assert tuning.lookup(spec) == "toy_fast"           # fills the hot table
+
+    def boom(*a, **k):
+        raise AssertionError("the class key was rebuilt on the hot path")
+    monkeypatch.setattr(tuning, "shape_class", boom)
+    monkeypatch.setattr(tuning, "_store", boom)
+    again = _spec(sq=8, sk=24)                           # a new spec of the same problem
+    assert tuning.lookup(again) == "toy_fast" and tuning.choose(again, ["toy_slow", "toy_fast"]) == "toy_fast"
+
+
+def test_the_hot_key_is_finer_than_the_shape_class():
+    """Two problems with one call-path key always share their class (else a winner would be used
+    for a class it was not timed on)."""
+    specs = []
+    for sq, sk in ((1, 40), (8, 40), (16, 16), (15, 16), (16, 17)):
+        q = torch.randn(2, sq, 4, 8)
+        kv = torch.randn(2, sk, 2, 8)
+        specs += [build_spec(q, kv, kv), build_spec(q, kv, kv, causal=True), build_spec(q, kv, kv, window=(4, 0)),
+                  build_spec(q, kv, kv, window=(8, 0)), build_spec(q, kv, kv, return_lse=True),
+                  build_spec(q, kv, kv, softcap=3.0), build_spec(q.double(), kv.double(), kv.double()),
+                  build_spec(q.requires_grad_(), kv, kv, causal=True, causal_alignment="top_left")]
+    seen = {}
+    for spec in specs:
+        assert seen.setdefault(tuning._hot_key(spec), tuning.shape_class(spec)) == tuning.shape_class(spec)
+    assert len(set(seen.values())) > 20
+
+
+def test_policy_overhead_tool_runs():
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "tools" / "policy_overhead.py"), "--calls", "20", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert proc.returncode == 0, proc.stderr
+    assert "policy in select:" in proc.stdout and "tuning.lookup" in proc.stdout
+
+
+def test_a_new_cache_dir_forgets_the_hot_table(toys, tmp_path, monkeypatch):
+    spec = _spec(sq=8, sk=40)
+    assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
+    assert tuning.lookup(spec) == "toy_fast"
+    monkeypatch.setenv("PORTATTN_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert tuning.lookup(spec) is None                   # that directory's file knows nothing
 
 
 def test_new_candidate_is_timed_later_without_retiming_the_others(toys):
@@ -401,7 +524,7 @@ def test_cache_from_other_versions_is_not_used(toys, monkeypatch):
 
 _WRITER = textwrap.dedent("""
     import sys
-    from portattn import tuning
+    from portattn import timing, tuning
     path, who, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     store = tuning._Store(path, {"format": 1, "device": "test"})
     for i in range(n):
@@ -477,6 +600,29 @@ def test_small_problem_with_bias_mask_alibi_and_varlen():
     spec = build_spec(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
     q2, k2, v2, kw2 = tuning.small_problem(spec)
     assert build_spec(q2, k2, v2, **kw2).features() == spec.features()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(causal=True, causal_alignment="top_left"), dict(window=(3, 2)), dict(window=(4, 0), causal=True),
+    dict(softcap=5.0, scale=0.3, return_lse=True), dict(attn_bias=torch.randn(1, 4, 20, 20)),
+    dict(attn_bias=torch.rand(1, 1, 1, 20) > 0.5), dict(alibi_slopes=torch.rand(4), causal=True),
+])
+def test_candidates_are_timed_through_the_call_a_user_makes(kw):
+    """The timing runner rebuilds portattn.attention's arguments from the spec (so host costs of
+    the call path count): the same class, and it runs."""
+    q = torch.randn(1, 20, 4, 8)
+    spec = build_spec(q, q, q, **kw)
+    fn = tuning._api_runner("reference", spec)
+    assert fn is not None
+    fn()
+    packed = torch.randn(30, 4, 8, requires_grad=True)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    spec = build_spec(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=20, max_seqlen_k=20,
+                      causal=True)
+    assert spec.needs_grad and tuning.shape_class(spec) == tuning.shape_class(
+        build_spec(packed, packed, packed, **tuning._call_kwargs(spec)))
+    tuning._api_runner("reference", spec)()
+    assert packed.grad is None                             # timing never touches the caller's .grad
 
 
 def test_check_candidate_passes_a_real_backend_and_names_what_fails(toys):
@@ -572,16 +718,43 @@ def test_bench_summary_ratios_and_totals_on_the_same_cells():
     rows = [row("c1", a=1.0, b=2.0, fastest=1.01), row("c2", a=3.0, b=1.0, fastest=1.1),
             row("c3", a=2.0, b=None, fastest=2.0)]
     rows[2]["results"]["b"] = {"ms": 0.1, "check": "FAIL out"}       # fast but wrong: not the best
+    # interleaved rounds: the policy and the best side by side, round by round
+    rows[1]["results"]["fastest"].update(ms_rounds=[1.1, 1.12, 1.08], spread=0.04 / 1.1)
+    rows[1]["results"]["b"].update(ms_rounds=[1.0, 1.0, 1.02], spread=0.02)
     s = bench.summarize(rows, ["a", "b"])
     assert [c["best"] for c in s["cells"]] == ["a", "b", "a"]
     assert s["cells"][1]["ratio"] == pytest.approx(1.1) and s["cells_over_target"] == ["c2 fwd"]
+    assert s["cells"][1]["ratio_rounds"] == [pytest.approx(1.08 / 1.02), pytest.approx(1.12)]
+    assert s["cells_within_target"] == 2 and s["cells_with_ratio"] == 3
     assert s["totals"]["a"] == {"cells": 3, "total_ms": 6.0, "fastest_total_ms": pytest.approx(4.11),
                                 "fastest_over_backend": pytest.approx(4.11 / 6.0)}
     assert s["totals"]["b"]["cells"] == 2 and s["totals"]["b"]["total_ms"] == 3.0   # c3 failed its check
     assert s["below_every_backend_total"] is True and s["tuning_s_total"] == pytest.approx(1.5)
     text = bench.table(rows, ["a", "b"], s)
-    assert "| c2 | fwd | 3.000 | 1.000 | 1.100 | a | 1.100 ! | 0.50 |" in text
-    assert "x 0.100" in text and "| b | 2 | 3.00 |" in text
+    assert "| c2 | fwd | 3.000 | 1.000 | 1.100~ | a | 1.100 ! | 1.059-1.120 | 3.6/2.0 | 0.50 |" in text
+    assert "x 0.100" in text and "| b | 2 | 3.00 |" in text and "within 1.03 x the best single backend: 2 of 3" in text
+
+
+def test_bench_cell_times_every_implementation_in_interleaved_rounds(tmp_path, monkeypatch):
+    """bench_cell on the CPU with a fake clock: the policy tunes, every implementation is checked
+    and then timed in the same interleaved rounds (the rows hold the rounds and spreads)."""
+    bench = _bench()
+    monkeypatch.setenv("PORTATTN_CACHE_DIR", str(tmp_path))
+    tuning.clear()
+    clock = FakeClock(cost={"sdpa": 2.0, "reference": 9.0, "fastest": 2.02})
+    monkeypatch.setattr(tuning, "_clock", lambda device: FakeClock(cost={"sdpa": 2.0, "chunked": 4.0}))
+    monkeypatch.setenv("PORTATTN_PRIORITY_CPU", "chunked,sdpa,reference")
+    cell = dict(name="t", kind="decode", B=1, H=4, Hkv=2, Sq=1, Sk=40, D=16, causal=True)
+    row = bench.bench_cell(cell, "fwd", ["sdpa", "reference"], torch.float32, torch.device("cpu"), clock,
+                           deadline=time.time() + 1.0)
+    assert row["policy_choice"] == "sdpa" and set(row["policy_tied"]) == {"sdpa"}
+    assert all(row["results"][n]["check"] == "ok" for n in ("sdpa", "reference", "fastest"))
+    rounds = [n for n, _ in clock.log][-bench.ROUNDS * bench.SAMPLES * 3:]
+    assert {n for n in rounds[:bench.SAMPLES * 3]} == {"sdpa", "reference", "fastest"}
+    assert len(row["results"]["fastest"]["ms_rounds"]) == bench.ROUNDS
+    s = bench.summarize([row], ["sdpa", "reference"])
+    assert s["cells"][0]["best"] == "sdpa" and s["cells"][0]["ratio"] == pytest.approx(1.01)
+    tuning.clear()
 
 
 # ----- on a GPU ----------------------------------------------------------------------------
@@ -618,3 +791,35 @@ def test_gpu_tuning_and_cuda_graph_capture(tmp_path, monkeypatch):
     torch.cuda.synchronize()
     torch.testing.assert_close(out, eager)
     assert tuning.timings_for(other) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_choice_is_stable_and_its_cost_bounded(tmp_path, monkeypatch):
+    """Tuning a small bf16 class twice from scratch: each within a few seconds once compiled, and
+    the two winners are the same or, timed against each other, within 3 % (the tie rule and the
+    interleaved rounds make the choice reproducible up to the noise)."""
+    monkeypatch.setenv("PORTATTN_CACHE_DIR", str(tmp_path))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(4, 512, 16, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    spec = build_spec(q, k, v, causal=True)
+    candidates = tuning.supported_candidates(spec)
+    tuning.clear()
+    tuning.choose(spec, candidates)                  # compiles, first sight
+    winners, costs = [], []
+    for _ in range(2):
+        tuning.clear(disk=True)
+        t0 = time.perf_counter()
+        winners.append(tuning.choose(spec, candidates))
+        costs.append(time.perf_counter() - t0)
+        details = tuning.timing_details(spec)
+        assert details["winner"] == winners[-1] and winners[-1] in details["tied"]
+        assert all(len(r["ms_rounds"]) >= tuning.MIN_ROUNDS for r in details["results"].values()
+                   if "ms" in r and not r.get("pruned"))
+    assert max(costs) < 3.0 + 0.5 * len(candidates), costs
+    if winners[0] != winners[1]:
+        fns = {w: tuning._runner(portattn.get_backend(w), spec) for w in set(winners)}
+        res = timing.compare(fns, timing.CudaClock(), rounds=7, round_ms=20.0)
+        a, b = (res[w].ms for w in winners)
+        assert max(a, b) / min(a, b) < 1.03, (winners, a, b)
+    tuning.clear()
