@@ -230,10 +230,16 @@ if [[ $what == bwdsweep ]]; then
   timeout -s INT "${SWEEP_LIMIT:-200}" $PY tools/triton_sweep.py --out "$OUT" --time-limit $(( ${SWEEP_LIMIT:-200} - 20 )) \
       > "$OUT/sweep.txt" 2>&1
   echo "== sweep rc=$? ($(( $(date +%s) - t1 ))s):"; grep -v "^D.*FAILED" "$OUT/sweep.txt" | tail -22
+  ncu_d=${NCU_D:-128}
   timeout 90 ncu --clock-control none --kernel-name regex:attn_ --launch-skip 4 --launch-count 4 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      $PY tools/ncu_attention.py --d 128 --s 4096 > "$OUT/ncu_d128.txt" 2>&1
-  echo "== ncu rc=$? ($(( $(date +%s) - t0 ))s total)"; grep -E "attn_|Duration|Compute \(SM\) Thr|Memory Thr|Registers Per|Achieved Occ|Theoretical Occ" "$OUT/ncu_d128.txt" | head -40
+      $PY tools/ncu_attention.py --d "$ncu_d" --s 4096 > "$OUT/ncu_d$ncu_d.txt" 2>&1
+  echo "== ncu D$ncu_d rc=$? ($(( $(date +%s) - t0 ))s total)"
+  grep -E "attn_|Duration|Compute \(SM\) Thr|Memory Thr|Registers Per|Achieved Occ|Theoretical Occ" "$OUT/ncu_d$ncu_d.txt" | head -40
+  if [[ -n ${AFTER:-} ]]; then   # one more step of this call (e.g. the fastest-policy benchmark)
+    t2=$(date +%s); bash -c "$AFTER" > "$OUT/after.txt" 2>&1
+    echo "== after rc=$? ($(( $(date +%s) - t2 ))s):"; tail -30 "$OUT/after.txt"
+  fi
 fi
 
 if [[ $what == properties ]]; then
