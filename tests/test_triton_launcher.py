@@ -221,6 +221,21 @@ def test_fast_launch_passes_what_triton_passes(fake_triton):
     assert len({c[4] for c in log}) == 3
 
 
+def test_new_int_values_of_a_recorded_class_launch_fast_with_their_values(fake_triton):
+    fn, log = fake_triton(_toy)
+    fk = launcher.FastKernel(fn)
+    x = torch.zeros(64)
+    fk[(1,)](x, x, 16, 3, 0.5, True, None, 16, C1=4)
+    for n, m in ((32, 5), (48, 7), (2**20, 2**31 - 1)):      # same classes (%16 == 0; i32, not 1)
+        fk[(1,)](x, x, n, m, 0.25, False, None, 16, C1=4)
+        assert log[-1][9:13] == (x, x, n, m) and log[-1][13:15] == (0.25, False)
+    assert fk.stats == {"fast": 3, "slow": 1} and len(fk._entries) == 1 and len(fk._hot) == 3
+    fk[(1,)](x, x, 17, 3, 0.5, True, None, 16, C1=4)          # a new class: the normal path records it
+    fk[(1,)](x, x, 2**31, 3, 0.5, True, None, 16, C1=4)
+    assert fk.stats == {"fast": 3, "slow": 3} and len(fk._entries) == 3
+    assert len({c[4] for c in log}) == 3                      # three kernels
+
+
 def test_guards_fall_back_to_the_normal_path(fake_triton, monkeypatch):
     fn, log = fake_triton(_toy)
     fk = launcher.FastKernel(fn)

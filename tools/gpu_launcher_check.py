@@ -350,7 +350,10 @@ def main(argv=None) -> int:
         fast = row.get("fast")
         tail = f"{fast:10.1f}{row['normal'] - fast:10.1f}" if fast is not None else ""
         lines.append(f"{name:44s}{row['normal']:10.1f}{tail}")
-    disabled = {n: launcher.fast(getattr(_modules()[0], n)).disabled for n in DENSE_KERNELS}
+    kernels, _, _, decode = _modules()
+    disabled = {name: getattr(launcher.fast(getattr(module, name)), "disabled", "not wrapped")
+                for module, names in ((kernels, DENSE_KERNELS), (decode, ("decode_split", "decode_combine")))
+                for name in names}
     lines.append(f"disabled reasons (None = fast path on): {disabled}")
     text = "\n".join(lines)
     print(text)

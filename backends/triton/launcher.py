@@ -156,8 +156,9 @@ class FastKernel:
         self.fn = fn
         self._params = fn.params
         self.disabled: str | None = None
-        self._keyers: dict = {}      # tuple of argument types -> key function (or None: not covered)
-        self._entries: dict = {}     # key -> _Entry
+        self._keyers: dict = {}      # tuple of argument types -> (raw keyer, exact keyer), or None: not covered
+        self._entries: dict = {}     # exact key (:meth:`key`) -> _Entry
+        self._hot: dict = {}         # raw key (ints by value) -> _Entry, filled from _entries
         self._state: _State | None = None
         self.stats = {"fast": 0, "slow": 0}
 
@@ -169,27 +170,37 @@ class FastKernel:
             return self.fn[grid]
         return functools.partial(self._launch, grid)
 
-    # ----- the key ----------------------------------------------------------------------
+    # ----- the keys -----------------------------------------------------------------------
+    # Two levels. The exact key (:meth:`key`) classifies every runtime int as triton does (its
+    # int32/int64/uint64 range, % 16, == 1); it is what an entry is recorded under. The raw key,
+    # tried first, has the runtime ints by value (a finer key: strides and sizes repeat from call
+    # to call, and an int costs one load instead of four operations) and the tensors'
+    # ``data_ptr() % 16``; a raw key seen for the first time is looked up by its exact key and
+    # remembered.
 
-    def _keyer(self, tk: tuple):
-        """The key function of one tuple of argument types (built once), or None when a type is
-        not covered (those calls always take the normal path)."""
+    def _keyer_pair(self, tk: tuple):
+        """(raw keyer, exact keyer) of one tuple of argument types (built once), or None when a
+        type is not covered (those calls always take the normal path)."""
         try:
             return self._keyers[tk]
         except KeyError:
             pass
-        keyer = self._keyers[tk] = _build_keyer(self._params, tk)
-        return keyer
+        exact = _build_keyer(self._params, tk, exact=True)
+        pair = self._keyers[tk] = None if exact is None else (_build_keyer(self._params, tk, exact=False), exact)
+        return pair
 
     def key(self, args: tuple, kwargs: dict):
-        """The specialisation key of one call (None when the call is not covered). Raises
+        """The exact specialisation key of one call (None when the call is not covered). Raises
         TypeError for an unhashable argument where triton needs its value (a constexpr)."""
         st = self._state
         tk = tuple(map(type, args))
-        keyer = self._keyers.get(tk) or self._keyer(tk)
-        if keyer is None:
+        pair = self._keyer_pair(tk)
+        if pair is None:
             return None
-        return (tk, keyer(*args), tuple(kwargs.items()), tuple(map(type, kwargs.values())), st.get_device(),
+        return self._exact_key(tk, pair[1], args, kwargs, st.get_device(), st)
+
+    def _exact_key(self, tk, keyer, args, kwargs, device, st) -> tuple:
+        return (tk, keyer(*args), tuple(kwargs.items()), tuple(map(type, kwargs.values())), device,
                 self._knobs(st))
 
     def _knobs(self, st: _State) -> tuple:
@@ -221,14 +232,27 @@ class FastKernel:
     def _launch(self, grid, *args, **kwargs):
         st = self._state
         if st is not None and _ENABLED and self.disabled is None:
-            try:
-                key = self.key(args, kwargs)
-                entry = self._entries.get(key) if key is not None else None
-            except TypeError:     # an unhashable value: the normal path
-                entry = None
+            tk = tuple(map(type, args))
+            pair = self._keyers.get(tk)
+            entry = None
+            if pair is not None:
+                try:
+                    device = st.get_device()
+                    # the raw keyer stands for tk (one per tk, never dropped: hashed by identity)
+                    raw = (pair[0], pair[0](*args), *kwargs, *kwargs.values(), *map(type, kwargs.values()), device,
+                           self._knobs(st))
+                    entry = self._hot.get(raw)
+                    if entry is None:
+                        entry = self._entries.get(self._exact_key(tk, pair[1], args, kwargs, device, st))
+                        if entry is not None:
+                            if len(self._hot) >= MAX_ENTRIES:
+                                self._hot.clear()
+                            self._hot[raw] = entry
+                except TypeError:     # an unhashable value: the normal path
+                    entry = None
             if entry is not None and self._guards_ok(st):
                 n = len(grid)
-                entry.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, st.get_stream(key[4]),
+                entry.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, st.get_stream(device),
                           entry.function, entry.packed, None, None, None, *args, *entry.tail)
                 self.stats["fast"] += 1
                 return entry.kernel
@@ -269,6 +293,7 @@ class FastKernel:
             return
         if len(self._entries) >= MAX_ENTRIES:
             self._entries.clear()
+            self._hot.clear()
         self._entries[key] = _Entry(kernel, tuple(tail))
 
 
@@ -303,10 +328,11 @@ _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _BY_TYPE_ONLY = (float, bool, types.NoneType)
 
 
-def _build_keyer(params, tk: tuple):
+def _build_keyer(params, tk: tuple, exact: bool):
     """A function of the positional arguments returning the value part of their key (see the
-    module docstring), generated for one tuple of argument types; None when a type is not
-    covered or there are more arguments than parameters."""
+    module docstring and :class:`FastKernel`), generated for one tuple of argument types; None
+    when a type is not covered or there are more arguments than parameters. ``exact``: runtime
+    ints by triton's classes (range, % 16, == 1), else by value."""
     if len(tk) > len(params):
         return None
     names, parts = [], []
@@ -316,9 +342,9 @@ def _build_keyer(params, tk: tuple):
         if p.is_constexpr:
             parts.append(a)                        # triton: ("constexpr", value); its type is in tk
         elif t is int:
-            parts.append(f"{a} >> 31, ({a} & 15) == 0, {a} == 1")
+            parts.append(f"{a} >> 31, ({a} & 15) == 0, {a} == 1" if exact else a)
         elif t in _TENSOR_TYPES:
-            parts.append(f"{a}.dtype, ({a}.data_ptr() & 15) == 0")
+            parts.append(f"{a}.dtype, ({a}.data_ptr() & 15) == 0" if exact else f"{a}.dtype, {a}.data_ptr() & 15")
         elif t in _BY_TYPE_ONLY:
             continue
         else:
@@ -326,5 +352,5 @@ def _build_keyer(params, tk: tuple):
     body = ", ".join(parts)
     src = f"def keyer({', '.join(names)}):\n    return ({body}{',' if parts else ''})\n"
     namespace: dict = {}
-    exec(src, namespace)   # noqa: S102 (generated from parameter indices only)
+    exec(src, namespace)   # generated from parameter indices only
     return namespace["keyer"]
