@@ -94,6 +94,11 @@ def recording():
             setattr(kernels, name, fn)
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().contiguous().view(-1).view(torch.uint8)
 
@@ -113,13 +118,13 @@ def replay_identical(fn, grid, args, kwargs, fk=None) -> dict:
             t.copy_(s)
 
     fn[grid](*args, **kwargs)
-    torch.cuda.synchronize()
+    _sync()
     want = [_bytes(t) for t in tensors]
     identical = True
     for _ in range(2):
         restore()
         fk[grid](*args, **kwargs)
-        torch.cuda.synchronize()
+        _sync()
         identical &= all(torch.equal(_bytes(t), w) for t, w in zip(tensors, want))
     restore()
     return {"identical": identical, "entries": len(fk._entries), "stats": dict(fk.stats), "fk": fk}
@@ -199,7 +204,7 @@ def _run_decode(kw, on: bool, calls: int = 3):
                 kw2[name] = kw[name].clone()       # the append writes into the caches
             out, lse = portattn.attention_with_kvcache(**kw2, return_lse=True, backend="triton")
             outs.append((out, lse, kw2["k_cache"], kw2["v_cache"]))
-        torch.cuda.synchronize()
+        _sync()
         return outs
     finally:
         launcher.set_enabled(was)
@@ -238,7 +243,7 @@ def check_cuda_graph(device) -> dict:
     new_q = torch.randn(q_static.shape, device=device).to(q_static.dtype)
     q_static.copy_(new_q)
     graph.replay()
-    torch.cuda.synchronize()
+    _sync()
     launcher.set_enabled(False)
     try:
         want = portattn.attention_with_kvcache(**dict(kw, q=new_q), backend="triton")
@@ -259,7 +264,7 @@ def check_cuda_graph(device) -> dict:
         for t, n in zip((q, k, v), new):
             t.copy_(n)
         graph.replay()
-        torch.cuda.synchronize()
+        _sync()
     with fast_dense(False):
         want = portattn.attention(q, k, v, causal=True, backend="triton")
     results["cuda graph forward"] = torch.equal(_bytes(out_g), _bytes(want))
@@ -269,13 +274,13 @@ def check_cuda_graph(device) -> dict:
 def _per_call_us(fn, calls: int) -> float:
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
+        _sync()
         best = min(best, (time.perf_counter() - t0) / calls * 1e6)
     return best
 

@@ -112,17 +112,25 @@ def fast(fn):
     ``fn[grid](*args, **kwargs)``, through the remembered compiled kernel after the first call of
     each specialisation (see the module docstring). Anything that is not a plain triton
     ``JITFunction``, or a process where :func:`unsupported_reason` gives a reason, gets ``fn``
-    itself back. One dict lookup per call; the wrapper is made once per kernel."""
+    itself back. One dict lookup per call; the wrapper is made once per kernel (only
+    JITFunctions are remembered: kernels live as long as their module)."""
     hit = _WRAPPERS.get(id(fn))
     if hit is not None and hit[0] is fn:
         return hit[1]
-    out = fn
-    if unsupported_reason() is None:
-        from triton.runtime.jit import JITFunction
-        if type(fn) is JITFunction:
-            out = FastKernel(fn)
+    if _jit_function_type() is not type(fn):
+        return fn                     # the interpreter's functions, autotuners, stubs: not remembered
+    out = FastKernel(fn) if unsupported_reason() is None else fn
     _WRAPPERS[id(fn)] = (fn, out)
     return out
+
+
+@functools.cache
+def _jit_function_type():
+    try:
+        from triton.runtime.jit import JITFunction
+    except Exception:   # no triton: nothing is a JITFunction
+        return None
+    return JITFunction
 
 
 class _Entry:
