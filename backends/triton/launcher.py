@@ -51,8 +51,9 @@ Falls back to the normal ``kernel[grid](...)`` path (always correct, only slower
   missing in a triton release not read here, say): the reason is kept in
   :attr:`FastKernel.disabled` and every later call takes the normal path.
 
-Not covered (as in triton's own first-level cache, which compares its key with ``==`` too): a
-float constexpr ``-0.0`` against ``0.0``, and a constexpr object mutated in place.
+Not covered: a float constexpr ``-0.0`` against ``0.0`` (triton's own first-level cache compares
+its key with ``==`` too), and a global the kernel reads mutated in place (triton compares its value
+with the one at compile time; the fast path checks that the global is still the same object).
 """
 
 from __future__ import annotations
