@@ -104,7 +104,7 @@ def unsupported_reason() -> str | None:
     if knobs.runtime.interpret:
         return "TRITON_INTERPRET=1: kernels run in triton's interpreter"
     if getattr(torch.version, "hip", None):
-        return "ROCm: triton's AMD backend specialises tensors on more than dtype and alignment"
+        return "ROCm: triton's AMD backend also specialises tensors on their storage size (buffer ops), not in the key"
     return None
 
 
