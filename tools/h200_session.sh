@@ -207,6 +207,35 @@ if [[ $what == wave2bench ]]; then
   tar czf "$OUT/wave2bench.tgz" -C "$W" . && ls -la "$W"
 fi
 
+if [[ $what == bwdsweep ]]; then
+  # issue #14: the new backward's GPU tests and the quick catalogue beside the sweep's compiles
+  # (they fill triton's cache, one process per head dim), then the timed sweep alone on the GPU,
+  # then Nsight Compute on one forward+backward at D 128
+  t0=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout -s INT -k 20 "${TEST_LIMIT:-200}" $PY -m pytest -q --tb=short -p no:cacheprovider -n 4 \
+      ${SWEEP_TESTS:-tests/test_triton.py tests/test_lse_grad.py tests/test_cuda_graph.py tests/test_cu_seqlens_safety.py} \
+      -rfEs > "$OUT/pytest_gpu.txt" 2>&1 &
+  timeout "${CONF_LIMIT:-200}" $PY -m portattn.cli conformance run --devices cuda --no-progress --quick \
+      --backends triton --out "$OUT/conformance-quick-triton.json" > /tmp/conf-quick.log 2>&1 &
+  for d in 64 128 256; do
+    timeout 200 $PY tools/triton_sweep.py --compile-only --dims $d > /tmp/sweep-compile-$d.log 2>&1 &
+  done
+  wait
+  echo "== GPU tests ($(( $(date +%s) - t0 ))s):"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.txt" | head -30
+  tail -2 "$OUT/pytest_gpu.txt"
+  echo "== quick catalogue:"; tail -6 /tmp/conf-quick.log
+  cat /tmp/sweep-compile-*.log > "$OUT/sweep_compile.txt"; grep FAILED "$OUT/sweep_compile.txt" | head -20
+  t1=$(date +%s)
+  timeout -s INT "${SWEEP_LIMIT:-200}" $PY tools/triton_sweep.py --out "$OUT" --time-limit $(( ${SWEEP_LIMIT:-200} - 20 )) \
+      > "$OUT/sweep.txt" 2>&1
+  echo "== sweep rc=$? ($(( $(date +%s) - t1 ))s):"; grep -v "^D.*FAILED" "$OUT/sweep.txt" | tail -22
+  timeout 90 ncu --clock-control none --kernel-name regex:attn_ --launch-skip 4 --launch-count 4 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      $PY tools/ncu_attention.py --d 128 --s 4096 > "$OUT/ncu_d128.txt" 2>&1
+  echo "== ncu rc=$? ($(( $(date +%s) - t0 ))s total)"; grep -E "attn_|Duration|Compute \(SM\) Thr|Memory Thr|Registers Per|Achieved Occ|Theoretical Occ" "$OUT/ncu_d128.txt" | head -40
+fi
+
 if [[ $what == properties ]]; then
   # the property suite alone (PROFILE=ci: 25 derandomised examples a test; gpu: 300)
   run_properties "${LIMIT}"

@@ -70,8 +70,12 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class BackwardConfigs:
+    """The backward's kernels: dK/dV (``block_n`` keys resident, ``block_m`` queries streaming),
+    dQ (``block_m`` queries resident, ``block_n`` keys streaming) and the row-statistics prep."""
+
     dkdv: KernelConfig
     dq: KernelConfig
+    prep: KernelConfig = KernelConfig(64, 16, 4, 1)
 
 
 def device_target(device: torch.device) -> Target:
@@ -187,7 +191,7 @@ def forward_config(target: Target, block_d: int, elem_size: int) -> KernelConfig
 def backward_configs(target: Target, block_d: int, elem_size: int) -> BackwardConfigs:
     """Configs of the two backward kernels (dK/dV; delta + dQ)."""
     if target.vendor == "cpu":
-        return BackwardConfigs(_INTERPRETER, _INTERPRETER)
+        return BackwardConfigs(_INTERPRETER, _INTERPRETER, KernelConfig(32, 16, 4, 1))
     if target.vendor == "amd":
         (m1, n1), (m2, n2), w, s, wpe = _BWD_AMD[block_d]
         amd = dict(waves_per_eu=wpe, matrix_instr_nonkdim=16, kpack=1)

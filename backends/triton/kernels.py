@@ -249,15 +249,18 @@ def _online_max(m_i, s, qk_scale2, RAW_SCORES: tl.constexpr):
 
 
 @triton.jit
-def _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
+def _logits(qk, rows, cols, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
             qk_scale2, softcap_scale, softcap2, window_left, window_right,
             MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
             RAW_SCORES: tl.constexpr, IEEE: tl.constexpr):
-    """Scores in base 2 from raw ``qk = q·kᵀ`` for rows ``offs_m`` and keys ``offs_n``.
+    """Scores in base 2 from raw ``qk = q·kᵀ``; ``rows``/``cols`` are the query and key indices
+    as broadcastable 2-D tensors (``offs_m[:, None]``, ``offs_n[None, :]`` for a (query, key)
+    tile; ``offs_m[None, :]``, ``offs_n[:, None]`` for the transposed (key, query) tile of the
+    dK/dV kernel), so one function serves both orientations.
 
-    Applies, in §2's order: scale, softcap, ALiBi, additive bias / bool mask, causal-window and
-    bounds mask (``MASKED`` tiles only). Returns (s2, t) with ``t = tanh(scale·qk/c)`` when
-    ``SOFTCAP`` (the backward needs it), else ``qk``.
+    Applies, in docs/semantics.md's order: scale, softcap, ALiBi, additive bias / bool mask,
+    causal-window and bounds mask (``MASKED`` tiles only). Returns (s2, t) with
+    ``t = tanh(scale·qk/c)`` when ``SOFTCAP`` (the backward needs it), else ``qk``.
 
     ``RAW_SCORES`` (no softcap, ALiBi or float bias, so the score is ``qk_scale2·qk``): s is
     ``qk`` itself, and the scale is applied after the max is subtracted (:func:`_exp2_diff`).
@@ -274,12 +277,12 @@ def _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, sl
             s = qk * qk_scale2
     # 3. ALiBi: -slope·|i + Sk - Sq - j| (always the bottom-right distance)
     if ALIBI:
-        dist = (offs_m[:, None] + (sk - sq) - offs_n[None, :]).to(tl.float32)
+        dist = (rows + (sk - sq) - cols).to(tl.float32)
         s = s - slope2 * tl.abs(dist)
     # 4. additive bias or bool mask, loaded through its strides (stride 0 = broadcast)
     if BIAS_MODE != 0:
-        ptrs = bias_ptrs + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn
-        in_bounds = (offs_m[:, None] < sq) & (offs_n[None, :] < sk)
+        ptrs = bias_ptrs + rows * stride_bm + cols * stride_bn
+        in_bounds = (rows < sq) & (cols < sk)
         if BIAS_MODE == 1:
             s = s + tl.load(ptrs, mask=in_bounds, other=0.0).to(tl.float32) * LOG2E
         else:
@@ -287,39 +290,69 @@ def _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, sl
             s = tl.where(keep, s, float("-inf"))
     # 5. causal / sliding window on the aligned row, and the key bound
     if MASKED:
-        rows = offs_m[:, None] + off
-        cols = offs_n[None, :]
-        visible = (cols < sk) & (cols >= rows - window_left) & (cols <= rows + window_right)
+        aligned = rows + off
+        visible = (cols < sk) & (cols >= aligned - window_left) & (cols <= aligned + window_right)
         s = tl.where(visible, s, float("-inf"))
     return s, t
+
+
+@triton.jit
+def _phase_range(phase: tl.constexpr, lo, full_lo, full_hi, hi):
+    """Tile range of one phase of a band loop: 0 = masked tiles at the band's start, 1 = tiles
+    fully inside the band (no element mask), 2 = masked tiles at its end. Kernels run
+    ``for phase in tl.static_range(3)`` and pass ``MASKED = phase != 1`` to their band helper."""
+    if phase == 0:
+        return lo, full_lo
+    elif phase == 1:
+        return full_lo, full_hi
+    else:
+        return full_hi, hi
+
+
+@triton.jit
+def _tile_order(pid, n_tiles, LONGEST_FIRST: tl.constexpr):
+    """The tile a program works on: with ``LONGEST_FIRST`` (a causal or windowed band, where the
+    last query tiles see the most keys) the grid's first programs take the last tiles, so the
+    long ones start early and the short ones fill the tail of the schedule."""
+    if LONGEST_FIRST:
+        return n_tiles - 1 - pid
+    else:
+        return pid
 
 
 # ----- forward ------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n, offs_d, offs_dv,
+def _fwd_band(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, lo, hi, offs_m, offs_n, offs_d,
               sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2,
               qk_scale2, softcap_scale, softcap2, window_left, window_right,
-              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
               IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
-    """One K/V tile of the online softmax: update (m_i, l_i, acc)."""
-    cols = start_n + offs_n
-    # S = Q Kᵀ for this tile
-    k = _load_tile(k_ptrs + start_n * stride_ks, cols, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
-    qk = _scores(q, k, IEEE)
-    s, _ = _logits(qk, offs_m, cols, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
-                   qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                   MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
-    m_new, alpha, p = _online_max(m_i, s, qk_scale2, RAW_SCORES)
-    # rescale the running sum and accumulator, then add P V
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(v_ptrs + start_n * stride_vs, cols, sk, offs_dv, HEAD_DV, BLOCK_D, MASKED)
-    acc = _mm(_round_to(p, v.dtype), v, acc * alpha[:, None], IEEE)
-    return acc, l_i, m_new
+    """The online softmax over key tiles ``[lo, hi)``: update (acc, l_i, m_i) tile by tile."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        # S = Q Kᵀ for this tile
+        k = _load_tile(k_ptrs + start_n * stride_ks, cols, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
+        qk = _scores(q, k, IEEE)
+        s, _ = _logits(qk, offs_m[:, None], cols[None, :], sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
+                       qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                       MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
+        m_new, alpha, p = _online_max(m_i, s, qk_scale2, RAW_SCORES)
+        # rescale the running sum and accumulator, then add P V
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_ptrs + start_n * stride_vs, cols, sk, offs_d, HEAD_DV, BLOCK_D, MASKED)
+        acc = _mm(_round_to(p, v.dtype), v, acc * alpha[:, None], IEEE)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
-@triton.jit
+#: sizes and the lse strides (H·S) are not specialised on (divisibility by 16, == 1): a new
+#: sequence length reuses the compiled kernels (docs/triton.md, "Compiles")
+_SIZES = ("seqlen_q", "seqlen_k", "total_q", "total_k", "stride_lb", "stride_lh")
+
+
+@triton.jit(do_not_specialize=_SIZES)
 def attn_fwd(
     Q, K, V, O, LSE, BIAS, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
@@ -333,10 +366,10 @@ def attn_fwd(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
+    BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
     """O = softmax(scale·QKᵀ + bias)V for one (query tile, batch·head); writes O and lse."""
-    pid_m = tl.program_id(0)
+    pid_m = _tile_order(tl.program_id(0), tl.num_programs(0), LONGEST_FIRST)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
     h = pid_bh % num_heads_q
@@ -353,13 +386,12 @@ def attn_fwd(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_D)
     b64 = b.to(tl.int64)
     q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
     k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv.to(tl.int64) * stride_vh
     k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :]
+    v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]
     bias_ptrs = BIAS + b64 * stride_bb + h.to(tl.int64) * stride_bh
     slope2 = 0.0
     if ALIBI:
@@ -373,24 +405,13 @@ def attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
-    # phase 1: tiles cut by the band's left edge (masked)
-    for start_n in range(lo, full_lo, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
-                                  offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
-                                  slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                  HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
-    # phase 2: tiles every row sees entirely (no element mask)
-    for start_n in range(full_lo, full_hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
-                                  offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
-                                  slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                  HEAD_D, HEAD_DV, BLOCK_D, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
-    # phase 3: tiles cut by the band's right edge or the end of the keys (masked)
-    for start_n in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n,
-                                  offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
-                                  slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                  HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+    for phase in tl.static_range(3):
+        start, stop = _phase_range(phase, lo, full_lo, full_hi, hi)
+        acc, l_i, m_i = _fwd_band(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start, stop, offs_m, offs_n, offs_d,
+                                  sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2,
+                                  qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_N, phase != 1, SOFTCAP, ALIBI, BIAS_MODE,
+                                  IEEE, RAW_SCORES)
 
     # normalise once; rows with no visible key output 0 and lse = -inf
     empty = l_i == 0.0
@@ -400,199 +421,183 @@ def attn_fwd(
         m_i = m_i * qk_scale2
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     o_ptrs = (O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
-              + offs_m[:, None] * stride_os + offs_dv[None, :])
-    _store_tile(o_ptrs, _round_to(out, O.dtype.element_ty), offs_m, sq, offs_dv, HEAD_DV, BLOCK_D)
+              + offs_m[:, None] * stride_os + offs_d[None, :])
+    _store_tile(o_ptrs, _round_to(out, O.dtype.element_ty), offs_m, sq, offs_d, HEAD_DV, BLOCK_D)
     l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m
     tl.store(l_ptrs, lse, mask=offs_m < sq)
 
 
 # ----- backward -----------------------------------------------------------------------------
+# dS = P ∘ (dP − delta) with P = exp2(S − m)/l, dP = dO Vᵀ and delta_i = Σ_j P_ij dP_ij − dlse_i.
+# Row statistics (m, 1/l, delta) come from one of two places (constexpr EXACT_STATS of the dQ kernel):
+#  * 16-bit inputs: :func:`attn_bwd_prep` turns the forward's lse into m = lse·log2(e), 1/l = 1 and
+#    computes delta = rowsum(dO ∘ O) — no pass over the keys (FA2's preprocess);
+#  * float32 inputs: the dQ kernel's first pass recomputes m and l exactly as the forward does and
+#    keeps them apart, and delta as Σ_j P_ij dP_ij: folding m and l into a float32 lse costs
+#    ulp(|lse|) relative error in every P, and dO·O inherits O's rounding — both visible against
+#    float32's naive error, invisible against 16-bit rounding. A row with one visible key then
+#    gets P = 1 and dS = 0 exactly, as the math says.
+# Then dQ (Q stationary, K/V streaming: 3 products per tile pair) and dK/dV (K/V stationary, Q/dO
+# streaming, in the transposed (key, query) orientation so that P and dS feed the dV and dK
+# products without a transpose: 4 products). Every program owns its output tile: no atomics,
+# bit-identical gradients across runs.
 
 @triton.jit
-def _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq):
-    """(m, 1/l, delta) of rows ``offs_m`` as the dQ kernel stored them; rows with no visible key
-    (and rows past the end) read m = +inf, 1/l = 0, so that their probabilities are exactly 0."""
+def _load_tile_t(ptrs, rows, row_limit, cols, HEAD: tl.constexpr, BLOCK: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Load a transposed (BLOCK, rows) tile: zero-fill rows >= row_limit and head columns >= HEAD."""
+    if CHECK_ROWS:
+        if HEAD == BLOCK:
+            x = tl.load(ptrs, mask=rows[None, :] < row_limit, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows[None, :] < row_limit) & (cols[:, None] < HEAD), other=0.0)
+    else:
+        if HEAD == BLOCK:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=cols[:, None] < HEAD, other=0.0)
+    return x
+
+
+@triton.jit
+def _dot_f32(a, b, IEEE_: tl.constexpr):
+    """``a @ b`` as float32; on the ``IEEE`` path summed in float64 and rounded once (see :func:`_scores`)."""
+    if IEEE_:
+        return tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee").to(tl.float32)
+    else:
+        return _mm(a, b, None, IEEE_)
+
+
+@triton.jit
+def _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq, EXACT_STATS: tl.constexpr):
+    """(m, 1/l, delta) of rows ``offs_m``; rows with no visible key (and rows past the end) read
+    m = +inf, 1/l = 0, so that their probabilities are exactly 0. Without ``EXACT_STATS`` m is the
+    base-2 lse and l = 1: 1/l is not read (one load fewer per streamed tile in dK/dV), and the
+    ``inv_l`` returned is a placeholder that :func:`_probs` ignores."""
     in_rows = offs_m < sq
     m2 = tl.load(ROWMAX + row_base + offs_m, mask=in_rows, other=float("inf"))
-    inv_l = tl.load(ROWINV + row_base + offs_m, mask=in_rows, other=0.0)
     delta = tl.load(DELTA + row_base + offs_m, mask=in_rows, other=0.0)
+    if EXACT_STATS:
+        inv_l = tl.load(ROWINV + row_base + offs_m, mask=in_rows, other=0.0)
+    else:
+        inv_l = delta
     return m2, inv_l, delta
 
 
 @triton.jit
-def _probs(s, m2, inv_l, qk_scale2, RAW_SCORES: tl.constexpr):
-    """P = exp2(S - m) / l from a row's separate max and reciprocal sum."""
-    return _exp2_diff(s, m2[:, None], qk_scale2, RAW_SCORES) * inv_l[:, None]
+def _probs(s, m2, inv_l, qk_scale2, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr):
+    """P = exp2(S - m) / l from a row's max and reciprocal sum (only m, the base-2 lse, without
+    ``EXACT_STATS``), given broadcast to ``s``'s shape (``m[:, None]`` for a (query, key) tile,
+    ``m[None, :]`` for a transposed one)."""
+    p = _exp2_diff(s, m2, qk_scale2, RAW_SCORES)
+    if EXACT_STATS:
+        p = p * inv_l
+    return p
 
 
-@triton.jit
-def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0, offs_n,
-               offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn, slope2,
-               qk_scale2, softcap_scale, softcap2, window_left, window_right,
-               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
-               MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
-               IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
-    """One Q tile against the resident K/V tile: accumulate dK (unscaled) and dV."""
-    offs_m = start_m + offs_m0
-    q = _load_tile(q_ptrs + start_m * stride_qs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, MASKED)
-    do = _load_tile(do_ptrs + start_m * stride_dos, offs_m, sq, offs_dv, HEAD_DV, BLOCK_D, MASKED)
-    m2, inv_l, delta = _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq)
-    # recompute P = exp2(S - m) / l for this tile
-    qk = _scores(q, k, IEEE)
-    s, t = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
-                   qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                   MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
-    p = _probs(s, m2, inv_l, qk_scale2, RAW_SCORES)
-    # dV += Pᵀ dO
-    dv = _mm(tl.trans(_round_to(p, do.dtype)), do, dv, IEEE)
-    # dS = P ∘ (dO Vᵀ - delta), through the softcap's derivative
-    dp = _mm(do, tl.trans(v), None, IEEE)
-    ds = p * (dp - delta[:, None])
-    if SOFTCAP:
-        ds = ds * (1.0 - t * t)
-    # dK += dSᵀ Q
-    dk = _mm(tl.trans(_round_to(ds, q.dtype)), q, dk, IEEE)
-    return dk, dv
-
-
-@triton.jit
-def attn_bwd_dkdv(
-    Q, K, V, DO, ROWMAX, ROWINV, DELTA, DK, DV, BIAS, SLOPES, CU_Q, CU_K,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+@triton.jit(do_not_specialize=("seqlen_q", "total_q", "stride_ilb", "stride_ilh", "stride_lb", "stride_lh"))
+def attn_bwd_prep(
+    O, DO, LSE, DLSE, ROWMAX, ROWINV, DELTA, CU_Q,
+    stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
-    stride_dkb, stride_dks, stride_dkh,
-    stride_dvb, stride_dvs, stride_dvh,
-    stride_lb, stride_lh,
-    stride_bb, stride_bh, stride_bm, stride_bn,
-    num_heads_q, num_heads_kv, gqa_ratio, seqlen_q, seqlen_k, total_q, total_k,
-    sm_scale, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
+    stride_ilb, stride_ilh, stride_lb, stride_lh,
+    num_heads_q, seqlen_q, total_q,
+    HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    """dK, dV of one (key tile, batch·kv head): K/V resident, loop over the query heads of the
-    GQA group and over their query tiles. Each program owns its output tile (no atomics)."""
-    pid_n = tl.program_id(0)
+    """Row statistics of the 16-bit backward for one (query tile, batch·head), from the forward's
+    ``lse`` (read through its strides ``stride_il*``): m = lse·log2(e) and 1/l = 1 (+inf and 0 for
+    a row with no visible key, lse = -inf), delta = rowsum(dO ∘ O) − dlse."""
+    pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // num_heads_kv
-    h_kv = pid_bh % num_heads_kv
-    q_start, sq, k_start, sk = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN)
-    n0 = pid_n * BLOCK_N
-    if n0 >= sk:
-        return
-    if BOTTOM_RIGHT:
-        off = sk - sq
+    b = pid_bh // num_heads_q
+    h = pid_bh % num_heads_q
+    if IS_VARLEN:
+        q_start, sq = _seq_span(CU_Q, b, seqlen_q, total_q)
     else:
-        off = sk * 0
-
-    offs_m0 = tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+        q_start = b * 0
+        sq = seqlen_q + b * 0
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_D)
     b64 = b.to(tl.int64)
-    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv.to(tl.int64) * stride_kh
-    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv.to(tl.int64) * stride_vh
-    # the K/V tile stays resident for every query head and query tile
-    k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, sk, offs_d, HEAD_D, BLOCK_D, True)
-    v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_dv[None, :], offs_n, sk, offs_dv, HEAD_DV, BLOCK_D, True)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-
-    lo, full_lo, full_hi, hi = _query_phases(n0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
-    for g in range(0, gqa_ratio):
-        h = h_kv * gqa_ratio + g
-        q_ptrs = (Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
-                  + offs_m0[:, None] * stride_qs + offs_d[None, :])
-        do_ptrs = (DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h.to(tl.int64) * stride_doh
-                   + offs_m0[:, None] * stride_dos + offs_dv[None, :])
-        row_base = b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start
-        bias_ptrs = BIAS + b64 * stride_bb + h.to(tl.int64) * stride_bh
-        slope2 = 0.0
-        if ALIBI:
-            slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
-        # masked query tiles at the band's top, unmasked middle, masked bottom
-        for start_m in range(lo, full_lo, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0,
-                                offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
-                                slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
-        for start_m in range(full_lo, full_hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0,
-                                offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
-                                slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                HEAD_D, HEAD_DV, BLOCK_D, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
-        for start_m in range(full_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start_m, offs_m0,
-                                offs_n, offs_d, offs_dv, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
-                                slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                                HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
-
-    dk = dk * sm_scale
-    dk_ptrs = (DK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv.to(tl.int64) * stride_dkh
-               + offs_n[:, None] * stride_dks + offs_d[None, :])
-    dv_ptrs = (DV + b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv.to(tl.int64) * stride_dvh
-               + offs_n[:, None] * stride_dvs + offs_dv[None, :])
-    _store_tile(dk_ptrs, _round_to(dk, DK.dtype.element_ty), offs_n, sk, offs_d, HEAD_D, BLOCK_D)
-    _store_tile(dv_ptrs, _round_to(dv, DV.dtype.element_ty), offs_n, sk, offs_dv, HEAD_DV, BLOCK_D)
+    h64 = h.to(tl.int64)
+    in_rows = offs_m < sq
+    o = _load_tile(O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h64 * stride_oh
+                   + offs_m[:, None] * stride_os + offs_d[None, :], offs_m, sq, offs_d, HEAD_DV, BLOCK_D, True)
+    do = _load_tile(DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h64 * stride_doh
+                    + offs_m[:, None] * stride_dos + offs_d[None, :], offs_m, sq, offs_d, HEAD_DV, BLOCK_D, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(LSE + b64 * stride_ilb + h64 * stride_ilh + q_start + offs_m, mask=in_rows, other=float("-inf"))
+    empty = lse == float("-inf")
+    row_base = b64 * stride_lb + h64 * stride_lh + q_start
+    if HAS_DLSE:
+        # ∂lse_i/∂s_ij = P_ij: dS = P ∘ (dP − delta + dlse); rows with no visible key read 0
+        delta = delta - tl.load(DLSE + row_base + offs_m, mask=in_rows & (lse != float("-inf")), other=0.0)
+    tl.store(ROWMAX + row_base + offs_m, tl.where(empty, float("inf"), lse * LOG2E), mask=in_rows)
+    tl.store(ROWINV + row_base + offs_m, tl.where(empty, 0.0, 1.0), mask=in_rows)
+    tl.store(DELTA + row_base + offs_m, delta, mask=in_rows)
 
 
 @triton.jit
-def _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0,
-                offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
+def _stats_band(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, lo, hi, offs_m, offs_n0, offs_d,
+                sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
                 IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
-    """One K/V tile of the backward's first pass: the forward's online (m, l) and, rescaled
-    alongside, dacc_i = Σ_j exp2(S_ij - m_i) dP_ij (so delta = dacc / l = Σ_j P_ij dP_ij)."""
-    offs_n = start_n + offs_n0
-    k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
-    v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_dv, HEAD_DV, BLOCK_D, MASKED)
-    qk = _scores(q, k, IEEE)
-    s, _ = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
-                   qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                   MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
-    m_new, alpha, p = _online_max(m_i, s, qk_scale2, RAW_SCORES)
-    dp = _mm(do, tl.trans(v), None, IEEE)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    dacc = dacc * alpha + tl.sum(p * dp, 1)
-    return m_new, l_i, dacc
+    """The exact statistics pass over key tiles ``[lo, hi)``: the forward's online (m, l) and,
+    rescaled alongside, dacc_i = Σ_j exp2(S_ij - m_i) dP_ij (so delta = dacc / l = Σ_j P_ij dP_ij)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
+        v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_d, HEAD_DV, BLOCK_D, MASKED)
+        qk = _scores(q, k, IEEE)
+        s, _ = _logits(qk, offs_m[:, None], offs_n[None, :], sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
+                       qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                       MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
+        m_new, alpha, p = _online_max(m_i, s, qk_scale2, RAW_SCORES)
+        dp = _mm(do, tl.trans(v), None, IEEE)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        dacc = dacc * alpha + tl.sum(p * dp, 1)
+        m_i = m_new
+    return m_i, l_i, dacc
 
 
 @triton.jit
-def _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
-             offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm, stride_dbn,
+def _dq_band(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, lo, hi, offs_m, offs_n0, offs_d,
+             sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm, stride_dbn,
              slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-             HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+             HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
              MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
-             BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
-    """One K/V tile against the resident Q tile: accumulate dQ (unscaled); write dBias."""
-    offs_n = start_n + offs_n0
-    k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
-    v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_dv, HEAD_DV, BLOCK_D, MASKED)
-    # recompute P
-    qk = _scores(q, k, IEEE)
-    s, t = _logits(qk, offs_m, offs_n, sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
-                   qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                   MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
-    p = _probs(s, m2, inv_l, qk_scale2, RAW_SCORES)
-    # dS = P ∘ (dO Vᵀ - delta): the gradient of the (natural-log) score, i.e. dBias
-    dp = _mm(do, tl.trans(v), None, IEEE)
-    ds = p * (dp - delta[:, None])
-    if BIAS_GRAD:
-        db_ptrs = dbias_ptrs + offs_m[:, None] * stride_dbm + offs_n[None, :] * stride_dbn
-        tl.store(db_ptrs, _round_to(ds, dbias_ptrs.dtype.element_ty), mask=(offs_m[:, None] < sq) & (offs_n[None, :] < sk))
-    if SOFTCAP:
-        ds = ds * (1.0 - t * t)
-    # dQ += dS K
-    dq = _mm(_round_to(ds, k.dtype), k, dq, IEEE)
+             BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr):
+    """Key tiles ``[lo, hi)`` against the resident Q tile: accumulate dQ (unscaled); write dBias."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
+        v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_d, HEAD_DV, BLOCK_D, MASKED)
+        # recompute P
+        qk = _scores(q, k, IEEE)
+        s, t = _logits(qk, offs_m[:, None], offs_n[None, :], sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
+                       qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                       MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
+        p = _probs(s, m2[:, None], inv_l[:, None], qk_scale2, RAW_SCORES, EXACT_STATS)
+        # dS = P ∘ (dO Vᵀ - delta): the gradient of the (natural-log) score, i.e. dBias
+        dp = _mm(do, tl.trans(v), None, IEEE)
+        ds = p * (dp - delta[:, None])
+        if BIAS_GRAD:
+            db_ptrs = dbias_ptrs + offs_m[:, None] * stride_dbm + offs_n[None, :] * stride_dbn
+            tl.store(db_ptrs, _round_to(ds, dbias_ptrs.dtype.element_ty),
+                     mask=(offs_m[:, None] < sq) & (offs_n[None, :] < sk))
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        # dQ += dS K
+        dq = _mm(_round_to(ds, k.dtype), k, dq, IEEE)
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def attn_bwd_dq(
     Q, K, V, DO, ROWMAX, ROWINV, DELTA, DLSE, DQ, BIAS, DBIAS, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
@@ -609,13 +614,13 @@ def attn_bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BIAS_MODE: tl.constexpr, BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
+    HAS_DLSE: tl.constexpr, EXACT_STATS: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
-    """Row stats, dQ (and dBias) of one (query tile, batch·head): Q and dO resident; two passes
-    over the visible key tiles exactly like the forward. The first recomputes the row max m and
-    sum l and delta = Σ_j P_ij dP_ij (minus ``DLSE``, the loss gradient of the natural-log lse,
-    when ``HAS_DLSE``), stored (m, 1/l, delta) for the dK/dV kernel; the second accumulates dQ."""
-    pid_m = tl.program_id(0)
+    """dQ (and dBias) of one (query tile, batch·head): Q and dO resident, one pass over the
+    visible key tiles. With ``EXACT_STATS`` (float32) a first pass recomputes the row max m, sum
+    l and delta = Σ_j P_ij dP_ij (minus ``DLSE`` when ``HAS_DLSE``) and stores (m, 1/l, delta)
+    for the dK/dV kernel; otherwise it reads what :func:`attn_bwd_prep` stored."""
+    pid_m = _tile_order(tl.program_id(0), tl.num_programs(0), LONGEST_FIRST)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
     h = pid_bh % num_heads_q
@@ -632,17 +637,16 @@ def attn_bwd_dq(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_D)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     q_ptrs = (Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h64 * stride_qh
               + offs_m[:, None] * stride_qs + offs_d[None, :])
     do_ptrs = (DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h64 * stride_doh
-               + offs_m[:, None] * stride_dos + offs_dv[None, :])
+               + offs_m[:, None] * stride_dos + offs_d[None, :])
     k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv.to(tl.int64) * stride_vh
     k_ptrs = k_base + offs_n0[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = v_base + offs_n0[:, None] * stride_vs + offs_dv[None, :]
+    v_ptrs = v_base + offs_n0[:, None] * stride_vs + offs_d[None, :]
     bias_ptrs = BIAS + b64 * stride_bb + h64 * stride_bh
     dbias_ptrs = DBIAS + b64 * stride_dbb + h64 * stride_dbh
     slope2 = 0.0
@@ -650,65 +654,150 @@ def attn_bwd_dq(
         slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
 
     q = _load_tile(q_ptrs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, True)
-    do = _load_tile(do_ptrs, offs_m, sq, offs_dv, HEAD_DV, BLOCK_D, True)
+    do = _load_tile(do_ptrs, offs_m, sq, offs_d, HEAD_DV, BLOCK_D, True)
     row_base = b64 * stride_lb + h64 * stride_lh + q_start
     lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
 
-    # pass 1: m, l and delta_i = Σ_j P_ij dP_ij (= rowsum(dO ∘ O) in exact arithmetic), from the
-    # same P and dP as dS below: a rounded 16-bit O would leave |dO|·|O|·2⁻¹¹ in dS, which
-    # dominates dQ when the softmax is peaked, and a row with one visible key gets dS = 0
-    # exactly, as the math says. Stored for the dK/dV kernel, which runs after this one.
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    dacc = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start_n in range(lo, full_lo, BLOCK_N):
-        m_i, l_i, dacc = _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
-                            sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
-                            softcap_scale, softcap2, window_left, window_right,
-                            HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
-    for start_n in range(full_lo, full_hi, BLOCK_N):
-        m_i, l_i, dacc = _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
-                            sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
-                            softcap_scale, softcap2, window_left, window_right,
-                            HEAD_D, HEAD_DV, BLOCK_D, False, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
-    for start_n in range(full_hi, hi, BLOCK_N):
-        m_i, l_i, dacc = _stats_tile(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, offs_dv,
-                            sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2,
-                            softcap_scale, softcap2, window_left, window_right,
-                            HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
-    empty = l_i == 0.0               # no visible key: P = 0 everywhere (m = +inf, 1/l = 0)
-    inv_l = tl.where(empty, 0.0, _div(tl.full([BLOCK_M], 1.0, tl.float32), tl.where(empty, 1.0, l_i), IEEE))
-    m2 = tl.where(empty, float("inf"), m_i)
-    delta = dacc * inv_l
-    in_rows = offs_m < sq
-    if HAS_DLSE:
-        # ∂lse_i/∂s_ij = P_ij, so dS = P ∘ (dP - delta + dlse): one shift of delta serves dQ, dBias
-        # and (through DELTA) dK. Rows with no visible key (P = 0) read 0: no gradient, no NaN.
-        delta = delta - tl.load(DLSE + row_base + offs_m, mask=in_rows & (l_i != 0.0), other=0.0)
-    tl.store(ROWMAX + row_base + offs_m, m2, mask=in_rows)
-    tl.store(ROWINV + row_base + offs_m, inv_l, mask=in_rows)
-    tl.store(DELTA + row_base + offs_m, delta, mask=in_rows)
-
-    # pass 2: dQ
+    if EXACT_STATS:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        dacc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for phase in tl.static_range(3):
+            start, stop = _phase_range(phase, lo, full_lo, full_hi, hi)
+            m_i, l_i, dacc = _stats_band(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, start, stop, offs_m, offs_n0,
+                                         offs_d, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2,
+                                         qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                                         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_N, phase != 1, SOFTCAP, ALIBI, BIAS_MODE,
+                                         IEEE, RAW_SCORES)
+        empty = l_i == 0.0               # no visible key: P = 0 everywhere (m = +inf, 1/l = 0)
+        inv_l = tl.where(empty, 0.0, _div(tl.full([BLOCK_M], 1.0, tl.float32), tl.where(empty, 1.0, l_i), IEEE))
+        m2 = tl.where(empty, float("inf"), m_i)
+        delta = dacc * inv_l
+        in_rows = offs_m < sq
+        if HAS_DLSE:
+            # ∂lse_i/∂s_ij = P_ij, so dS = P ∘ (dP - delta + dlse): one shift of delta serves dQ, dBias
+            # and (through DELTA) dK. Rows with no visible key (P = 0) read 0: no gradient, no NaN.
+            delta = delta - tl.load(DLSE + row_base + offs_m, mask=in_rows & (l_i != 0.0), other=0.0)
+        tl.store(ROWMAX + row_base + offs_m, m2, mask=in_rows)
+        tl.store(ROWINV + row_base + offs_m, inv_l, mask=in_rows)
+        tl.store(DELTA + row_base + offs_m, delta, mask=in_rows)
+    else:
+        m2, inv_l, delta = _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq, False)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(lo, full_lo, BLOCK_N):
-        dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
-                      offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
-                      stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                      HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
-    for start_n in range(full_lo, full_hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
-                      offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
-                      stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                      HEAD_D, HEAD_DV, BLOCK_D, False, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
-    for start_n in range(full_hi, hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start_n, offs_m, offs_n0,
-                      offs_d, offs_dv, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm,
-                      stride_dbn, slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                      HEAD_D, HEAD_DV, BLOCK_D, True, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD, IEEE, RAW_SCORES)
+    for phase in tl.static_range(3):
+        start, stop = _phase_range(phase, lo, full_lo, full_hi, hi)
+        dq = _dq_band(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs, start, stop, offs_m, offs_n0,
+                      offs_d, sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, stride_dbm, stride_dbn,
+                      slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                      HEAD_D, HEAD_DV, BLOCK_D, BLOCK_N, phase != 1, SOFTCAP, ALIBI, BIAS_MODE, BIAS_GRAD,
+                      IEEE, RAW_SCORES, EXACT_STATS)
 
     dq = dq * sm_scale
     dq_ptrs = (DQ + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h64 * stride_dqh
                + offs_m[:, None] * stride_dqs + offs_d[None, :])
     _store_tile(dq_ptrs, _round_to(dq, DQ.dtype.element_ty), offs_m, sq, offs_d, HEAD_D, BLOCK_D)
+
+
+@triton.jit
+def _dkdv_band(dk, dv, k, v, qt_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, lo, hi, offs_m0, offs_n,
+               offs_d, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn, slope2,
+               qk_scale2, softcap_scale, softcap2, window_left, window_right,
+               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+               MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
+               IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr):
+    """Query tiles ``[lo, hi)`` against the resident K/V tile, in the (key, query) orientation:
+    Sᵀ = K Qᵀ, Pᵀ, dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q (unscaled)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        qt = _load_tile_t(qt_ptrs + start_m * stride_qs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, MASKED)
+        do = _load_tile(do_ptrs + start_m * stride_dos, offs_m, sq, offs_d, HEAD_DV, BLOCK_D, MASKED)
+        m2, inv_l, delta = _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq, EXACT_STATS)
+        qkt = _dot_f32(k, qt, IEEE)
+        st, tt = _logits(qkt, offs_m[None, :], offs_n[:, None], sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
+                         qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                         MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
+        pt = _probs(st, m2[None, :], inv_l[None, :], qk_scale2, RAW_SCORES, EXACT_STATS)
+        dv = _mm(_round_to(pt, do.dtype), do, dv, IEEE)
+        dpt = _mm(v, tl.trans(do), None, IEEE)
+        dst = pt * (dpt - delta[None, :])
+        if SOFTCAP:
+            dst = dst * (1.0 - tt * tt)
+        dk = _mm(_round_to(dst, qt.dtype), tl.trans(qt), dk, IEEE)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def attn_bwd_dkdv(
+    Q, K, V, DO, ROWMAX, ROWINV, DELTA, DK, DV, BIAS, SLOPES, CU_Q, CU_K,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    num_heads_q, num_heads_kv, gqa_ratio, seqlen_q, seqlen_k, total_q, total_k,
+    sm_scale, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
+):
+    """dK, dV of one (key tile, batch·kv head): K/V resident, loop over the query heads of the
+    GQA group and over their query tiles. Each program owns its output tile (no atomics)."""
+    pid_n = _tile_order(tl.program_id(0), tl.num_programs(0), LONGEST_FIRST)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads_kv
+    h_kv = pid_bh % num_heads_kv
+    q_start, sq, k_start, sk = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= sk:
+        return
+    if BOTTOM_RIGHT:
+        off = sk - sq
+    else:
+        off = sk * 0
+
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    b64 = b.to(tl.int64)
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv.to(tl.int64) * stride_vh
+    # the K/V tile stays resident for every query head and query tile
+    k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, sk, offs_d, HEAD_D, BLOCK_D, True)
+    v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], offs_n, sk, offs_d, HEAD_DV, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = _query_phases(n0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
+    for g in range(0, gqa_ratio):
+        h = h_kv * gqa_ratio + g
+        # Qᵀ tiles (head dim down, queries across) and dO tiles, streaming
+        qt_ptrs = (Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
+                   + offs_m0[None, :] * stride_qs + offs_d[:, None])
+        do_ptrs = (DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h.to(tl.int64) * stride_doh
+                   + offs_m0[:, None] * stride_dos + offs_d[None, :])
+        row_base = b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start
+        bias_ptrs = BIAS + b64 * stride_bb + h.to(tl.int64) * stride_bh
+        slope2 = 0.0
+        if ALIBI:
+            slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
+        for phase in tl.static_range(3):
+            start, stop = _phase_range(phase, lo, full_lo, full_hi, hi)
+            dk, dv = _dkdv_band(dk, dv, k, v, qt_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start, stop,
+                                offs_m0, offs_n, offs_d, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
+                                slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_M, phase != 1, SOFTCAP, ALIBI, BIAS_MODE,
+                                IEEE, RAW_SCORES, EXACT_STATS)
+
+    dk = dk * sm_scale
+    dk_ptrs = (DK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv.to(tl.int64) * stride_dkh
+               + offs_n[:, None] * stride_dks + offs_d[None, :])
+    dv_ptrs = (DV + b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv.to(tl.int64) * stride_dvh
+               + offs_n[:, None] * stride_dvs + offs_d[None, :])
+    _store_tile(dk_ptrs, _round_to(dk, DK.dtype.element_ty), offs_n, sk, offs_d, HEAD_D, BLOCK_D)
+    _store_tile(dv_ptrs, _round_to(dv, DV.dtype.element_ty), offs_n, sk, offs_d, HEAD_DV, BLOCK_D)

@@ -218,6 +218,17 @@ def _launch_kwargs(cfg: KernelConfig, bias_mode: int, static_key: tuple, **extra
                 **_consts(*static_key), **cfg.launch_options())
 
 
+def _causal_like(spec) -> bool:
+    """A band whose right side is bounded and left side is not (causal, or causal + sink): the
+    last query tiles see the most keys, so the forward and dQ grids run them first (and dK/dV,
+    whose first key tiles see the most queries, keeps its natural order)."""
+    return spec.window_right is not None and spec.window_left is None
+
+
+def _anticausal_like(spec) -> bool:
+    return spec.window_left is not None and spec.window_right is None
+
+
 def _empty_result(spec):
     out = torch.zeros(spec.out_shape, dtype=spec.dtype, device=spec.device)
     lse = torch.full(spec.lse_shape, float("-inf"), dtype=torch.float32, device=spec.device)
@@ -247,17 +258,20 @@ def forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | None =
         spec.num_heads_q, spec.num_heads_q // spec.num_heads_kv, spec.seqlen_q, spec.seqlen_k,
         *((q.shape[0], k.shape[0]) if varlen else (0, 0)),
         *_scalars(spec.scale, spec.softcap, spec.window_left, spec.window_right),
-        **_launch_kwargs(cfg, bias_mode, _static_key(spec)),
+        **_launch_kwargs(cfg, bias_mode, _static_key(spec), LONGEST_FIRST=_causal_like(spec)),
     )
     return out, lse
 
 
 def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,
              *, grads: tuple | None = None):
-    """Run dQ (which first recomputes the row stats) then dK/dV: ``(dq, dk, dv, dbias or None)``.
-    ``out`` and ``lse`` are accepted for the backend interface and not read; ``dlse`` (float32,
-    ``spec.lse_shape``), the gradient of the returned lse, is subtracted from delta by the dQ kernel.
-    ``grads``: ``(dq, dk, dv)`` buffers to write into (views are fine), else new ones."""
+    """The backward kernels (kernels.py): ``(dq, dk, dv, dbias or None)``.
+
+    16-bit inputs: :func:`kernels.attn_bwd_prep` turns ``lse`` into the row statistics and computes
+    delta = rowsum(dO ∘ O) − dlse, then dQ and dK/dV. float32: the dQ kernel recomputes exact row
+    statistics first (``out`` and ``lse`` unread), then dK/dV. ``dlse`` (float32,
+    ``spec.lse_shape``) is the gradient of the returned lse. ``grads``: ``(dq, dk, dv)`` buffers
+    to write into (views are fine), else new ones."""
     want_dbias = (spec.attn_bias is not None and spec.attn_bias.dtype != torch.bool
                   and spec.attn_bias.requires_grad)
     if spec.is_empty:
@@ -267,8 +281,8 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
     dout, dos = _with_strides(dout)
     varlen = spec.is_varlen
     dq, dk, dv = (_output(spec, g, t.shape, spec.dtype, 0.0) for g, t in zip(grads or (None,) * 3, (q, k, v)))
-    # per-row (m, 1/l, delta), written by the dQ kernel's first pass and read by dK/dV; the
-    # forward's lse is not read (see kernels.py: P from separate m and l)
+    # per-row (m, 1/l, delta) in base 2, contiguous spec.lse_shape: written by the prep kernel
+    # (16-bit) or the dQ kernel's first pass (float32), read by dQ and dK/dV
     rowmax, rowinv, delta = (torch.empty(spec.lse_shape, dtype=torch.float32, device=spec.device) for _ in range(3))
     bias, bias_strides, bias_mode = _bias_args(spec, q)
     if want_dbias:   # positions outside every band (and varlen padding) keep gradient 0
@@ -286,29 +300,50 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
     lse_strides = _lse_strides(spec)
     bh_q = spec.batch * spec.num_heads_q
     static_key = _static_key(spec)
+    consts = _consts(*static_key)
+    exact = spec.dtype == torch.float32
     seq = (*_seq3(qs, varlen), *_seq3(ks, varlen), *_seq3(vs, varlen), *_seq3(dos, varlen))
     gqa = spec.num_heads_q // spec.num_heads_kv
     sizes = (spec.seqlen_q, spec.seqlen_k, *_packed_totals(spec))
     scalars = (spec.scale, *_scalars(spec.scale, spec.softcap, spec.window_left, spec.window_right))
-    # 1. row stats, dQ (and dBias): one program per (query tile, batch·head)
+    if not exact:
+        # 0. row statistics from lse, delta = rowsum(dO ∘ O) - dlse
+        out, ost = _with_strides(out)
+        if lse.stride(-1) != 1:
+            lse = lse.contiguous()
+        cp = cfgs.prep
+        kernels.attn_bwd_prep[(_cdiv(spec.seqlen_q, cp.block_m), bh_q)](
+            out, dout, lse, dlse, rowmax, rowinv, delta, cu_q,
+            *_seq3(ost, varlen), *_seq3(dos, varlen), *_lse_strides(spec, lse), *lse_strides,
+            spec.num_heads_q, spec.seqlen_q, _packed_totals(spec)[0],
+            **_prep_kwargs(cp, consts["HEAD_DV"], consts["BLOCK_D"], varlen, has_dlse),
+        )
+    # 1. dQ (and dBias; float32: the exact row statistics first): one program per (query tile, batch·head)
     c2 = cfgs.dq
     kernels.attn_bwd_dq[(_cdiv(spec.seqlen_q, c2.block_m), bh_q)](
         q, k, v, dout, rowmax, rowinv, delta, dlse, dq, bias, dbias_arg, slopes, cu_q, cu_k,
         *seq, *_seq3(dq.stride(), varlen),
         *lse_strides, *bias_strides, *dbias_strides,
         spec.num_heads_q, gqa, *sizes, *scalars,
-        **_launch_kwargs(c2, bias_mode, static_key, BIAS_GRAD=want_dbias, HAS_DLSE=has_dlse),
+        **_launch_kwargs(c2, bias_mode, static_key, BIAS_GRAD=want_dbias, HAS_DLSE=has_dlse, EXACT_STATS=exact,
+                         LONGEST_FIRST=_causal_like(spec)),
     )
-    # 2. dK, dV (reads the row stats written by the dQ kernel): one program per (key tile, batch·kv head)
+    # 2. dK, dV (reads the row statistics): one program per (key tile, batch·kv head)
     c1 = cfgs.dkdv
     kernels.attn_bwd_dkdv[(_cdiv(spec.seqlen_k, c1.block_n), spec.batch * spec.num_heads_kv)](
         q, k, v, dout, rowmax, rowinv, delta, dk, dv, bias, slopes, cu_q, cu_k,
         *seq, *_seq3(dk.stride(), varlen), *_seq3(dv.stride(), varlen),
         *lse_strides, *bias_strides,
         spec.num_heads_q, spec.num_heads_kv, gqa, *sizes, *scalars,
-        **_launch_kwargs(c1, bias_mode, static_key),
+        **_launch_kwargs(c1, bias_mode, static_key, EXACT_STATS=exact, LONGEST_FIRST=_anticausal_like(spec)),
     )
     return dq, dk, dv, dbias
+
+
+@functools.lru_cache(maxsize=256)
+def _prep_kwargs(cfg: KernelConfig, head_dv: int, block_d: int, varlen: bool, has_dlse: bool) -> dict:
+    return dict(HEAD_DV=head_dv, BLOCK_D=block_d, BLOCK_M=cfg.block_m, IS_VARLEN=varlen, HAS_DLSE=has_dlse,
+                **cfg.launch_options())
 
 
 def interpreter_active() -> bool:

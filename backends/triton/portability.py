@@ -77,7 +77,7 @@ PLAIN = Features()
 
 @dataclass(frozen=True)
 class Case:
-    kernel: str            # attn_fwd | attn_bwd_dkdv | attn_bwd_dq
+    kernel: str            # attn_fwd | attn_bwd_prep | attn_bwd_dkdv | attn_bwd_dq
     target: Target
     smem_limit: int
     dtype: torch.dtype
@@ -98,7 +98,7 @@ def _configs_for(kernel: str, target: Target, block_d: int, dtype: torch.dtype) 
     if kernel == "attn_fwd":
         return forward_config(target, block_d, es)
     bwd = backward_configs(target, block_d, es)
-    return {"attn_bwd_dkdv": bwd.dkdv, "attn_bwd_dq": bwd.dq}[kernel]
+    return {"attn_bwd_dkdv": bwd.dkdv, "attn_bwd_dq": bwd.dq, "attn_bwd_prep": bwd.prep}[kernel]
 
 
 MAIN_KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
@@ -138,6 +138,7 @@ def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
             for kernel in MAIN_KERNELS:
                 add(kernel, torch.bfloat16, 128, _with_odd_dims(ALL_FEATURES_ON, 128))
             add("attn_fwd", torch.float32, 256)
+            add("attn_bwd_prep", torch.bfloat16, 128, Features(varlen=True, dlse=True))
             continue
         for kernel in MAIN_KERNELS:
             for block_d in (64, 128, 256):
@@ -148,6 +149,10 @@ def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
             add(kernel, torch.float32, 256)
         add("attn_fwd", torch.bfloat16, 32, Features(varlen=True, bias_mode=2))
         add("attn_bwd_dq", torch.bfloat16, 32, Features(varlen=True, bias_mode=2))
+        # the 16-bit backward's row-statistics kernel (no feature but varlen and dlse changes its code)
+        for block_d in (64, 256):
+            add("attn_bwd_prep", torch.float16, block_d, _with_odd_dims(Features(varlen=True, dlse=True), block_d))
+        add("attn_bwd_prep", torch.bfloat16, 128)
     return out
 
 
@@ -172,6 +177,7 @@ def _signature(fn, case: Case):
         SOFTCAP=f.softcap, ALIBI=f.alibi, BIAS_MODE=f.bias_mode, BIAS_GRAD=f.bias_grad, HAS_DLSE=f.dlse,
         IEEE=case.dtype == torch.float32 and f.ieee,
         RAW_SCORES=case.dtype == torch.float32 and not f.softcap and not f.alibi and f.bias_mode != kernels.BIAS_ADD,
+        EXACT_STATS=case.dtype == torch.float32, LONGEST_FIRST=not f.bottom_right,
     )
     bias_ty = "*u8" if f.bias_mode == kernels.BIAS_BOOL else f"*{dt}"
     signature, constexprs, attrs = {}, {}, {}
@@ -193,7 +199,8 @@ def _signature(fn, case: Case):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-            if name.startswith("stride_") and name[-1] in "bsh" and not name.startswith(("stride_b", "stride_l")):
+            if name.startswith("stride_") and name[-1] in "bsh" and not name.startswith(("stride_b", "stride_l",
+                                                                                          "stride_il")):
                 attrs[(i,)] = [["tt.divisibility", 16]]   # row strides of q/k/v/o/grads (H·D)
     return signature, constexprs, attrs
 
