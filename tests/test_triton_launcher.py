@@ -353,7 +353,7 @@ def gpu_check():
 def test_gpu_dense_kernels_bit_identical_and_unaligned_view_gets_its_own_key(gpu_check):
     assert launcher.unsupported_reason() is None
     results = gpu_check.check_dense(torch.device("cuda"))
-    assert results == {"forward": True, "backward dq": True, "backward dkdv": True, "unaligned": True}, results
+    assert {"forward", "backward dq", "backward dkdv", "unaligned"} <= set(results) and all(results.values()), results
 
 
 @requires_cuda

@@ -4,7 +4,7 @@
 
 Checks (each prints PASS/FAIL; the exit status is 1 when one fails):
 
-* ``forward`` / ``backward dq`` / ``backward dkdv``: every launch of ``ops.forward`` and
+* ``forward`` / ``backward prep`` / ``backward dq`` / ``backward dkdv``: every launch of ``ops.forward`` and
   ``ops.backward`` (bf16 B1 S128 H8 D64 causal) replayed from the same starting state through
   the normal ``kernel[grid](...)`` path and through ``launcher.fast(kernel)`` (its first call
   records, its second launches directly): every tensor argument bit-identical afterwards;
@@ -36,7 +36,10 @@ from pathlib import Path
 
 import torch
 
-DENSE_KERNELS = ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv")
+#: the dense kernels and their labels (attn_bwd_prep: the 16-bit backward's row statistics, when kernels.py has it)
+DENSE_LABELS = {"attn_fwd": "forward", "attn_bwd_prep": "backward prep", "attn_bwd_dq": "backward dq",
+                "attn_bwd_dkdv": "backward dkdv"}
+DENSE_KERNELS = tuple(DENSE_LABELS)
 
 
 def _modules():
@@ -52,7 +55,7 @@ def fast_dense(on: bool = True):
     not ops.py calls ``launcher.fast`` itself: ``launcher.fast(kernel)`` objects stand in for
     the kernels of ``kernels.py`` while inside (``fast`` of one of them is itself)."""
     kernels, launcher, _, _ = _modules()
-    originals = {name: getattr(kernels, name) for name in DENSE_KERNELS}
+    originals = {name: getattr(kernels, name) for name in DENSE_KERNELS if hasattr(kernels, name)}
     was = launcher.enabled()
     launcher.set_enabled(on)
     try:
@@ -83,7 +86,7 @@ class _Recorder:
 def recording():
     """``{name: _Recorder}`` standing in for the dense kernels while inside."""
     kernels, _, _, _ = _modules()
-    originals = {name: getattr(kernels, name) for name in DENSE_KERNELS}
+    originals = {name: getattr(kernels, name) for name in DENSE_KERNELS if hasattr(kernels, name)}
     recs = {name: _Recorder(fn) for name, fn in originals.items()}
     try:
         for name, rec in recs.items():
@@ -146,8 +149,11 @@ def check_dense(device) -> dict:
         out, lse = ops.forward(spec)
         ops.backward(spec, out, lse, dout)
     fwd = None
-    for name, label in (("attn_fwd", "forward"), ("attn_bwd_dq", "backward dq"), ("attn_bwd_dkdv", "backward dkdv")):
-        grid, args, kwargs = recs[name].calls[-1]
+    for name, rec in recs.items():
+        if not rec.calls:
+            continue
+        label = DENSE_LABELS[name]
+        grid, args, kwargs = rec.calls[-1]
         r = replay_identical(getattr(kernels, name), grid, args, kwargs)
         results[label] = r["identical"] and r["stats"] == {"fast": 1, "slow": 1}
         if name == "attn_fwd":
@@ -358,7 +364,7 @@ def main(argv=None) -> int:
     kernels, _, _, decode = _modules()
     disabled = {name: getattr(launcher.fast(getattr(module, name)), "disabled", "not wrapped")
                 for module, names in ((kernels, DENSE_KERNELS), (decode, ("decode_split", "decode_combine")))
-                for name in names}
+                for name in names if hasattr(module, name)}
     lines.append(f"disabled reasons (None = fast path on): {disabled}")
     text = "\n".join(lines)
     print(text)
