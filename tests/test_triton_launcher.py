@@ -164,6 +164,17 @@ def test_key_refines_triton_specialisation_for_ints(fake_triton):
                     for v in small}) == 3
 
 
+def test_key_refines_triton_specialisation_with_do_not_specialize(fake_triton):
+    # as kernels.py declares its sizes (one kernel for every value); the key only (fake driver active)
+    fn = tjit.JITFunction(_toy, do_not_specialize=["n", "W"], do_not_specialize_on_alignment=["X"])
+    fk = launcher.FastKernel(fn)
+    fk._state = launcher._bind_state(fn)
+    ints = _drawn_ints(random.Random(1), 200)
+    for slot, values in ((2, ints), (7, ints), (0, _tensors())):
+        by_key = _distinct_classes(fk, fn, slot, values, _base_args(), {"C1": 4})
+        assert all(len(s) == 1 for s in by_key.values()), by_key
+
+
 def test_key_refines_triton_specialisation_for_tensors_and_mixed_types(fake_triton):
     fn, fk, _ = _bound(fake_triton, _toy)
     tensors = _tensors()
