@@ -1,10 +1,10 @@
 """Host cost of the triton backend without a GPU: the Python path of a call, kernels stubbed.
 
-    PYTHONPATH=. python tools/host_overhead.py [--calls 1000] [--repeats 9] [--mode stub|binder|both] [--profile N]
+    PYTHONPATH=. python tools/host_overhead.py [--calls 1000] [--repeats 9] [--mode stub|binder|fast|all] [--profile N]
 
 Times ``portattn.attention(q, k, v, causal=True, backend="triton")`` (bf16 B1 S128 H8 D64, the
 shape of issue #11) and the backend's ``ops.backward`` on CPU tensors, with the device target
-faked as sm_90 (the H200's tile table), in two modes:
+faked as sm_90 (the H200's tile table), in three modes:
 
 * ``stub``: ``kernels.attn_fwd`` / ``attn_bwd_dq`` / ``attn_bwd_dkdv`` are replaced by objects
   whose ``[grid]`` returns a no-op taking the same arguments: portattn's own host cost;
@@ -12,7 +12,11 @@ faked as sm_90 (the H200's tile table), in two modes:
   binder with ``native_specialize_impl`` per argument, the kernel-cache key, the check of the
   kernels' global constexprs) and stops before the C launcher: portattn + triton's host cost,
   without a GPU. It mirrors ``JITFunction.run`` of the installed triton (3.9 here; the H200
-  image has 3.6, whose path is the same up to a few knobs reads).
+  image has 3.6, whose path is the same up to a few knobs reads);
+* ``fast``: the kernels launched through ``backends/triton/launcher.py`` (``FastKernel`` over a
+  copy of each kernel whose compile step gives a fake compiled kernel, a fake driver active):
+  the first call per key runs triton's real ``JITFunction.run``, later ones the fast path's key
+  and guards, then the fake kernel's no-op ``run`` (where the C launcher would be).
 
 Run it against another checkout to compare (the tool imports whatever ``portattn`` is on the
 path): ``PYTHONPATH=/work/main python tools/host_overhead.py`` is "before". The kernels never run,
@@ -39,7 +43,8 @@ from portattn.backends.triton import configs, kernels, ops  # noqa: E402
 import portattn  # noqa: E402
 from portattn.spec import build_spec  # noqa: E402
 
-KERNELS = ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv")
+#: the kernels ops.py launches (those this checkout's kernels.py defines: attn_bwd_prep is newer)
+KERNELS = tuple(name for name in ("attn_fwd", "attn_bwd_prep", "attn_bwd_dq", "attn_bwd_dkdv") if hasattr(kernels, name))
 FAKE_TARGET = configs.Target("nvidia", 90)
 
 
@@ -84,13 +89,72 @@ class _BinderOnly:
         return launch
 
 
+class _FakeDriver:
+    """Enough of a triton driver for ``JITFunction.run``: device 0, stream 0, an sm_90 target."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+class _FakeKernel:
+    """A "compiled kernel" whose launch does nothing (``function`` stands for a loaded handle)."""
+
+    function = 1
+    packed_metadata = None
+
+    def launch_metadata(self, *args):
+        return None
+
+    def run(self, *args):
+        return None
+
+
+def _fast(fn):
+    """``launcher.FastKernel`` over a copy of ``fn`` that "compiles" to a :class:`_FakeKernel`."""
+    from portattn.backends.triton import launcher
+    from triton.runtime.jit import JITFunction
+    jf = JITFunction(fn.fn, do_not_specialize=fn.do_not_specialize)
+    _ = jf.cache_key
+    fake = _FakeKernel()
+
+    def _do_compile(key, signature, device, *args, **kwargs):
+        jf.device_caches[device][0][key] = fake
+        return fake
+
+    jf._do_compile = _do_compile
+    return launcher.FastKernel(jf)
+
+
 def _install(mode: str):
+    from triton.runtime.driver import driver
     tb._device_reasons = lambda device: ()        # CPU tensors accepted without the interpreter
     ops.device_target = lambda device: FAKE_TARGET  # the H200's tables (read once per device, cached)
     originals = {name: getattr(kernels, name) for name in KERNELS}
-    for name, fn in originals.items():
-        setattr(kernels, name, _Stub() if mode == "stub" else _BinderOnly(fn))
+    if mode == "fast":
+        originals["driver"] = driver._active
+        driver.set_active(_FakeDriver())
+    for name in KERNELS:
+        fn = originals[name]
+        setattr(kernels, name, _Stub() if mode == "stub" else _BinderOnly(fn) if mode == "binder" else _fast(fn))
     return originals
+
+
+def _uninstall(originals):
+    from triton.runtime.driver import driver
+    if "driver" in originals:
+        driver._active = originals.pop("driver")
+    for name, fn in originals.items():
+        setattr(kernels, name, fn)
 
 
 def _time(fn, calls: int, repeats: int) -> float:
@@ -111,7 +175,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--mode", choices=("stub", "binder", "both"), default="both")
+    ap.add_argument("--mode", choices=("stub", "binder", "fast", "all"), default="all")
     ap.add_argument("--profile", type=int, default=0, help="print the top N functions (cProfile, tottime)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -128,7 +192,7 @@ def main(argv=None) -> int:
     }
     print(f"portattn from {os.path.dirname(portattn.__file__)}; torch {torch.__version__}; "
           f"triton {sys.modules['triton'].__version__}; {args.calls} calls x {args.repeats}, least thread CPU time")
-    for mode in (("stub", "binder") if args.mode == "both" else (args.mode,)):
+    for mode in (("stub", "binder", "fast") if args.mode == "all" else (args.mode,)):
         originals = _install(mode)
         try:
             for name, fn in paths.items():
@@ -143,8 +207,7 @@ def main(argv=None) -> int:
                 pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile)
                 print(s.getvalue())
         finally:
-            for name, fn in originals.items():
-                setattr(kernels, name, fn)
+            _uninstall(originals)
     return 0
 
 

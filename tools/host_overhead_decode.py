@@ -11,7 +11,10 @@ decode kernel is replaced in one of two ways:
 * ``triton``: the real ``triton.runtime.jit.JITFunction.run`` of the kernel (binder,
   specialisation of every argument, cache key, global-value check, grid) against a fake driver,
   with compilation replaced by a fake kernel whose launch is a no-op: portattn's code plus
-  Triton's per-launch Python work (the C launcher itself is not counted).
+  Triton's per-launch Python work (the C launcher itself is not counted); the fast launch path
+  (``backends/triton/launcher.py``) turned off;
+* ``fast``: the same, with the fast launch path on (its key and guards per launch; the fake
+  kernel's ``run`` stands for the compiled kernel's launcher).
 
 Cases: bf16 Sq 1, GQA 32:4, D 128, contiguous cache (B1 Sk 8k, B1 Sk 128k, B8 Sk 128k) with a
 one-token append and without, plus a paged one (page 256). The caches are ``torch.empty``
@@ -54,7 +57,7 @@ class _FakeDriver:
 class _FakeKernel:
     """What ``_do_compile`` would return: ``launch_metadata`` and ``run`` do nothing."""
 
-    function = None
+    function = 1            # a loaded function handle (the fast path remembers only loaded kernels)
     packed_metadata = None
 
     def launch_metadata(self, *args):
@@ -92,9 +95,9 @@ def _fake_compiled(jit_fn):
 
 
 def _setup(mode: str):
-    """Patch the decode module for ``mode`` ("stub" or "triton"); returns the undo list."""
+    """Patch the decode module for ``mode`` ("stub", "triton" or "fast"); returns the undo list."""
     import portattn.backends.triton as tb
-    from portattn.backends.triton import configs, decode
+    from portattn.backends.triton import configs, decode, launcher
     from triton.runtime.driver import driver as tdriver
 
     import portattn  # noqa: F401  (maps backends/ to portattn.backends)
@@ -118,9 +121,11 @@ def _setup(mode: str):
         else:
             from triton.runtime.jit import JITFunction
             patch(decode, name, _fake_compiled(JITFunction(kernel.fn, do_not_specialize=kernel.do_not_specialize)))
-    if mode == "triton":
+    if mode != "stub":
         tdriver.set_active(_FakeDriver())
         undo.append((None, "driver", tdriver))
+        undo.append((launcher, "_ENABLED", launcher._ENABLED))
+        launcher.set_enabled(mode == "fast")
     for cache in ("_plan_cached", "_launch_plan"):
         fn = getattr(decode, cache, None)
         if fn is not None and hasattr(fn, "cache_clear"):
@@ -176,7 +181,7 @@ def _time(fn, calls: int, repeats: int) -> float:
     return best * 1e6
 
 
-def measure(calls: int = 2000, repeats: int = 5, modes=("stub", "triton")) -> dict:
+def measure(calls: int = 2000, repeats: int = 5, modes=("stub", "triton", "fast")) -> dict:
     """{mode: {case: {part: microseconds per call}}}."""
     from portattn.backends.triton import decode
 
@@ -212,10 +217,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--mode", choices=("stub", "triton", "both"), default="both")
+    ap.add_argument("--mode", choices=("stub", "triton", "fast", "all"), default="all")
     ap.add_argument("--json", default=None, help="also write the numbers to this file")
     args = ap.parse_args(argv)
-    modes = ("stub", "triton") if args.mode == "both" else (args.mode,)
+    modes = ("stub", "triton", "fast") if args.mode == "all" else (args.mode,)
     results = measure(args.calls, args.repeats, modes)
     for mode, per_case in results.items():
         print(f"== kernels: {mode}  (us per call; min of {args.repeats} x {args.calls} calls)")

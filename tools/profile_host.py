@@ -1,10 +1,12 @@
 """Where the host time of small attention calls goes: cProfile of N calls per path, on a GPU.
 
-    python tools/profile_host.py [--calls 300] [--top 25] [--out DIR]
+    python tools/profile_host.py [--calls 300] [--top 25] [--launch fast|normal] [--out DIR]
 
 Paths: ``portattn.attention`` (triton, bf16 B1 S128 H8 D64), ``portattn.attention_with_kvcache``
 (triton, bf16 B1 Sq1 Sk8k GQA 32:4 D128), and torch SDPA flash on the first shape for scale.
 Prints per-call wall time (N calls, one synchronise) and the top functions by own time.
+``--launch normal`` turns the fast Triton launch path (``backends/triton/launcher.py``) off, to
+profile the launches through triton's ``JITFunction.run``; the default is the library's own path.
 """
 
 from __future__ import annotations
@@ -57,9 +59,13 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--launch", choices=("fast", "normal"), default="fast")
     args = ap.parse_args(argv)
+    from portattn.backends.triton import launcher
+    launcher.set_enabled(args.launch == "fast")
     device = torch.device("cuda")
     report = io.StringIO()
+    report.write(f"triton launches: {args.launch} ({launcher.unsupported_reason() or 'fast path supported'})\n")
     for name, fn in _paths(device).items():
         for _ in range(20):
             fn()
@@ -82,7 +88,7 @@ def main(argv=None) -> int:
         report.write(block)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "profile_host.txt").write_text(report.getvalue())
+        (Path(args.out) / f"profile_host{'' if args.launch == 'fast' else '-normal'}.txt").write_text(report.getvalue())
     else:
         print(report.getvalue())
     return 0

@@ -37,9 +37,11 @@ Host cost. Everything that depends only on host values of the spec (device, dtyp
 layout, Sq, Sk_new, features, scale: :func:`_launch_key`) is computed once into a
 :class:`_Launch` (grids, the kernels' trailing scalar and constexpr arguments, passed
 positionally, launch options, the partials' layout); a call reads one ``stride()`` per tensor,
-allocates out, lse and (with splits) one float32 buffer of partials, and launches. Triton's own
-per-launch work (specialising every argument, the cache key, a check of every global a kernel
-uses) grows with the argument count, so constants are literals, not ``tl.constexpr`` globals.
+allocates out, lse and (with splits) one float32 buffer of partials, and launches through
+:func:`.launcher.fast`: triton's own per-launch work (specialising every argument, the cache key,
+a check of every global a kernel uses) runs once per specialisation, later calls with the same
+key launch the compiled kernel directly (the normal path under the interpreter). Constants are
+literals, not ``tl.constexpr`` globals (each global is checked on every normal launch).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launcher
 from .configs import ELEM_SIZES, decode_config, decode_programs_per_sm, device_target, padded_dim
 from .kernels import _div, _load_tile, _mm, _online_max, _round_to, _scores, _tanh
 
@@ -492,7 +495,7 @@ def _last_unit(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
 def _append(kv, p: _Launch, kc, vc, skc, svc, bt, sbt) -> None:
     kn, skn = _last_unit(kv.k_new)
     vn, svn = _last_unit(kv.v_new)
-    decode_append[p.append_grid](
+    launcher.fast(decode_append)[p.append_grid](
         kn, vn, kc, vc, bt, kv.cache_seqlens,
         skn[0], skn[1], skn[2], svn[0], svn[1], svn[2],
         skc[0], skc[1], skc[2], svc[0], svc[1], svc[2], sbt, *p.append_tail, **p.append_opts,
@@ -543,14 +546,14 @@ def forward(kv, config=None) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         part_o = part_lse = lse
     slopes = kv.alibi_slopes if p.alibi else lse
-    decode_split[p.split_grid](
+    launcher.fast(decode_split)[p.split_grid](
         q, kc, vc, bt, seqlens, slopes, out, lse, part_o, part_lse, kn, vn,
         sq[0], sq[1], sq[2], skc[0], skc[1], skc[2], svc[0], svc[1], svc[2], sbt,
         skn[0], skn[1], skn[2], svn[0], svn[1], svn[2],
         *p.split_tail, **p.split_opts,
     )
     if p.splits > 1:
-        decode_combine[p.combine_grid](part_o, part_lse, out, lse, *p.combine_tail, **p.combine_opts)
+        launcher.fast(decode_combine)[p.combine_grid](part_o, part_lse, out, lse, *p.combine_tail, **p.combine_opts)
     return out, lse
 
 
