@@ -126,24 +126,33 @@ def _nvidia_family(arch: int) -> str:
 # Hopper D=128 measured on the H200 (2026-11-29, bf16, B4 H16 S4096, fwd TFLOP/s non-causal/causal):
 # (128,64) w8 s3: 457/397; (128,128) w8 s3: 430/375; (128,32) w4 s4: 396/341; (64,64) w4 s3: 374/338;
 # (128,64) w4 s3: 226/199. Torch SDPA in the same run: flash 338/304, cuDNN 603/517.
+# Re-swept 2026-12-01 (tools/triton_sweep.py, S 1k-16k, causal and not; time relative to each cell's best,
+# mean of 6 cells): D64 (128,64,4,3) 1.02, (64,64,4,3) 1.03, (128,128,8,3) 1.17; D128 (128,64,8,3) 1.00,
+# (128,128,8,3) 1.07; D256 (128,32,8,3) 1.00, (128,64,8,2) 1.03, (128,32,8,2) 1.35.
 _FWD_NVIDIA = {
 # 8 warps for BLOCK_M = 128 everywhere: with 4, ptxas spilled (sm_80 D128: 32 registers and a
 # 6.5 KB stack frame; sm_90 D32: 1.3 KB); D256 uses BLOCK_N = 32 (BLOCK_N = 64 spilled on sm_90).
-    "hopper": {16: (128, 64, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (128, 32, 8, 2)},
+    "hopper": {16: (128, 64, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 32, 8, 3)},
     "ampere": {16: (128, 64, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (128, 32, 8, 2)},
     "small":  {16: (128, 64, 4, 2), 32: (128, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 1)},
 }
-# bwd tables: BLOCK_D -> ((dkdv BLOCK_M, BLOCK_N), (dq BLOCK_M, BLOCK_N), num_warps, num_stages).
+# bwd tables: BLOCK_D -> (dK/dV (BLOCK_M streamed queries, BLOCK_N resident keys, warps, stages),
+#                         dQ (BLOCK_M resident queries, BLOCK_N streamed keys, warps, stages)), 2-byte inputs.
 _BWD_NVIDIA = {
-    # measured on the H200 (2026-11-29, D=128 bf16, B4 H16 S4096, fwd+bwd TFLOP/s non-causal/causal):
-    # (32,64)/(64,32) w4 s3: 295/268; (64,128)/(128,64) w8 s2: 254/233; (64,64)/(64,64) w4 s3: 226/210;
-    # (32,128)/(128,32) w4 s3: 176/147.
-    "hopper": {16: ((32, 64), (64, 32), 4, 3), 32: ((32, 64), (64, 32), 4, 3), 64: ((32, 64), (64, 32), 4, 3),
-               128: ((32, 64), (64, 32), 4, 3), 256: ((32, 64), (64, 32), 8, 1)},
-    "ampere": {16: ((32, 64), (64, 32), 4, 2), 32: ((32, 64), (64, 32), 4, 2), 64: ((32, 64), (64, 32), 4, 2),
-               128: ((32, 64), (64, 32), 4, 2), 256: ((16, 32), (32, 16), 4, 1)},
-    "small":  {16: ((32, 64), (64, 32), 4, 2), 32: ((32, 64), (64, 32), 4, 2), 64: ((32, 64), (64, 32), 4, 2),
-               128: ((32, 64), (64, 32), 4, 1), 256: ((16, 32), (32, 16), 4, 1)},
+    # measured on the H200 (2026-12-01, tools/triton_sweep.py, bf16, 16k tokens, hidden 2048, S 1k-16k,
+    # causal and not; backward time relative to the best config of each cell, mean over the 6 cells):
+    # D64 dK/dV (32,128,4,3) 1.00, (64,64,4,3) 1.11, (64,128,8,3) 1.16; dQ (64,64,4,3) 1.00, (64,32,4,3) 1.02.
+    # D128 dK/dV (64,128,8,2) 1.007, (64,128,8,3) 1.008, (32,64,4,3) 1.06; dQ (64,32,4,3) 1.00, (128,32,8,3) 1.02.
+    # D256 dK/dV (32,32,4,3) 1.007, (32,64,8,2) 1.02; dQ (64,16,4,2) 1.00, (32,64,4,2) 1.06.
+    "hopper": {16: ((32, 128, 4, 3), (64, 64, 4, 3)), 32: ((32, 128, 4, 3), (64, 64, 4, 3)),
+               64: ((32, 128, 4, 3), (64, 64, 4, 3)), 128: ((64, 128, 8, 2), (64, 32, 4, 3)),
+               256: ((32, 32, 4, 3), (64, 16, 4, 2))},
+    "ampere": {16: ((32, 64, 4, 2), (64, 32, 4, 2)), 32: ((32, 64, 4, 2), (64, 32, 4, 2)),
+               64: ((32, 64, 4, 2), (64, 32, 4, 2)), 128: ((32, 64, 4, 2), (64, 32, 4, 2)),
+               256: ((16, 32, 4, 1), (32, 16, 4, 1))},
+    "small":  {16: ((32, 64, 4, 2), (64, 32, 4, 2)), 32: ((32, 64, 4, 2), (64, 32, 4, 2)),
+               64: ((32, 64, 4, 2), (64, 32, 4, 2)), 128: ((32, 64, 4, 1), (64, 32, 4, 1)),
+               256: ((16, 32, 4, 1), (32, 16, 4, 1))},
 }
 # AMD CDNA (64 KiB LDS): BLOCK_D -> (BLOCK_M, BLOCK_N, num_warps, num_stages, waves_per_eu)
 # (8 warps: with 4, the all-features variant spilled 10-170 VGPRs in the portability check)
@@ -195,12 +204,14 @@ def backward_configs(target: Target, block_d: int, elem_size: int) -> BackwardCo
     if target.vendor == "amd":
         (m1, n1), (m2, n2), w, s, wpe = _BWD_AMD[block_d]
         amd = dict(waves_per_eu=wpe, matrix_instr_nonkdim=16, kpack=1)
+        w1 = w2 = w
+        s1 = s2 = s
     else:
-        (m1, n1), (m2, n2), w, s = _BWD_NVIDIA[_nvidia_family(int(target.arch))][block_d]
+        (m1, n1, w1, s1), (m2, n2, w2, s2) = _BWD_NVIDIA[_nvidia_family(int(target.arch))][block_d]
         amd = {}
-    m1, n1, s1 = _shrink(m1, n1, s, elem_size, block_d)
-    m2, n2, s2 = _shrink(m2, n2, s, elem_size, block_d)
-    return BackwardConfigs(KernelConfig(m1, n1, w, s1, **amd), KernelConfig(m2, n2, w, s2, **amd))
+    m1, n1, s1 = _shrink(m1, n1, s1, elem_size, block_d)
+    m2, n2, s2 = _shrink(m2, n2, s2, elem_size, block_d)
+    return BackwardConfigs(KernelConfig(m1, n1, w1, s1, **amd), KernelConfig(m2, n2, w2, s2, **amd))
 
 
 #: Targets the portability check compiles for, with their shared memory (LDS) limit in bytes.

@@ -9,13 +9,10 @@ Everything that depends only on the device, dtype, head dims, features and the t
 device target, the tile configs, the constexpr and launch-option dicts, the float/int scalars)
 is cached under exactly the values it is computed from; the launch arguments are the same values
 of the same types as before the caches (checked over every feature mix and vendor table).
-What is left per launch is triton's own ``JITFunction.run`` (``tools/host_overhead.py --mode
-binder`` measures it without a GPU): its generated binder builds a dict and a specialisation
-list over all ~50 parameters (``native_specialize_impl`` per runtime argument: ~0.2 us per int or
-float, ~0.7 us per tensor here), hashes that key, and compares every module-level ``tl.constexpr``
-global the kernels read (``LOG2E``, ``LN2``, ``_INTERPRETER_BF16_DOT_FIX``: ~1.5 us each, a
-``constexpr.__ne__``). ``do_not_specialize`` would not reduce it (the same native call runs, with
-``specialize=False``); only fewer arguments, or fewer constexpr globals, would.
+Each launch goes through :func:`launcher.fast` (``backends/triton/launcher.py``): after the first
+launch of a specialisation it calls the compiled kernel's launcher directly, skipping triton's
+binder (its per-argument ``native_specialize_impl``, key hashing and constexpr-global checks,
+~30 us a launch on a slow host; ``tools/host_overhead.py`` measures both paths without a GPU).
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import functools
 
 import torch
 
-from . import kernels
+from . import kernels, launcher
 from .configs import (
     ELEM_SIZES,
     BackwardConfigs,
@@ -269,7 +266,7 @@ def _forward(spec, out, lse, residual: bool):
     cfg = forward_config_for(spec)
     ls = lse.stride()
     grid = (_cdiv(spec.seqlen_q, cfg.block_m), spec.batch * spec.num_heads_q)
-    kernels.attn_fwd[grid](
+    launcher.fast(kernels.attn_fwd)[grid](
         q, k, v, out, ores, lse, bias, slopes, cu_q, cu_k,
         *_seq3(qs, varlen), *_seq3(ks, varlen), *_seq3(vs, varlen), *_seq3(out.stride(), varlen),
         *((0, ls[0]) if varlen else ls[:2]), *bias_strides,
@@ -335,7 +332,7 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
         if lse.stride(-1) != 1:
             lse = lse.contiguous()
         cp = cfgs.prep
-        kernels.attn_bwd_prep[(_cdiv(spec.seqlen_q, cp.block_m), bh_q)](
+        launcher.fast(kernels.attn_bwd_prep)[(_cdiv(spec.seqlen_q, cp.block_m), bh_q)](
             out, ores, dout, lse, dlse, rowmax, rowinv, delta, cu_q,
             *_seq3(ost, varlen), *_seq3(dos, varlen), *_lse_strides(spec, lse), *lse_strides,
             spec.num_heads_q, spec.seqlen_q, _packed_totals(spec)[0],
@@ -343,7 +340,7 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
         )
     # 1. dQ (and dBias; float32: the exact row statistics first): one program per (query tile, batch·head)
     c2 = cfgs.dq
-    kernels.attn_bwd_dq[(_cdiv(spec.seqlen_q, c2.block_m), bh_q)](
+    launcher.fast(kernels.attn_bwd_dq)[(_cdiv(spec.seqlen_q, c2.block_m), bh_q)](
         q, k, v, dout, rowmax, rowinv, delta, dlse, dq, bias, dbias_arg, slopes, cu_q, cu_k,
         *seq, *_seq3(dq.stride(), varlen),
         *lse_strides, *bias_strides, *dbias_strides,
@@ -353,7 +350,7 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
     )
     # 2. dK, dV (reads the row statistics): one program per (key tile, batch·kv head)
     c1 = cfgs.dkdv
-    kernels.attn_bwd_dkdv[(_cdiv(spec.seqlen_k, c1.block_n), spec.batch * spec.num_heads_kv)](
+    launcher.fast(kernels.attn_bwd_dkdv)[(_cdiv(spec.seqlen_k, c1.block_n), spec.batch * spec.num_heads_kv)](
         q, k, v, dout, rowmax, rowinv, delta, dk, dv, bias, slopes, cu_q, cu_k,
         *seq, *_seq3(dk.stride(), varlen), *_seq3(dv.stride(), varlen),
         *lse_strides, *bias_strides,
