@@ -1,13 +1,17 @@
 """Developer tool for the GPU machine: compile every kernel, then time the forward against
-torch SDPA's flash backend (FA2) side by side.
+torch SDPA's flash backend (FA2) side by side; check and time the tensor-core backward.
 
-    python tools/cupy_gpu_dev.py [--compile] [--bench] [--json PATH]
+    python tools/cupy_gpu_dev.py [--compile] [--bench] [--json PATH] [--bwd-check --out DIR]
 
 ``--compile`` builds every configuration of :func:`configs.all_configs` through CuPy in a pool
 of processes (filling CuPy's on-disk kernel cache, so later processes load the binaries) and
 reports failures. ``--bench`` times the FA3 paper's setting (B·S = 16k tokens, hidden 2048,
 D = 128, bf16) with ``triton.testing.do_bench`` medians, checks each timed output against
-SDPA, and prints a table last.
+SDPA, and prints a table last. ``--bwd-check`` (about a minute, see :mod:`cupy_bwd_check`)
+checks the tensor-core backward on a few shapes (D 160-256 and Dv != D included) against the
+float64 reference under the equivalence rule, for determinism and against the FMA kernels,
+then times backward TFLOP/s against the FMA path and torch SDPA's flash backward; it writes
+``bwd_check.json`` and ``bwd_check.txt`` to ``--out`` and exits 1 on any failed check.
 """
 
 from __future__ import annotations
@@ -161,8 +165,16 @@ def main(argv=None) -> int:
     p.add_argument("--bench", action="store_true")
     p.add_argument("--json")
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    p.add_argument("--bwd-check", action="store_true",
+                   help="check + time the tensor-core backward (D <= 256, Dv != D) vs reference, FMA, SDPA flash")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for --bwd-check's files")
     a = p.parse_args(argv)
     rc = 0
+    if a.bwd_check:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import cupy_bwd_check
+
+        rc |= cupy_bwd_check.main(a.out)
     if a.compile:
         rc |= 1 if compile_all(a.workers) else 0
     if a.bench:
