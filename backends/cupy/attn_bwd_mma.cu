@@ -12,8 +12,10 @@
 // These are exactly the FMA kernels' formulas (attn_bwd.cu, 16-bit branch); only the matmuls
 // move to tensor cores: P and dS are rounded to T before their mma, as in FA2.
 //
-// attn_bwd_dkdv_mma<T, HD, NWARPS, BM, EXTRAS>: one CTA per (BN = 16*NWARPS keys, kv head,
-//   batch); warp w owns keys 16w..16w+15, so its dK/dV rows never leave it. K and V stay in
+// attn_bwd_dkdv_mma<T, HD, NWARPS, BM, NSPLIT, EXTRAS>: one CTA per (BN = 16*NWARPS/NSPLIT
+//   keys, kv head, batch); with NSPLIT = 1 warp w owns keys 16w..16w+15, so its dK/dV rows never
+//   leave it (NSPLIT = 2, above HD 128: a warp pair shares 16 keys and splits the head dim, see
+//   the kernel). K and V stay in
 //   shared memory; the CTA walks every query head of its GQA group and every BM-row query tile
 //   that can see its keys (row_range), Q/dO tiles double-buffered with cp.async. Per tile a warp
 //   computes the transposed products, so that P^T and dS^T come out of the accumulators as the
@@ -152,8 +154,8 @@ __device__ __forceinline__ void pair_sum_partials(float (*st)[4], float (*dpt)[4
 // HD floats per thread): warps 2p and 2p + 1 share keys 16p..16p+15; warp 2p + hs sums the
 // S^T / dP^T products over head-dim columns [hs * HD/2, (hs + 1) * HD/2) only, the pair adds
 // the two partials (pair_sum_partials), and each warp then accumulates and stores dK and dV
-// for its own half of the columns: the tensor-core work is not duplicated, the accumulators are
-// HD/2 floats per thread as at HD 128.
+// for its own half of the columns: the tensor-core work is not duplicated, and dK + dV take
+// HD/2 floats per thread together (128 at HD 256, as at HD 128 without the split).
 template <typename T, int HD, int NWARPS, int BM, int NSPLIT, bool EXTRAS>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 attn_bwd_dkdv_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,

@@ -88,9 +88,12 @@ def bwd_mma_tile(hd: int, role: str) -> tuple[int, int, int]:
     over half the head dim, the pair adds the partials through shared memory, and each
     accumulates half of dK / dV (HD / 4 floats each, <= 64 at HD 256); 8 warps = 64 keys per CTA
     against 32-row query tiles up to HD 224 and 16-row tiles at 256, so K, V, the
-    double-buffered Q / dO and the partials fit sm_80's 163 KB (149 KB at HD 224, 115 KB at 256). ``dq``: (warps, BLOCK_N, 1): 16 query rows per warp against
-    64-key tiles up to HD 128 (dQ: HD / 2 floats, S and dP: 32 floats per thread), 32-key tiles
-    above (dQ up to 128 floats, S and dP 16 each).
+    double-buffered Q / dO and the partials fit sm_80's 163 KB (149 KB at HD 224, 115 KB at
+    256). ``dq``: (warps, BLOCK_N, 1): 16 query rows per warp against 64-key tiles up to HD 128
+    (dQ: HD / 2 floats, S and dP: 32 floats per thread), 32-key tiles at HD 160 / 192 (dQ up to
+    96 floats, S and dP 16 each) and 16-key tiles at 224 / 256, where 32-key tiles would need
+    116-132 KB and leave one 4-warp CTA per SM on sm_90 (16 keys: 87-99 KB, two CTAs). Not
+    timed on the GPU yet (tools/cupy_bwd_check.py times them).
     """
     if role.startswith("dkdv"):
         if hd <= 64:
@@ -98,7 +101,9 @@ def bwd_mma_tile(hd: int, role: str) -> tuple[int, int, int]:
         if hd <= 128:
             return (4, 32, 1)
         return (8, 32, 2) if hd <= 224 else (8, 16, 2)
-    return (4, 64, 1) if hd <= 128 else (4, 32, 1)
+    if hd <= 128:
+        return (4, 64, 1)
+    return (4, 32, 1) if hd <= 192 else (4, 16, 1)
 
 
 def backward_mode() -> str:
