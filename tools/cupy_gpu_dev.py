@@ -23,8 +23,9 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-#: (warps, BLOCK_N) tile shapes tried at D = 128 by --bench, besides the default.
-VARIANT_TILES = ((4, 64, 2), (4, 32, 2))
+#: head dim -> (warps, BLOCK_N, MT) forward tile shapes tried by --bench besides the default
+#: (D 256: 8 warps = 128 rows per CTA, or 64-key tiles; both compile with no spills, sm_90)
+VARIANT_TILES = {128: ((4, 64, 2), (4, 32, 2)), 256: ((8, 32, 1), (4, 64, 1))}
 
 
 def _compile_one(cfg_tuple):
@@ -50,7 +51,7 @@ def compile_all(workers: int = 16) -> int:
     from portattn.backends.cupy import configs
 
     cfgs = [(c.family, c.dtype, c.head_dim) for c in configs.all_configs()]
-    cfgs += [("fwd_mma", "bfloat16", 128, t) for t in VARIANT_TILES]
+    cfgs += [("fwd_mma", "bfloat16", d, t) for d, tiles in VARIANT_TILES.items() for t in tiles]
     t0 = time.perf_counter()
     failures = 0
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
@@ -107,13 +108,13 @@ def bench(json_path: str | None = None) -> list[dict]:
     from portattn.backends.cupy import configs, runtime
 
     variant_rows = []
-    for causal in (False, True):
-        seqlen, batch, heads, d = 4096, 4, 16, 128
-        q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=dtype) for _ in range(3))
+    for d, causal in ((d, c) for d in VARIANT_TILES for c in (False, True)):
+        seqlen, batch, heads = 4096, 4, 2048 // d
+        q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         spec = build_spec(q, k, v, causal=causal)
         ref = be.forward(spec)[0]
-        for tile in VARIANT_TILES:
-            cfg = configs.KernelConfig("fwd_mma", "bfloat16", 128, tile)
+        for tile in VARIANT_TILES[d]:
+            cfg = configs.KernelConfig("fwd_mma", "bfloat16", d, tile)
 
             def run_variant():
                 plan = runtime.plan_forward(spec, cfg)
@@ -123,7 +124,7 @@ def bench(json_path: str | None = None) -> list[dict]:
             diff = (run_variant().float() - ref.float()).abs().max().item()
             t = triton.testing.do_bench(run_variant, warmup=50, rep=300, return_mode="median")
             flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
-            variant_rows.append(dict(tile=tile, causal=causal, ms=t, tflops=flops / t * 1e-9, diff=diff))
+            variant_rows.append(dict(d=d, tile=tile, causal=causal, ms=t, tflops=flops / t * 1e-9, diff=diff))
             print(json.dumps(variant_rows[-1]), flush=True)
     bwd_rows = []
     for causal in (False, True):
@@ -146,7 +147,8 @@ def bench(json_path: str | None = None) -> list[dict]:
               f"{str(r['softcap']):>7} {r['cupy_tflops']:>10.1f} "
               f"{r['flash_tflops']:>10.1f} {r['ratio']:>6.2f} {r['max_abs_diff_vs_flash']:>8.1e}")
     for r in variant_rows:
-        print(f"tile warps={r['tile'][0]} BN={r['tile'][1]} MT={r['tile'][2]} causal={r['causal']}: {r['tflops']:.1f} TF/s "
+        print(f"D={r['d']} tile warps={r['tile'][0]} BN={r['tile'][1]} MT={r['tile'][2]} causal={r['causal']}: "
+              f"{r['tflops']:.1f} TF/s "
               f"(diff vs default {r['diff']:.1e})")
     for r in bwd_rows:
         print(f"backward seqlen={r['seqlen']} causal={r['causal']}: {r['bwd_ms']:.2f} ms, {r['bwd_tflops']:.1f} TF/s")

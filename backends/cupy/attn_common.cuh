@@ -153,6 +153,10 @@ __device__ __forceinline__ long long row_index(int b, int h, long long lse_sb, l
 // A CTA that owns query rows [m0, m0 + bm) of query head h (grid: x = row tile, y = head,
 // z = batch): its sequence (clamped, seq_info), kv head, and the keys [n_lo, n_hi) any of its
 // rows can see. The caller returns when m0 >= s.sq.
+// Row tiles run last-first (tile gridDim.x - 1 - blockIdx.x): with causal masking the last rows
+// see the most keys, so the longest CTAs start first and the short ones fill the last wave
+// (the order is a permutation of the tiles, nothing else changes; dK/dV CTAs, keyed by key tile,
+// already start with the longest: the first keys are seen by the most rows).
 struct RowCta {
     SeqInfo s;
     int b, h, hk, m0, n_lo, n_hi;
@@ -164,7 +168,7 @@ __device__ __forceinline__ RowCta row_cta(int bm, const int* cu_q, const int* cu
     c.h = blockIdx.y;
     c.hk = c.h / gqa_ratio;
     c.s = seq_info(c.b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
-    c.m0 = blockIdx.x * bm;
+    c.m0 = (gridDim.x - 1 - blockIdx.x) * bm;
     key_range(c.s, c.m0, c.m0 + bm - 1, left, right, &c.n_lo, &c.n_hi);
     return c;
 }
