@@ -64,7 +64,21 @@ CASES = {
     "gqa_long_d128": (1, 300, 300, 8, 2, 128, 128, {"causal": True}),
     "gqa_long_d64_window": (2, 257, 190, 6, 3, 64, 64, {"window": (50, 20)}),
     "dv_ne_d_small": (1, 40, 60, 2, 2, 20, 36, {}),   # unaligned: padded copies, sliced gradients
+    # tensor-core backward above padded head dim 128 (issue 16): two warps per 16 keys split the
+    # head dim of dK/dV (several query tiles per CTA, GQA walks, a partial last key CTA), and
+    # Dv != D where one warp of each pair stores no dK or no dV column
+    "d256_causal_gqa": (1, 200, 230, 4, 2, 256, 256, {"causal": True}),
+    "d192_dv64": (2, 90, 150, 2, 2, 192, 64, {}),
+    "d64_dv256_window": (1, 120, 140, 2, 1, 64, 256, {"window": (40, 10)}),
+    "d160_mask": (3, 60, 80, 2, 2, 160, 160, {"mask": True}),
+    "varlen_d224_causal": (3, None, None, 4, 2, 224, 224, {"varlen": [70, 1, 150], "causal": True}),
+    "d180_softcap": (1, 50, 70, 2, 2, 180, 180, {"softcap": 4.0}),   # unaligned: padded copies
+    "d256_bias_dv128_tl": (1, 70, 90, 2, 2, 256, 128, {"bias": True, "causal": True,
+                                                        "causal_alignment": "top_left"}),
 }
+#: cases whose 16-bit backward runs the head-dim-split tensor-core kernels (padded HD > 128)
+HD_GT_128_CASES = ["mqa_d224", "softcap_d256", "alibi_d160", "d256_causal_gqa", "d192_dv64", "d64_dv256_window",
+                   "d160_mask", "varlen_d224_causal", "d180_softcap", "d256_bias_dv128_tl"]
 
 
 def _inputs(case, dtype, seed=0):
@@ -167,7 +181,7 @@ def test_forward_backward(case, dtype):
 
 MMA_VS_FMA_CASES = ["basic", "odd_sizes", "causal_br", "causal_tl", "window", "gqa_causal", "bias_dv", "bool_mask",
                      "varlen_causal", "seqlen1", "softcap_d128_gqa", "alibi_d64_window", "varlen_softcap_d32",
-                     "gqa_long_d128", "dv_ne_d_small", "tiny_d8"]
+                     "gqa_long_d128", "dv_ne_d_small", "tiny_d8", *HD_GT_128_CASES]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -181,7 +195,7 @@ def test_mma_backward_matches_fma_backward(case, dtype):
     q, k, v, kw = _inputs(case, dtype, seed=7)
     spec = build_spec(q, k, v, **kw)
     cfg = configs.backward_config(runtime._DTYPE_NAMES[dtype], spec.head_dim, spec.head_dim_v)
-    assert cfg.family == "bwd_mma", "every case here has padded head dim <= 128"
+    assert cfg.family == "bwd_mma", f"{case}: {cfg} (is {configs.BACKWARD_ENV} set?)"
     out, lse = CupyBackend().forward(spec)
     g = torch.Generator(device="cuda").manual_seed(2)
     dout = torch.randn(spec.out_shape, generator=g, device="cuda").to(dtype)
@@ -202,12 +216,16 @@ def test_mma_backward_matches_fma_backward(case, dtype):
     assert not bad, f"{case} {dtype}: " + "; ".join(bad)
 
 
-def test_large_backward_bf16():
-    """Many key and query tiles per CTA (the benchmark's shape, smaller): tensor-core backward."""
+@pytest.mark.parametrize("d,dv", [(128, 128), (256, 256), (256, 160)])
+def test_large_backward_bf16(d, dv):
+    """Many key and query tiles per CTA (the benchmark's shape, smaller): tensor-core backward
+    (at D 256 the head-dim-split dK/dV kernel)."""
     from portattn.backends.cupy import CupyBackend, runtime
 
     g = torch.Generator(device="cuda").manual_seed(4)
-    q, k, v = (torch.randn(2, 1024, 8, 128, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+    q, k = (torch.randn(2, 1024, 8 if d <= 128 else 4, d, generator=g, device="cuda").to(torch.bfloat16)
+            for _ in range(2))
+    v = torch.randn(*k.shape[:-1], dv, generator=g, device="cuda").to(torch.bfloat16)
     for causal in (False, True):
         spec = build_spec(q, k, v, causal=causal)
         out, lse = CupyBackend().forward(spec)
@@ -277,7 +295,8 @@ def test_through_public_api_with_autograd(dtype):
 
 
 # the gradient through the returned lse (issue 11): every kernel that forms delta is covered:
-# the preprocess (fp16/bf16, tensor-core D <= 128 and FMA D 256) and the stats (float32)
+# the preprocess (fp16/bf16, tensor-core kernels at D <= 128 and the head-dim split above) and
+# the stats (float32)
 LSE_GRAD_CASES = ["basic", "causal_br_sq_gt_sk", "causal_br_empty_ctas", "gqa_causal", "softcap_d256",
                   "alibi_d160", "bias_d128_causal", "mask_d32", "varlen_causal", "varlen_window"]
 
@@ -315,3 +334,34 @@ def test_bad_cu_seqlens_stay_in_bounds(monkeypatch, name, features, dtype):
     """Bad cu_seqlens/max_seqlen as torch.compile passes them (unchecked): the kernels clamp every
     sequence (seq_span in attn_common.cuh); NaN-guarded inputs (see test_cu_seqlens_safety.py)."""
     run_bad_case(monkeypatch, "cupy", name, features, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("mode", ["fma", "mma128"])
+def test_backward_env_switch_runs_the_fma_kernels(monkeypatch, mode):
+    """PORTATTN_CUPY_BACKWARD=fma (every head dim) / mma128 (above padded head dim 128) makes the
+    backend's backward the FMA kernels, bit for bit (the switch back from the tensor cores
+    without a code change, docs/cupy.md)."""
+    from portattn.backends.cupy import CupyBackend, configs, runtime
+
+    q, k, v, kw = _inputs("d256_causal_gqa", torch.bfloat16, seed=21)
+    spec = build_spec(q, k, v, **kw)
+    out, lse = CupyBackend().forward(spec)
+    dout = torch.randn(spec.out_shape, device="cuda").to(torch.bfloat16)
+    monkeypatch.setenv(configs.BACKWARD_ENV, mode)
+    switched = CupyBackend().backward(spec, out, lse, dout)[:3]
+    monkeypatch.delenv(configs.BACKWARD_ENV)
+    fma = runtime.backward(spec, out, lse, dout, force_fma=True)[:3]
+    for a, b in zip(switched, fma):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("d", [256, 200])
+@pytest.mark.parametrize("features", FEATURES)
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_cu_seqlens_stay_in_bounds_hd_gt_128(monkeypatch, name, features, d):
+    """The bad-cu_seqlens cases at head dims 256 and 200 (bf16: the head-dim-split tensor-core
+    backward; run_bad_case builds q, k, v at one width, its module's ``D``)."""
+    import test_cu_seqlens_safety
+
+    monkeypatch.setattr(test_cu_seqlens_safety, "D", d)
+    run_bad_case(monkeypatch, "cupy", name, features, dtype=torch.bfloat16, device="cuda")

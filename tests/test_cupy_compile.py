@@ -31,7 +31,9 @@ def test_compile_reduced_set_sm80_sm90():
     names_90 = compile_check.select_names(head_dims=(64,))
     names_80 = [configs.KernelConfig("fwd_mma", "bfloat16", 256).kernel_names()["extras"],
                 configs.KernelConfig("bwd", "float16", 256).kernel_names()["dkdv"],
-                configs.KernelConfig("bwd_mma", "float16", 128).kernel_names()["dkdv_extras"]]
+                configs.KernelConfig("bwd_mma", "float16", 128).kernel_names()["dkdv_extras"],
+                configs.KernelConfig("bwd_mma", "bfloat16", 256).kernel_names()["dkdv"],   # head-dim split
+                configs.KernelConfig("bwd_mma", "bfloat16", 192).kernel_names()["dq"]]
     for arch, names in ((90, names_90), (80, names_80)):
         log, lowered = compile_check.compile_names(names, arch)
         reports = compile_check.parse_ptxas_log(log, lowered, arch)
@@ -80,11 +82,12 @@ def test_forward_config_families():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("d,dv", [(1, 1), (8, 8), (32, 32), (40, 24), (64, 64), (72, 96), (128, 128), (100, 128),
                                   (129, 64), (160, 160), (256, 256)])
-def test_backward_family_choice(dtype, d, dv):
-    """Tensor cores for fp16/bf16 up to padded head dim 128; the FMA kernels otherwise."""
+def test_backward_family_choice(dtype, d, dv, monkeypatch):
+    """Tensor cores for fp16/bf16 at every head dim (Dv != D included); FMA for float32."""
+    monkeypatch.delenv(configs.BACKWARD_ENV, raising=False)
     cfg = configs.backward_config(dtype, d, dv)
     hd = configs.padded_head_dim(d, dv)
-    mma = dtype != "float32" and hd <= configs.BWD_MMA_MAX_HEAD_DIM
+    mma = dtype != "float32"
     assert cfg == configs.KernelConfig("bwd_mma" if mma else "bwd", dtype, hd)
     assert configs.fma_backward_config(dtype, d, dv) == configs.KernelConfig("bwd", dtype, hd)
     if mma:
@@ -92,27 +95,62 @@ def test_backward_family_choice(dtype, d, dv):
         assert set(names) == {"preprocess", "dkdv", "dkdv_extras", "dq", "dq_extras"}
         assert names["preprocess"] == f"attn_bwd_preprocess<{cfg.ctype}>"
         assert names["dkdv"].startswith(f"attn_bwd_dkdv_mma<{cfg.ctype}, {hd}, ") and names["dkdv"].endswith("false>")
+        split = 1 if hd <= 128 else 2   # dK/dV head-dim split above 128
+        assert names["dkdv"].endswith(f", {split}, false>")
         assert names["dq_extras"].startswith(f"attn_bwd_dq_mma<{cfg.ctype}, {hd}, ") and names["dq_extras"].endswith("true>")
 
 
 def test_bwd_mma_tiles_and_smem():
     """Tile shapes fit the kernels' constraints; shared memory mirrors attn_bwd_mma.cu's carve-up
     and stays under the sm_80 (163 KB) and sm_90 (227 KB) opt-in limits."""
-    for hd in (32, 64, 96, 128):
+    for hd in configs.HEAD_DIM_BUCKETS:
         cfg = configs.KernelConfig("bwd_mma", "bfloat16", hd)
         for role in ("dkdv", "dkdv_extras", "dq", "dq_extras"):
-            warps, tile = configs.bwd_mma_tile(hd, role)
+            warps, tile, split = configs.bwd_mma_tile(hd, role)
             assert tile % 16 == 0 and hd % 16 == 0 and warps * 32 == cfg.threads(role)
-            assert cfg.block_rows(role) == 16 * warps
+            assert split in (1, 2) and (hd // split) % 16 == 0 and warps % split == 0
+            assert split == 1 or (role.startswith("dkdv") and hd > 128)
+            assert cfg.block_rows(role) == 16 * warps // split
             lds = hd + 8
-            if role.startswith("dkdv"):
-                expect = 2 * (16 * warps) * lds * 2 + 2 * 2 * tile * lds * 2 + 2 * 2 * tile * 4
+            if role.startswith("dkdv"):   # K, V | Q, dO double-buffered | lse2, delta | pair partials
+                partials = warps * 2 * (tile * 16) * 4 if split == 2 else 0
+                expect = 2 * (16 * warps // split) * lds * 2 + 2 * 2 * tile * lds * 2 + 2 * 2 * tile * 4 + partials
             else:
                 expect = 2 * (16 * warps) * lds * 2 + 2 * 2 * tile * lds * 2
             assert cfg.smem_bytes(role) == expect
             assert expect <= min(configs.SMEM_LIMITS.values())
     assert compile_check.smem_violations() == []
     assert compile_check.smem_violations(archs=(80,), head_dims=(128,)) == []
+
+
+def test_backward_env_switch(monkeypatch):
+    """PORTATTN_CUPY_BACKWARD: auto (tensor cores everywhere), mma128 (the FMA kernels above
+    padded head dim 128, as before issue 16), fma (the FMA kernels always); float32 is FMA in
+    every mode; a bad value is a ValueError naming the choices."""
+    env = configs.BACKWARD_ENV
+    for value, fam_64, fam_256 in (("", "bwd_mma", "bwd_mma"), ("auto", "bwd_mma", "bwd_mma"),
+                                   ("mma128", "bwd_mma", "bwd"), ("FMA", "bwd", "bwd")):
+        monkeypatch.setenv(env, value)
+        assert configs.backward_config("bfloat16", 64, 64).family == fam_64, value
+        assert configs.backward_config("float16", 256, 200).family == fam_256, value
+        assert configs.backward_config("float32", 64, 64).family == "bwd", value
+    monkeypatch.setenv(env, "tensorcores")
+    with pytest.raises(ValueError, match="PORTATTN_CUPY_BACKWARD.*auto, mma128, fma"):
+        configs.backward_config("bfloat16", 64, 64)
+    # the compile check's list does not depend on the variable
+    monkeypatch.setenv(env, "fma")
+    assert configs.KernelConfig("bwd_mma", "bfloat16", 256) in configs.all_configs()
+
+
+def test_backward_falls_back_to_fma_when_shared_memory_is_short():
+    """sm_86 / sm_89 (99 KB opt-in): the tensor-core modules from HD 128 up (dQ: 102 KB at 128)
+    need more, the FMA one runs."""
+    small = 99 * 1024
+    assert configs.backward_config("bfloat16", 96, 96, smem_limit=small).family == "bwd_mma"
+    for d in (128, 160, 256):
+        cfg = configs.backward_config("bfloat16", d, d, smem_limit=small)
+        assert cfg.family == "bwd" and cfg.head_dim == d
+    assert configs.backward_config("bfloat16", 256, 256, smem_limit=227 * 1024).family == "bwd_mma"
 
 
 def test_smem_violations_reported(monkeypatch):
@@ -251,6 +289,33 @@ def test_backward_mma_plan_matches_signatures(dtype, kw, suffix):
     assert p3.keep_alive[2].shape[-1] == 24 and [o.shape for o in p3.outputs] == [(1, 9, 2, 20)] * 3
 
 
+@pytest.mark.parametrize("d,dv", [(256, 256), (192, 64), (64, 232)])
+def test_backward_mma_plan_above_head_dim_128(d, dv, monkeypatch):
+    """Padded head dim > 128 (Dv != D too): the tensor-core backward, with the dK/dV grid over
+    64-key CTAs (8 warps, two per 16 keys)."""
+    monkeypatch.delenv(configs.BACKWARD_ENV, raising=False)
+    q = torch.randn(2, 37, 4, d, dtype=torch.bfloat16)
+    k = torch.randn(2, 130, 2, d, dtype=torch.bfloat16)
+    v = torch.randn(2, 130, 2, dv, dtype=torch.bfloat16)
+    spec = build_spec(q, k, v, causal=True)
+    out = torch.randn(spec.out_shape, dtype=torch.bfloat16)
+    plan = runtime.plan_backward(spec, out, torch.randn(spec.lse_shape), torch.randn_like(out))
+    roles = [item.role for item in plan.launches]
+    assert roles == ["preprocess", "dkdv", "dq"]
+    launches = dict(zip(roles, plan.launches))
+    cfg = plan.launches[0].cfg
+    assert cfg == configs.KernelConfig("bwd_mma", "bfloat16", configs.padded_head_dim(d, dv))
+    assert cfg.block_rows("dkdv") == 64 and cfg.threads("dkdv") == 256
+    assert launches["dkdv"].grid == (-(-130 // 64), 2, 2)
+    assert launches["dq"].grid == (-(-37 // cfg.block_rows("dq")), 4, 2)
+    for role, kernel in (("dkdv", "attn_bwd_dkdv_mma"), ("dq", "attn_bwd_dq_mma")):
+        assert len(launches[role].args) == _param_count(kernel), role
+    assert [o.shape for o in plan.outputs] == [q.shape, k.shape, v.shape]
+    monkeypatch.setenv(configs.BACKWARD_ENV, "fma")
+    fma_plan = runtime.plan_backward(spec, out, torch.randn(spec.lse_shape), torch.randn_like(out))
+    assert fma_plan.launches[1].cfg.family == "bwd" and fma_plan.launches[1].role == "dkdv"
+
+
 def test_varlen_plan_uses_packed_strides():
     q = torch.randn(30, 2, 64, dtype=torch.float16)
     cu = torch.tensor([0, 10, 30], dtype=torch.int32)
@@ -304,7 +369,8 @@ def test_kernel_families_name_the_backward_path():
 
     assert kernel_families(spec(torch.bfloat16, 128))["backward"].startswith("bwd_mma (tensor-core backward")
     assert kernel_families(spec(torch.float16, 40))["backward"].endswith("padded head dim 64")
-    assert kernel_families(spec(torch.float16, 160))["backward"].startswith("bwd (FMA backward")
+    assert kernel_families(spec(torch.float16, 160))["backward"].startswith("bwd_mma (tensor-core backward")
+    assert kernel_families(spec(torch.float16, 256), smem_limit=99 * 1024)["backward"].startswith("bwd (FMA")
     assert kernel_families(spec(torch.float32, 64))["backward"].startswith("bwd (FMA backward")
     assert kernel_families(spec(torch.float32, 64))["forward"].startswith("fwd_fma")
     q = torch.randn(1, 8, 2, 64, dtype=torch.float16)

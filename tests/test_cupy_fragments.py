@@ -140,6 +140,56 @@ def test_dkdv_fragments(HD, NWARPS, BM, warp):
     assert np.allclose(gather(dv, HD // 8), P @ dO), "dV"
     assert np.allclose(gather(dk, HD // 8), dS @ Q), "dK"
 
+@pytest.mark.parametrize("HD,BM,kg", [(160, 32, 1), (192, 32, 3), (224, 16, 0), (256, 16, 2)])
+def test_dkdv_split_fragments(HD, BM, kg):
+    """NSPLIT = 2 (padded HD > 128): warps 2kg + hs sum S^T / dP^T over head-dim columns
+    [hs*HD/2, (hs+1)*HD/2) (A and B addresses both offset by col0), the pair adds the partials
+    (pair_sum_partials: fragment by fragment, lane by lane), and each warp accumulates dV / dK
+    for its own columns from the B addresses offset by col0."""
+    NWARPS, LDS, HDS = 8, HD + 8, HD // 2
+    BN = 16 * NWARPS // 2
+    K, V = rng.standard_normal((BN, HD)), rng.standard_normal((BN, HD))
+    Q, dO = rng.standard_normal((BM, HD)), rng.standard_normal((BM, HD))
+    mem = np.concatenate([_smem_tile(X, LDS) for X in (K, V, Q, dO)])
+    oK, oV, oQ, odO = 0, BN * LDS, 2 * BN * LDS, 2 * BN * LDS + BM * LDS
+    Kw, Vw = K[16 * kg: 16 * kg + 16], V[16 * kg: 16 * kg + 16]
+    partials = []
+    for hs in (0, 1):
+        col0 = hs * HDS
+        aK = _lanes(oK + kg * 16 * LDS + col0, ldm_a_offset, LDS)
+        aV = _lanes(oV + kg * 16 * LDS + col0, ldm_a_offset, LDS)
+        st, dpt = zeros(BM // 8), zeros(BM // 8)
+        warp_mma_abt(st, mem, aK, _lanes(oQ + col0, ldm_b_offset, LDS), HDS // 16, BM // 16, LDS)
+        warp_mma_abt(dpt, mem, aV, _lanes(odO + col0, ldm_b_offset, LDS), HDS // 16, BM // 16, LDS)
+        cols = slice(col0, col0 + HDS)
+        assert np.allclose(gather(st, BM // 8), Kw[:, cols] @ Q[:, cols].T), "partial S^T"
+        partials.append((st, dpt))
+    for hs in (0, 1):
+        (st, dpt), (st_o, dpt_o) = partials[hs], partials[1 - hs]
+        full_st = [[[a + b for a, b in zip(st[L][nt], st_o[L][nt])] for nt in range(BM // 8)] for L in range(32)]
+        full_dpt = [[[a + b for a, b in zip(dpt[L][nt], dpt_o[L][nt])] for nt in range(BM // 8)] for L in range(32)]
+        assert np.allclose(gather(full_st, BM // 8), Kw @ Q.T), "S^T"
+        assert np.allclose(gather(full_dpt, BM // 8), Vw @ dO.T), "dP^T"
+    P, dS = rng.standard_normal((16, BM)), rng.standard_normal((16, BM))
+    for hs in (0, 1):
+        col0 = hs * HDS
+        st, dpt = zeros(BM // 8), zeros(BM // 8)
+        scatter(st, P)
+        scatter(dpt, dS)
+        dv, dk = zeros(HDS // 8), zeros(HDS // 8)
+        warp_mma_pb(dv, st, mem, _lanes(odO + col0, ldm_bt_offset, LDS), BM // 16, HDS // 16, LDS)
+        warp_mma_pb(dk, dpt, mem, _lanes(oQ + col0, ldm_bt_offset, LDS), BM // 16, HDS // 16, LDS)
+        assert np.allclose(gather(dv, HDS // 8), (P @ dO)[:, col0: col0 + HDS]), "dV half"
+        assert np.allclose(gather(dk, HDS // 8), (dS @ Q)[:, col0: col0 + HDS]), "dK half"
+
+
+def test_split_tiles_match_the_emulated_shapes():
+    """The shapes above are the configured ones (configs.bwd_mma_tile)."""
+    for hd in (160, 192, 224, 256):
+        warps, bm, split = configs.bwd_mma_tile(hd, "dkdv")
+        assert (warps, split) == (8, 2) and bm in (16, 32) and (hd // split) % 16 == 0
+
+
 @pytest.mark.parametrize("HD,NWARPS,BN,warp", [(32, 2, 32, 1), (64, 4, 64, 2), (96, 1, 64, 0), (128, 2, 32, 1)])
 def test_dq_fragments(HD, NWARPS, BN, warp):
     BM, LDS = 16 * NWARPS, HD + 8

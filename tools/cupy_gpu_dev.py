@@ -1,13 +1,17 @@
 """Developer tool for the GPU machine: compile every kernel, then time the forward against
-torch SDPA's flash backend (FA2) side by side.
+torch SDPA's flash backend (FA2) side by side; check and time the tensor-core backward.
 
-    python tools/cupy_gpu_dev.py [--compile] [--bench] [--json PATH]
+    python tools/cupy_gpu_dev.py [--compile] [--bench] [--json PATH] [--bwd-check --out DIR]
 
 ``--compile`` builds every configuration of :func:`configs.all_configs` through CuPy in a pool
 of processes (filling CuPy's on-disk kernel cache, so later processes load the binaries) and
 reports failures. ``--bench`` times the FA3 paper's setting (B·S = 16k tokens, hidden 2048,
 D = 128, bf16) with ``triton.testing.do_bench`` medians, checks each timed output against
-SDPA, and prints a table last.
+SDPA, and prints a table last. ``--bwd-check`` (about a minute, see :mod:`cupy_bwd_check`)
+checks the tensor-core backward on a few shapes (D 160-256 and Dv != D included) against the
+float64 reference under the equivalence rule, for determinism and against the FMA kernels,
+then times backward TFLOP/s against the FMA path and torch SDPA's flash backward; it writes
+``bwd_check.json`` and ``bwd_check.txt`` to ``--out`` and exits 1 on any failed check.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-#: (warps, BLOCK_N) tile shapes tried at D = 128 by --bench, besides the default.
-VARIANT_TILES = ((4, 64, 2), (4, 32, 2))
+#: head dim -> (warps, BLOCK_N, MT) forward tile shapes tried by --bench besides the default
+#: (D 256: 8 warps = 128 rows per CTA, or 64-key tiles; both compile with no spills, sm_90)
+VARIANT_TILES = {128: ((4, 64, 2), (4, 32, 2)), 256: ((8, 32, 1), (4, 64, 1))}
 
 
 def _compile_one(cfg_tuple):
@@ -46,7 +51,7 @@ def compile_all(workers: int = 16) -> int:
     from portattn.backends.cupy import configs
 
     cfgs = [(c.family, c.dtype, c.head_dim) for c in configs.all_configs()]
-    cfgs += [("fwd_mma", "bfloat16", 128, t) for t in VARIANT_TILES]
+    cfgs += [("fwd_mma", "bfloat16", d, t) for d, tiles in VARIANT_TILES.items() for t in tiles]
     t0 = time.perf_counter()
     failures = 0
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
@@ -103,13 +108,13 @@ def bench(json_path: str | None = None) -> list[dict]:
     from portattn.backends.cupy import configs, runtime
 
     variant_rows = []
-    for causal in (False, True):
-        seqlen, batch, heads, d = 4096, 4, 16, 128
-        q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=dtype) for _ in range(3))
+    for d, causal in ((d, c) for d in VARIANT_TILES for c in (False, True)):
+        seqlen, batch, heads = 4096, 4, 2048 // d
+        q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         spec = build_spec(q, k, v, causal=causal)
         ref = be.forward(spec)[0]
-        for tile in VARIANT_TILES:
-            cfg = configs.KernelConfig("fwd_mma", "bfloat16", 128, tile)
+        for tile in VARIANT_TILES[d]:
+            cfg = configs.KernelConfig("fwd_mma", "bfloat16", d, tile)
 
             def run_variant():
                 plan = runtime.plan_forward(spec, cfg)
@@ -119,7 +124,7 @@ def bench(json_path: str | None = None) -> list[dict]:
             diff = (run_variant().float() - ref.float()).abs().max().item()
             t = triton.testing.do_bench(run_variant, warmup=50, rep=300, return_mode="median")
             flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
-            variant_rows.append(dict(tile=tile, causal=causal, ms=t, tflops=flops / t * 1e-9, diff=diff))
+            variant_rows.append(dict(d=d, tile=tile, causal=causal, ms=t, tflops=flops / t * 1e-9, diff=diff))
             print(json.dumps(variant_rows[-1]), flush=True)
     bwd_rows = []
     for causal in (False, True):
@@ -142,7 +147,8 @@ def bench(json_path: str | None = None) -> list[dict]:
               f"{str(r['softcap']):>7} {r['cupy_tflops']:>10.1f} "
               f"{r['flash_tflops']:>10.1f} {r['ratio']:>6.2f} {r['max_abs_diff_vs_flash']:>8.1e}")
     for r in variant_rows:
-        print(f"tile warps={r['tile'][0]} BN={r['tile'][1]} MT={r['tile'][2]} causal={r['causal']}: {r['tflops']:.1f} TF/s "
+        print(f"D={r['d']} tile warps={r['tile'][0]} BN={r['tile'][1]} MT={r['tile'][2]} causal={r['causal']}: "
+              f"{r['tflops']:.1f} TF/s "
               f"(diff vs default {r['diff']:.1e})")
     for r in bwd_rows:
         print(f"backward seqlen={r['seqlen']} causal={r['causal']}: {r['bwd_ms']:.2f} ms, {r['bwd_tflops']:.1f} TF/s")
@@ -161,8 +167,16 @@ def main(argv=None) -> int:
     p.add_argument("--bench", action="store_true")
     p.add_argument("--json")
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    p.add_argument("--bwd-check", action="store_true",
+                   help="check + time the tensor-core backward (D <= 256, Dv != D) vs reference, FMA, SDPA flash")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for --bwd-check's files")
     a = p.parse_args(argv)
     rc = 0
+    if a.bwd_check:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import cupy_bwd_check
+
+        rc |= cupy_bwd_check.main(a.out)
     if a.compile:
         rc |= 1 if compile_all(a.workers) else 0
     if a.bench:

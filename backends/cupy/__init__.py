@@ -7,8 +7,9 @@ Kernels (``attn_fwd.cu``, ``attn_bwd.cu``, ``attn_bwd_mma.cu``, shared helpers i
   folded in; one CTA per (Q tile, head, batch), warps split along the Q rows;
 * forward, float32: IEEE float32 FMA (no TF32);
 * backward, deterministic (no atomics; GQA groups reduced inside the dK/dV CTA): delta
-  preprocess, then dK/dV and dQ kernels on tensor cores for fp16/bf16 up to padded head dim 128
-  (``attn_bwd_mma.cu``), in float32 FMA arithmetic otherwise (``attn_bwd.cu``).
+  preprocess, then dK/dV and dQ kernels on tensor cores for fp16/bf16 at every head dim
+  (``attn_bwd_mma.cu``), in float32 FMA arithmetic for float32 (``attn_bwd.cu``; also for
+  fp16/bf16 through ``PORTATTN_CUPY_BACKWARD=fma`` or ``mma128``, see docs/cupy.md).
 
 Importing this module never imports cupy: a missing cupy or device is a reason from
 :meth:`CupyBackend.unavailable_reasons`. See docs/cupy.md.
@@ -92,20 +93,21 @@ class CupyBackend(Backend):
 _FAMILY_LABELS = {
     "fwd_mma": "tensor-core forward, fp16/bf16",
     "fwd_fma": "float32 FMA forward",
-    "bwd_mma": "tensor-core backward, fp16/bf16 up to padded head dim 128",
-    "bwd": "FMA backward: float32, and fp16/bf16 above padded head dim 128",
+    "bwd_mma": "tensor-core backward, fp16/bf16",
+    "bwd": "FMA backward: float32, and fp16/bf16 where PORTATTN_CUPY_BACKWARD or shared memory says so",
 }
 
 
-def kernel_families(spec) -> dict[str, str]:
-    """Which kernel family runs the forward and (when a gradient is needed) the backward."""
+def kernel_families(spec, smem_limit: int | None = None) -> dict[str, str]:
+    """Which kernel family runs the forward and (when a gradient is needed) the backward;
+    ``smem_limit``: the device's opt-in shared memory per block (None: no limit)."""
     dtype = _dtype_name(spec.dtype)
     fwd = configs.forward_config(dtype, spec.head_dim, spec.head_dim_v)
     if fwd is None:
         return {}
     out = {"forward": f"{fwd.family} ({_FAMILY_LABELS[fwd.family]}), padded head dim {fwd.head_dim}"}
     if spec.needs_grad:
-        bwd = configs.backward_config(dtype, spec.head_dim, spec.head_dim_v)
+        bwd = configs.backward_config(dtype, spec.head_dim, spec.head_dim_v, smem_limit=smem_limit)
         out["backward"] = f"{bwd.family} ({_FAMILY_LABELS[bwd.family]}), padded head dim {bwd.head_dim}"
     return out
 
@@ -125,7 +127,8 @@ def problem_reasons(spec, smem_limit: int | None) -> list[str]:
         reasons.append(f"sequence lengths Sq={spec.seqlen_q}, Sk={spec.seqlen_k} must be < 2**30")
     if smem_limit:
         needed = [(cfg, cfg.max_smem_bytes()) for cfg in
-                  ([fwd] + ([configs.backward_config(dtype, spec.head_dim, spec.head_dim_v)] if spec.needs_grad else []))]
+                  ([fwd] + ([configs.backward_config(dtype, spec.head_dim, spec.head_dim_v, smem_limit=smem_limit)]
+                            if spec.needs_grad else []))]
         for cfg, n in needed:
             if n > smem_limit:
                 reasons.append(f"{cfg.family} kernels ({_FAMILY_LABELS[cfg.family]}) at padded head dim {cfg.head_dim} "

@@ -29,8 +29,8 @@ attn_bwd_preprocess(const T* __restrict__ o, long long o_sb, long long o_ss, lon
     int sq = seqlen_q;
     if (cu_q != nullptr) seq_span(cu_q, b, seqlen_q, total_q, &q0, &sq);
     if (i >= sq) return;
-    const T* orow = o + b * o_sb + (q0 + i) * o_ss + h * o_sh;
-    const T* drow = dout + b * do_sb + (q0 + i) * do_ss + h * do_sh;
+    const T* orow = tok_ptr(o, b, o_sb, q0 + i, o_ss, h, o_sh);
+    const T* drow = tok_ptr(dout, b, do_sb, q0 + i, do_ss, h, do_sh);
     float acc = 0.f;
     for (int d = 0; d < head_dim_v; ++d) acc = fmaf(Elem<T>::to_float(drow[d]), Elem<T>::to_float(orow[d]), acc);
     const long long idx = b * lse_sb + h * lse_sh + q0 + i;
@@ -46,6 +46,19 @@ __device__ __forceinline__ void load_rows_f32(float* sm, const T* g, long long r
         const int r = c / HD, d = c % HD;
         sm[r * LD + d] = (r < rows_valid && d < cols_valid) ? Elem<T>::to_float(g[r * row_stride + d]) : 0.f;
     }
+}
+
+// Q and dO rows [m0, m0 + ROWS) of head h into shared float32 (zero outside the sequence and
+// past head_dim / head_dim_v).
+template <typename T, int ROWS, int HD, int LD, int NT>
+__device__ __forceinline__ void load_query_rows_f32(float* sQ, float* sdO, const T* q, long long q_sb, long long q_ss,
+                                                    long long q_sh, const T* dout, long long do_sb, long long do_ss,
+                                                    long long do_sh, const SeqInfo& s, int b, int h, int m0,
+                                                    int head_dim, int head_dim_v, int tid) {
+    load_rows_f32<T, ROWS, HD, LD, NT>(sQ, tok_ptr(q, b, q_sb, s.q0 + m0, q_ss, h, q_sh), q_ss, s.sq - m0, head_dim,
+                                       tid);
+    load_rows_f32<T, ROWS, HD, LD, NT>(sdO, tok_ptr(dout, b, do_sb, s.q0 + m0, do_ss, h, do_sh), do_ss, s.sq - m0,
+                                       head_dim_v, tid);
 }
 
 // Row statistics one (i, j) entry needs: P = exp(s - lse), or with `exact` (float32 inputs)
@@ -90,21 +103,17 @@ attn_bwd_stats(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lo
     float* sV = sK + BN * LD;                          // BN x LD
 
     const int tid = threadIdx.x, row = tid / 16, sub = tid % 16;
-    const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
-    const int m0 = blockIdx.x * BM;
-    if (m0 >= s.sq) return;
+    const RowCta c = PA_ROW_CTA(BM);
+    if (c.m0 >= c.s.sq) return;
+    const SeqInfo& s = c.s;
+    const int b = c.b, h = c.h, m0 = c.m0, n_hi = c.n_hi;
     const int i = m0 + row;
-    const ScoreMods mods =
-        make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, b, h);
-    const T* k_base = k + b * k_sb + s.k0 * k_ss + hk * k_sh;
-    const T* v_base = v + b * v_sb + s.k0 * v_ss + hk * v_sh;
-    load_rows_f32<T, BM, HD, LD, NT>(sQ, q + b * q_sb + (s.q0 + m0) * q_ss + h * q_sh, q_ss, s.sq - m0, head_dim, tid);
-    load_rows_f32<T, BM, HD, LD, NT>(sdO, dout + b * do_sb + (s.q0 + m0) * do_ss + h * do_sh, do_ss, s.sq - m0,
-                                     head_dim_v, tid);
-    int n_lo, n_hi;
-    key_range(s, m0, m0 + BM - 1, win_left, win_right, &n_lo, &n_hi);
-    const int n_first = (n_lo / BN) * BN;
+    const ScoreMods mods = PA_MODS(b, h);
+    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, c.hk, k_sh);
+    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, c.hk, v_sh);
+    load_query_rows_f32<T, BM, HD, LD, NT>(sQ, sdO, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh, s, b, h, m0,
+                                           head_dim, head_dim_v, tid);
+    const int n_first = (c.n_lo / BN) * BN;
 
     // Pass 1: online row max and float64 sum over this thread's keys, then over the row's 16 threads.
     float m_t = PA_NEG_INF;
@@ -155,7 +164,7 @@ attn_bwd_stats(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lo
     }
     for (int off = 1; off < 16; off *= 2) dsum += __shfl_xor_sync(0xffffffffu, dsum, off);
     if (sub == 0 && i < s.sq) {
-        const long long idx = b * lse_sb + h * lse_sh + s.q0 + i;
+        const long long idx = row_index(b, h, lse_sb, lse_sh, s, i);
         row_m[idx] = m;
         row_l[idx] = l_f;
         // minus dlse (see the top of the file), rounded once; a row with no visible key takes none
@@ -182,17 +191,16 @@ attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lon
     const bool exact = row_m != nullptr;
 
     const int tid = threadIdx.x, key_l = tid / 8, sub = tid % 8;
-    const int b = blockIdx.z, hk = blockIdx.y;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
-    const int n0 = blockIdx.x * BN;
-    if (n0 >= s.sk) return;
+    const KeyCta c = PA_KEY_CTA(BN);
+    if (c.n0 >= c.s.sk) return;
+    const SeqInfo& s = c.s;
+    const int b = c.b, hk = c.hk, n0 = c.n0, r_lo = c.r_lo, r_hi = c.r_hi;
     const int j = n0 + key_l;
 
     // Stage 0: this CTA's K and V tiles stay in shared memory for the whole walk.
-    load_rows_f32<T, BN, HD, LD, NT>(sK, k + b * k_sb + (s.k0 + n0) * k_ss + hk * k_sh, k_ss, s.sk - n0, head_dim, tid);
-    load_rows_f32<T, BN, HD, LD, NT>(sV, v + b * v_sb + (s.k0 + n0) * v_ss + hk * v_sh, v_ss, s.sk - n0, head_dim_v, tid);
-    int r_lo, r_hi;
-    row_range(s, n0, n0 + BN - 1, win_left, win_right, &r_lo, &r_hi);
+    load_rows_f32<T, BN, HD, LD, NT>(sK, tok_ptr(k, b, k_sb, s.k0 + n0, k_ss, hk, k_sh), k_ss, s.sk - n0, head_dim, tid);
+    load_rows_f32<T, BN, HD, LD, NT>(sV, tok_ptr(v, b, v_sb, s.k0 + n0, v_ss, hk, v_sh), v_ss, s.sk - n0, head_dim_v,
+                                     tid);
 
     float dk_acc[CPT], dv_acc[CPT];
     #pragma unroll
@@ -200,17 +208,15 @@ attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lon
 
     for (int hh = 0; hh < gqa_ratio; ++hh) {
         const int h = hk * gqa_ratio + hh;
-        const ScoreMods mods =
-            make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, b, h);
+        const ScoreMods mods = PA_MODS(b, h);
         for (int m0 = (r_lo / BM) * BM; m0 < r_hi; m0 += BM) {
             // Stage 1: the query tile, its dO, lse and delta.
             __syncthreads();
-            load_rows_f32<T, BM, HD, LD, NT>(sQ, q + b * q_sb + (s.q0 + m0) * q_ss + h * q_sh, q_ss, s.sq - m0, head_dim, tid);
-            load_rows_f32<T, BM, HD, LD, NT>(sdO, dout + b * do_sb + (s.q0 + m0) * do_ss + h * do_sh, do_ss, s.sq - m0,
-                                             head_dim_v, tid);
+            load_query_rows_f32<T, BM, HD, LD, NT>(sQ, sdO, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh, s, b, h, m0,
+                                                   head_dim, head_dim_v, tid);
             if (tid < BM) {
                 const bool ok = m0 + tid < s.sq;
-                const long long idx = b * lse_sb + h * lse_sh + s.q0 + m0 + tid;
+                const long long idx = row_index(b, h, lse_sb, lse_sh, s, m0 + tid);
                 sRow[tid] = ok ? lse[idx] : PA_NEG_INF;
                 sRow[BM + tid] = ok ? delta[idx] : 0.f;
                 sRow[2 * BM + tid] = ok && exact ? row_m[idx] : 0.f;
@@ -245,8 +251,8 @@ attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lon
     }
 
     if (j < s.sk) {
-        T* dk_row = dk + b * dk_sb + (s.k0 + j) * dk_ss + hk * dk_sh;
-        T* dv_row = dv + b * dv_sb + (s.k0 + j) * dv_ss + hk * dv_sh;
+        T* dk_row = tok_ptr(dk, b, dk_sb, s.k0 + j, dk_ss, hk, dk_sh);
+        T* dv_row = tok_ptr(dv, b, dv_sb, s.k0 + j, dv_ss, hk, dv_sh);
         #pragma unroll
         for (int c = 0; c < CPT; ++c) {
             const int d = sub + 8 * c;
@@ -270,21 +276,19 @@ attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long 
     float* sdS = sV + BN * LD;                         // BM x (BN + 1)
 
     const int tid = threadIdx.x, row = tid / 16, sub = tid % 16;
-    const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
-    const int m0 = blockIdx.x * BM;
-    if (m0 >= s.sq) return;
+    const RowCta c = PA_ROW_CTA(BM);
+    if (c.m0 >= c.s.sq) return;
+    const SeqInfo& s = c.s;
+    const int b = c.b, h = c.h, m0 = c.m0, n_hi = c.n_hi;
     const int i = m0 + row;
-    const ScoreMods mods =
-        make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, b, h);
-    const T* k_base = k + b * k_sb + s.k0 * k_ss + hk * k_sh;
-    const T* v_base = v + b * v_sb + s.k0 * v_ss + hk * v_sh;
+    const ScoreMods mods = PA_MODS(b, h);
+    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, c.hk, k_sh);
+    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, c.hk, v_sh);
 
     // Stage 0: this CTA's Q and dO rows, and each row's lse and delta.
-    load_rows_f32<T, BM, HD, LD, NT>(sQ, q + b * q_sb + (s.q0 + m0) * q_ss + h * q_sh, q_ss, s.sq - m0, head_dim, tid);
-    load_rows_f32<T, BM, HD, LD, NT>(sdO, dout + b * do_sb + (s.q0 + m0) * do_ss + h * do_sh, do_ss, s.sq - m0,
-                                     head_dim_v, tid);
-    const long long ridx = b * lse_sb + h * lse_sh + s.q0 + i;
+    load_query_rows_f32<T, BM, HD, LD, NT>(sQ, sdO, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh, s, b, h, m0,
+                                           head_dim, head_dim_v, tid);
+    const long long ridx = row_index(b, h, lse_sb, lse_sh, s, i);
     const bool exact = row_m != nullptr;
     RowStats stats = {PA_NEG_INF, 0.f, 0.f, 0.f};
     if (i < s.sq) {
@@ -295,14 +299,11 @@ attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long 
             stats.l = row_l[ridx];
         }
     }
-    int n_lo, n_hi;
-    key_range(s, m0, m0 + BM - 1, win_left, win_right, &n_lo, &n_hi);
-
     float dq_acc[CPT];
     #pragma unroll
     for (int c = 0; c < CPT; ++c) dq_acc[c] = 0.f;
 
-    for (int n0 = (n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
+    for (int n0 = (c.n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
         // Stage 1: K and V tiles.
         __syncthreads();
         load_rows_f32<T, BN, HD, LD, NT>(sK, k_base + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);
@@ -331,7 +332,7 @@ attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long 
     }
 
     if (i < s.sq) {
-        T* dst = dq + b * dq_sb + (s.q0 + i) * dq_ss + h * dq_sh;
+        T* dst = tok_ptr(dq, b, dq_sb, s.q0 + i, dq_ss, h, dq_sh);
         #pragma unroll
         for (int c = 0; c < CPT; ++c) {
             const int d = sub + 16 * c;

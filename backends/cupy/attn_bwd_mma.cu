@@ -12,8 +12,10 @@
 // These are exactly the FMA kernels' formulas (attn_bwd.cu, 16-bit branch); only the matmuls
 // move to tensor cores: P and dS are rounded to T before their mma, as in FA2.
 //
-// attn_bwd_dkdv_mma<T, HD, NWARPS, BM, EXTRAS>: one CTA per (BN = 16*NWARPS keys, kv head,
-//   batch); warp w owns keys 16w..16w+15, so its dK/dV rows never leave it. K and V stay in
+// attn_bwd_dkdv_mma<T, HD, NWARPS, BM, NSPLIT, EXTRAS>: one CTA per (BN = 16*NWARPS/NSPLIT
+//   keys, kv head, batch); with NSPLIT = 1 warp w owns keys 16w..16w+15, so its dK/dV rows never
+//   leave it (NSPLIT = 2, above HD 128: a warp pair shares 16 keys and splits the head dim, see
+//   the kernel). K and V stay in
 //   shared memory; the CTA walks every query head of its GQA group and every BM-row query tile
 //   that can see its keys (row_range), Q/dO tiles double-buffered with cp.async. Per tile a warp
 //   computes the transposed products, so that P^T and dS^T come out of the accumulators as the
@@ -74,16 +76,17 @@ __device__ __forceinline__ bool tile_needs_mask(const SeqInfo& s, int m0, int bm
 
 // Store a warp's 16 x HD float accumulator (rows g and g + 8 of each n8 tile) as T pairs:
 // rows < rows_valid, columns < cols_valid (a multiple of 8, so a pair never straddles it).
+// The accumulator holds columns col0 + [0, 8 * NT_D) of the rows.
 template <typename T, int NT_D>
 __device__ __forceinline__ void store_acc_rows(T* base, long long row_stride, const float (*acc)[4], int rows_valid,
-                                               int cols_valid, int g, int t4) {
+                                               int col0, int cols_valid, int g, int t4) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = g + 8 * r;
         if (row >= rows_valid) continue;
 #pragma unroll
         for (int dt = 0; dt < NT_D; ++dt) {
-            const int col = dt * 8 + 2 * t4;
+            const int col = col0 + dt * 8 + 2 * t4;
             if (col < cols_valid)
                 *reinterpret_cast<pa_u32*>(base + row * row_stride + col) =
                     Elem<T>::pack2(acc[dt][2 * r], acc[dt][2 * r + 1]);
@@ -107,56 +110,94 @@ __device__ __forceinline__ void dkdv_load_query_tile(T* sQ, T* sdO, float* sL, c
                                                      const float* delta, long long lse_sb, long long lse_sh,
                                                      const SeqInfo& s, int b, int h, int m0, int head_dim,
                                                      int head_dim_v, int tid) {
-    load_tile_async<T, BM, HD, LDS, NT>(sQ, q + b * q_sb + (s.q0 + m0) * q_ss + h * q_sh, q_ss, s.sq - m0, head_dim,
+    load_tile_async<T, BM, HD, LDS, NT>(sQ, tok_ptr(q, b, q_sb, s.q0 + m0, q_ss, h, q_sh), q_ss, s.sq - m0, head_dim,
                                         tid);
-    load_tile_async<T, BM, HD, LDS, NT>(sdO, dout + b * do_sb + (s.q0 + m0) * do_ss + h * do_sh, do_ss, s.sq - m0,
+    load_tile_async<T, BM, HD, LDS, NT>(sdO, tok_ptr(dout, b, do_sb, s.q0 + m0, do_ss, h, do_sh), do_ss, s.sq - m0,
                                         head_dim_v, tid);
     for (int r = tid; r < BM; r += NT) {
         const bool ok = m0 + r < s.sq;
-        const long long idx = b * lse_sb + h * lse_sh + s.q0 + m0 + r;
+        const long long idx = row_index(b, h, lse_sb, lse_sh, s, m0 + r);
         sL[r] = lse_log2(lse, idx, ok);
         sL[BM + r] = ok ? delta[idx] : 0.f;
     }
 }
 
-template <typename T, int HD, int NWARPS, int BM, bool EXTRAS>
+// Warps 2p and 2p + 1 (NSPLIT = 2) each hold a partial S^T / dP^T of the same 16 keys x BM
+// queries, summed over their own half of the head dim: swap the partials through shared memory
+// (fragment order, lane-indexed: conflict-free) and add, so that both warps hold the full
+// products. a + b == b + a in IEEE arithmetic, so both warps get bit-identical S^T and dP^T.
+// `mine` / `theirs`: this warp's and the partner's [2][NT_S * 4][32] float slots.
+template <int NT_S>
+__device__ __forceinline__ void pair_sum_partials(float (*st)[4], float (*dpt)[4], float* mine, const float* theirs,
+                                                  int pair, int lane) {
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            mine[(nt * 4 + e) * 32 + lane] = st[nt][e];
+            mine[((NT_S + nt) * 4 + e) * 32 + lane] = dpt[nt][e];
+        }
+    // named barrier 1 + pair over the pair's 64 threads (0 is __syncthreads'); orders the
+    // shared-memory stores above before the partner's loads below
+    asm volatile("bar.sync %0, 64;\n" ::"r"(1 + pair) : "memory");
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            st[nt][e] += theirs[(nt * 4 + e) * 32 + lane];
+            dpt[nt][e] += theirs[((NT_S + nt) * 4 + e) * 32 + lane];
+        }
+}
+
+// NSPLIT = 1: warp w owns keys 16w..16w+15 and every head-dim column (padded HD <= 128).
+// NSPLIT = 2 (padded HD 160..256, where the dK + dV accumulators of all HD columns would need
+// HD floats per thread): warps 2p and 2p + 1 share keys 16p..16p+15; warp 2p + hs sums the
+// S^T / dP^T products over head-dim columns [hs * HD/2, (hs + 1) * HD/2) only, the pair adds
+// the two partials (pair_sum_partials), and each warp then accumulates and stores dK and dV
+// for its own half of the columns: the tensor-core work is not duplicated, and dK + dV take
+// HD/2 floats per thread together (128 at HD 256, as at HD 128 without the split).
+template <typename T, int HD, int NWARPS, int BM, int NSPLIT, bool EXTRAS>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 attn_bwd_dkdv_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
                   const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, long long dk_sb,
                   long long dk_ss, long long dk_sh, T* __restrict__ dv, long long dv_sb, long long dv_ss,
                   long long dv_sh) {
-    constexpr int BN = 16 * NWARPS;      // keys per CTA, 16 per warp
+    static_assert(NSPLIT == 1 || NSPLIT == 2, "head-dim split of 1 or 2 warps per key group");
+    static_assert(NWARPS % NSPLIT == 0 && (HD / NSPLIT) % 16 == 0 && BM % 16 == 0, "tile shape");
+    static_assert(NWARPS / NSPLIT <= 15, "one named barrier per warp pair");
+    constexpr int BN = 16 * (NWARPS / NSPLIT);   // keys per CTA, 16 per key group
+    constexpr int HDS = HD / NSPLIT;             // head-dim columns per warp
     constexpr int NT = NWARPS * 32;
     constexpr int LDS = HD + 8;          // padded row: ldmatrix rows fall in distinct banks
     constexpr int ES = sizeof(T);
     constexpr int NT_S = BM / 8;         // n8 tiles of S^T / dP^T (queries) per warp
-    constexpr int NT_D = HD / 8;         // n8 tiles of dK / dV (head dim) per warp
+    constexpr int NT_D = HDS / 8;        // n8 tiles of this warp's dK / dV columns
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);                        // [BN][LDS]
     T* sV = sK + BN * LDS;                                         // [BN][LDS]
     T* sQ = sV + BN * LDS;                                         // [2][BM][LDS]
     T* sdO = sQ + 2 * BM * LDS;                                    // [2][BM][LDS]
     float* sL = reinterpret_cast<float*>(sdO + 2 * BM * LDS);      // [2][lse2 BM | delta BM]
+    float* sX = sL + 4 * BM;                                       // NSPLIT 2: [NWARPS][2][NT_S*4][32]
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
-    const int b = blockIdx.z, hk = blockIdx.y;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
-    const int n0 = blockIdx.x * BN;
-    if (n0 >= s.sk) return;
+    const int kg = warp / NSPLIT, col0 = (warp % NSPLIT) * HDS;   // key group, first head-dim column
+    const KeyCta c = PA_KEY_CTA(BN);
+    if (c.n0 >= c.s.sk) return;
+    const SeqInfo& s = c.s;
+    const int b = c.b, hk = c.hk, n0 = c.n0;
     const float scale_log2 = scale * PA_LOG2E;
 
     // Stage 0: this CTA's K and V tiles (resident for the whole walk) and the first query tile.
-    load_tile_async<T, BN, HD, LDS, NT>(sK, k + b * k_sb + (s.k0 + n0) * k_ss + hk * k_sh, k_ss, s.sk - n0, head_dim,
-                                        tid);
-    load_tile_async<T, BN, HD, LDS, NT>(sV, v + b * v_sb + (s.k0 + n0) * v_ss + hk * v_sh, v_ss, s.sk - n0,
+    load_tile_async<T, BN, HD, LDS, NT>(sK, tok_ptr(k, b, k_sb, s.k0 + n0, k_ss, hk, k_sh), k_ss, s.sk - n0,
+                                        head_dim, tid);
+    load_tile_async<T, BN, HD, LDS, NT>(sV, tok_ptr(v, b, v_sb, s.k0 + n0, v_ss, hk, v_sh), v_ss, s.sk - n0,
                                         head_dim_v, tid);
     // Query rows that can see any of these keys, walked in BM tiles, for each head of the group:
     // iteration `it` is (head hk*gqa_ratio + it / n_mt, rows m_first + (it % n_mt) * BM).
-    int r_lo, r_hi;
-    row_range(s, n0, n0 + BN - 1, win_left, win_right, &r_lo, &r_hi);
-    const int m_first = (r_lo / BM) * BM;
-    const int n_mt = r_hi > r_lo ? (r_hi - m_first + BM - 1) / BM : 0;
+    const int m_first = (c.r_lo / BM) * BM;
+    const int n_mt = c.r_hi > c.r_lo ? (c.r_hi - m_first + BM - 1) / BM : 0;
     const int n_iter = n_mt * gqa_ratio;
     if (n_iter > 0)
         dkdv_load_query_tile<T, HD, BM, LDS, NT>(sQ, sdO, sL, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh, lse,
@@ -167,16 +208,20 @@ attn_bwd_dkdv_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
     float dk_acc[NT_D][4], dv_acc[NT_D][4];
     zero_acc<NT_D>(dk_acc);
     zero_acc<NT_D>(dv_acc);
-    // ldmatrix addresses: A = this warp's 16 K / V rows; B = Q / dO tiles (offsets per buffer).
-    const pa_u32 aK = smem_addr(sK + warp * 16 * LDS) + ldm_a_offset(lane, LDS) * ES;
-    const pa_u32 aV = smem_addr(sV + warp * 16 * LDS) + ldm_a_offset(lane, LDS) * ES;
-    const pa_u32 offB = ldm_b_offset(lane, LDS) * ES, offBt = ldm_bt_offset(lane, LDS) * ES;
-    const int jl0 = warp * 16 + g;       // this lane's first key (in the CTA tile); +8 for c2, c3
+    // ldmatrix addresses: A = this key group's 16 K / V rows from column col0; B = Q / dO tiles
+    // (per-buffer offsets below) from column col0, for the products and for dK / dV alike.
+    const pa_u32 aK = smem_addr(sK + kg * 16 * LDS + col0) + ldm_a_offset(lane, LDS) * ES;
+    const pa_u32 aV = smem_addr(sV + kg * 16 * LDS + col0) + ldm_a_offset(lane, LDS) * ES;
+    const pa_u32 offB = (ldm_b_offset(lane, LDS) + col0) * ES, offBt = (ldm_bt_offset(lane, LDS) + col0) * ES;
+    const int jl0 = kg * 16 + g;         // this lane's first key (in the CTA tile); +8 for c2, c3
+    float* x_mine = sX + warp * (2 * NT_S * 4 * 32);
+    const float* x_theirs = sX + (warp ^ 1) * (2 * NT_S * 4 * 32);
 
     for (int it = 0; it < n_iter; ++it) {
         const int buf = it & 1;
         const int h = hk * gqa_ratio + it / n_mt, m0 = m_first + (it % n_mt) * BM;
-        // Stage 1: tile `it` landed, and every warp is done with the other buffer: prefetch it + 1.
+        // Stage 1: tile `it` landed, and every warp is done with the other buffer (and with its
+        // partner's partials of the last tile): prefetch it + 1.
         cp_async_wait_all();
         __syncthreads();
         if (it + 1 < n_iter) {
@@ -191,19 +236,20 @@ attn_bwd_dkdv_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
         const float* lse2_t = sL + buf * 2 * BM;
         const float* delta_t = lse2_t + BM;
 
-        // Stage 2: S^T = K_w Q^T and dP^T = V_w dO^T (16 keys x BM queries per warp).
+        // Stage 2: S^T = K_w Q^T and dP^T = V_w dO^T (16 keys x BM queries per warp), over this
+        // warp's HDS columns; with NSPLIT = 2 the pair adds its two partials.
         float st[NT_S][4], dpt[NT_S][4];
         zero_acc<NT_S>(st);
         zero_acc<NT_S>(dpt);
-        warp_mma_abt<T, HD / 16, BM / 16, LDS>(st, aK, q_addr + offB);
-        warp_mma_abt<T, HD / 16, BM / 16, LDS>(dpt, aV, do_addr + offB);
+        warp_mma_abt<T, HDS / 16, BM / 16, LDS>(st, aK, q_addr + offB);
+        warp_mma_abt<T, HDS / 16, BM / 16, LDS>(dpt, aV, do_addr + offB);
+        if (NSPLIT > 1) pair_sum_partials<NT_S>(st, dpt, x_mine, x_theirs, kg, lane);
 
         // Stage 3: P^T and dS^T in place (element e of n-tile nt: key jl0 + 8*(e/2), query
         // nt*8 + 2*t4 + e%2 of the tile).
         ScoreMods mods;
         mods.scale = scale;
-        if (EXTRAS)
-            mods = make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, b, h);
+        if (EXTRAS) mods = PA_MODS(b, h);
         const bool check = tile_needs_mask(s, m0, BM, n0, BN, win_left, win_right);
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt)
@@ -215,17 +261,19 @@ attn_bwd_dkdv_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
                                        j, check, win_left, win_right, &st[nt][e], &dpt[nt][e]);
             }
 
-        // Stage 4: dV_w += P^T dO and dK_w += dS^T Q (P^T, dS^T re-packed as A fragments).
-        warp_mma_pb<T, BM / 16, HD / 16, LDS>(dv_acc, st, do_addr + offBt);
-        warp_mma_pb<T, BM / 16, HD / 16, LDS>(dk_acc, dpt, q_addr + offBt);
+        // Stage 4: dV_w += P^T dO and dK_w += dS^T Q over this warp's columns (P^T, dS^T
+        // re-packed as A fragments).
+        warp_mma_pb<T, BM / 16, HDS / 16, LDS>(dv_acc, st, do_addr + offBt);
+        warp_mma_pb<T, BM / 16, HDS / 16, LDS>(dk_acc, dpt, q_addr + offBt);
     }
     cp_async_wait_all();   // a CTA with no query tile still has its K/V copies in flight
 
-    // Epilogue: the warp's 16 rows of dK and dV (keys past the sequence end are not stored).
-    const int key_w = n0 + warp * 16;
-    store_acc_rows<T, NT_D>(dk + b * dk_sb + (s.k0 + key_w) * dk_ss + hk * dk_sh, dk_ss, dk_acc, s.sk - key_w,
+    // Epilogue: the key group's 16 rows of dK and dV, this warp's columns (keys past the sequence
+    // end and columns past the head dim are not stored).
+    const int key_w = n0 + kg * 16;
+    store_acc_rows<T, NT_D>(tok_ptr(dk, b, dk_sb, s.k0 + key_w, dk_ss, hk, dk_sh), dk_ss, dk_acc, s.sk - key_w, col0,
                             head_dim, g, t4);
-    store_acc_rows<T, NT_D>(dv + b * dv_sb + (s.k0 + key_w) * dv_ss + hk * dv_sh, dv_ss, dv_acc, s.sk - key_w,
+    store_acc_rows<T, NT_D>(tok_ptr(dv, b, dv_sb, s.k0 + key_w, dv_ss, hk, dv_sh), dv_ss, dv_acc, s.sk - key_w, col0,
                             head_dim_v, g, t4);
 }
 
@@ -249,26 +297,23 @@ attn_bwd_dq_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, l
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
-    const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
-    const int m0 = blockIdx.x * BM;
-    if (m0 >= s.sq) return;
+    const RowCta c = PA_ROW_CTA(BM);
+    if (c.m0 >= c.s.sq) return;
+    const SeqInfo& s = c.s;
+    const int b = c.b, h = c.h, m0 = c.m0, n_hi = c.n_hi;
     const float scale_log2 = scale * PA_LOG2E;
-    const T* k_base = k + b * k_sb + s.k0 * k_ss + hk * k_sh;
-    const T* v_base = v + b * v_sb + s.k0 * v_ss + hk * v_sh;
+    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, c.hk, k_sh);
+    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, c.hk, v_sh);
     ScoreMods mods;
     mods.scale = scale;
-    if (EXTRAS)
-        mods = make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, b, h);
+    if (EXTRAS) mods = PA_MODS(b, h);
 
     // Stage 0: Q and dO rows (resident) and the first K/V tile.
-    load_tile_async<T, BM, HD, LDS, NT>(sQ, q + b * q_sb + (s.q0 + m0) * q_ss + h * q_sh, q_ss, s.sq - m0, head_dim,
+    load_tile_async<T, BM, HD, LDS, NT>(sQ, tok_ptr(q, b, q_sb, s.q0 + m0, q_ss, h, q_sh), q_ss, s.sq - m0, head_dim,
                                         tid);
-    load_tile_async<T, BM, HD, LDS, NT>(sdO, dout + b * do_sb + (s.q0 + m0) * do_ss + h * do_sh, do_ss, s.sq - m0,
+    load_tile_async<T, BM, HD, LDS, NT>(sdO, tok_ptr(dout, b, do_sb, s.q0 + m0, do_ss, h, do_sh), do_ss, s.sq - m0,
                                         head_dim_v, tid);
-    int n_lo, n_hi;
-    key_range(s, m0, m0 + BM - 1, win_left, win_right, &n_lo, &n_hi);
-    const int n_first = (n_lo / BN) * BN;
+    const int n_first = (c.n_lo / BN) * BN;
     if (n_first < n_hi) {
         load_tile_async<T, BN, HD, LDS, NT>(sK, k_base + n_first * k_ss, k_ss, s.sk - n_first, head_dim, tid);
         load_tile_async<T, BN, HD, LDS, NT>(sV, v_base + n_first * v_ss, v_ss, s.sk - n_first, head_dim_v, tid);
@@ -281,7 +326,7 @@ attn_bwd_dq_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, l
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = row_w + g + 8 * r;
-        const long long idx = b * lse_sb + h * lse_sh + s.q0 + i;
+        const long long idx = row_index(b, h, lse_sb, lse_sh, s, i);
         lse2[r] = lse_log2(lse, idx, i < s.sq);
         delta_r[r] = i < s.sq ? delta[idx] : 0.f;
     }
@@ -333,6 +378,6 @@ attn_bwd_dq_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, l
     }
     cp_async_wait_all();   // a CTA whose rows see no key still has its Q/dO copies in flight
 
-    store_acc_rows<T, NT_D>(dq + b * dq_sb + (s.q0 + row_w) * dq_ss + h * dq_sh, dq_ss, dq_acc, s.sq - row_w,
+    store_acc_rows<T, NT_D>(tok_ptr(dq, b, dq_sb, s.q0 + row_w, dq_ss, h, dq_sh), dq_ss, dq_acc, s.sq - row_w, 0,
                             head_dim, g, t4);
 }

@@ -136,6 +136,68 @@ __device__ __forceinline__ void row_range(const SeqInfo& s, int c_lo, int c_hi, 
     *hi = (int)(b > s.sq ? s.sq : b);
 }
 
+// ----- CTA prologues ---------------------------------------------------------------------------
+// Element pointer of token `tok`, head `h` of batch entry `b` in a (batch, token, head, d) tensor
+// with element strides sb / ss / sh (varlen: sb = 0 and tok counts packed tokens).
+template <typename T>
+__device__ __forceinline__ T* tok_ptr(T* p, int b, long long sb, long long tok, long long ss, int h, long long sh) {
+    return p + b * sb + tok * ss + h * sh;
+}
+
+// Index of row i (in-sequence) of head h in the float32 lse / delta / row-stat arrays.
+__device__ __forceinline__ long long row_index(int b, int h, long long lse_sb, long long lse_sh, const SeqInfo& s,
+                                               int i) {
+    return b * lse_sb + h * lse_sh + s.q0 + i;
+}
+
+// A CTA that owns query rows [m0, m0 + bm) of query head h (grid: x = row tile, y = head,
+// z = batch): its sequence (clamped, seq_info), kv head, and the keys [n_lo, n_hi) any of its
+// rows can see. The caller returns when m0 >= s.sq.
+// Row tiles run last-first (tile gridDim.x - 1 - blockIdx.x): with causal masking the last rows
+// see the most keys, so the longest CTAs start first and the short ones fill the last wave
+// (the order is a permutation of the tiles, nothing else changes; dK/dV CTAs, keyed by key tile,
+// already start with the longest: the first keys are seen by the most rows).
+struct RowCta {
+    SeqInfo s;
+    int b, h, hk, m0, n_lo, n_hi;
+};
+__device__ __forceinline__ RowCta row_cta(int bm, const int* cu_q, const int* cu_k, int seqlen_q, int seqlen_k,
+                                          int total_q, int total_k, int top_left, int gqa_ratio, int left, int right) {
+    RowCta c;
+    c.b = blockIdx.z;
+    c.h = blockIdx.y;
+    c.hk = c.h / gqa_ratio;
+    c.s = seq_info(c.b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
+    c.m0 = (gridDim.x - 1 - blockIdx.x) * bm;
+    key_range(c.s, c.m0, c.m0 + bm - 1, left, right, &c.n_lo, &c.n_hi);
+    return c;
+}
+
+// A CTA that owns keys [n0, n0 + bn) of kv head hk (grid: x = key tile, y = kv head, z = batch):
+// its sequence and the query rows [r_lo, r_hi) that see any of its keys. The caller returns
+// when n0 >= s.sk.
+struct KeyCta {
+    SeqInfo s;
+    int b, hk, n0, r_lo, r_hi;
+};
+__device__ __forceinline__ KeyCta key_cta(int bn, const int* cu_q, const int* cu_k, int seqlen_q, int seqlen_k,
+                                          int total_q, int total_k, int top_left, int left, int right) {
+    KeyCta c;
+    c.b = blockIdx.z;
+    c.hk = blockIdx.y;
+    c.s = seq_info(c.b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
+    c.n0 = blockIdx.x * bn;
+    row_range(c.s, c.n0, c.n0 + bn - 1, left, right, &c.r_lo, &c.r_hi);
+    return c;
+}
+
+// The prologues above and the score terms of (b, h), from a kernel's PA_COMMON_PARAMS.
+#define PA_ROW_CTA(BM) \
+    row_cta((BM), cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left, gqa_ratio, win_left, win_right)
+#define PA_KEY_CTA(BN) key_cta((BN), cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left, win_left, win_right)
+#define PA_MODS(B, H) \
+    make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, (B), (H))
+
 __device__ __forceinline__ bool is_visible(const SeqInfo& s, int i, int j, int left, int right) {
     long long ip = (long long)i + s.off_mask;
     return j >= 0 && j < s.sk && i < s.sq && (long long)j >= ip - left && (long long)j <= ip + right;

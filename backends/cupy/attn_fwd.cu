@@ -30,23 +30,21 @@ attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
-    const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
-    const int m0 = blockIdx.x * BM;
-    if (m0 >= s.sq) return;
+    const RowCta c = PA_ROW_CTA(BM);
+    if (c.m0 >= c.s.sq) return;
+    const SeqInfo& s = c.s;
+    const int b = c.b, h = c.h, m0 = c.m0;
 
-    const T* q_base = q + b * q_sb + (s.q0 + m0) * q_ss + h * q_sh;
-    const T* k_base = k + b * k_sb + s.k0 * k_ss + hk * k_sh;
-    const T* v_base = v + b * v_sb + s.k0 * v_ss + hk * v_sh;
+    const T* q_base = tok_ptr(q, b, q_sb, s.q0 + m0, q_ss, h, q_sh);
+    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, c.hk, k_sh);
+    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, c.hk, v_sh);
     ScoreMods mods;
-    if (EXTRAS)
-        mods = make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, b, h);
+    if (EXTRAS) mods = PA_MODS(b, h);
     const float scale_log2 = scale * PA_LOG2E;
 
     // Keys any row of this tile can see: [n_lo, n_hi), walked in BN-wide tiles.
-    int n_lo, n_hi;
-    key_range(s, m0, m0 + BM - 1, win_left, win_right, &n_lo, &n_hi);
-    const int n_first = (n_lo / BN) * BN;
+    const int n_hi = c.n_hi;
+    const int n_first = (c.n_lo / BN) * BN;
 
     // Stage 0: Q tile and the first K tile in flight.
     load_tile_async<T, BM, HD, LDS, NT>(sQ, q_base, q_ss, s.sq - m0, head_dim, tid);
@@ -205,7 +203,7 @@ attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
             const int rl = mt * 16 + g + r * 8, i = row_w + rl;
             if (t4 == 0 && i < s.sq) {
                 const float v_lse = (l > 0.f) ? (m_i[mt][r] + fast_log2(l)) * PA_LN2 : PA_NEG_INF;
-                lse[b * lse_sb + h * lse_sh + s.q0 + i] = v_lse;
+                lse[row_index(b, h, lse_sb, lse_sh, s, i)] = v_lse;
             }
 #pragma unroll
             for (int dt = 0; dt < NT_O; ++dt)
@@ -219,7 +217,7 @@ attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
         const int r = c / CPR, col = (c % CPR) * 8;
         const int i = row_w + r;
         if (i < s.sq && col < head_dim_v) {
-            T* dst = o + b * o_sb + (s.q0 + i) * o_ss + h * o_sh + col;
+            T* dst = tok_ptr(o, b, o_sb, s.q0 + i, o_ss, h, o_sh) + col;
             *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(sO + r * LDS + col);
         }
     }
@@ -245,23 +243,21 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     float* sP = sV + BN * HD;                          // BM x BN
 
     const int tid = threadIdx.x, row = tid / 8, sub = tid % 8;
-    const int b = blockIdx.z, h = blockIdx.y, hk = h / gqa_ratio;
-    const SeqInfo s = seq_info(b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
-    const int m0 = blockIdx.x * BM;
-    if (m0 >= s.sq) return;
+    const RowCta c = PA_ROW_CTA(BM);
+    if (c.m0 >= c.s.sq) return;
+    const SeqInfo& s = c.s;
+    const int b = c.b, h = c.h, m0 = c.m0;
     const int i = m0 + row;
-    const ScoreMods mods =
-        make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, b, h);
-    const T* q_base = q + b * q_sb + (s.q0 + m0) * q_ss + h * q_sh;
-    const T* k_base = k + b * k_sb + s.k0 * k_ss + hk * k_sh;
-    const T* v_base = v + b * v_sb + s.k0 * v_ss + hk * v_sh;
+    const ScoreMods mods = PA_MODS(b, h);
+    const T* q_base = tok_ptr(q, b, q_sb, s.q0 + m0, q_ss, h, q_sh);
+    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, c.hk, k_sh);
+    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, c.hk, v_sh);
 
     for (int c = tid; c < BM * HD; c += NT) {
         const int r = c / HD, d = c % HD;
         sQ[c] = (m0 + r < s.sq && d < head_dim) ? Elem<T>::to_float(q_base[r * q_ss + d]) : 0.f;
     }
-    int n_lo, n_hi;
-    key_range(s, m0, m0 + BM - 1, win_left, win_right, &n_lo, &n_hi);
+    const int n_hi = c.n_hi;
 
     // P V and the row sum accumulate in float64: sums of hundreds of terms of either sign would
     // otherwise lose a few float32 ulps against plain float32 math (docs/semantics.md's yardstick).
@@ -271,7 +267,7 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     float m_i = PA_NEG_INF;
     double l_i = 0.0;
 
-    for (int n0 = (n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
+    for (int n0 = (c.n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
         // Stage 1: K and V tiles into shared memory (float32, zero outside the sequence).
         __syncthreads();
         for (int c = tid; c < BN * HD; c += NT) {
@@ -336,12 +332,12 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     l_i += __shfl_xor_sync(0xffffffffu, l_i, 4);
     if (i < s.sq) {
         const double l_div = l_i > 0.0 ? l_i : 1.0;   // acc is 0 for a row with no visible key
-        T* dst = o + b * o_sb + (s.q0 + i) * o_ss + h * o_sh;
+        T* dst = tok_ptr(o, b, o_sb, s.q0 + i, o_ss, h, o_sh);
         #pragma unroll
         for (int c = 0; c < CPT; ++c) {
             const int d = sub + 8 * c;
             if (d < head_dim_v) dst[d] = Elem<T>::from_float((float)(acc[c] / l_div));
         }
-        if (sub == 0) lse[b * lse_sb + h * lse_sh + s.q0 + i] = l_i > 0.0 ? m_i + (float)log(l_i) : PA_NEG_INF;
+        if (sub == 0) lse[row_index(b, h, lse_sb, lse_sh, s, i)] = l_i > 0.0 ? m_i + (float)log(l_i) : PA_NEG_INF;
     }
 }

@@ -32,9 +32,15 @@ NVRTC_OPTIONS = ("--std=c++17",)
 BWD_BLOCK_M, BWD_BLOCK_N, BWD_THREADS = 16, 32, 256
 FMA_BLOCK_M, FMA_THREADS = 16, 128
 PRE_ROWS, PRE_THREADS = 128, 128
-#: The tensor-core backward (family "bwd_mma") covers fp16/bf16 up to this padded head dim; above
-#: it (and for float32) the FMA backward (family "bwd") runs.
-BWD_MMA_MAX_HEAD_DIM = 128
+#: The tensor-core backward (family "bwd_mma") covers fp16/bf16 up to this padded head dim (every
+#: bucket); float32 always runs the FMA backward (family "bwd").
+BWD_MMA_MAX_HEAD_DIM = 256
+#: Environment switch of the 16-bit backward (read at call time by :func:`backward_config`):
+#: ``auto`` (default, also unset/empty) = tensor cores at every head dim; ``mma128`` = tensor
+#: cores up to padded head dim 128 and the FMA kernels above (the behaviour before issue 16);
+#: ``fma`` = the FMA kernels for every problem. float32 runs the FMA kernels in every mode.
+BACKWARD_ENV = "PORTATTN_CUPY_BACKWARD"
+BACKWARD_MODES = ("auto", "mma128", "fma")
 #: Opt-in shared memory per block: sm_80 (A100) and sm_90 (H100/H200); every instantiation must fit.
 SMEM_LIMITS = {80: 163 * 1024, 90: 227 * 1024}
 
@@ -71,18 +77,42 @@ def mma_tile(hd: int, extras: bool = False) -> tuple[int, int, int]:
     return (4, 32, 1)
 
 
-def bwd_mma_tile(hd: int, role: str) -> tuple[int, int]:
-    """(warps, tile) of the tensor-core backward kernels (attn_bwd_mma.cu).
+def bwd_mma_tile(hd: int, role: str) -> tuple[int, int, int]:
+    """(warps, tile, split) of the tensor-core backward kernels (attn_bwd_mma.cu).
 
-    ``dkdv``: (warps, BLOCK_M): the CTA owns 16 keys per warp (dK and dV accumulators: HD / 2
-    floats per thread each) and walks query tiles of BLOCK_M rows (S^T and dP^T: BLOCK_M / 4
-    floats per thread each): 64-row tiles up to HD 64, 32-row tiles above, keeping the live
-    accumulators at <= 160 floats per thread. ``dq``: (warps, BLOCK_N): 16 query rows per warp
-    against 64-key tiles (dQ: HD / 2 floats, S and dP: 32 floats per thread).
+    ``dkdv``: (warps, BLOCK_M, NSPLIT): the CTA owns 16 keys per group of NSPLIT warps and walks
+    query tiles of BLOCK_M rows. Up to HD 128 (NSPLIT = 1) a warp holds all HD columns of its
+    keys' dK and dV (HD / 2 floats per thread each) and S^T / dP^T (BLOCK_M / 4 floats each):
+    64-row tiles up to HD 64, 32-row tiles at 96 / 128, keeping the live accumulators at <= 160
+    floats per thread. Above HD 128 two warps share 16 keys (NSPLIT = 2): each sums S^T / dP^T
+    over half the head dim, the pair adds the partials through shared memory, and each
+    accumulates half of dK / dV (HD / 4 floats each, <= 64 at HD 256); 8 warps = 64 keys per CTA
+    against 32-row query tiles up to HD 224 and 16-row tiles at 256, so K, V, the
+    double-buffered Q / dO and the partials fit sm_80's 163 KB (149 KB at HD 224, 115 KB at
+    256). ``dq``: (warps, BLOCK_N, 1): 16 query rows per warp against 64-key tiles up to HD 128
+    (dQ: HD / 2 floats, S and dP: 32 floats per thread), 32-key tiles at HD 160 / 192 (dQ up to
+    96 floats, S and dP 16 each) and 16-key tiles at 224 / 256, where 32-key tiles would need
+    116-132 KB and leave one 4-warp CTA per SM on sm_90 (16 keys: 87-99 KB, two CTAs). Not
+    timed on the GPU yet (tools/cupy_bwd_check.py times them).
     """
     if role.startswith("dkdv"):
-        return (4, 64) if hd <= 64 else (4, 32)
-    return (4, 64)
+        if hd <= 64:
+            return (4, 64, 1)
+        if hd <= 128:
+            return (4, 32, 1)
+        return (8, 32, 2) if hd <= 224 else (8, 16, 2)
+    if hd <= 128:
+        return (4, 64, 1)
+    return (4, 32, 1) if hd <= 192 else (4, 16, 1)
+
+
+def backward_mode() -> str:
+    """The value of :data:`BACKWARD_ENV` (``auto`` when unset); ValueError names the choices."""
+    raw = os.environ.get(BACKWARD_ENV, "").strip().lower() or "auto"
+    if raw not in BACKWARD_MODES:
+        raise ValueError(f"{BACKWARD_ENV}={raw!r}: expected one of {', '.join(BACKWARD_MODES)} "
+                         f"(auto = tensor-core backward for fp16/bf16 at every head dim)")
+    return raw
 
 
 def fma_block_n(hd: int) -> int:
@@ -95,7 +125,7 @@ class KernelConfig:
 
     ``family`` is ``"fwd_mma"`` (fp16/bf16 tensor cores), ``"fwd_fma"`` (float32), ``"bwd"``
     (FMA backward: preprocess or stats, dK/dV and dQ; every dtype) or ``"bwd_mma"`` (tensor-core
-    backward for fp16/bf16 at padded head dim <= 128: preprocess, dK/dV and dQ, each of the
+    backward for fp16/bf16 at every padded head dim: preprocess, dK/dV and dQ, each of the
     latter two plain and with the score extras softcap / ALiBi / bias compiled in). The cache key of the compiled module is the config itself
     (plus the device, in :mod:`.runtime`).
     """
@@ -135,9 +165,10 @@ class KernelConfig:
         if self.family == "bwd_mma":
             names = {"preprocess": f"attn_bwd_preprocess<{t}>"}
             for kernel in ("dkdv", "dq"):
-                warps, tile = bwd_mma_tile(hd, kernel)
+                warps, tile, split = bwd_mma_tile(hd, kernel)
+                shape = f"{warps}, {tile}, {split}" if kernel == "dkdv" else f"{warps}, {tile}"
                 for role, extras in ((kernel, "false"), (f"{kernel}_extras", "true")):
-                    names[role] = f"attn_bwd_{kernel}_mma<{t}, {hd}, {warps}, {tile}, {extras}>"
+                    names[role] = f"attn_bwd_{kernel}_mma<{t}, {hd}, {shape}, {extras}>"
             return names
         raise ValueError(f"unknown kernel family {self.family!r}")
 
@@ -162,7 +193,8 @@ class KernelConfig:
         if self.family == "fwd_fma":
             return FMA_BLOCK_M
         if self.family == "bwd_mma" and role != "preprocess":
-            return 16 * bwd_mma_tile(self.head_dim, role)[0]   # 16 keys (dK/dV) or rows (dQ) per warp
+            warps, _, split = bwd_mma_tile(self.head_dim, role)
+            return 16 * warps // split   # 16 keys (dK/dV) per group of `split` warps, or rows (dQ) per warp
         return {"preprocess": PRE_ROWS, "dkdv": BWD_BLOCK_N, "dq": BWD_BLOCK_M, "stats": BWD_BLOCK_M}[role]
 
     def smem_bytes(self, role: str) -> int:
@@ -177,10 +209,13 @@ class KernelConfig:
         if role == "preprocess":
             return 0
         if self.family == "bwd_mma":
-            warps, tile = bwd_mma_tile(hd, role)
+            warps, tile, split = bwd_mma_tile(hd, role)
             lds, es = hd + 8, CTYPES[self.dtype][1]
-            if role.startswith("dkdv"):   # K, V [16*warps]; Q, dO [2][BLOCK_M]; lse2, delta [2][BLOCK_M]
-                return (2 * 16 * warps + 4 * tile) * lds * es + 4 * 4 * tile
+            if role.startswith("dkdv"):
+                # K, V [16*warps/split]; Q, dO [2][BLOCK_M]; lse2, delta [2][BLOCK_M]; with split 2
+                # the pair partials of S^T and dP^T: [warps][2][BLOCK_M * 16] floats
+                partials = 4 * warps * 2 * tile * 16 if split > 1 else 0
+                return (2 * 16 * warps // split + 4 * tile) * lds * es + 4 * 4 * tile + partials
             return (2 * 16 * warps + 4 * tile) * lds * es   # Q, dO [16*warps]; K, V [2][BLOCK_N]
         ld = hd + 1
         if role == "dkdv":
@@ -202,14 +237,25 @@ def forward_config(dtype: str, head_dim: int, head_dim_v: int) -> KernelConfig |
     return KernelConfig(family, dtype, hd)
 
 
-def backward_config(dtype: str, head_dim: int, head_dim_v: int) -> KernelConfig | None:
-    """The backward module: tensor cores ("bwd_mma") for fp16/bf16 up to padded head dim 128,
-    the FMA kernels ("bwd") otherwise; None when the head dim is over the largest bucket."""
+def backward_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: int | None = None,
+                    mode: str | None = None) -> KernelConfig | None:
+    """The backward module: tensor cores ("bwd_mma") for fp16/bf16, the FMA kernels ("bwd") for
+    float32; None when the head dim is over the largest bucket.
+
+    ``mode`` (default: the :data:`BACKWARD_ENV` variable, see :func:`backward_mode`): ``auto``,
+    ``mma128`` (FMA above padded head dim 128) or ``fma`` (FMA always). ``smem_limit`` (the
+    device's opt-in bytes per block, or None = no limit): a tensor-core module that needs more
+    falls back to the FMA one (sm_86 / sm_89 allow 99 KB; the HD > 128 tensor-core kernels
+    need up to 135 KB)."""
     hd = padded_head_dim(head_dim, head_dim_v)
     if hd is None or dtype not in CTYPES:
         return None
-    if dtype in TENSOR_CORE_DTYPES and hd <= BWD_MMA_MAX_HEAD_DIM:
-        return KernelConfig("bwd_mma", dtype, hd)
+    mode = backward_mode() if mode is None else mode
+    max_hd = {"auto": BWD_MMA_MAX_HEAD_DIM, "mma128": 128, "fma": 0}[mode]
+    if dtype in TENSOR_CORE_DTYPES and hd <= max_hd:
+        cfg = KernelConfig("bwd_mma", dtype, hd)
+        if smem_limit is None or cfg.max_smem_bytes() <= smem_limit:
+            return cfg
     return KernelConfig("bwd", dtype, hd)
 
 
@@ -228,7 +274,7 @@ def all_configs() -> list[KernelConfig]:
     for hd in HEAD_DIM_BUCKETS:
         for dtype in CTYPES:
             out.append(forward_config(dtype, hd, hd))
-            out.append(backward_config(dtype, hd, hd))
+            out.append(backward_config(dtype, hd, hd, mode="auto"))
             fma = fma_backward_config(dtype, hd, hd)
             if fma not in out:   # the FMA backward stays launchable for every dtype (force_fma)
                 out.append(fma)

@@ -56,6 +56,18 @@ def get_function(cfg: configs.KernelConfig, role: str, device_index: int):
     return mod[role]
 
 
+_SMEM_OPTIN: dict[int, int | None] = {}
+
+
+def smem_optin(device: torch.device) -> int | None:
+    """The device's opt-in shared memory per block (bytes), or None when torch does not say."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMEM_OPTIN:
+        props = torch.cuda.get_device_properties(idx)
+        _SMEM_OPTIN[idx] = getattr(props, "shared_memory_per_block_optin", None)
+    return _SMEM_OPTIN[idx]
+
+
 def _ptr(t: torch.Tensor | None):
     return np.uint64(0 if t is None else t.data_ptr())
 
@@ -229,12 +241,16 @@ def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
     """Allocate ``(dq, dk, dv)`` and describe the three backward launches.
 
     ``cfg`` overrides the configuration choice: ``configs.fma_backward_config(...)`` forces the
-    FMA kernels for fp16/bf16 (tests compare them with the tensor-core ones). ``dlse`` (float32,
+    FMA kernels for fp16/bf16 (tests compare them with the tensor-core ones); by default
+    :func:`configs.backward_config` chooses (``PORTATTN_CUPY_BACKWARD``, and the device's
+    shared-memory limit: a tensor-core module that does not fit falls back to the FMA one). ``dlse`` (float32,
     ``spec.lse_shape``, or None) is the gradient of the returned lse: the kernel that forms
     delta (preprocess or stats) subtracts it.
     """
     dtype = _DTYPE_NAMES[spec.dtype]
-    cfg = cfg or configs.backward_config(dtype, spec.head_dim, spec.head_dim_v)
+    if cfg is None:
+        limit = smem_optin(spec.device) if spec.device.type == "cuda" else None
+        cfg = configs.backward_config(dtype, spec.head_dim, spec.head_dim_v, smem_limit=limit)
     if spec.is_empty or spec.seqlen_q == 0:
         zeros = tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (spec.q, spec.k, spec.v))
         return Plan(outputs=zeros)
@@ -335,9 +351,10 @@ def forward(spec) -> tuple[torch.Tensor, torch.Tensor]:
 
 def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,
              force_fma: bool = False):
-    """``(dq, dk, dv, None)``: deterministic (no atomics). fp16/bf16 up to padded head dim 128 run
-    on tensor cores (float32 accumulation); ``force_fma`` (private: tests, benchmarks) runs the
-    FMA kernels instead, as every other case does. ``dlse``: see :func:`plan_backward`."""
+    """``(dq, dk, dv, None)``: deterministic (no atomics). fp16/bf16 run on tensor cores (float32
+    accumulation) at every head dim unless ``PORTATTN_CUPY_BACKWARD`` says otherwise (see
+    :func:`configs.backward_config`); float32 runs the FMA kernels. ``force_fma`` (private:
+    tests, benchmarks) runs the FMA kernels for any dtype. ``dlse``: see :func:`plan_backward`."""
     cfg = None
     if force_fma:
         cfg = configs.fma_backward_config(_DTYPE_NAMES[spec.dtype], spec.head_dim, spec.head_dim_v)
