@@ -103,17 +103,17 @@ attn_bwd_stats(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lo
     float* sV = sK + BN * LD;                          // BN x LD
 
     const int tid = threadIdx.x, row = tid / 16, sub = tid % 16;
-    const RowCta c = PA_ROW_CTA(BM);
-    if (c.m0 >= c.s.sq) return;
-    const SeqInfo& s = c.s;
-    const int b = c.b, h = c.h, m0 = c.m0, n_hi = c.n_hi;
+    const RowCta cta = PA_ROW_CTA(BM);
+    if (cta.m0 >= cta.s.sq) return;
+    const SeqInfo& s = cta.s;
+    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi;
     const int i = m0 + row;
     const ScoreMods mods = PA_MODS(b, h);
-    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, c.hk, k_sh);
-    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, c.hk, v_sh);
+    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, cta.hk, k_sh);
+    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, cta.hk, v_sh);
     load_query_rows_f32<T, BM, HD, LD, NT>(sQ, sdO, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh, s, b, h, m0,
                                            head_dim, head_dim_v, tid);
-    const int n_first = (c.n_lo / BN) * BN;
+    const int n_first = (cta.n_lo / BN) * BN;
 
     // Pass 1: online row max and float64 sum over this thread's keys, then over the row's 16 threads.
     float m_t = PA_NEG_INF;
@@ -191,10 +191,10 @@ attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lon
     const bool exact = row_m != nullptr;
 
     const int tid = threadIdx.x, key_l = tid / 8, sub = tid % 8;
-    const KeyCta c = PA_KEY_CTA(BN);
-    if (c.n0 >= c.s.sk) return;
-    const SeqInfo& s = c.s;
-    const int b = c.b, hk = c.hk, n0 = c.n0, r_lo = c.r_lo, r_hi = c.r_hi;
+    const KeyCta cta = PA_KEY_CTA(BN);
+    if (cta.n0 >= cta.s.sk) return;
+    const SeqInfo& s = cta.s;
+    const int b = cta.b, hk = cta.hk, n0 = cta.n0, r_lo = cta.r_lo, r_hi = cta.r_hi;
     const int j = n0 + key_l;
 
     // Stage 0: this CTA's K and V tiles stay in shared memory for the whole walk.
@@ -276,14 +276,14 @@ attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long 
     float* sdS = sV + BN * LD;                         // BM x (BN + 1)
 
     const int tid = threadIdx.x, row = tid / 16, sub = tid % 16;
-    const RowCta c = PA_ROW_CTA(BM);
-    if (c.m0 >= c.s.sq) return;
-    const SeqInfo& s = c.s;
-    const int b = c.b, h = c.h, m0 = c.m0, n_hi = c.n_hi;
+    const RowCta cta = PA_ROW_CTA(BM);
+    if (cta.m0 >= cta.s.sq) return;
+    const SeqInfo& s = cta.s;
+    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi;
     const int i = m0 + row;
     const ScoreMods mods = PA_MODS(b, h);
-    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, c.hk, k_sh);
-    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, c.hk, v_sh);
+    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, cta.hk, k_sh);
+    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, cta.hk, v_sh);
 
     // Stage 0: this CTA's Q and dO rows, and each row's lse and delta.
     load_query_rows_f32<T, BM, HD, LD, NT>(sQ, sdO, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh, s, b, h, m0,
@@ -303,7 +303,7 @@ attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long 
     #pragma unroll
     for (int c = 0; c < CPT; ++c) dq_acc[c] = 0.f;
 
-    for (int n0 = (c.n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
+    for (int n0 = (cta.n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
         // Stage 1: K and V tiles.
         __syncthreads();
         load_rows_f32<T, BN, HD, LD, NT>(sK, k_base + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);

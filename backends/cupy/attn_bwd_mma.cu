@@ -183,10 +183,10 @@ attn_bwd_dkdv_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
     const int kg = warp / NSPLIT, col0 = (warp % NSPLIT) * HDS;   // key group, first head-dim column
-    const KeyCta c = PA_KEY_CTA(BN);
-    if (c.n0 >= c.s.sk) return;
-    const SeqInfo& s = c.s;
-    const int b = c.b, hk = c.hk, n0 = c.n0;
+    const KeyCta cta = PA_KEY_CTA(BN);
+    if (cta.n0 >= cta.s.sk) return;
+    const SeqInfo& s = cta.s;
+    const int b = cta.b, hk = cta.hk, n0 = cta.n0;
     const float scale_log2 = scale * PA_LOG2E;
 
     // Stage 0: this CTA's K and V tiles (resident for the whole walk) and the first query tile.
@@ -196,8 +196,8 @@ attn_bwd_dkdv_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
                                         head_dim_v, tid);
     // Query rows that can see any of these keys, walked in BM tiles, for each head of the group:
     // iteration `it` is (head hk*gqa_ratio + it / n_mt, rows m_first + (it % n_mt) * BM).
-    const int m_first = (c.r_lo / BM) * BM;
-    const int n_mt = c.r_hi > c.r_lo ? (c.r_hi - m_first + BM - 1) / BM : 0;
+    const int m_first = (cta.r_lo / BM) * BM;
+    const int n_mt = cta.r_hi > cta.r_lo ? (cta.r_hi - m_first + BM - 1) / BM : 0;
     const int n_iter = n_mt * gqa_ratio;
     if (n_iter > 0)
         dkdv_load_query_tile<T, HD, BM, LDS, NT>(sQ, sdO, sL, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh, lse,
@@ -297,13 +297,13 @@ attn_bwd_dq_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, l
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
-    const RowCta c = PA_ROW_CTA(BM);
-    if (c.m0 >= c.s.sq) return;
-    const SeqInfo& s = c.s;
-    const int b = c.b, h = c.h, m0 = c.m0, n_hi = c.n_hi;
+    const RowCta cta = PA_ROW_CTA(BM);
+    if (cta.m0 >= cta.s.sq) return;
+    const SeqInfo& s = cta.s;
+    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi;
     const float scale_log2 = scale * PA_LOG2E;
-    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, c.hk, k_sh);
-    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, c.hk, v_sh);
+    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, cta.hk, k_sh);
+    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, cta.hk, v_sh);
     ScoreMods mods;
     mods.scale = scale;
     if (EXTRAS) mods = PA_MODS(b, h);
@@ -313,7 +313,7 @@ attn_bwd_dq_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, l
                                         tid);
     load_tile_async<T, BM, HD, LDS, NT>(sdO, tok_ptr(dout, b, do_sb, s.q0 + m0, do_ss, h, do_sh), do_ss, s.sq - m0,
                                         head_dim_v, tid);
-    const int n_first = (c.n_lo / BN) * BN;
+    const int n_first = (cta.n_lo / BN) * BN;
     if (n_first < n_hi) {
         load_tile_async<T, BN, HD, LDS, NT>(sK, k_base + n_first * k_ss, k_ss, s.sk - n_first, head_dim, tid);
         load_tile_async<T, BN, HD, LDS, NT>(sV, v_base + n_first * v_ss, v_ss, s.sk - n_first, head_dim_v, tid);

@@ -30,21 +30,21 @@ attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t4 = lane % 4;
-    const RowCta c = PA_ROW_CTA(BM);
-    if (c.m0 >= c.s.sq) return;
-    const SeqInfo& s = c.s;
-    const int b = c.b, h = c.h, m0 = c.m0;
+    const RowCta cta = PA_ROW_CTA(BM);
+    if (cta.m0 >= cta.s.sq) return;
+    const SeqInfo& s = cta.s;
+    const int b = cta.b, h = cta.h, m0 = cta.m0;
 
     const T* q_base = tok_ptr(q, b, q_sb, s.q0 + m0, q_ss, h, q_sh);
-    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, c.hk, k_sh);
-    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, c.hk, v_sh);
+    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, cta.hk, k_sh);
+    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, cta.hk, v_sh);
     ScoreMods mods;
     if (EXTRAS) mods = PA_MODS(b, h);
     const float scale_log2 = scale * PA_LOG2E;
 
     // Keys any row of this tile can see: [n_lo, n_hi), walked in BN-wide tiles.
-    const int n_hi = c.n_hi;
-    const int n_first = (c.n_lo / BN) * BN;
+    const int n_hi = cta.n_hi;
+    const int n_first = (cta.n_lo / BN) * BN;
 
     // Stage 0: Q tile and the first K tile in flight.
     load_tile_async<T, BM, HD, LDS, NT>(sQ, q_base, q_ss, s.sq - m0, head_dim, tid);
@@ -243,21 +243,21 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     float* sP = sV + BN * HD;                          // BM x BN
 
     const int tid = threadIdx.x, row = tid / 8, sub = tid % 8;
-    const RowCta c = PA_ROW_CTA(BM);
-    if (c.m0 >= c.s.sq) return;
-    const SeqInfo& s = c.s;
-    const int b = c.b, h = c.h, m0 = c.m0;
+    const RowCta cta = PA_ROW_CTA(BM);
+    if (cta.m0 >= cta.s.sq) return;
+    const SeqInfo& s = cta.s;
+    const int b = cta.b, h = cta.h, m0 = cta.m0;
     const int i = m0 + row;
     const ScoreMods mods = PA_MODS(b, h);
     const T* q_base = tok_ptr(q, b, q_sb, s.q0 + m0, q_ss, h, q_sh);
-    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, c.hk, k_sh);
-    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, c.hk, v_sh);
+    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, cta.hk, k_sh);
+    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, cta.hk, v_sh);
 
     for (int c = tid; c < BM * HD; c += NT) {
         const int r = c / HD, d = c % HD;
         sQ[c] = (m0 + r < s.sq && d < head_dim) ? Elem<T>::to_float(q_base[r * q_ss + d]) : 0.f;
     }
-    const int n_hi = c.n_hi;
+    const int n_hi = cta.n_hi;
 
     // P V and the row sum accumulate in float64: sums of hundreds of terms of either sign would
     // otherwise lose a few float32 ulps against plain float32 math (docs/semantics.md's yardstick).
@@ -267,7 +267,7 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     float m_i = PA_NEG_INF;
     double l_i = 0.0;
 
-    for (int n0 = (c.n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
+    for (int n0 = (cta.n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
         // Stage 1: K and V tiles into shared memory (float32, zero outside the sequence).
         __syncthreads();
         for (int c = tid; c < BN * HD; c += NT) {
