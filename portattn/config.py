@@ -27,6 +27,9 @@ VARIABLES = {
     "PORTATTN_PRIORITY_AMD": "comma-separated backend order for AMD ROCm devices",
     "PORTATTN_PRIORITY_CPU": "comma-separated backend order for CPU tensors",
     "PORTATTN_HYPOTHESIS_PROFILE": "Hypothesis profile for the property tests: ci, gpu or nightly",
+    "PORTATTN_CUPY_BACKWARD": "cupy's fp16/bf16 backward: auto (default: tensor cores at every head dim), mma128 "
+                              "(FMA above padded head dim 128, the earlier kernels) or fma (FMA always); read on "
+                              "every call by backends/cupy/configs.py",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
 }
