@@ -4,7 +4,7 @@ Every kernel works on the canonical layout of :class:`portattn.spec.AttentionSpe
 strides (last dimension contiguous): dense ``(B, S, H, D)`` or varlen ``(total, H, D)`` with
 ``cu_seqlens`` (then the batch stride is 0 and each sequence starts at ``cu_seqlens[b]``).
 
-Conventions shared by all kernels (DESIGN.md §2):
+Conventions shared by all kernels (docs/semantics.md):
 
 * scores live in base 2: ``s2 = log2(e) · s`` so that ``exp2`` replaces ``exp``; the softmax
   scale and log2(e) are folded into one multiplier ``qk_scale2``;
@@ -19,10 +19,10 @@ Conventions shared by all kernels (DESIGN.md §2):
   for fp16/bf16 on the H200 with triton 3.6, 2026-11-29);
 * ``lse`` is stored in natural log; a row with no visible key has ``l_i = 0``: output 0 and
   ``lse = -inf``;
-* the backward does not read ``lse``: its first pass recomputes each row's max ``m`` (base 2)
-  and sum ``l`` exactly as the forward does and keeps them apart, so ``P = exp2(S - m) / l``
-  is the forward's softmax bit for bit in structure (a row with one visible key gets P = 1
-  exactly); folding them into a float32 ``lse`` cost ``ulp(|lse|)`` relative error in every P.
+* the backward's row statistics: 16-bit autograd calls take them from the forward's ``lse`` and
+  delta from the unrounded output (O plus the forward's rounding residual); float32, and calls
+  without the residual, recompute the max ``m`` and sum ``l`` exactly as the forward does and keep
+  them apart (see the backward section below, and docs/triton.md).
 
 Nothing here uses atomics: dK/dV and dQ are computed by separate kernels that each own their
 output tile, so gradients are bit-identical across runs by construction.
