@@ -8,6 +8,10 @@
 #   bash tools/h200_session.sh wave2bench   # call-path overhead, the decode grid, the fastest policy
 #   PREV=report.json bash tools/h200_session.sh wave2final   # GPU tests + the cases PREV did not run
 #       (and triton's quick subset again) side by side, one merged report, then wave2bench
+#   bash tools/h200_session.sh bwdsweep     # triton tile sweep + its GPU tests + ncu (AFTER: one more step)
+#   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh leftover
+#       # what the last session could not run: the transformers-on-triton model tests, then the
+#       # catalogue cases PREV lacks (wave2final's merge), then the decode grid with the fast launch
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -126,6 +130,15 @@ if [[ $what == tests ]]; then
       > "$OUT/pytest_gpu.txt" 2>&1
   echo "== GPU tests rc=$? ($(( $(date +%s) - t0 ))s):"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.txt" | head -40
   tail -3 "$OUT/pytest_gpu.txt"
+fi
+
+if [[ $what == leftover ]]; then
+  t0=$(date +%s)
+  timeout -s INT -k 20 "${TEST_LIMIT:-200}" $PY -m pytest -v --tb=short -p no:cacheprovider -n 4 \
+      tests/test_transformers.py -k cuda_triton -rfEs > "$OUT/pytest_transformers_triton.txt" 2>&1
+  echo "== transformers on triton rc=$? ($(( $(date +%s) - t0 ))s):"; tail -3 "$OUT/pytest_transformers_triton.txt"
+  GPU_TESTS="tests/test_onnx_kvcache.py tests/test_kvcache_gpu.py" TEST_LIMIT=${REST_TEST_LIMIT:-200} \
+      DECODE_ARGS=${DECODE_ARGS:---no-sweep} what=wave2final
 fi
 
 if [[ $what == wave2final ]]; then
