@@ -52,10 +52,10 @@ class _Stub:
     """``kernel[grid](*args, **kwargs)`` that does nothing."""
 
     def __getitem__(self, grid):
-        return _noop
+        return noop
 
 
-def _noop(*args, **kwargs):
+def noop(*args, **kwargs):
     return None
 
 
@@ -89,8 +89,9 @@ class _BinderOnly:
         return launch
 
 
-class _FakeDriver:
-    """Enough of a triton driver for ``JITFunction.run``: device 0, stream 0, an sm_90 target."""
+class FakeDriver:
+    """Enough of a triton driver for ``JITFunction.run``: device 0, stream 0, an sm_90 target.
+    (Also used by tools/host_overhead_decode.py.)"""
 
     def __init__(self):
         from triton.backends.compiler import GPUTarget
@@ -106,8 +107,9 @@ class _FakeDriver:
         return self.target
 
 
-class _FakeKernel:
-    """A "compiled kernel" whose launch does nothing (``function`` stands for a loaded handle)."""
+class FakeKernel:
+    """A "compiled kernel" whose launch does nothing (``function`` stands for a loaded handle:
+    the fast path remembers only loaded kernels)."""
 
     function = 1
     packed_metadata = None
@@ -119,20 +121,26 @@ class _FakeKernel:
         return None
 
 
-def _fast(fn):
-    """``launcher.FastKernel`` over a copy of ``fn`` that "compiles" to a :class:`_FakeKernel`."""
-    from portattn.backends.triton import launcher
+def fake_compiled(fn):
+    """A copy of the JITFunction ``fn`` whose ``run`` takes a :class:`FakeKernel` instead of
+    compiling (cached like a real one)."""
     from triton.runtime.jit import JITFunction
     jf = JITFunction(fn.fn, do_not_specialize=fn.do_not_specialize)
-    _ = jf.cache_key
-    fake = _FakeKernel()
+    _ = jf.cache_key   # fills used_global_vals, which run checks on every launch
+    fake = FakeKernel()
 
     def _do_compile(key, signature, device, *args, **kwargs):
         jf.device_caches[device][0][key] = fake
         return fake
 
     jf._do_compile = _do_compile
-    return launcher.FastKernel(jf)
+    return jf
+
+
+def _fast(fn):
+    """``launcher.FastKernel`` over :func:`fake_compiled` of ``fn``."""
+    from portattn.backends.triton import launcher
+    return launcher.FastKernel(fake_compiled(fn))
 
 
 def _install(mode: str):
@@ -142,7 +150,7 @@ def _install(mode: str):
     originals = {name: getattr(kernels, name) for name in KERNELS}
     if mode == "fast":
         originals["driver"] = driver._active
-        driver.set_active(_FakeDriver())
+        driver.set_active(FakeDriver())
     for name in KERNELS:
         fn = originals[name]
         setattr(kernels, name, _Stub() if mode == "stub" else _BinderOnly(fn) if mode == "binder" else _fast(fn))

@@ -33,38 +33,9 @@ import time
 os.environ.pop("TRITON_INTERPRET", None)   # real JITFunctions (their run is what is measured)
 
 import torch  # noqa: E402
+from host_overhead import FakeDriver, fake_compiled, noop  # noqa: E402  (tools/: the same fakes)
 
 H200_SMS = 132
-
-
-class _FakeDriver:
-    """Enough of a triton driver for ``JITFunction.run``: device 0, stream 0, an sm_90 target."""
-
-    def __init__(self):
-        from triton.backends.compiler import GPUTarget
-        self.target = GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return self.target
-
-
-class _FakeKernel:
-    """What ``_do_compile`` would return: ``launch_metadata`` and ``run`` do nothing."""
-
-    function = 1            # a loaded function handle (the fast path remembers only loaded kernels)
-    packed_metadata = None
-
-    def launch_metadata(self, *args):
-        return None
-
-    def run(self, *args):
-        return None
 
 
 class _Stub:
@@ -74,24 +45,7 @@ class _Stub:
         self.fn = fn
 
     def __getitem__(self, grid):
-        return _noop
-
-
-def _noop(*args, **kwargs):
-    return None
-
-
-def _fake_compiled(jit_fn):
-    """Make ``jit_fn.run`` take the fake kernel instead of compiling (cached like a real one)."""
-    fake = _FakeKernel()
-    jit_fn.cache_key   # noqa: B018  (fills used_global_vals, which run checks on every launch)
-
-    def _do_compile(key, signature, device, *args, **kwargs):
-        jit_fn.device_caches[device][0][key] = fake
-        return fake
-
-    jit_fn._do_compile = _do_compile
-    return jit_fn
+        return noop
 
 
 def _setup(mode: str):
@@ -119,10 +73,9 @@ def _setup(mode: str):
         if mode == "stub":
             patch(decode, name, _Stub(kernel))
         else:
-            from triton.runtime.jit import JITFunction
-            patch(decode, name, _fake_compiled(JITFunction(kernel.fn, do_not_specialize=kernel.do_not_specialize)))
+            patch(decode, name, fake_compiled(kernel))
     if mode != "stub":
-        tdriver.set_active(_FakeDriver())
+        tdriver.set_active(FakeDriver())
         undo.append((None, "driver", tdriver))
         undo.append((launcher, "_ENABLED", launcher._ENABLED))
         launcher.set_enabled(mode == "fast")
