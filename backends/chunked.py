@@ -245,6 +245,18 @@ def _grouped(t: torch.Tensor, hkv: int) -> torch.Tensor:
     return t.view(t.shape[0], hkv, -1, t.shape[-1])
 
 
+def _online_max(s: torch.Tensor, m: torch.Tensor | None):
+    """One key chunk's step of the online softmax, shared by the forward and the backward's row
+    statistics: ``(m_new, m_use, p)`` with the running max ``m_new`` (``m`` None: the first
+    chunk), the max actually subtracted ``m_use`` (0 for rows with nothing visible yet: no
+    -inf - -inf) and ``p = exp(s - m_use)``, computed in place in ``s``."""
+    m_new = s.amax(dim=-1, keepdim=True)
+    if m is not None:
+        m_new = torch.maximum(m, m_new)
+    m_use = m_new.masked_fill(m_new == _NEG_INF, 0.0)
+    return m_new, m_use, s.sub_(m_use).exp_()
+
+
 def _forward_group(spec, g: _Group, cd):
     """Online-softmax forward of one group: ``(out (nb, Hq, Sq, Dv), lse (nb, Hq, Sq))`` in ``cd``."""
     nb, hq, hkv = g.q.shape[0], spec.num_heads_q, spec.num_heads_kv
@@ -268,11 +280,7 @@ def _forward_group(spec, g: _Group, cd):
         for j0, j1 in _key_chunks(spec, g.sq, g.sk, i0, i1, lo, hi, keys):
             ch = _Chunk(spec, g, qc, kh[:, :, j0:j1], i0, i1, j0, j1, cd, scratch)
             s = ch.s
-            m_new = s.amax(dim=-1, keepdim=True)
-            if m is not None:
-                m_new = torch.maximum(m, m_new)
-            m_use = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-            p = s.sub_(m_use).exp_()
+            m_new, m_use, p = _online_max(s, m)
             vc = ch.clean(vh[:, :, j0:j1])
             pv = torch.matmul(_grouped(p, hkv), vc).view(nb, hq, i1 - i0, dv)
             if m is None:
@@ -310,11 +318,7 @@ def _row_stats(spec, g: _Group, qc, kh, vh, do, i0, i1, lo, hi, keys, cd, scratc
     for j0, j1 in _key_chunks(spec, g.sq, g.sk, i0, i1, lo, hi, keys):
         ch = _Chunk(spec, g, qc, kh[:, :, j0:j1], i0, i1, j0, j1, cd, scratch)
         s = ch.s
-        m_new = s.amax(dim=-1, keepdim=True)
-        if m is not None:
-            m_new = torch.maximum(m, m_new)
-        m_use = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-        p = s.sub_(m_use).exp_()
+        m_new, m_use, p = _online_max(s, m)
         vc = ch.clean(vh[:, :, j0:j1])
         dp = torch.bmm(do.reshape(nb * hkv, -1, dvd), vc.reshape(nb * hkv, j1 - j0, dvd).transpose(1, 2),
                        out=scratch.take("ds", (nb * hkv, do.shape[2], j1 - j0))).view(nb, hq, n, j1 - j0)
