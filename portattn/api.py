@@ -57,11 +57,16 @@ def _choose(spec: AttentionSpec, backend: str | None):
     return dispatch.select(spec, backend)
 
 
+def _not_an_input(out, spec: AttentionSpec):
+    """``out``, or a copy of it when it is (a view of) an input: never hand one back as the output."""
+    if out.numel() and out.data_ptr() in (spec.q.data_ptr(), spec.k.data_ptr(), spec.v.data_ptr()):
+        return out.clone()
+    return out
+
+
 def _forward(impl, spec: AttentionSpec):
     out, lse = impl.forward(spec)
-    if out.numel() and out.data_ptr() in (spec.q.data_ptr(), spec.k.data_ptr(), spec.v.data_ptr()):
-        out = out.clone()   # never hand back (a view of) an input as the output
-    return out, lse
+    return _not_an_input(out, spec), lse
 
 
 def _forward_for_backward(impl, spec: AttentionSpec):
@@ -71,9 +76,7 @@ def _forward_for_backward(impl, spec: AttentionSpec):
     if fwd is None:
         return (*_forward(impl, spec), ())
     out, lse, residuals = fwd(spec)
-    if out.numel() and out.data_ptr() in (spec.q.data_ptr(), spec.k.data_ptr(), spec.v.data_ptr()):
-        out = out.clone()
-    return out, lse, tuple(residuals)
+    return _not_an_input(out, spec), lse, tuple(residuals)
 
 
 def _backward(impl, spec: AttentionSpec, out, lse, dout, dlse, residuals=()):
