@@ -78,6 +78,12 @@ class Backend:
     features: ClassVar[frozenset] = frozenset()
     deterministic: ClassVar[bool] = True       # can give bit-identical results across runs
     has_backward: ClassVar[bool] = False
+    #: True when :meth:`extra_reasons` (and :meth:`not_supported_reasons`) depend only on the
+    #: spec's host metadata (shapes, strides, dtypes, devices, arguments), on torch's TF32 matmul
+    #: flag and on facts fixed for the life of the process (device properties, installed
+    #: packages). The call path then remembers the choice per call signature
+    #: (:mod:`portattn.callcache`). False, the default, asks the backend on every call.
+    stable_reasons: ClassVar[bool] = False
 
     # ----- availability ------------------------------------------------------------------
     def unavailable_reasons(self) -> list[str]:

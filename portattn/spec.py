@@ -229,6 +229,23 @@ class AttentionSpec:
         return " ".join(parts) + (f" [{', '.join(feats)}]" if feats else "")
 
 
+def _make_copier():
+    """``copy_with_tensors(spec, q, k, v, attn_bias)``: a new AttentionSpec with every field of
+    ``spec`` but those four, which it takes as given (canonical layout; nothing is validated:
+    :mod:`portattn.callcache` guarantees that the metadata match). Generated straight-line code:
+    ~0.4 us, against ~6 us for ``copy.copy``."""
+    names = [n for n in AttentionSpec.__slots__ if n not in ("q", "k", "v", "attn_bias")]
+    body = "".join(f"    n.{x} = s.{x}\n" for x in names)
+    src = f"def copy_with_tensors(s, q, k, v, attn_bias):\n    n = new(cls)\n{body}    n.q = q\n    n.k = k\n" \
+          f"    n.v = v\n    n.attn_bias = attn_bias\n    return n\n"
+    namespace = {"new": object.__new__, "cls": AttentionSpec}
+    exec(src, namespace)   # fixed source, built from the dataclass's own slot names
+    return namespace["copy_with_tensors"]
+
+
+copy_with_tensors = _make_copier()
+
+
 # ----- validation --------------------------------------------------------------------------
 
 def _check_tensor(name: str, t) -> None:
