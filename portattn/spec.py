@@ -100,6 +100,11 @@ class AttentionSpec:
     head_dim: int = field(init=False)
     head_dim_v: int = field(init=False)
     _features: frozenset = field(init=False, repr=False)
+    #: the call signature (:mod:`portattn.callcache`) this spec was built for, or None: specs with
+    #: the same signature have the same metadata (shapes, strides, dtypes, device, arguments),
+    #: so backends may key host-side caches on it. Not copied by ``dataclasses.replace`` (a
+    #: variant has other metadata).
+    signature: tuple | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         set_ = object.__setattr__
