@@ -78,26 +78,39 @@ def test_main_without_a_gpu_says_so(capsys):
     assert "needs a CUDA" in capsys.readouterr().err
 
 
-def test_point_and_sweep_run_end_to_end_on_cpu(monkeypatch):
-    """The GPU code paths at toy sizes on CPU tensors (triton under the interpreter; SDPA's
-    cuDNN/flash kernels cannot run there and become error entries), with a fake timer."""
+def test_rotations_cover_the_l2():
+    assert bench.rotations(bench.kv_bytes(8, 131072)) == 1
+    assert bench.rotations(bench.kv_bytes(1, 8192)) * bench.kv_bytes(1, 8192) >= bench.ROTATE_BYTES
+    assert bench.rotations(1) == 32 and set(bench.TIMING_METHODS) == {"queued", "eager"}
+
+
+def test_point_runs_end_to_end_on_cpu(monkeypatch):
+    """The GPU code path at toy sizes on CPU tensors (triton under the interpreter; SDPA's
+    cuDNN/flash kernels cannot run there and become error entries), with fake timers that
+    call what they time: the queued timer gets one callable per cache copy."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("CPU smoke test")
     monkeypatch.setattr(bench, "HQ", 4)
     monkeypatch.setattr(bench, "HKV", 2)
     monkeypatch.setattr(bench, "D", 16)
-    seen = []
+    seen, copies = [], []
+
+    def timer(fns):
+        copies.append(len(fns))
+        outs = [f() for f in fns]
+        assert all(torch.equal(o, outs[0]) for o in outs)   # the copies hold the same problem
+        return {"ms": 0.5}
+
     gen = torch.Generator().manual_seed(0)
     row = bench.bench_point(dict(B=2, Sq=2, Sk=512), torch.bfloat16, gen, seen.append, device="cpu",
-                            timer=lambda fn: (fn(), 0.5)[1])
+                            timer=timer, eager_timer=lambda fn: (fn(), 2.0)[1])
     res = row["results"]
     for impl in ("triton", "triton-paged16", "triton-paged256"):
         assert res[impl]["ok"] and res[impl]["tbps"] == pytest.approx(bench.tbps(row["bytes"], 0.5)), res[impl]
-        assert res[impl]["plan"]["num_splits"] >= 1
+        assert res[impl]["eager_tbps"] == pytest.approx(bench.tbps(row["bytes"], 2.0))
+        assert res[impl]["plan"]["num_splits"] >= 1 and res[impl]["timing"] == "queued"
+    assert len(copies) >= 3 and set(copies) == {2} and row["copies"] == 2
     assert row["bytes"] == bench.kv_bytes(2, 512, 2, 16, 16)
     assert "error" in res["sdpa-cudnn"] and len(seen) == len(bench.IMPLS)
-    rows = bench.sweep(torch.bfloat16, gen, seen.append, device="cpu", timer=lambda fn: (fn(), 1.0)[1],
-                       points=[((1, 1, 512), [(32, 4, 1), (16, 4, 1)])])
-    assert len(rows) == 5 and all(r["ok"] for r in rows), rows
-    assert rows[4]["num_splits"] == 128                  # 132 asked for, clamped to MAX_SPLITS
+    assert "eager" in bench.ratio_table([row]).splitlines()[0]
