@@ -34,8 +34,8 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -61,8 +61,7 @@ TARGETS = {"sq1_vs_cudnn": 1.0, "b8_128k_sq1": 3.8, "b1_128k_sq1": 3.3, "sq8": 3
 CALLS, REPEATS = 16, 3
 
 
-@dataclass(frozen=True)
-class Cand:
+class Cand(NamedTuple):
     """One tile candidate: the packed tile's height cap, BLOCK_N, warps, stages."""
 
     block_m: int
@@ -81,8 +80,8 @@ class Cand:
 # best guesses first (the sweep may stop early); the heuristic's own tile is put in front by candidates()
 _NARROW = [(16, 128, 4, 3), (16, 64, 4, 3), (16, 64, 4, 5), (16, 128, 4, 4), (16, 32, 4, 6), (16, 64, 8, 4),
            (16, 128, 8, 3), (16, 32, 4, 4), (16, 64, 2, 4), (16, 128, 4, 2)]
-_WIDE = [(32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 8, 4), (32, 128, 4, 3), (64, 32, 8, 4), (16, 64, 4, 4),
-         (32, 32, 4, 5), (64, 128, 8, 2), (32, 64, 8, 3), (64, 64, 4, 3)]
+_WIDE = [(64, 64, 8, 3), (32, 64, 4, 3), (64, 64, 4, 4), (32, 64, 4, 4), (64, 32, 4, 4), (64, 128, 4, 2),
+         (32, 128, 4, 3), (16, 64, 4, 4), (32, 32, 4, 5), (64, 64, 8, 4)]   # (64, 64, 8, 3): the rule before
 _TINY = [(16, 16, 4, 1), (16, 32, 4, 1), (32, 32, 4, 1)]
 
 

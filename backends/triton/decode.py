@@ -67,11 +67,11 @@ UNBOUNDED = 1 << 30
 MAX_SPLITS = 128
 #: rows of the packed (GQA × Sq) query tile at most; more rows take more programs (m_blocks)
 MAX_BLOCK_M = 64
-#: the split heuristic's wave-efficiency tolerance (:func:`num_splits_for`). flash-attn's 0.85
-#: trades filling the machine for fewer partials; a bandwidth-bound decode gains from every slot
-#: and its combine reads ~1 MB at B 1: 0.85 gave B 1 / Sk 128k on the H200 57 splits (228
-#: programs of 264 slots, 36 SMs with one program, 96 with two), 0.95 gives 63 (252).
-SPLIT_EFFICIENCY = 0.95
+#: the split heuristic's wave-efficiency tolerance (:func:`num_splits_for`; flash-attn's 0.85).
+#: At B 1 / Sk 128k / Sq 1 it gives 57 splits (228 programs of 264 slots); the H200 sweep of
+#: 2026-12-01 (eager timing) read 3.23 / 3.15 / 3.09 / 3.20 TB/s at 28 / 57 / 114 / 128 splits:
+#: no case for filling every slot yet. tools/decode_sweep.py times 1, 2 and 4 programs per SM.
+SPLIT_EFFICIENCY = 0.85
 
 
 # ----- kernels ------------------------------------------------------------------------------
