@@ -361,6 +361,20 @@ def test_a_config_override_caps_the_tile_height():
         decode.plan_summary(kv, KernelConfig(48, 32, 4, 1))
 
 
+def test_wide_decode_tiles_take_the_measured_row_where_one_exists():
+    """64-row packed tiles (Sq 8 at GQA 8): hopper D128 2-byte takes _DECODE_WIDE_NVIDIA's row;
+    other heads, float32 and sm_80 keep the rule (8 warps, BLOCK_N <= 64, one stage less)."""
+    from portattn.backends.triton import configs
+    hopper, ampere = configs.Target("nvidia", 90), configs.Target("nvidia", 80)
+    m, n, w, s = configs._DECODE_WIDE_NVIDIA["hopper"][128]
+    assert configs.decode_config(hopper, 128, 2, 64) == configs.KernelConfig(min(64, m), n, w, s)
+    assert configs.decode_config(hopper, 128, 2, 32) == configs.KernelConfig(32, *configs._DECODE_NVIDIA["hopper"][128])
+    for target, block_d in ((hopper, 64), (ampere, 128)):
+        cfg = configs.decode_config(target, block_d, 2, 64)
+        assert (cfg.block_m, cfg.num_warps) == (64, 8) and cfg.block_n <= 64
+    assert configs.decode_config(hopper, 128, 4, 64).block_m == 16
+
+
 def test_portability_set_covers_every_decode_config():
     """Each decode config configs.decode_config can return (at tile height >= 32, which heights
     16 and 32 share) is compiled by the full portability set, for every target."""
