@@ -233,14 +233,16 @@ def report(result: dict) -> str:
     hq, hkv = (int(x) for x in result["heads"].split(":"))
     lines += ["  " + r for r in paste_rows(proposal, result.get("family", "hopper"), hq // hkv)] or ["  (nothing proposed)"]
     # split counts: how often the heuristic's count was the best for the best tile of each point
-    lines += ["", "split counts at each point's best tile (heuristic's count -> best count, TB/s):"]
+    lines += ["", "split counts at each point's best tile (heuristic's count -> best count, TB/s; the heuristic "
+              "plans configs.decode_programs_per_sm programs per SM: 2 below 64 rows, 1 at 64):"]
     for k, p in per_point.items():
         b = p["best"]
         if b:
             same = [t for t in result["trials"] if t.get("ok") and t["point"] == k and t["cand"] == b["cand"]]
             h = next((t for t in same if t["heuristic_splits"]), None)
+            per_sm = b.get("programs", 0) / max(1, result.get("sm_count", 1))
             lines.append(f"  {k:<28} {b['cand']}: " + (f"x{h['num_splits']} {h['tbps']:.2f} -> " if h else "")
-                         + f"x{b['num_splits']} {b['tbps']:.2f}  ("
+                         + f"x{b['num_splits']} {b['tbps']:.2f} ({per_sm:.1f} programs per SM)  ("
                          + ", ".join(f"x{t['num_splits']} {t['tbps']:.2f}" for t in same) + ")")
     now = {k: p["heuristic"]["tbps"] for k, p in per_point.items() if p["heuristic"]}
     prop_numbers = {k: t["tbps"] for prop in proposal.values() for k, t in prop["per_point"].items()}
