@@ -293,8 +293,11 @@ def run(pts: list[dict], device: str = "cuda", timer=None, time_limit: float = 1
             for impl in ("sdpa-cudnn", "sdpa-flash"):
                 try:
                     fns = [bench._sdpa_fn(impl, q, kc, vc) for kc, vc, _ in caches["contig"]]
-                    if bench.check(fns[0](), ref_full)["ok"]:
+                    checked = bench.check(fns[0](), ref_full)
+                    if checked["ok"]:
                         base[impl] = bench.tbps(bench.kv_bytes(b, sk, hkv, d), timer(fns)["ms"])
+                    else:
+                        base[impl + "-error"] = f"output differs from the float32 reference: {checked}"
                 except Exception as exc:
                     base[impl + "-error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
     progress(f"set up {len(problems)} problems in {time.time() - t0:.1f} s; baselines: {baselines}")
