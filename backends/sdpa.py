@@ -172,6 +172,18 @@ class _Plan:
             self.mask = additive if keep is None else additive.masked_fill(~keep, float("-inf"))
 
 
+_NANS: dict = {}
+
+
+def _nan(device: torch.device) -> torch.Tensor:
+    """A float32 NaN scalar on ``device``, made once (expanded, it stands for an lse nobody asked
+    for: writes into an expanded view raise, reads give NaN)."""
+    t = _NANS.get(device)
+    if t is None:
+        t = _NANS[device] = torch.full((), float("nan"), dtype=torch.float32, device=device)
+    return t
+
+
 class SdpaBackend(Backend):
     """torch's scaled_dot_product_attention (FlashAttention-2, cuDNN, memory-efficient or math,
     as torch chooses) for the problems it can express."""
@@ -298,12 +310,16 @@ class SdpaBackend(Backend):
         return self._forward(spec)
 
     def _forward(self, spec):
+        """``out`` is a (B, Sq, Hq, Dv) view of SDPA's (B, Hq, Sq, Dv) output (the custom op makes
+        its outputs contiguous, as its fake implementation declares)."""
         out, _ = self._sdpa(spec, *self._friendly(spec, (spec.q, spec.k, spec.v)))
         if spec.return_lse:
             lse = self._lse(spec)
-        else:   # not requested by the caller, and never read by this backend's backward
+        elif spec.needs_grad:   # saved for the backward, which never reads it
             lse = torch.full(spec.lse_shape, float("nan"), dtype=torch.float32, device=spec.device)
-        return out.contiguous(), lse
+        else:                   # not requested and not saved: a read-only NaN view (no allocation)
+            lse = _nan(spec.device).expand(spec.lse_shape)
+        return out, lse
 
     def backward(self, spec, out, lse, dout, dlse=None):
         # Recompute SDPA under torch.func.vjp (works inside the custom op) and pull dout back;

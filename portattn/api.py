@@ -144,7 +144,8 @@ def _attention_op(
 ) -> tuple[Tensor, Tensor]:
     spec = _op_spec(q, k, v, alibi_slopes, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     scale, causal, alignment, window_left, window_right, softcap, return_lse, needs_grad)
-    return _forward(_choose(spec, backend or None), spec)
+    out, lse = _forward(_choose(spec, backend or None), spec)
+    return out.contiguous(), lse.contiguous()   # the strides _attention_fake declares
 
 
 def _lse_shape(q, cu_seqlens_q):
