@@ -391,8 +391,9 @@ def attn_fwd(
     ``TMA`` (sm_90+, chosen by configs.forward_config and checked by the host: 16-byte aligned
     bases and row strides): Q, K, V are loaded and O (and ORES) stored through device-side tensor
     descriptors of each (sequence, head)'s ``(S, D)`` slab, whose bounds replace the element masks
-    (same values: zero fill on loads, clipped stores); ``WS`` warp-specialises the key loops. With
-    both off the kernel is the portable pointer version."""
+    (same values: zero fill on loads, clipped stores); ``WS`` asks for warp-specialised key loops
+    (cross-compiled for sm_90 with triton 3.6 and 3.9: ignored at 8 warps, and the Hopper pass
+    fails on the three phase loops at 4). With both off the kernel is the portable pointer version."""
     pid_m = _tile_order(tl.program_id(0), tl.num_programs(0), LONGEST_FIRST)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
