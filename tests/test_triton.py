@@ -486,3 +486,30 @@ def test_tma_needs_16_byte_aligned_rows():
     for bad in (skew, narrow):
         got = ops._tma_config(cfg, ok, bad, ok, ok)
         assert not got.tma and not got.ws and got.block_m == 128
+
+
+def test_tma_launch_sets_an_allocator_only_when_none_is_set():
+    """Device-side descriptors need triton's global-scratch allocator: the TMA launch installs a
+    torch-backed one in a context that has none, and keeps one the caller set."""
+    import contextvars
+
+    import triton
+    from portattn.backends.triton import ops
+    from triton.runtime import _allocation
+
+    def fresh():
+        _allocation._allocator.set(_allocation._NULL_ALLOCATOR)
+        ops._ensure_allocator()
+        return _allocation._allocator.get()
+
+    assert contextvars.copy_context().run(fresh) is ops._scratch
+
+    def mine(size, alignment, stream):
+        raise AssertionError("not called here")
+
+    def keep():
+        triton.set_allocator(mine)
+        ops._ensure_allocator()
+        return _allocation._allocator.get()
+
+    assert contextvars.copy_context().run(keep) is mine

@@ -304,10 +304,14 @@ def _fwd_label(t) -> str:
     return _fwd_cfg(t).short()
 
 
-def _fwd_spec(b, s, h, d, causal, seed=0):
+#: where --fwd-worker's checks run ("cpu" with TRITON_INTERPRET=1: a smoke test of this tool without a GPU)
+WORKER_DEVICE = os.environ.get("TRITON_SWEEP_DEVICE", "cuda")
+
+
+def _fwd_spec(b, s, h, d, causal, seed=0, device="cuda"):
     from portattn.spec import build_spec
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, device=device, dtype=torch.bfloat16, generator=g) for _ in range(3))
     return build_spec(q, k, v, causal=causal)
 
 
@@ -320,7 +324,7 @@ def _fwd_check(d, causal, t) -> str:
     cfg = _fwd_cfg(t)
     ops._forward_config = lambda *a: cfg
     for s in (640, 200):
-        spec = _fwd_spec(2, s, 4, d, causal, seed=1)
+        spec = _fwd_spec(2, s, 4, d, causal, seed=1, device=WORKER_DEVICE)
         if cfg.tma and not ops.forward_config_for(spec).tma:
             return "override not applied"
         out, lse = ops.forward(spec)
