@@ -355,6 +355,7 @@ class ChunkedBackend(Backend):
     sequence length, every feature, forward and backward; the CPU default."""
 
     name = "chunked"
+    stable_reasons = True   # dtype/device checks and the TF32 flag (which the call path keys on)
     description = "exact attention in torch ops, query/key chunks with an online softmax (memory-linear; any device)"
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
     head_dims = (1, 1 << 16)

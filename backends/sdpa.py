@@ -17,7 +17,6 @@ added to SDPA's own backward by a second such pass (``dS = dlse · P``).
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
@@ -101,16 +100,21 @@ class _MathOnly:
             put(was)
 
 
-def _kernel_choice(spec):
-    """SDPA's math kernel on CPU (every dtype) and for float32/float64 on GPUs; elsewhere torch
-    chooses. The fused CPU kernel approximates exp (fp16 with extreme logits: dq 13x the
-    naive error, found by the property suite; float32 bhsd views: dk 3.6x, the conformance
-    catalogue on CPU, 2026-12-01), and on the H200 (2026-11-29) the fused CUDA float32 kernel
-    missed the equivalence rule (docs/semantics.md) on small problems (e.g. 4.8e-7 on a one-key
-    row the math gives exactly)."""
-    if spec.vendor == "cpu" or spec.dtype in (torch.float32, torch.float64):
+def _kernel_choice(spec, for_grad: bool):
+    """A context that restricts SDPA to its math kernel, or None when torch may choose. Gradients (``for_grad``: the recomputation under
+    ``torch.func.vjp``) use SDPA's math kernel on CPU: the fused CPU kernel approximates exp, and
+    its backward missed the equivalence rule (docs/semantics.md; fp16 with extreme logits: dq 13x
+    the naive error, found by the property suite; float32 bhsd views: dk 3.6x, the conformance
+    catalogue on CPU, 2026-12-01). Its forward meets the rule (the CPU catalogue and
+    tests/test_sdpa.py::test_cpu_forward_uses_the_fused_kernel), and costs ~40 us less than the
+    math kernel per small call, so the forward lets torch choose on CPU (float64 keeps the
+    math). On GPUs float32/float64 always take the math kernel: on the H200 (2026-11-29) the
+    fused CUDA float32 kernel missed the rule on small problems (e.g. 4.8e-7 on a one-key row
+    the math gives exactly)."""
+    cpu = spec.q.device.type == "cpu"
+    if spec.dtype == torch.float64 or (not cpu and spec.dtype == torch.float32) or (cpu and for_grad):
         return _MathOnly()
-    return contextlib.nullcontext()
+    return None
 
 
 class _Plan:
@@ -122,6 +126,9 @@ class _Plan:
         self.mask = None           # bool or float, broadcastable to (B, Hq, Sq, Sk)
         self.row_keep = None       # float (B|1, Hq|1, Sq, 1) multiplier: 0 for rows with no key
         self.structured = False    # mask is SDPA's own causal (is_causal / causal_lower_right)
+        if (spec.window_left is None and spec.window_right is None and spec.attn_bias is None
+                and spec.alibi_slopes is None):
+            return                 # nothing to mask (the common case: no tensor work at all)
         keep = _keep_mask(spec, device)
         plain_causal = (spec.causal and spec.window_left is None and spec.attn_bias is None
                         and spec.alibi_slopes is None)
@@ -170,6 +177,10 @@ class SdpaBackend(Backend):
     as torch chooses) for the problems it can express."""
 
     name = "sdpa"
+    stable_reasons = True   # determinism and the TF32 flag (keyed); _PinnedSdpaBackend asks torch: not stable
+    #: the forward on CPU lets torch choose its fused kernel (see _kernel_choice); the pinned
+    #: kernels' backends run the math kernel on CPU (their CPU runs check the rewrites)
+    cpu_fused_forward = True
     description = "torch.nn.functional.scaled_dot_product_attention"
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
     head_dims = (1, 512)
@@ -199,8 +210,9 @@ class SdpaBackend(Backend):
             return list(tensors)
         return [t if _fused_kernel_friendly(t) else t.contiguous() for t in tensors]
 
-    def _sdpa(self, spec, q, k, v):
-        """q/k/v in canonical (B, S, H, D), already made friendly; returns out (B, Sq, Hq, Dv)."""
+    def _sdpa(self, spec, q, k, v, for_grad: bool = False):
+        """q/k/v in canonical (B, S, H, D), already made friendly; returns out (B, Sq, Hq, Dv).
+        ``for_grad``: the call is differentiated (see :func:`_kernel_choice`)."""
         plan = _Plan(spec, q.dtype)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         kwargs = {}
@@ -210,9 +222,14 @@ class SdpaBackend(Backend):
             else:
                 kh = kh.repeat_interleave(spec.gqa_ratio, dim=1)
                 vh = vh.repeat_interleave(spec.gqa_ratio, dim=1)
-        with _kernel_choice(spec):
+        choice = _kernel_choice(spec, for_grad or not self.cpu_fused_forward)
+        if choice is None:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=plan.mask, is_causal=plan.is_causal,
                                                  scale=spec.scale, **kwargs)
+        else:
+            with choice:
+                out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=plan.mask, is_causal=plan.is_causal,
+                                                     scale=spec.scale, **kwargs)
         if plan.row_keep is not None:
             out = out * plan.row_keep
         return out.transpose(1, 2), plan
@@ -275,12 +292,17 @@ class SdpaBackend(Backend):
         return dq.transpose(1, 2), dk.transpose(1, 2), dbias
 
     def forward(self, spec):
-        with torch.no_grad():
-            out, _ = self._sdpa(spec, *self._friendly(spec, (spec.q, spec.k, spec.v)))
-            if spec.return_lse:
-                lse = self._lse(spec)
-            else:   # not requested by the caller, and never read by this backend's backward
-                lse = torch.full(spec.lse_shape, float("nan"), dtype=torch.float32, device=spec.device)
+        if spec.needs_grad and torch.is_grad_enabled():   # called directly (autograd.Function and
+            with torch.no_grad():                           # the custom op run without grad)
+                return self._forward(spec)
+        return self._forward(spec)
+
+    def _forward(self, spec):
+        out, _ = self._sdpa(spec, *self._friendly(spec, (spec.q, spec.k, spec.v)))
+        if spec.return_lse:
+            lse = self._lse(spec)
+        else:   # not requested by the caller, and never read by this backend's backward
+            lse = torch.full(spec.lse_shape, float("nan"), dtype=torch.float32, device=spec.device)
         return out.contiguous(), lse
 
     def backward(self, spec, out, lse, dout, dlse=None):
@@ -294,7 +316,7 @@ class SdpaBackend(Backend):
 
         def f(q, k, v, bias=None):
             s = spec if bias is None else _with_bias(spec, bias)
-            return self._sdpa(s, q, k, v)[0]
+            return self._sdpa(s, q, k, v, for_grad=True)[0]
 
         with torch.enable_grad():
             _, vjp = torch.func.vjp(f, *primals)

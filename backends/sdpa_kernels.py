@@ -94,6 +94,9 @@ class _PinnedSdpaBackend(SdpaBackend):
 
     kernel: ClassVar[str] = ""            # attribute of torch.nn.attention.SDPBackend
     torch_check: ClassVar[str] = ""       # torch.backends.cuda.can_use_<...>_attention
+    #: torch's verdict also reads pointer alignment and torch's determinism flags: asked per call
+    stable_reasons: ClassVar[bool] = False
+    cpu_fused_forward: ClassVar[bool] = False
 
     def unavailable_reasons(self) -> list[str]:
         try:
@@ -196,7 +199,7 @@ class _PinnedSdpaBackend(SdpaBackend):
                 f"head dims, strides, cuDNN version); use backend='sdpa' to let torch choose a kernel",)
 
     # ----- compute -----------------------------------------------------------------------
-    def _sdpa(self, spec, q, k, v):
+    def _sdpa(self, spec, q, k, v, for_grad: bool = False):
         from torch.nn.attention import sdpa_kernel
         spec = self._call_spec(spec)
         if self.kernel == "EFFICIENT_ATTENTION" and _lower_right_causal(spec) \
@@ -205,7 +208,7 @@ class _PinnedSdpaBackend(SdpaBackend):
             k = k.repeat_interleave(spec.gqa_ratio, dim=2)
             v = v.repeat_interleave(spec.gqa_ratio, dim=2)
         with sdpa_kernel([_sdp_backend(self.kernel)]):
-            return super()._sdpa(spec, q, k, v)
+            return super()._sdpa(spec, q, k, v, for_grad)
 
 
 def _multiple_of_8(spec, who: str) -> list[str]:

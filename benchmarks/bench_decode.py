@@ -1,27 +1,33 @@
 """Decode benchmark: portattn.attention_with_kvcache (triton split-KV; contiguous and paged
 caches) side by side with torch SDPA's cuDNN and flash backends, as K/V bytes read per second.
 
-    python benchmarks/bench_decode.py --out results/            # the grid, graph rows, sweep
-    python benchmarks/bench_decode.py --quick --no-sweep        # a few points
+    python benchmarks/bench_decode.py --out results/            # the grid and the graph row
+    python benchmarks/bench_decode.py --quick --no-eager        # a few points, GPU time only
 
 Grid (issue 13): Sq 1 and 8, batch 1 and 8, Sk 1k..128k, GQA 32:4, D 128, bf16. portattn runs
 the decode call on a full cache (``cache_seqlens = Sk``, bottom-right causal: the Sq queries are
 the last Sq positions), contiguous and paged with block sizes 16 and 256 (pages shuffled);
 SDPA attends q (B, 32, Sq, 128) to the full cache k/v (B, 4, Sk, 128) with ``enable_gqa``
 (non-causal: the same bytes; SDPA's ``is_causal`` would align top-left). Every timed output is
-checked once against a float32 reference of its own problem. Times are medians of
-``triton.testing.do_bench`` (which clears the L2 cache before each call); bandwidth is
-``B·Sk·Hkv·(D + Dv)·2 bytes / time``; each row also gives portattn / cuDNN. Batch 1 / Sk 8k is
-also timed inside a CUDA graph of many calls over rotating caches (too small for L2 otherwise),
-as time per call, with and without the in-place append, against cuDNN's. ``--sweep`` (on by
-default) times alternative tiles and split counts at three points. Writes
-``bench-decode-<tag>-<date>.json`` and ``.png`` (TB/s against Sk, a panel per (batch, Sq)).
+checked once against a float32 reference of its own problem. Bandwidth is
+``B·Sk·Hkv·(D + Dv)·2 bytes / time``; each row also gives portattn / cuDNN.
+
+Timing (the same for every implementation; :data:`TIMING_METHODS`): the headline column is
+the GPU time per call with the launches queued ahead (:func:`queued_ms`: a spin kernel holds
+the stream while the host queues the calls, over cache copies that L2 cannot hold), so a
+call whose host path is longer than its kernel (portattn's and SDPA's at batch 1 on the H200
+host) is still measured as bandwidth; the eager column (``triton.testing.do_bench``, one
+call between events) keeps what an un-captured loop sees. Batch 1 / Sk 8k is also timed
+inside a CUDA graph of many calls (time per call, with and without the in-place append)
+against cuDNN's. Tiles and split counts: ``tools/decode_sweep.py``. Writes
+``bench-decode-<tag>-<date>.json``, ``.txt`` and ``.png`` (TB/s against Sk, a panel per (batch, Sq)).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import math
 import os
@@ -98,7 +104,10 @@ def check(out: torch.Tensor, ref: torch.Tensor) -> dict:
 def ratio_table(rows: list[dict]) -> str:
     """The result rows as text: TB/s per implementation and portattn / cuDNN, last."""
     cols = [c for c in IMPLS if any(c in r["results"] for r in rows)]
+    with_eager = any("eager_tbps" in e for r in rows for e in r["results"].values())
     head = f"{'B':>2} {'Sq':>3} {'Sk':>7} " + "".join(f"{c:>17}" for c in cols) + "   triton/cuDNN  paged16  paged256"
+    if with_eager:
+        head += "   eager: triton  cuDNN"
     lines = [head]
     for r in rows:
         res = r["results"]
@@ -112,8 +121,15 @@ def ratio_table(rows: list[dict]) -> str:
         cu = res.get("sdpa-cudnn", {}).get("tbps")
         ratios = "".join(f"{res[c]['tbps'] / cu:>9.2f}" if cu and "tbps" in res.get(c, {}) else f"{'-':>9}"
                          for c in ("triton", "triton-paged16", "triton-paged256"))
-        lines.append(f"{r['B']:>2} {r['Sq']:>3} {r['Sk']:>7} " + "".join(cell(c) for c in cols) + "   " + ratios)
-    lines.append("TB/s = K/V bytes read per second; BAD: output differs from the float32 reference")
+        eager = "".join(f"{res[c]['eager_tbps']:>8.2f}" if "eager_tbps" in res.get(c, {}) else f"{'-':>8}"
+                        for c in ("triton", "sdpa-cudnn"))
+        lines.append(f"{r['B']:>2} {r['Sq']:>3} {r['Sk']:>7} " + "".join(cell(c) for c in cols) + "   " + ratios
+                     + (" " + eager if with_eager else ""))
+    lines.append("TB/s = K/V bytes read per second, GPU time per call with the launches queued ahead "
+                 "(timing 'queued'); BAD: output differs from the float32 reference")
+    if with_eager:
+        lines.append("eager triton / cuDNN: the same calls timed one at a time by do_bench (timing 'eager': "
+                     "the host path included where it is longer than the kernel)")
     return "\n".join(lines)
 
 
@@ -148,9 +164,75 @@ def plot(rows: list[dict], path: str) -> bool:
 
 # ----- GPU parts -------------------------------------------------------------------------------
 
+#: how each timed column was measured (stored in the JSON and printed under the table)
+TIMING_METHODS = {
+    "queued": "GPU time per call: a spin kernel (torch.cuda._sleep) holds the stream while the host queues "
+              "CALLS calls (rotating over cache copies of >= 256 MB in all, so L2 holds none of it), then "
+              "events around them; the median of 5 such runs / CALLS. The host's cost per call is "
+              "excluded (the sleep outlasts the queueing, checked).",
+    "eager": "triton.testing.do_bench median (events around each call, L2 cleared before it): includes "
+             "the host path whenever that is longer than the kernel (B 1 rows on the H200 host)",
+}
+#: cache bytes the queued timer rotates over at least (the H200's L2 is 50 MB)
+ROTATE_BYTES = 256 * 2**20
+#: calls per queued timing run
+CALLS = 24
+
+
+def rotations(nbytes: int, limit: int = 32) -> int:
+    """Copies of a problem's caches that the queued timer cycles through (>= ROTATE_BYTES in all)."""
+    return max(1, min(limit, math.ceil(ROTATE_BYTES / max(1, nbytes))))
+
+
 def _median_ms(fn) -> float:
     import triton.testing
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+@functools.cache
+def _sleep_cycles_per_ms() -> float:
+    """torch.cuda._sleep's cycles per millisecond, measured once."""
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(2_000_000)
+    end.record()
+    end.synchronize()
+    return 2_000_000 / max(1e-3, start.elapsed_time(end))
+
+
+def queued_ms(fns, calls: int = CALLS, repeats: int = 5) -> dict:
+    """Median GPU time per call (ms) of ``calls`` calls cycling through ``fns`` (callables over
+    different copies of the same problem), queued behind a spin kernel so that the host's cost
+    per call is not on the clock: ``{"ms", "host_ms" (host time to queue one call),
+    "queued_ok" (the spin outlasted the queueing in every run)}``."""
+    fns = list(fns)
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(calls):
+        fns[i % len(fns)]()
+    host_ms = (time.perf_counter() - t) * 1e3 / calls
+    torch.cuda.synchronize()
+    per_ms = _sleep_cycles_per_ms()
+    times, ok = [], True
+    for _ in range(repeats):
+        spin_ms = 2.0 * host_ms * calls + 1.0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(spin_ms * per_ms))
+        start.record()
+        t = time.perf_counter()
+        for i in range(calls):
+            fns[i % len(fns)]()
+        queued = (time.perf_counter() - t) * 1e3
+        end.record()
+        end.synchronize()
+        ok = ok and queued < spin_ms
+        times.append(start.elapsed_time(end) / calls)
+    times.sort()
+    return {"ms": times[len(times) // 2], "host_ms": host_ms, "queued_ok": ok}
 
 
 def _sdpa_fn(kernel_name, q, k, v):
@@ -164,10 +246,23 @@ def _sdpa_fn(kernel_name, q, k, v):
     return run
 
 
-def bench_point(pt: dict, dtype, gen, progress, device="cuda", timer=None) -> dict:
-    """One grid point: every implementation checked once, then timed (``timer(fn) -> ms``)."""
+def layouts(k: torch.Tensor, v: torch.Tensor, copies: int, gen: torch.Generator, pages=(16, 256)) -> dict:
+    """name -> list of ``copies`` (k_cache, v_cache, block_table or None) holding the same keys:
+    ``"contig"`` and ``"paged<P>"`` (shuffled pages, :func:`paged_copy`)."""
+    out = {"contig": [(k, v, None)] + [(k.clone(), v.clone(), None) for _ in range(copies - 1)]}
+    for page in pages:
+        out[f"paged{page}"] = [paged_copy(k, v, page, gen) for _ in range(copies)]
+    return out
+
+
+def bench_point(pt: dict, dtype, gen, progress, device="cuda", timer=None, eager_timer=None) -> dict:
+    """One grid point: every implementation checked once, then timed: ``timer(fns) -> {"ms", ...}``
+    over rotating cache copies (default :func:`queued_ms`), and ``eager_timer(fn) -> ms``
+    on one copy (default do_bench; None: not timed eagerly)."""
     from portattn.kvcache import attention_with_kvcache
-    timer = timer or _median_ms
+    timer = timer or queued_ms
+    if eager_timer is None and device == "cuda":
+        eager_timer = _median_ms
     b, sq, sk = pt["B"], pt["Sq"], pt["Sk"]
     q = torch.randn(b, sq, HQ, D, generator=gen, device=device, dtype=torch.float32).to(dtype)
     k = torch.randn(b, sk, HKV, D, generator=gen, device=device, dtype=torch.float32).to(dtype)
@@ -176,37 +271,43 @@ def bench_point(pt: dict, dtype, gen, progress, device="cuda", timer=None) -> di
     nbytes = kv_bytes(b, sk)
     ref_causal = reference32(q, k, v, causal=True)
     ref_full = reference32(q, k, v, causal=False)
-    row = dict(pt, bytes=nbytes, results={})
+    copies = rotations(nbytes) if device == "cuda" else 2
     host_gen = torch.Generator().manual_seed(b * 1000003 + sk + sq)
+    caches = layouts(k, v, copies, host_gen)
+    row = dict(pt, bytes=nbytes, copies=copies, results={})
     for impl in IMPLS:
         entry = row["results"].setdefault(impl, {})
         try:
             if impl.startswith("sdpa"):
-                fn = _sdpa_fn(impl, q, k, v)
+                fns = [_sdpa_fn(impl, q, kc, vc) for kc, vc, _ in caches["contig"]]
                 ref = ref_full
             else:
-                if impl == "triton":
-                    kc, vc, bt = k, v, None
-                else:
-                    kc, vc, bt = paged_copy(k, v, int(impl.removeprefix("triton-paged")), host_gen)
+                layout = "contig" if impl == "triton" else impl.removeprefix("triton-")
 
-                def fn(kc=kc, vc=vc, bt=bt):
-                    return attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=bt, causal=True,
-                                                  backend="triton")
+                def make(kc, vc, bt):
+                    return lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=bt, causal=True,
+                                                          backend="triton")
+                fns = [make(*c) for c in caches[layout]]
                 ref = ref_causal
-            entry.update(check(fn(), ref))
-            entry["ms"] = timer(fn)
+            entry.update(check(fns[0](), ref))
+            entry.update(timer(fns))
             entry["tbps"] = tbps(nbytes, entry["ms"])
+            entry["timing"] = "queued"
+            if eager_timer is not None:
+                entry["eager_ms"] = eager_timer(fns[0])
+                entry["eager_tbps"] = tbps(nbytes, entry["eager_ms"])
             if impl.startswith("triton"):
                 from portattn.backends.triton import decode
 
                 from portattn.kvcache import build_kvcache_spec
+                kc, vc, bt = caches[layout][0]
                 entry["plan"] = decode.plan_summary(build_kvcache_spec(q, kc, vc, cache_seqlens=lens,
                                                                        block_table=bt, causal=True))
         except Exception as exc:   # a backend that cannot run this point: record why
             entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         progress(f"B{b} Sq{sq} Sk{sk} {impl}: " + (f"{entry['tbps']:.2f} TB/s" if "tbps" in entry
                                                   else entry.get("error", "")))
+    del caches
     return row
 
 
@@ -262,51 +363,6 @@ def bench_graph(dtype, gen, b=1, sq=1, sk=8192, calls=48) -> dict:
     return out
 
 
-#: (B, Sq, Sk) -> tiles (BLOCK_N, warps, stages) the sweep times; the first also with three other split counts
-SWEEP_POINTS = [((8, 1, 131072), [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4)]),
-                ((1, 1, 131072), [(64, 4, 4), (128, 4, 3)]),
-                ((8, 8, 32768), [(64, 8, 3), (32, 8, 4), (64, 4, 3), (128, 8, 2)])]
-SWEEP_TRIALS = sum(len(t) + 3 for _, t in SWEEP_POINTS)
-
-
-def sweep(dtype, gen, progress, device="cuda", timer=None, points=None, deadline=math.inf) -> list[dict]:
-    """Alternative tiles and split counts at three points (contiguous cache); stops starting
-    trials after ``deadline`` (time.time())."""
-    from portattn.backends.triton import decode
-    from portattn.backends.triton.configs import KernelConfig
-
-    from portattn.kvcache import build_kvcache_spec
-    timer = timer or _median_ms
-    rows = []
-    for (b, sq, sk), tiles in points or SWEEP_POINTS:
-        q = torch.randn(b, sq, HQ, D, generator=gen, device=device).to(dtype)
-        k = torch.randn(b, sk, HKV, D, generator=gen, device=device).to(dtype)
-        v = torch.randn(b, sk, HKV, D, generator=gen, device=device).to(dtype)
-        lens = torch.full((b,), sk, dtype=torch.int32, device=device)
-        ref = reference32(q, k, v, causal=True)
-        base = build_kvcache_spec(q, k, v, cache_seqlens=lens, causal=True)
-        default = decode.plan_summary(base)["num_splits"]
-        trials = [(t, 0) for t in tiles] + [(tiles[0], s) for s in (max(1, default // 2), default * 2, 132)]
-        for (n, w, s), splits in trials:
-            if time.time() > deadline:
-                progress("sweep: out of time, the remaining trials are skipped")
-                return rows
-            kv = build_kvcache_spec(q, k, v, cache_seqlens=lens, causal=True, num_splits=splits)
-            cfg = KernelConfig(16, n, w, s)
-            entry = dict(B=b, Sq=sq, Sk=sk, tiles=f"N{n} w{w} s{s}", num_splits=decode.plan_summary(kv, cfg)["num_splits"])
-            try:
-                entry.update(check(decode.forward(kv, cfg)[0], ref))
-                entry["ms"] = timer(lambda kv=kv, cfg=cfg: decode.forward(kv, cfg))
-                entry["tbps"] = tbps(kv_bytes(b, sk), entry["ms"])
-            except Exception as exc:
-                entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            rows.append(entry)
-            progress(f"sweep B{b} Sq{sq} Sk{sk} {entry['tiles']} splits {entry['num_splits']}: "
-                     + (f"{entry['tbps']:.2f} TB/s" if "tbps" in entry else entry.get("error", "")))
-        del q, k, v
-    return rows
-
-
 def environment() -> dict:
     props = torch.cuda.get_device_properties(0)
     env = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpu": props.name,
@@ -354,11 +410,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="Sk 1k, 8k, 128k only")
-    ap.add_argument("--no-sweep", action="store_true", help="skip the tile / split sweep")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager (do_bench) column")
     ap.add_argument("--out", default=None, help="directory for the JSON and PNG results")
     ap.add_argument("--tag", default="h200")
-    ap.add_argument("--time-limit", type=float, default=200.0,
-                    help="seconds after which the sweep starts no new trial (default 200)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA/ROCm GPU; none is visible", file=sys.stderr)
@@ -366,43 +420,47 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
     points = grid(args.quick)
-    progress = _Progress(len(points) * len(IMPLS) + 1 + (0 if args.no_sweep else SWEEP_TRIALS))
+    progress = _Progress(len(points) * len(IMPLS) + 1)
     t0 = time.time()
-    rows, graph, sweeps, interrupted = [], {"results": {}}, [], False
+    rows, graph, interrupted = [], {"results": {}}, False
+    eager = (lambda fn: None) if args.no_eager else None
     try:   # Ctrl-C / SIGINT (timeout -s INT) keeps what is done: it is summarised and written
         graph = bench_graph(dtype, gen)          # first: short, and a headline number
         progress("graph B1 Sk8k: " + ", ".join(f"{k} {v.get('us_per_call', float('nan')):.1f} us"
                                                for k, v in graph["results"].items()))
         torch.cuda.empty_cache()
         for pt in points:
-            rows.append(bench_point(pt, dtype, gen, progress))
+            row = bench_point(pt, dtype, gen, progress, eager_timer=eager)
+            if args.no_eager:
+                for e in row["results"].values():
+                    e.pop("eager_ms", None), e.pop("eager_tbps", None)
+            rows.append(row)
             torch.cuda.empty_cache()
-        if not args.no_sweep:
-            sweeps = sweep(dtype, gen, progress, deadline=t0 + args.time_limit)
     except KeyboardInterrupt:
         interrupted = True
     finally:
         progress.stop()
     result = {"environment": environment(), "dtype": "bf16", "heads": f"{HQ}:{HKV}", "head_dim": D,
               "seconds": round(time.time() - t0, 1), "interrupted": interrupted, "rows": rows, "graph": graph,
-              "sweep": sweeps,
-              "convention": "TB/s = B*Sk*Hkv*(D+Dv)*2 bytes / median time (do_bench, L2 cleared per call); "
+              "timing": {**TIMING_METHODS, "calls": CALLS, "graph": "B1 Sk8k: time per call inside one CUDA graph"},
+              "convention": "TB/s = B*Sk*Hkv*(D+Dv)*2 bytes / time; tbps: queued (GPU time), eager_tbps: do_bench; "
                             "portattn: full cache, bottom-right causal; SDPA: full cache, non-causal, enable_gqa"}
     print()
-    for s in sweeps:
-        print(f"sweep B{s['B']} Sq{s['Sq']} Sk{s['Sk']:>6} {s['tiles']:<12} splits {s['num_splits']:>3}: "
-              + (f"{s['tbps']:.2f} TB/s{'' if s.get('ok', True) else ' BAD'}" if "tbps" in s else s.get("error", "")))
     g = graph["results"]
     print("CUDA graph, B1 Sq1 Sk8k, us per call: " + ", ".join(
         f"{k} {v['us_per_call']:.2f}" if "us_per_call" in v else f"{k} {v.get('error')}" for k, v in g.items()))
     print()
     print(ratio_table(rows))
+    print("\ntiming: " + "\n        ".join(f"{k}: {v}" for k, v in TIMING_METHODS.items()))
+    print("tools/decode_sweep.py times alternative tiles and split counts (same queued timer).")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         stem = os.path.join(args.out, f"bench-decode-{args.tag}-{result['environment']['date'][:10]}")
         with open(stem + ".json", "w") as fh:
             json.dump(result, fh, indent=1)
-        print(f"\nwrote {stem}.json" + (f" and {stem}.png" if plot(rows, stem + ".png") else " (no matplotlib: no plot)"))
+        with open(stem + ".txt", "w") as fh:
+            fh.write(ratio_table(rows) + "\n")
+        print(f"\nwrote {stem}.json, .txt" + (" and .png" if plot(rows, stem + ".png") else " (no matplotlib: no plot)"))
     return 0 if all(e.get("ok", True) for r in rows for e in r["results"].values()) else 1
 
 

@@ -1,7 +1,10 @@
 """``portattn.attention``: the public function, its call paths and its autograd.
 
 One validation (:func:`portattn.spec.build_spec`) and one backend choice
-(:func:`portattn.dispatch.select`) per call; then one of three paths, with identical results:
+(:func:`portattn.dispatch.select_stable`) per call *signature*: a dense call whose shapes,
+strides, dtypes, arguments and selection state were seen before reuses the validated spec and,
+when the choice is stable, the backend (:mod:`portattn.callcache`). Then one of three paths,
+with identical results:
 
 * **eager, no gradient needed**: the backend's ``forward`` is called directly;
 * **eager, gradient needed**: :class:`_Attention` (a ``torch.autograd.Function``) calls the
@@ -22,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from . import dispatch
+from . import callcache, dispatch
 from .registry import get_backend
 from .spec import AttentionSpec, build_spec, spec_from_canonical
 
@@ -51,10 +54,15 @@ class _Empty:
 
 
 def _choose(spec: AttentionSpec, backend: str | None):
+    return _choose_stable(spec, backend)[0]
+
+
+def _choose_stable(spec: AttentionSpec, backend: str | None):
+    """``(backend, stable)``: see :func:`portattn.dispatch.select_stable`."""
     if spec.is_empty:
         dispatch._requested(backend)   # an unknown name fails even on an empty problem
-        return _Empty
-    return dispatch.select(spec, backend)
+        return _Empty, True            # empty is a matter of shapes alone
+    return dispatch.select_stable(spec, backend)
 
 
 def _not_an_input(out, spec: AttentionSpec):
@@ -275,22 +283,43 @@ def attention(q, k, v, *, causal=False, causal_alignment="bottom_right", window=
     """
     if unexpected:
         raise _unexpected(unexpected)
-    spec = build_spec(q, k, v, causal=causal, causal_alignment=causal_alignment, window=window, scale=scale,
-                      softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q,
-                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                      layout=layout, return_lse=return_lse)
+    compiling = torch.compiler.is_compiling()
+    sig = plan = None
+    if (not compiling and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None
+            and max_seqlen_q is None and max_seqlen_k is None):
+        try:
+            sig = callcache.key(q, k, v, attn_bias, causal, causal_alignment, window, scale, softcap, layout,
+                                return_lse, backend)
+        except TypeError:   # an unhashable argument: the full path says what is wrong with it
+            sig = None
+        if sig is not None:
+            plan = callcache.spec_for(sig, q, k, v, attn_bias)
+    if plan is not None:
+        spec, impl = plan
+    else:
+        spec = build_spec(q, k, v, causal=causal, causal_alignment=causal_alignment, window=window, scale=scale,
+                          softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q,
+                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                          layout=layout, return_lse=return_lse)
+        impl = None
     bias = _bias_4d(attn_bias)
-    if torch.compiler.is_compiling():
+    if compiling:
         out, lse = _attention_op(
             spec.q, spec.k, spec.v, spec.alibi_slopes, bias, spec.cu_seqlens_q, spec.cu_seqlens_k,
             spec.max_seqlen_q or 0, spec.max_seqlen_k or 0, spec.scale, spec.causal, spec.alignment,
             -1 if spec.window_left is None else spec.window_left,
             -1 if spec.window_right is None else spec.window_right,
             spec.softcap or 0.0, backend or "", spec.return_lse, spec.needs_grad)
-    elif spec.needs_grad:
-        out, lse = _Attention.apply(_choose(spec, backend), spec, spec.q, spec.k, spec.v, bias)
     else:
-        out, lse = _forward(_choose(spec, backend), spec)
+        if impl is None:
+            impl, stable = _choose_stable(spec, backend)
+            if sig is not None and plan is None:
+                spec.signature = sig
+                callcache.remember(sig, spec, impl if stable else None)
+        if spec.needs_grad:
+            out, lse = _Attention.apply(impl, spec, spec.q, spec.k, spec.v, bias)
+        else:
+            out, lse = _forward(impl, spec)
     if layout == "bhsd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

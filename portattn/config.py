@@ -63,6 +63,19 @@ def _raw(name: str):
     return _ENV_BYTES.get(key)
 
 
+#: the variables the call path reads (selection, determinism, TF32): portattn.callcache keys on them
+_CALL_PATH = ("PORTATTN_BACKEND", "PORTATTN_POLICY", "PORTATTN_DETERMINISTIC", "PORTATTN_ALLOW_TF32",
+              "PORTATTN_PRIORITY_NVIDIA", "PORTATTN_PRIORITY_AMD", "PORTATTN_PRIORITY_CPU")
+_CALL_PATH_BYTES = tuple(map(os.fsencode, _CALL_PATH))
+
+
+def state() -> tuple:
+    """The raw values of every variable the call path reads (a change is a new tuple)."""
+    if _ENV_BYTES is None:
+        return tuple(map(os.environ.get, _CALL_PATH))
+    return tuple(map(_ENV_BYTES.get, _CALL_PATH_BYTES))
+
+
 def _parsed(name: str, parse, default):
     raw = _raw(name)
     if raw is None:

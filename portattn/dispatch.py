@@ -193,6 +193,14 @@ def _runs(backend: Backend, spec: AttentionSpec) -> bool:
 
 def select(spec: AttentionSpec, backend: str | None = None) -> Backend:
     """The backend that will compute ``spec``; raises BackendNotAvailableError listing reasons."""
+    return select_stable(spec, backend)[0]
+
+
+def select_stable(spec: AttentionSpec, backend: str | None = None) -> tuple[Backend, bool]:
+    """``(backend, stable)``: :func:`select`'s choice, and whether it may be remembered for every
+    call with the same signature (:mod:`portattn.callcache`): True under a pin or the priority
+    policy when every backend asked (the ones passed over and the one chosen) declares
+    ``stable_reasons``; never under the fastest policy (its winners are looked up per call)."""
     names, _ = _requested(backend)
     fits = _fitting(spec, names)
     if names == (FASTEST,):
@@ -201,15 +209,17 @@ def select(spec: AttentionSpec, backend: str | None = None) -> Backend:
             for b in fits:
                 if b.name == winner:
                     if _runs(b, spec):
-                        return b
+                        return b, False
                     break
         runnable = [b.name for b in fits if _runs(b, spec)]
         if runnable:
-            return get_backend(tuning.choose(spec, runnable))
+            return get_backend(tuning.choose(spec, runnable)), False
     else:
+        stable = True
         for b in fits:
+            stable = stable and b.stable_reasons
             if _runs(b, spec):
-                return b
+                return b, stable
     _raise_no_backend(spec, backend)
 
 

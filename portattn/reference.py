@@ -172,6 +172,7 @@ class ReferenceBackend(Backend):
     """Exact float64 math on any torch device; every feature; the oracle of every test."""
 
     name = "reference"
+    stable_reasons = True   # no reasons at all
     description = "float64 reference math (slow, exact; any device)"
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
     head_dims = (1, 1 << 20)

@@ -78,6 +78,12 @@ class Backend:
     features: ClassVar[frozenset] = frozenset()
     deterministic: ClassVar[bool] = True       # can give bit-identical results across runs
     has_backward: ClassVar[bool] = False
+    #: True when :meth:`extra_reasons` (and :meth:`not_supported_reasons`) depend only on the
+    #: spec's host metadata (shapes, strides, dtypes, devices, arguments), on torch's TF32 matmul
+    #: flag and on facts fixed for the life of the process (device properties, installed
+    #: packages). The call path then remembers the choice per call signature
+    #: (:mod:`portattn.callcache`). False, the default, asks the backend on every call.
+    stable_reasons: ClassVar[bool] = False
 
     # ----- availability ------------------------------------------------------------------
     def unavailable_reasons(self) -> list[str]:
@@ -201,11 +207,13 @@ _backends: dict[str, Backend] = {}
 _entry_points: dict[str, importlib.metadata.EntryPoint] = {}
 _discovered = False
 _preferred: list[str] = []   # third-party backends registered with prefer=True
-_generation = 0              # bumped on every change of the registry (dispatch caches key on it)
+_generation = 0              # bumped on every change of the set of backends (dispatch caches key on it)
 
 
 def generation() -> int:
-    """A number that changes whenever a backend is registered, replaced, unregistered or loaded."""
+    """A number that changes whenever a backend is registered, replaced or unregistered. Loading
+    a discovered entry point does not change it: the instance it gives is what that name stands
+    for from the start (caches keyed on the generation hold instances, which are loaded first)."""
     return _generation
 
 
@@ -259,7 +267,6 @@ def _load(name: str) -> Backend | None:
         except Exception as exc:
             backend = _BrokenBackend(name, f"entry point {ep.value!r} failed to load: {type(exc).__name__}: {exc}")
         _backends[name] = backend
-        _changed()
         return backend
 
 

@@ -63,11 +63,11 @@ def spy(monkeypatch, module, name):
 
 def test_one_validation_and_one_choice_per_call_forward_and_backward(counting, monkeypatch):
     built = spy(monkeypatch, api, "build_spec")
-    chosen = spy(monkeypatch, dispatch, "select")
+    chosen = spy(monkeypatch, dispatch, "select_stable")
     q, k, v = qkv(grad=True)
     out = portattn.attention(q, k, v, causal=True, backend="counting")
     out.sum().backward()
-    assert built == ["build_spec"] and chosen == ["select"]
+    assert built == ["build_spec"] and chosen == ["select_stable"]
     assert counting.calls == ["forward", "backward"]     # the backward runs on the forward's backend
     ref = reference_forward(spec_mod.build_spec(q.detach().double(), k.detach().double(), v.detach().double(),
                                                 causal=True))[0]

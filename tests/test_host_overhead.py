@@ -23,3 +23,16 @@ def test_host_overhead_tool_runs_every_mode():
         (mode, name) for mode in ("stub", "binder", "fast")
         for name in ("attention(triton) fwd", "build_spec only", "ops.forward(spec)", "ops.backward(spec)")}, proc.stdout
     assert all(float(t) > 0 for _, _, t in rows)
+
+
+def test_prepared_forward_launch_passes_what_the_full_path_passes():
+    """tools/host_overhead.py --mode check: the second call of each argument kind (causal, GQA +
+    window + softcap, bool and float bias, bhsd with Dv != D, a padded row stride, the training
+    forward with its residual) launches through backends/triton/ops.py's prepared launch, with
+    the grid, kernel and every argument the full path gives for the same tensors."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "host_overhead.py"), "--mode", "check"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("  ok   ") == 7 and "0 mismatch(es)" in proc.stdout, proc.stdout

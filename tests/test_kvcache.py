@@ -319,7 +319,7 @@ def test_triton_is_selected_natively_with_no_reasons():
 
 def test_split_heuristic():
     _triton_cpu()
-    from portattn.backends.triton.decode import MAX_SPLITS, num_splits_for
+    from portattn.backends.triton.decode import MAX_SPLITS, SPLIT_EFFICIENCY, num_splits_for
     assert num_splits_for(264, 4096, 132, 2) == 1              # the batch fills the GPU
     assert num_splits_for(4, 2, 132, 2) == 1                   # too few key tiles
     for units, blocks in ((4, 2048), (32, 2048), (4, 128), (8, 40), (1, 100000)):
@@ -329,9 +329,50 @@ def test_split_heuristic():
             waves = units * n / 264
             return waves / -(-waves // 1)
         allowed = range(1, min(MAX_SPLITS, blocks // 2) + 1)
-        assert eff(s) >= 0.85 * max(map(eff, allowed)) and all(eff(n) < 0.85 * max(map(eff, allowed))
-                                                              for n in range(1, s)), (units, blocks, s)
+        best = max(map(eff, allowed))
+        assert eff(s) >= SPLIT_EFFICIENCY * best and all(eff(n) < SPLIT_EFFICIENCY * best
+                                                         for n in range(1, s)), (units, blocks, s)
     assert num_splits_for(32, 2048, 132, 2) * 32 >= 0.8 * 264  # B 8 x Hkv 4 at 128k: fills the slots
+    # batch 1, 4 KV heads, 128k keys: most of the 264 slots (132 for 64-row tiles)
+    assert num_splits_for(4, 2048, 132, 2) * 4 >= SPLIT_EFFICIENCY * 264
+    assert num_splits_for(4, 2048, 132, 1) * 4 >= SPLIT_EFFICIENCY * 132
+
+
+def test_a_config_override_caps_the_tile_height():
+    """tools/decode_sweep.py's block_m candidates: an override's block_m caps the packed rows
+    (GQA 4 x Sq 8 = 32 rows -> two row blocks of 16) and the result still matches the oracle."""
+    decode = _triton_cpu()
+    from portattn.backends.triton.configs import KernelConfig
+
+    from portattn.conformance.kvcache import oracle
+    from portattn.numerics import compare, compare_lse
+    p = KVProblem(lengths=(40, 61), seqlen_q=8, seqlen_new=0, heads_q=8, heads_kv=2, dtype="bfloat16", capacity=64)
+    inp = make_inputs(p)
+    kv = kvcache.build_kvcache_spec(inp["q"], inp["k_cache"], inp["v_cache"], cache_seqlens=inp["cache_seqlens"],
+                                    causal=True, num_splits=2)
+    cfg = KernelConfig(16, 32, 4, 1)
+    plan = decode.plan_summary(kv, cfg)
+    assert (plan["block_m"], plan["m_blocks"], plan["num_splits"]) == (16, 2, 2)
+    assert decode.plan_summary(kv, KernelConfig(64, 32, 4, 1))["m_blocks"] == 1
+    ref, ref_lse, naive, _, _ = oracle(p, inp)
+    out, lse = decode.forward(kv, cfg)
+    _ok([compare("out", out, ref, naive), compare_lse(lse, ref_lse)])
+    with pytest.raises(ValueError, match="block_m must be 16, 32 or 64"):
+        decode.plan_summary(kv, KernelConfig(48, 32, 4, 1))
+
+
+def test_wide_decode_tiles_take_the_measured_row_where_one_exists():
+    """64-row packed tiles (Sq 8 at GQA 8): hopper D128 2-byte takes _DECODE_WIDE_NVIDIA's row;
+    other heads, float32 and sm_80 keep the rule (8 warps, BLOCK_N <= 64, one stage less)."""
+    from portattn.backends.triton import configs
+    hopper, ampere = configs.Target("nvidia", 90), configs.Target("nvidia", 80)
+    m, n, w, s = configs._DECODE_WIDE_NVIDIA["hopper"][128]
+    assert configs.decode_config(hopper, 128, 2, 64) == configs.KernelConfig(min(64, m), n, w, s)
+    assert configs.decode_config(hopper, 128, 2, 32) == configs.KernelConfig(32, *configs._DECODE_NVIDIA["hopper"][128])
+    for target, block_d in ((hopper, 64), (ampere, 128)):
+        cfg = configs.decode_config(target, block_d, 2, 64)
+        assert (cfg.block_m, cfg.num_warps) == (64, 8) and cfg.block_n <= 64
+    assert configs.decode_config(hopper, 128, 4, 64).block_m == 16
 
 
 def test_portability_set_covers_every_decode_config():

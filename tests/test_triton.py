@@ -282,6 +282,40 @@ def test_gpu_deterministic_20_runs(monkeypatch):
 
 @requires_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(64, 0), softcap=20.0), dict(mask=True),
+                                dict(layout="bhsd")], ids=["causal", "window-softcap", "mask", "bhsd"])
+def test_gpu_prepared_launch_is_bit_identical_to_the_full_path(kw):
+    """The second call of a signature launches through ops._Prepared (issue 11): the same bits,
+    forward and training forward + backward, as the full path on the same inputs."""
+    from portattn.backends.triton import ops as tops
+
+    from portattn import callcache
+    kw = dict(kw)
+    g = torch.Generator().manual_seed(23)
+    shape = (2, 8, 300, 64) if kw.get("layout") == "bhsd" else (2, 300, 8, 64)
+    q, k, v, dout = (_randn(*shape, dtype=torch.bfloat16, gen=g) for _ in range(4))
+    if kw.pop("mask", False):
+        kw["attn_bias"] = torch.rand(2, 1, 1, 300, generator=g).to(DEVICE) > 0.3
+
+    def run():
+        with torch.no_grad():
+            plain = portattn.attention(q, k, v, backend="triton", **kw)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = portattn.attention(*leaves, backend="triton", **kw)
+        return (plain, out.detach(), *torch.autograd.grad(out, leaves, dout))
+
+    callcache.clear()
+    tops._prepared.clear()
+    full = run()
+    fast_before = tops.launcher.fast(tops.kernels.attn_fwd).stats["fast"]
+    prepared = run()
+    assert len(tops._prepared) == 2 and tops.launcher.fast(tops.kernels.attn_fwd).stats["fast"] >= fast_before + 2
+    for a, b in zip(full, prepared):
+        assert torch.equal(a, b)
+
+
+@requires_gpu
+@pytest.mark.gpu
 def test_gpu_bias_grad_and_bool_mask():
     g = torch.Generator().manual_seed(17)
     b, s, h, d = 2, 1024, 4, 64

@@ -283,6 +283,39 @@ def test_guards_fall_back_to_the_normal_path(fake_triton, monkeypatch):
     assert fk.stats["slow"] == 7
 
 
+def test_bound_launch_passes_what_the_fast_path_passes_and_declines_like_it(fake_triton, monkeypatch):
+    fn, log = fake_triton(_toy)
+    fk = launcher.FastKernel(fn)
+    x = torch.zeros(64)
+    args, kw = (x, x, 16, 16, 0.5, True, None, 16), {"C1": 4}
+    assert fk.bind(args, kw) is None                    # nothing recorded yet
+    fk[(2, 3)](*args, **kw)                             # the normal path records
+    assert fk.bind(args, {"C1": 5}) is None             # another key: not recorded
+    bound = fk.bind(args, kw)
+    fk[(2, 3)](*args, **kw)
+    want = log[-1]
+    assert bound((2, 3), *args) is True
+    assert log[-1] == want and fk.stats == {"fast": 2, "slow": 1}
+    y = torch.zeros(64)
+    assert bound((4,), y, y, 32, 48, 0.25, False, None, 16) is True     # same classes, new values
+    assert log[-1][:3] == (4, 1, 1) and log[-1][9:17] == (y, y, 32, 48, 0.25, False, None, 16)
+    launcher.set_enabled(False)
+    assert bound((1,), *args) is False
+    launcher.set_enabled(True)
+    seen = []
+    triton.knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        assert bound((1,), *args) is False               # a hook the fast path would skip
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(seen.append)
+    monkeypatch.setattr(triton.knobs.runtime, "debug", True)
+    assert bound((1,), *args) is False                   # knobs folded into the compile options
+    monkeypatch.setattr(triton.knobs.runtime, "debug", False)
+    monkeypatch.setattr(fk._state, "get_device", lambda: 1)
+    assert bound((1,), *args) is False                   # another current device
+    assert fk.stats == {"fast": 3, "slow": 1}
+
+
 def test_changed_global_takes_the_normal_path_which_raises(fake_triton, monkeypatch):
     fn, _ = fake_triton(_toy_global)
     assert fn.used_global_vals

@@ -12,6 +12,9 @@
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh leftover
 #       # what the last session could not run: the transformers-on-triton model tests, then the
 #       # catalogue cases PREV lacks (wave2final's merge), then the decode grid with the fast launch
+#   bash tools/h200_session.sh callpath    # the call-path / decode call: transformers-on-triton and the
+#       call-path GPU tests side by side, then alone on the GPU: the launcher check, the overhead table
+#       and the decode tile sweep; everything but the summaries in $OUT/results.tgz
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -130,6 +133,33 @@ if [[ $what == tests ]]; then
       > "$OUT/pytest_gpu.txt" 2>&1
   echo "== GPU tests rc=$? ($(( $(date +%s) - t0 ))s):"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.txt" | head -40
   tail -3 "$OUT/pytest_gpu.txt"
+fi
+
+if [[ $what == callpath ]]; then
+  t0=$(date +%s)
+  R=$OUT/r; mkdir -p "$R"; cp "$OUT/env.txt" "$R/"
+  # 1. tests, side by side (compile-bound): the transformers models on triton (bf16, float32), and
+  #    the GPU parts of the call path, the launcher, CUDA graphs, lse gradients and decoding
+  timeout -s INT -k 20 "${TEST_LIMIT:-280}" $PY -m pytest -v --tb=short -p no:cacheprovider -n 5 \
+      tests/test_transformers.py -k cuda_triton -rfEs > "$R/pytest_transformers_triton.txt" 2>&1 &
+  timeout -s INT -k 20 "${TEST_LIMIT:-280}" $PY -m pytest -v --tb=short -p no:cacheprovider -n 6 \
+      tests/test_call_path.py tests/test_callcache.py tests/test_triton_launcher.py tests/test_cuda_graph.py \
+      tests/test_lse_grad.py tests/test_kvcache_gpu.py tests/test_sdpa.py tests/test_host_overhead.py \
+      "tests/test_triton.py::test_gpu_prepared_launch_is_bit_identical_to_the_full_path" -rfEs \
+      > "$R/pytest_gpu.txt" 2>&1 &
+  wait
+  echo "== tests done ($(( $(date +%s) - t0 ))s)"
+  for f in pytest_transformers_triton pytest_gpu; do
+    echo "-- $f:"; grep -E "(FAILED|ERROR) tests" "$R/$f.txt" | sort -u | head -20; tail -2 "$R/$f.txt"; done
+  # 2. timings, alone on the GPU
+  $PY tools/gpu_launcher_check.py --out "$R" > "$R/launcher_check.log" 2>&1
+  echo "== launcher check rc=$? ($(( $(date +%s) - t0 ))s)"; tail -22 "$R/launcher_check.log"
+  $PY benchmarks/overhead.py --out "$R" > "$R/overhead.log" 2>&1
+  echo "== overhead rc=$? ($(( $(date +%s) - t0 ))s)"; tail -28 "$R/overhead.log"
+  timeout -s INT -k 10 "${SWEEP_LIMIT:-175}" $PY tools/decode_sweep.py --out "$R" --time-limit "${SWEEP_TIME:-150}" \
+      > "$R/decode_sweep.log" 2>&1
+  echo "== decode sweep rc=$? ($(( $(date +%s) - t0 ))s)"; tail -45 "$R/decode_sweep.log"
+  tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$R"
 fi
 
 if [[ $what == leftover ]]; then

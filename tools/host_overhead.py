@@ -117,8 +117,12 @@ class FakeKernel:
     def launch_metadata(self, *args):
         return None
 
-    def run(self, *args):
-        return None
+
+def _no_launch(self, *args):
+    return None
+
+
+FakeKernel.run = _no_launch
 
 
 def fake_compiled(fn):
@@ -183,10 +187,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--mode", choices=("stub", "binder", "fast", "all"), default="all")
+    ap.add_argument("--mode", choices=("stub", "binder", "fast", "all", "check"), default="all",
+                    help="check: the prepared forward launch (ops._Prepared) passes what the full path passes")
     ap.add_argument("--profile", type=int, default=0, help="print the top N functions (cProfile, tottime)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.mode == "check":
+        return check_prepared()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 128, 8, 64, generator=g).to(torch.bfloat16) for _ in range(3))
     dout = torch.randn(1, 128, 8, 64, generator=g).to(torch.bfloat16)
@@ -217,6 +224,81 @@ def main(argv=None) -> int:
         finally:
             _uninstall(originals)
     return 0
+
+
+def _variants():
+    """(name, make(seed) -> (q, k, v, kwargs)) for :func:`check_prepared`: the argument kinds the
+    prepared launch must reproduce (bf16, the fake sm_90 tables)."""
+    def qkv(seed, b=1, sq=128, sk=128, hq=8, hkv=8, d=64, dv=None, grad=False, layout="bshd", pad=0):
+        g = torch.Generator().manual_seed(seed)
+
+        def one(s, h, dd):
+            shape = (b, h, s, dd + pad) if layout == "bhsd" else (b, s, h, dd + pad)
+            t = torch.randn(*shape, generator=g).to(torch.bfloat16)[..., :dd]
+            return t.requires_grad_(grad) if pad == 0 else t.detach().requires_grad_(False)
+        return one(sq, hq, d), one(sk, hkv, d), one(sk, hkv, dv or d)
+
+    def bias_bool(seed):
+        return dict(attn_bias=torch.rand(1, 1, 1, 128, generator=torch.Generator().manual_seed(seed)) > 0.2)
+
+    def bias_float(seed):
+        return dict(attn_bias=torch.randn(1, 8, 128, 128, generator=torch.Generator().manual_seed(seed)).bfloat16())
+    return [
+        ("causal", lambda s: (*qkv(s), dict(causal=True))),
+        ("gqa + window + softcap", lambda s: (*qkv(s, hkv=2), dict(window=(32, 0), softcap=20.0))),
+        ("bool key mask", lambda s: (*qkv(s), bias_bool(s))),
+        ("float bias", lambda s: (*qkv(s), bias_float(s))),
+        ("bhsd, Sq 5 Sk 300, Dv 32",
+         lambda s: (*qkv(s, sq=5, sk=300, dv=32, layout="bhsd"), dict(causal=True, layout="bhsd"))),
+        ("padded row stride", lambda s: (*qkv(s, pad=8), dict(scale=0.1))),
+        ("training forward (residual)", lambda s: (*qkv(s, grad=True), dict(causal=True))),
+    ]
+
+
+def check_prepared() -> int:
+    """Every variant twice through ``portattn.attention`` (the second call takes the prepared
+    launch) against ``ops._forward`` on the same tensors with no signature (the full path):
+    grid, function and every launch argument must match (tensors by shape, strides and dtype,
+    the inputs by address too). Returns the number of mismatches."""
+    from portattn.backends.triton import ops as tops
+    originals = _install("fast")
+    log = []
+    FakeKernel.run = lambda self, *a: log.append(a)
+    bad = 0
+    try:
+        for name, make in _variants():
+            q, k, v, kw = make(0)
+            portattn.attention(q, k, v, backend="triton", **kw)          # full path; prepares
+            q, k, v, kw = make(1)
+            before, stats = len(tops._prepared), dict(kernels.attn_fwd.stats)
+            log.clear()
+            portattn.attention(q, k, v, backend="triton", **kw)          # the prepared launch
+            got = log[-1]
+            # one launch, through a Bound (counted as fast), and no new prepared entry
+            prepared = (len(tops._prepared) == before and kernels.attn_fwd.stats["fast"] == stats["fast"] + 1
+                        and kernels.attn_fwd.stats["slow"] == stats["slow"] and len(log) == 1)
+            spec = build_spec(q, k, v, **{a: b for a, b in kw.items()})
+            log.clear()
+            tops._forward(spec, None, None, residual=spec.needs_grad)     # no signature: the full path
+            want = log[-1]
+
+            def same(a, b):
+                if isinstance(a, torch.Tensor):
+                    return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.stride() == b.stride()
+                            and a.dtype == b.dtype)
+                return type(a) is type(b) and a == b
+            ok = (got[:6] == want[:6] and len(got) == len(want) and all(same(a, b) for a, b in zip(got[9:], want[9:]))
+                  and all(got[9 + i].data_ptr() == t.data_ptr() for i, t in enumerate((spec.q, spec.k, spec.v)))
+                  and prepared)
+            bad += not ok
+            why = "" if ok else (f" (prepared={prepared}, head {got[:6] == want[:6]}, lengths {len(got)}/{len(want)}, "
+                                 f"args {[i for i, (a, b) in enumerate(zip(got[9:], want[9:])) if not same(a, b)]})")
+            print(f"  {'ok  ' if ok else 'FAIL'} {name}{why}")
+    finally:
+        FakeKernel.run = _no_launch
+        _uninstall(originals)
+    print(f"prepared launches: {bad} mismatch(es)")
+    return bad
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ class CupyBackend(Backend):
     """FlashAttention-2 in CUDA C++ through CuPy/NVRTC (NVIDIA sm_80+)."""
 
     name = "cupy"
+    stable_reasons = True   # device capability and shared memory, and the spec's own limits
     description = "CUDA C++ FlashAttention-2 kernels (mma.sync tensor cores) compiled by NVRTC via CuPy"
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
     head_dims = (1, configs.MAX_HEAD_DIM)

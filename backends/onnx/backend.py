@@ -35,6 +35,7 @@ class OnnxBackend(Backend):
     """portattn's ONNX op on onnxruntime (CPU provider; CUDA provider with onnxruntime-gpu)."""
 
     name = "onnx"
+    stable_reasons = True   # the device type and onnxruntime's providers (fixed once imported)
     description = "portattn.FlashAttention ONNX function run by onnxruntime (forward only)"
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
     head_dims = (1, 512)

@@ -75,6 +75,7 @@ class TritonBackend(Backend):
     """FlashAttention-2 in Triton: tiled online softmax forward, FA2 backward (delta, dK/dV, dQ)."""
 
     name = "triton"
+    stable_reasons = True   # device facts cached for the process, offsets and grid from the spec
     description = "Triton FlashAttention-2 kernels (NVIDIA sm_80+, AMD CDNA, CPU via TRITON_INTERPRET=1)"
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
     head_dims = (1, 256)

@@ -246,6 +246,14 @@ _DECODE_NVIDIA = {
     "ampere": {16: (128, 4, 3), 32: (128, 4, 3), 64: (128, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2)},
     "small":  {16: (64, 4, 2), 32: (64, 4, 2), 64: (64, 4, 2), 128: (32, 4, 2), 256: (16, 4, 2)},
 }
+# Packed tiles of 64 rows (Sq 8 at GQA 8, ...) on NVIDIA: BLOCK_D -> (BLOCK_M cap, BLOCK_N, num_warps,
+# num_stages), replacing the rule above (8 warps, BLOCK_N <= 64, one stage less) where an entry exists.
+# A cap of 32 splits the rows into two programs that each read the K/V tiles (the second read
+# mostly from L2) but run two per SM. tools/decode_sweep.py prints the rows to paste here.
+# hopper D128: the H200 sweep of 2026-12-01 (bench_decode --sweep, B8 Sq8 Sk32k, 4 splits, bf16) read
+# M64 N64 w4 s3 3.55 TB/s against the rule's w8 s3 2.61 (w8 s3 with 8 splits 2.90; N32 w8 s4 2.06;
+# N128 w8 s2 2.14): 4 warps, 254 registers, no spill (sm_90 D128 bf16).
+_DECODE_WIDE_NVIDIA: dict = {"hopper": {128: (64, 64, 4, 3)}, "ampere": {}, "small": {}}
 # AMD CDNA (64 KiB LDS; the stream pipeliner: num_stages <= 2): (BLOCK_N, num_warps, num_stages, waves_per_eu)
 _DECODE_AMD = {16: (64, 4, 2, 2), 32: (64, 4, 2, 2), 64: (64, 4, 2, 2), 128: (32, 4, 2, 2), 256: (16, 4, 1, 1)}
 #: resident decode programs per SM / CU the split heuristic plans for
@@ -271,8 +279,13 @@ def decode_config(target: Target, block_d: int, elem_size: int, block_m: int) ->
         n, w, s, wpe = _DECODE_AMD[block_d]
         amd = dict(waves_per_eu=wpe, matrix_instr_nonkdim=16, kpack=1)
     else:
-        n, w, s = _DECODE_NVIDIA[_nvidia_family(int(target.arch))][block_d]
+        family = _nvidia_family(int(target.arch))
+        n, w, s = _DECODE_NVIDIA[family][block_d]
         amd = {}
+        wide = _DECODE_WIDE_NVIDIA[family].get(block_d) if block_m >= 64 and elem_size <= 2 else None
+        if wide is not None:
+            cap, n, w, s = wide
+            return KernelConfig(min(block_m, cap), n, w, s)
     if block_m >= 64:
         w, n, s = 8, min(n, 64), max(2 if target.vendor == "nvidia" else 1, s - 1)
     if elem_size > 2:

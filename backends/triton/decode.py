@@ -67,6 +67,11 @@ UNBOUNDED = 1 << 30
 MAX_SPLITS = 128
 #: rows of the packed (GQA × Sq) query tile at most; more rows take more programs (m_blocks)
 MAX_BLOCK_M = 64
+#: the split heuristic's wave-efficiency tolerance (:func:`num_splits_for`; flash-attn's 0.85).
+#: At B 1 / Sk 128k / Sq 1 it gives 57 splits (228 programs of 264 slots); the H200 sweep of
+#: 2026-12-01 (eager timing) read 3.23 / 3.15 / 3.09 / 3.20 TB/s at 28 / 57 / 114 / 128 splits:
+#: no case for filling every slot yet. tools/decode_sweep.py times 1, 2 and 4 programs per SM.
+SPLIT_EFFICIENCY = 0.85
 
 
 # ----- kernels ------------------------------------------------------------------------------
@@ -344,7 +349,8 @@ def num_splits_for(units: int, key_blocks: int, num_sms: int, programs_per_sm: i
     tiles of the longest possible sequence (the cache capacity, not its contents). Enough
     resident programs (``programs_per_sm`` per SM) keep the memory system busy: when ``units``
     already fills 80 % of them, no split; otherwise the smallest split count whose wave
-    efficiency (programs / slots, over whole waves) is within 85 % of the best, keeping at least
+    efficiency (programs / slots, over whole waves) is within :data:`SPLIT_EFFICIENCY` of the
+    best, keeping at least
     two tiles per split (the combine pass and the per-split epilogue cost more than they save
     below that) and at most :data:`MAX_SPLITS`.
     """
@@ -358,12 +364,16 @@ def num_splits_for(units: int, key_blocks: int, num_sms: int, programs_per_sm: i
         return waves / -(-waves // 1)
 
     best = max(efficiency(s) for s in range(1, max_splits + 1))
-    return next(s for s in range(1, max_splits + 1) if efficiency(s) >= 0.85 * best)
+    return next(s for s in range(1, max_splits + 1) if efficiency(s) >= SPLIT_EFFICIENCY * best)
 
 
 def _plan(kv, config=None):
     """(config, block_d, BLOCK_M, m_blocks, num_splits) of one call (host ints only);
-    ``config`` replaces the table's tiles (benchmarks' sweeps; its block_m is ignored)."""
+    ``config`` replaces the table's tiles (sweeps, tools/decode_sweep.py); its ``block_m`` caps
+    the packed tile's height like the table's does (16, 32 or 64)."""
+    if config is not None and config.block_m not in (16, 32, 64):
+        raise ValueError(f"config.block_m must be 16, 32 or 64 (the packed query tile's height cap), "
+                         f"got {config.block_m}")
     return _plan_cached(kv.device.type, kv.device.index, kv.dtype, kv.head_dim, kv.head_dim_v, kv.gqa_ratio,
                         kv.seqlen_q, kv.batch, kv.num_heads_kv, kv.capacity, kv.window_left, kv.window_right,
                         kv.num_splits, config)
@@ -378,7 +388,7 @@ def _plan_cached(device_type, device_index, dtype, head_dim, head_dim_v, group, 
     rows = group * seqlen_q
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
     cfg = decode_config(target, block_d, ELEM_SIZES[dtype], block_m) if config is None else config
-    block_m = min(block_m, cfg.block_m) if config is None else block_m
+    block_m = min(block_m, cfg.block_m)
     m_blocks = triton.cdiv(rows, block_m)
     units = batch * num_heads_kv * m_blocks
     keys = capacity

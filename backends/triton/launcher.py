@@ -267,6 +267,22 @@ class FastKernel:
                 return entry.kernel
         return self._slow(grid, args, kwargs)
 
+    def bind(self, args, kwargs) -> Bound | None:
+        """The remembered launch for calls like this one: a :class:`Bound` to call as
+        ``bound(grid, *args)`` for later calls whose positional arguments have the same types, the
+        same tensor dtypes and 16-byte alignment, the same other values and the same ``kwargs``
+        (the caller guarantees that match and so skips computing the key), or None when no launch
+        with this key was recorded (make one through ``[grid]`` first)."""
+        st = self._state
+        if st is None or self.disabled is not None or not _ENABLED:
+            return None
+        try:
+            key = self.key(args, kwargs)
+        except TypeError:
+            return None
+        entry = self._entries.get(key) if key is not None else None
+        return None if entry is None else Bound(self, entry, st.get_device(), self._knobs(st))
+
     def _slow(self, grid, args, kwargs):
         """The normal launch; then remember its kernel under the call's key."""
         self.stats["slow"] += 1
@@ -304,6 +320,34 @@ class FastKernel:
             self._entries.clear()
             self._hot.clear()
         self._entries[key] = _Entry(kernel, tuple(tail))
+
+
+class Bound:
+    """One specialisation of a :class:`FastKernel`, bound for a caller that has checked the
+    match of its arguments itself (:meth:`FastKernel.bind`). ``bound(grid, *args)`` launches and
+    returns True, or returns False without launching when the fast path may not be taken now
+    (disabled, another current device, changed knobs, a hook set, a global replaced): the caller
+    then launches through ``fast(fn)[grid]``."""
+
+    __slots__ = ("kernel", "entry", "device", "knobs")
+
+    def __init__(self, kernel: FastKernel, entry: _Entry, device, knobs: tuple):
+        self.kernel, self.entry, self.device, self.knobs = kernel, entry, device, knobs
+
+    def __call__(self, grid: tuple, *args) -> bool:
+        fk = self.kernel
+        st = fk._state
+        if not _ENABLED or fk.disabled is not None:
+            return False
+        device = st.get_device()
+        if device != self.device or fk._knobs(st) != self.knobs or not fk._guards_ok(st):
+            return False
+        e = self.entry
+        n = len(grid)
+        e.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, st.get_stream(device), e.function, e.packed,
+              None, None, None, *args, *e.tail)
+        fk.stats["fast"] += 1
+        return True
 
 
 def _bind_state(fn) -> _State:
