@@ -71,8 +71,23 @@ def _cfg(t):
     return KernelConfig(*t)
 
 
+def _forget_prepared() -> None:
+    """Drop ops' prepared forward launches (kept per call signature, whatever the config): after
+    a config change the next call must launch the new one."""
+    getattr(ops, "_prepared", {}).clear()
+
+
 class Override:
     """Patch ops' config lookups (forward_config_for / backward_configs_for read these globals)."""
+
+    @property
+    def fwd(self):
+        return self._fwd
+
+    @fwd.setter
+    def fwd(self, cfg):
+        self._fwd = cfg
+        _forget_prepared()
 
     def __init__(self):
         self.fwd = None
@@ -476,6 +491,7 @@ def _fwd_time_cells(cells, dims, seqlens, cands, bad, table, orig, deadline) -> 
                         continue
                     cfg = _fwd_cfg(t)
                     ops._forward_config = lambda *a, cfg=cfg: cfg
+                    _forget_prepared()
                     try:
                         cell["triton"][name] = bench(lambda: ops.forward(spec))
                     except Exception as exc:
