@@ -469,3 +469,114 @@ def test_forward_for_backward_residual_is_the_rounding_of_o():
     assert (o32.double() + r32.double() - exact).abs().max() < (o32.double() - exact).abs().max()
     spec32 = build_spec(*(t.float() for t in (q, k, v)))
     assert backend.forward_for_backward(spec32)[2] == ()
+
+
+# ----- the forward's tensor-descriptor variant (sm_90 TMA, issue #14) ------------------------
+# The config table can turn on ``tma`` (and ``ws``) per Hopper row; the kernel then loads Q/K/V and
+# stores O through device-side tensor descriptors. Triton's interpreter runs descriptors too, so
+# the variant is checked here on CPU tensors: same bits as the pointer kernel, and within the
+# equivalence rule of the reference (docs/semantics.md).
+TMA_CASES = ["plain_d24_bf16", "causal_113x203_gqa2_d96", "window_tl_17x113", "dv_ne_d", "bias_padding",
+             "softcap_d128"]
+
+
+@cpu_only
+@pytest.mark.parametrize("name", TMA_CASES)
+def test_tma_forward_matches_the_pointer_kernel(name, monkeypatch):
+    from portattn.backends.triton import ops
+    from portattn.backends.triton.configs import KernelConfig
+
+    from portattn.reference import naive_forward
+
+    q, k, v, kw = _make_case(name)
+    spec = build_spec(q, k, v, **kw)
+    plain = TritonBackend().forward(spec)
+    tma_cfg = KernelConfig(32, 32, 4, 1, tma=True)
+    monkeypatch.setattr(ops, "_forward_config", lambda *a: tma_cfg)
+    assert ops.forward_config_for(spec).tma
+    out, lse = TritonBackend().forward(spec)
+    assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
+    ref, ref_lse = reference_forward(spec)
+    assert compare("out", out, ref, naive_forward(spec)[0]).passed
+    assert compare_lse(lse, ref_lse).passed
+    # a 16-bit forward for the backward: the residual goes through a descriptor too
+    _, _, (res,) = TritonBackend().forward_for_backward(spec)
+    monkeypatch.undo()
+    assert torch.equal(res, TritonBackend().forward_for_backward(spec)[2][0])
+
+
+def test_tma_needs_16_byte_aligned_rows():
+    """A view whose row stride is not a multiple of 16 bytes gets the pointer kernel."""
+    from portattn.backends.triton import ops
+    from portattn.backends.triton.configs import KernelConfig
+
+    cfg = KernelConfig(128, 64, 8, 3, tma=True, ws=True)
+    ok = torch.zeros(2, 64, 4, 64, dtype=torch.bfloat16)
+    odd = torch.zeros(2, 64, 4, 72, dtype=torch.bfloat16)[..., :60]   # D 60 in 144-byte heads: aligned
+    skew = torch.zeros(2 * 64 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 64, 4, 64)  # base + 2 B
+    narrow = torch.zeros(2, 64, 4 * 36, dtype=torch.bfloat16).view(2, 64, 4, 36)            # 72 B rows
+    assert ops._tma_config(cfg, ok, ok, ok, ok) is cfg
+    assert ops._tma_config(cfg, odd, ok, ok, ok) is cfg
+    for bad in (skew, narrow):
+        got = ops._tma_config(cfg, ok, bad, ok, ok)
+        assert not got.tma and not got.ws and got.block_m == 128
+
+
+def test_tma_launch_sets_an_allocator_only_when_none_is_set():
+    """Device-side descriptors need triton's global-scratch allocator: the TMA launch installs a
+    torch-backed one in a context that has none, and keeps one the caller set."""
+    import contextvars
+
+    import triton
+    from portattn.backends.triton import ops
+    from triton.runtime import _allocation
+
+    def fresh():
+        _allocation._allocator.set(_allocation._NULL_ALLOCATOR)
+        ops._ensure_allocator()
+        return _allocation._allocator.get()
+
+    assert contextvars.copy_context().run(fresh) is ops._scratch
+
+    def mine(size, alignment, stream):
+        raise AssertionError("not called here")
+
+    def keep():
+        triton.set_allocator(mine)
+        ops._ensure_allocator()
+        return _allocation._allocator.get()
+
+    assert contextvars.copy_context().run(keep) is mine
+
+
+@requires_gpu
+@pytest.mark.parametrize("name", ["causal_113x203_gqa2_d96", "dv_ne_d", "bias_padding", "window_tl_17x113",
+                                  "d256_fp16", "plain_d24_bf16"])
+@pytest.mark.parametrize("scale_up", [1, 16])
+def test_gpu_tma_forward_matches_the_reference(name, scale_up, monkeypatch):
+    """The TMA forward (the table's tiles with ``tma`` on; sm_90+, else the portable kernel runs)
+    within the equivalence rule, at the interpreter cases' sizes and 16x their sequence lengths;
+    K in these cases is a strided view whose head offset breaks the 16-byte rule in some layouts,
+    which exercises the fallback too."""
+    import dataclasses
+
+    from portattn.backends.triton import ops
+
+    from portattn.reference import naive_forward
+
+    if getattr(torch.version, "hip", None) or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors: NVIDIA sm_90+")
+    b, sq, sk, hq, hkv, d, dv, dtype, kw = CASES[name]
+    CASES["_scaled"] = (b, sq * scale_up, sk * scale_up, hq, hkv, d, dv, dtype, kw)
+    try:
+        q, k, v, kw = _make_case("_scaled")
+    finally:
+        del CASES["_scaled"]
+    spec = build_spec(q, k, v, **kw)
+    base = ops._forward_config
+    monkeypatch.setattr(ops, "_forward_config", lambda *a: dataclasses.replace(base(*a), tma=True))
+    monkeypatch.setattr(ops, "_prepared", {})
+    out, lse = TritonBackend().forward(spec)
+    ref, ref_lse = reference_forward(spec)
+    assert compare("out", out, ref, naive_forward(spec)[0]).passed
+    assert compare_lse(lse, ref_lse).passed

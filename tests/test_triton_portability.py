@@ -112,3 +112,38 @@ def test_float32_scores_are_float64_dots_in_the_ptx(ptx_ops):
     for kernel in ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"):
         assert any(op.endswith(".f64") for op in ptx_ops[kernel]), ptx_ops[kernel]
     assert not any(".f64" in op for op in ptx_ops["bf16"]), ptx_ops["bf16"]
+
+
+def test_tma_forward_compiles_to_bulk_tensor_copies_on_sm90_only():
+    """The forward's ``tma`` variant (issue #14) compiles for sm_90 to TMA copies
+    (cp.async.bulk.tensor) feeding wgmma, with no cp.async left; the pointer kernel has no TMA;
+    and a table row asking for TMA gives sm_80 and AMD the portable kernel (forward_config drops
+    the flags), which still compiles there. One subprocess, no GPU."""
+    code = (
+        "import json, re, torch, triton\n"
+        "from portattn.backends.triton import configs as C, kernels, portability as P\n"
+        "C._FWD_NVIDIA['hopper'][128] = C._FWD_NVIDIA['ampere'][128] = (128, 64, 8, 3, True, False)\n"
+        "C.forward_config.cache_clear()\n"
+        "out = {}\n"
+        "for tgt in (C.Target('nvidia', 90), C.Target('nvidia', 80), C.Target('amd', 'gfx942')):\n"
+        "    cfg = C.forward_config(tgt, 128, 2)\n"
+        "    for name, c in (('table', cfg), ('plain', C.KernelConfig(128, 64, 8, 3))):\n"
+        "        if name == 'plain' and tgt.vendor != 'nvidia':\n"
+        "            continue\n"
+        "        case = P.Case('attn_fwd', tgt, 232448, torch.bfloat16, 128, c, P.PLAIN)\n"
+        "        k = triton.compile(P._ast_source(kernels.attn_fwd, *P._signature(kernels.attn_fwd, case)),\n"
+        "                           target=P._gpu_target(tgt), options=c.launch_options())\n"
+        "        asm = k.asm.get('ptx') or k.asm['amdgcn']\n"
+        "        out[f'{tgt} {name}'] = dict(tma=c.tma, bulk=asm.count('cp.async.bulk.tensor'),\n"
+        "            wgmma=asm.count('wgmma.mma_async'), cp_async=len(re.findall(r'cp\\.async\\.(?:ca|cg)', asm)))\n"
+        "print(json.dumps(out))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    tma = got["sm_90 table"]
+    assert tma["tma"] and tma["bulk"] > 0 and tma["wgmma"] > 0 and tma["cp_async"] == 0, got
+    plain = got["sm_90 plain"]
+    assert not plain["tma"] and plain["bulk"] == 0 and plain["cp_async"] > 0 and plain["wgmma"] > 0, got
+    assert not got["sm_80 table"]["tma"] and got["sm_80 table"]["bulk"] == 0, got
+    assert not got["gfx942 table"]["tma"], got

@@ -50,6 +50,8 @@ class KernelConfig:
     waves_per_eu: int | None = None          # AMD only
     matrix_instr_nonkdim: int | None = None  # AMD only
     kpack: int | None = None                 # AMD only
+    tma: bool = False   # forward, NVIDIA sm_90+: Q/K/V/O through tensor descriptors (kernels.attn_fwd)
+    ws: bool = False    # forward, NVIDIA sm_90+: warp-specialised key loops
 
     def launch_options(self) -> dict:
         """Keyword arguments for ``kernel[grid](..., **options)`` (and ``triton.compile``).
@@ -65,6 +67,7 @@ class KernelConfig:
     def short(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in asdict(self).items()
                         if k in ("waves_per_eu", "matrix_instr_nonkdim", "kpack") and v is not None)
+        extra += " tma" * self.tma + " ws" * self.ws
         return f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -122,7 +125,10 @@ def _nvidia_family(arch: int) -> str:
     return "small"   # sm_86/89/12x: ~100 KiB of shared memory per block
 
 
-# fwd tables: BLOCK_D -> (BLOCK_M, BLOCK_N, num_warps, num_stages), for 2-byte inputs.
+# fwd tables: BLOCK_D -> (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma, ws]), for 2-byte inputs;
+# the optional flags (Hopper rows only; forward_config drops them below sm_90 and for float32)
+# turn on the forward's tensor-descriptor loads/stores and warp-specialised key loops
+# (tools/triton_sweep.py --fwd-only times them against the plain rows).
 # Hopper D=128 measured on the H200 (2026-11-29, bf16, B4 H16 S4096, fwd TFLOP/s non-causal/causal):
 # (128,64) w8 s3: 457/397; (128,128) w8 s3: 430/375; (128,32) w4 s4: 396/341; (64,64) w4 s3: 374/338;
 # (128,64) w4 s3: 226/199. Torch SDPA in the same run: flash 338/304, cuDNN 603/517.
@@ -191,9 +197,11 @@ def forward_config(target: Target, block_d: int, elem_size: int) -> KernelConfig
         m, n, w, s, wpe = _FWD_AMD[block_d]
         m, n, s = _shrink(m, n, s, elem_size, block_d)
         return KernelConfig(m, n, w, s, waves_per_eu=wpe, matrix_instr_nonkdim=16, kpack=1)
-    m, n, w, s = _FWD_NVIDIA[_nvidia_family(int(target.arch))][block_d]
+    m, n, w, s, *flags = _FWD_NVIDIA[_nvidia_family(int(target.arch))][block_d]
     m, n, s = _shrink(m, n, s, elem_size, block_d)
-    return KernelConfig(m, n, w, s)
+    tma, ws = (tuple(flags) + (False, False))[:2]
+    hopper = int(target.arch) >= 90 and elem_size <= 2   # TMA / warp specialisation: sm_90+, 16-bit only
+    return KernelConfig(m, n, w, s, tma=bool(tma) and hopper, ws=bool(ws) and hopper)
 
 
 @functools.lru_cache(maxsize=256)

@@ -323,17 +323,31 @@ def _tile_order(pid, n_tiles, LONGEST_FIRST: tl.constexpr):
 # ----- forward ------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_band(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, lo, hi, offs_m, offs_n, offs_d,
+def _load_kv(src, start_n, stride_s, cols, sk, offs_d, HEAD: tl.constexpr, BLOCK_D: tl.constexpr,
+             MASKED: tl.constexpr, TMA: tl.constexpr):
+    """The (BLOCK_N, BLOCK_D) K or V tile of keys ``start_n + offs_n``: through a tensor descriptor
+    (``TMA``, sm_90+: the copy engine zero-fills rows >= Sk and columns >= HEAD, as the masked load
+    does) or through pointers (``src`` = the tile's pointers at key 0)."""
+    if TMA:
+        return src.load([start_n, 0])
+    else:
+        return _load_tile(src + start_n * stride_s, cols, sk, offs_d, HEAD, BLOCK_D, MASKED)
+
+
+@triton.jit
+def _fwd_band(acc, l_i, m_i, q, k_src, v_src, bias_ptrs, lo, hi, offs_m, offs_n, offs_d,
               sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2,
               qk_scale2, softcap_scale, softcap2, window_left, window_right,
               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
-              IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
-    """The online softmax over key tiles ``[lo, hi)``: update (acc, l_i, m_i) tile by tile."""
-    for start_n in range(lo, hi, BLOCK_N):
+              IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+    """The online softmax over key tiles ``[lo, hi)``: update (acc, l_i, m_i) tile by tile. K and V
+    come from :func:`_load_kv`; ``WS`` asks triton to warp-specialise the loop (producer warps
+    issue the loads, consumer warpgroups do the products: Hopper/Blackwell only)."""
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
         # S = Q Kᵀ for this tile
-        k = _load_tile(k_ptrs + start_n * stride_ks, cols, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
+        k = _load_kv(k_src, start_n, stride_ks, cols, sk, offs_d, HEAD_D, BLOCK_D, MASKED, TMA)
         qk = _scores(q, k, IEEE)
         s, _ = _logits(qk, offs_m[:, None], cols[None, :], sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                        qk_scale2, softcap_scale, softcap2, window_left, window_right,
@@ -341,7 +355,7 @@ def _fwd_band(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, lo, hi, offs_m, offs_
         m_new, alpha, p = _online_max(m_i, s, qk_scale2, RAW_SCORES)
         # rescale the running sum and accumulator, then add P V
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_ptrs + start_n * stride_vs, cols, sk, offs_d, HEAD_DV, BLOCK_D, MASKED)
+        v = _load_kv(v_src, start_n, stride_vs, cols, sk, offs_d, HEAD_DV, BLOCK_D, MASKED, TMA)
         acc = _mm(_round_to(p, v.dtype), v, acc * alpha[:, None], IEEE)
         m_i = m_new
     return acc, l_i, m_i
@@ -367,12 +381,19 @@ def attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, LONGEST_FIRST: tl.constexpr,
-    RESIDUAL: tl.constexpr,
+    RESIDUAL: tl.constexpr, TMA: tl.constexpr = False, WS: tl.constexpr = False,
 ):
     """O = softmax(scale·QKᵀ + bias)V for one (query tile, batch·head); writes O and lse, and with
     ``RESIDUAL`` (a 16-bit forward whose backward follows) ``ORES`` = the rounding residual
     O_f32 − round(O_f32) in O's dtype and strides, so that the backward's delta = rowsum(dO ∘ O)
-    is taken of the unrounded output."""
+    is taken of the unrounded output.
+
+    ``TMA`` (sm_90+, chosen by configs.forward_config and checked by the host: 16-byte aligned
+    bases and row strides): Q, K, V are loaded and O (and ORES) stored through device-side tensor
+    descriptors of each (sequence, head)'s ``(S, D)`` slab, whose bounds replace the element masks
+    (same values: zero fill on loads, clipped stores); ``WS`` asks for warp-specialised key loops
+    (cross-compiled for sm_90 with triton 3.6 and 3.9: ignored at 8 warps, and the Hopper pass
+    fails on the three phase loops at 4). With both off the kernel is the portable pointer version."""
     pid_m = _tile_order(tl.program_id(0), tl.num_programs(0), LONGEST_FIRST)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_q
@@ -402,8 +423,15 @@ def attn_fwd(
         slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
 
     # the query tile stays resident for the whole key loop
-    q = _load_tile(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, sq, offs_d,
-                   HEAD_D, BLOCK_D, True)
+    if TMA:
+        k_src = tl.make_tensor_descriptor(k_base, [sk, HEAD_D], [stride_ks, 1], [BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, [sk, HEAD_DV], [stride_vs, 1], [BLOCK_N, BLOCK_D])
+        q = tl.make_tensor_descriptor(q_base, [sq, HEAD_D], [stride_qs, 1], [BLOCK_M, BLOCK_D]).load([m0, 0])
+    else:
+        k_src = k_ptrs
+        v_src = v_ptrs
+        q = _load_tile(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, sq, offs_d,
+                       HEAD_D, BLOCK_D, True)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -411,11 +439,11 @@ def attn_fwd(
     lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
     for phase in tl.static_range(3):
         start, stop = _phase_range(phase, lo, full_lo, full_hi, hi)
-        acc, l_i, m_i = _fwd_band(acc, l_i, m_i, q, k_ptrs, v_ptrs, bias_ptrs, start, stop, offs_m, offs_n, offs_d,
+        acc, l_i, m_i = _fwd_band(acc, l_i, m_i, q, k_src, v_src, bias_ptrs, start, stop, offs_m, offs_n, offs_d,
                                   sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn, slope2,
                                   qk_scale2, softcap_scale, softcap2, window_left, window_right,
                                   HEAD_D, HEAD_DV, BLOCK_D, BLOCK_N, phase != 1, SOFTCAP, ALIBI, BIAS_MODE,
-                                  IEEE, RAW_SCORES)
+                                  IEEE, RAW_SCORES, TMA, WS)
 
     # normalise once; rows with no visible key output 0 and lse = -inf
     empty = l_i == 0.0
@@ -424,13 +452,22 @@ def attn_fwd(
     if RAW_SCORES:
         m_i = m_i * qk_scale2
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-    o_offs = (b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
-              + offs_m[:, None] * stride_os + offs_d[None, :])
-    out16 = _round_to(out, O.dtype.element_ty)
-    _store_tile(O + o_offs, out16, offs_m, sq, offs_d, HEAD_DV, BLOCK_D)
-    if RESIDUAL:
-        res = _round_to(out - out16.to(tl.float32), O.dtype.element_ty)
-        _store_tile(ORES + o_offs, res, offs_m, sq, offs_d, HEAD_DV, BLOCK_D)
+    if TMA:
+        o_base = b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
+        out16 = _round_to(out, O.dtype.element_ty)
+        tl.make_tensor_descriptor(O + o_base, [sq, HEAD_DV], [stride_os, 1], [BLOCK_M, BLOCK_D]).store([m0, 0], out16)
+        if RESIDUAL:
+            res = _round_to(out - out16.to(tl.float32), O.dtype.element_ty)
+            tl.make_tensor_descriptor(ORES + o_base, [sq, HEAD_DV], [stride_os, 1],
+                                      [BLOCK_M, BLOCK_D]).store([m0, 0], res)
+    else:
+        o_offs = (b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
+                  + offs_m[:, None] * stride_os + offs_d[None, :])
+        out16 = _round_to(out, O.dtype.element_ty)
+        _store_tile(O + o_offs, out16, offs_m, sq, offs_d, HEAD_DV, BLOCK_D)
+        if RESIDUAL:
+            res = _round_to(out - out16.to(tl.float32), O.dtype.element_ty)
+            _store_tile(ORES + o_offs, res, offs_m, sq, offs_d, HEAD_DV, BLOCK_D)
     l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m
     tl.store(l_ptrs, lse, mask=offs_m < sq)
 

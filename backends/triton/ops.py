@@ -17,9 +17,11 @@ binder (its per-argument ``native_specialize_impl``, key hashing and constexpr-g
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
+import triton
 
 from . import kernels, launcher
 from .configs import (
@@ -261,7 +263,7 @@ class _Prepared:
     a small call). Valid for every spec of one call signature (:mod:`portattn.callcache`: same
     shapes, strides, dtypes, device and arguments) whose tensors have the same alignment."""
 
-    __slots__ = ("bound", "grid", "out_shape", "lse_shape", "dtype", "device", "ints", "bool_bias")
+    __slots__ = ("bound", "grid", "out_shape", "lse_shape", "dtype", "device", "ints", "bool_bias", "tma")
 
     def run(self, spec, residual: bool):
         """``(out, lse, ores or None)``, or None when the bound launch declined (see launcher.Bound)."""
@@ -275,6 +277,8 @@ class _Prepared:
         elif self.bool_bias:
             bias = bias.view(torch.uint8)
         slopes = spec.alibi_slopes if spec.alibi_slopes is not None else lse
+        if self.tma:   # the allocator is per thread / context (alignment: in the key, out is new)
+            _ensure_allocator()
         if not self.bound(self.grid, q, spec.k, spec.v, out, ores, lse, bias, slopes, lse, lse, *self.ints):
             return None
         return out, lse, (ores if residual else None)
@@ -291,7 +295,7 @@ def _prepared_key(spec, residual: bool):
             None if bias is None else bias.data_ptr() & 15)
 
 
-def _prepare(key, spec, kernel_args: tuple, kwargs: dict, grid: tuple, bias_mode: int) -> None:
+def _prepare(key, spec, kernel_args: tuple, kwargs: dict, grid: tuple, bias_mode: int, tma: bool = False) -> None:
     """Remember the launch just made for ``spec`` under ``key`` (after a normal launch, which
     recorded the kernel in the fast launcher)."""
     fk = launcher.fast(kernels.attn_fwd)
@@ -307,6 +311,7 @@ def _prepare(key, spec, kernel_args: tuple, kwargs: dict, grid: tuple, bias_mode
     p.dtype, p.device = spec.dtype, spec.device
     p.ints = kernel_args[10:]
     p.bool_bias = bias_mode == kernels.BIAS_BOOL
+    p.tma = tma
     if len(_prepared) >= _PREPARED_LIMIT:
         _prepared.clear()
     _prepared[key] = p
@@ -332,6 +337,8 @@ def _forward(spec, out, lse, residual: bool):
     cu_q = spec.cu_seqlens_q if varlen else lse
     cu_k = spec.cu_seqlens_k if varlen else lse
     cfg = forward_config_for(spec)
+    if cfg.tma:
+        cfg = _tma_config(cfg, q, k, v, out)
     ls = lse.stride()
     grid = (_cdiv(spec.seqlen_q, cfg.block_m), spec.batch * spec.num_heads_q)
     args = (q, k, v, out, ores, lse, bias, slopes, cu_q, cu_k,
@@ -340,11 +347,49 @@ def _forward(spec, out, lse, residual: bool):
             spec.num_heads_q, spec.num_heads_q // spec.num_heads_kv, spec.seqlen_q, spec.seqlen_k,
             *((q.shape[0], k.shape[0]) if varlen else (0, 0)),
             *_scalars(spec.scale, spec.softcap, spec.window_left, spec.window_right))
-    kwargs = _launch_kwargs(cfg, bias_mode, _static_key(spec), LONGEST_FIRST=_causal_like(spec), RESIDUAL=residual)
+    kwargs = _launch_kwargs(cfg, bias_mode, _static_key(spec), LONGEST_FIRST=_causal_like(spec), RESIDUAL=residual,
+                            TMA=cfg.tma, WS=cfg.ws)
     launcher.fast(kernels.attn_fwd)[grid](*args, **kwargs)
     if pkey is not None and q is spec.q and k is spec.k and v is spec.v:   # (no copies were made)
-        _prepare(pkey, spec, args, kwargs, grid, bias_mode)
+        _prepare(pkey, spec, args, kwargs, grid, bias_mode, cfg.tma)
     return out, lse, (ores if residual else None)
+
+
+def _tma_aligned(t: torch.Tensor) -> bool:
+    """A tensor descriptor of ``t``'s (S, D) slabs needs 16-byte aligned bases and row strides:
+    every stride but the (contiguous) last one, and the data pointer, multiples of 16 bytes."""
+    e = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((st * e) % 16 == 0 for st in t.stride()[:-1])
+
+
+def _tma_config(cfg: KernelConfig, q, k, v, out) -> KernelConfig:
+    """``cfg`` when Q, K, V and O allow tensor descriptors (then triton's allocator is set: device-side
+    descriptors live in a per-launch global scratch buffer), else ``cfg`` without TMA and warp
+    specialisation (the portable pointer kernel). The residual output copies O's strides."""
+    if not all(_tma_aligned(t) for t in (q, k, v, out)):
+        return _without_tma(cfg)
+    _ensure_allocator()
+    return cfg
+
+
+@functools.lru_cache(maxsize=64)
+def _without_tma(cfg: KernelConfig) -> KernelConfig:
+    return dataclasses.replace(cfg, tma=False, ws=False)
+
+
+def _scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Install a torch-backed allocator for triton's global scratch unless one is set (triton keeps
+    it in a context variable: set per thread / context, so this is checked at every TMA launch)."""
+    from triton.runtime import _allocation
+    current = getattr(_allocation, "_allocator", None)
+    get = getattr(current, "get", None)
+    if get is not None and get() is not getattr(_allocation, "_NULL_ALLOCATOR", None):
+        return
+    triton.set_allocator(_scratch)
 
 
 def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,

@@ -179,6 +179,7 @@ def _signature(fn, case: Case):
         RAW_SCORES=case.dtype == torch.float32 and not f.softcap and not f.alibi and f.bias_mode != kernels.BIAS_ADD,
         EXACT_STATS=case.dtype == torch.float32, LONGEST_FIRST=not f.bottom_right,
         RESIDUAL=case.dtype != torch.float32,
+        TMA=getattr(cfg, "tma", False), WS=getattr(cfg, "ws", False),
     )
     bias_ty = "*u8" if f.bias_mode == kernels.BIAS_BOOL else f"*{dt}"
     signature, constexprs, attrs = {}, {}, {}
