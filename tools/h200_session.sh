@@ -15,6 +15,9 @@
 #   bash tools/h200_session.sh callpath    # the call-path / decode call: transformers-on-triton and the
 #       call-path GPU tests side by side, then alone on the GPU: the launcher check, the overhead table
 #       and the decode tile sweep; everything but the summaries in $OUT/results.tgz
+#   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh fwdsweep
+#       # the TMA/prepared GPU tests and the catalogue cases PREV lacks side by side (one merged
+#       # report), then alone: the triton forward sweep (--fwd-only) and the overhead table
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -159,6 +162,47 @@ if [[ $what == callpath ]]; then
   timeout -s INT -k 10 "${SWEEP_LIMIT:-175}" $PY tools/decode_sweep.py --out "$R" --time-limit "${SWEEP_TIME:-150}" \
       > "$R/decode_sweep.log" 2>&1
   echo "== decode sweep rc=$? ($(( $(date +%s) - t0 ))s)"; tail -45 "$R/decode_sweep.log"
+  tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$R"
+fi
+
+if [[ $what == fwdsweep ]]; then
+  t0=$(date +%s)
+  PREV=${PREV:?set PREV to the previous conformance report}
+  R=$OUT/r; mkdir -p "$R"; cp "$OUT/env.txt" "$R/"
+  rm -rf "$shards"; mkdir -p "$shards"
+  timeout -s INT -k 20 "${TEST_LIMIT:-200}" $PY -m pytest -v --tb=short -p no:cacheprovider -n 3 tests/test_triton.py \
+      -k "gpu_tma or gpu_prepared" -rfEs > "$R/pytest_gpu_tma.txt" 2>&1 &
+  mapfile -t missing < <($PY - "$PREV" <<'PYEOF'
+import json, sys
+report = json.load(open(sys.argv[1]))
+ran = {(r["case"], r["backend"]) for r in report["results"]}
+from portattn.conformance.catalogue import build_catalogue
+cat = build_catalogue()
+ids = [c.id for c in cat if (c.id, "triton") not in ran]
+for part in range(4):
+    print(" ".join(ids[part::4]))
+print(" ".join(c.id for c in cat if (c.id, "cupy") not in ran))
+PYEOF
+)
+  LIMIT=${CONF_LIMIT:-190}
+  for i in 0 1 2 3; do
+    # shellcheck disable=SC2086  # one word per case id
+    [[ -n ${missing[$i]:-} ]] && run_shard "rest$i" --backends triton --cases ${missing[$i]} &
+  done
+  # shellcheck disable=SC2086
+  [[ -n ${missing[4]:-} ]] && run_shard others --backends reference sdpa cupy --cases ${missing[4]} &
+  wait
+  echo "== TMA/prepared GPU tests ($(( $(date +%s) - t0 ))s):"; grep -E "(FAILED|ERROR) tests" "$R/pytest_gpu_tma.txt" | sort -u
+  tail -2 "$R/pytest_gpu_tma.txt"
+  cp "$PREV" "$shards/prev.json"
+  { cat "$shards/rc.txt"; for f in "$shards"/*.log; do echo "=== $f"; tail -30 "$f"; done; } > "$R/conformance_shards.txt"
+  $PY -m portattn.cli conformance merge "$shards"/*.json --out "$R/conformance-h200.json" > "$R/conformance.txt" 2>&1
+  echo "== conformance merge rc=$? ($(( $(date +%s) - t0 ))s):"; cat "$shards/rc.txt"; tail -6 "$R/conformance.txt"
+  timeout -s INT -k 10 "${SWEEP_LIMIT:-250}" $PY tools/triton_sweep.py --fwd-only --out "$R" --time-limit "${SWEEP_TIME:-200}" \
+      > "$R/fwd_sweep.log" 2>&1
+  echo "== forward sweep rc=$? ($(( $(date +%s) - t0 ))s)"; tail -45 "$R/triton_fwd_sweep.txt"
+  $PY benchmarks/overhead.py --out "$R" > "$R/overhead.log" 2>&1
+  echo "== overhead rc=$? ($(( $(date +%s) - t0 ))s)"; grep -E "target|per call|x torch" "$R/overhead.log" | tail -24
   tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$R"
 fi
 
