@@ -318,7 +318,7 @@ class SdpaBackend(Backend):
         elif spec.needs_grad:   # saved for the backward, which never reads it
             lse = torch.full(spec.lse_shape, float("nan"), dtype=torch.float32, device=spec.device)
         else:                   # not requested and not saved: a read-only NaN view (no allocation)
-            lse = _nan(spec.device).expand(spec.lse_shape)
+            lse = _nan(spec.device).expand(*spec.lse_shape)
         return out, lse
 
     def backward(self, spec, out, lse, dout, dlse=None):

@@ -37,6 +37,7 @@ _Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled
 _det = torch.are_deterministic_algorithms_enabled
 _det_warn = torch.is_deterministic_algorithms_warn_only_enabled
+_pinned = dispatch._pinned
 _tf32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (lambda: torch.backends.cuda.matmul.allow_tf32)
 
 #: signature -> (template spec, backend or None when it must be chosen per call)
@@ -61,10 +62,12 @@ def key(q, k, v, bias, causal, alignment, window, scale, softcap, layout, return
             return None
         window = (window, type(window[0]), type(window[1]))
     return (
-        _tensor(q), _tensor(k), _tensor(v), None if bias is None else _tensor(bias), _grad_enabled(),
+        q.shape, q.stride(), q.dtype, q.device, q.requires_grad, k.shape, k.stride(), k.dtype, k.device,
+        k.requires_grad, v.shape, v.stride(), v.dtype, v.device, v.requires_grad,
+        None if bias is None else _tensor(bias), _grad_enabled(),
         causal, type(causal), alignment, window, scale, type(scale), softcap, type(softcap), layout,
         return_lse, type(return_lse), backend, type(backend),
-        dispatch._pinned.get(), dispatch._policy, config.state(), registry.generation(),
+        _pinned.get(), dispatch._policy, config.state(), registry._generation,
         _det(), _det_warn(), _tf32(),
     )
 
