@@ -222,6 +222,47 @@ def test_empty_inputs():
     assert out.shape == (1, 0, 2, 24) and lse.shape == (1, 2, 0)
 
 
+# ----- decode-shaped dense calls run on the split-KV kernels --------------------------------
+
+DECODE_SHAPED = [
+    # (B, Sq, Sk, Hq, Hkv, D, kwargs)
+    (2, 1, 300, 8, 2, 32, {}),
+    (1, 4, 257, 4, 1, 16, {"causal": True}),
+    (2, 3, 300, 4, 4, 32, {"window": (40, 0), "softcap": 10.0}),
+    (1, 5, 260, 2, 2, 16, {"causal": True, "causal_alignment": "top_left"}),
+    (1, 2, 256, 4, 2, 16, {"alibi": True, "causal": True}),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", range(len(DECODE_SHAPED)))
+def test_decode_shaped_dense_calls_use_the_split_kv_kernels(case, dtype, monkeypatch):
+    """A few queries against many keys, no gradient: the dense API runs the decode kernels
+    (backends/triton/__init__.py: _as_decode) and matches the reference under the rule; with a
+    gradient, a bias or too few keys the dense kernels run."""
+    import portattn.backends.triton as tb
+    routed = []
+    real = tb._forward_kvcache
+    monkeypatch.setattr(tb, "_forward_kvcache", lambda self, kv: (routed.append(kv), real(self, kv))[1])
+    b, sq, sk, hq, hkv, d, kw = DECODE_SHAPED[case]
+    g = torch.Generator().manual_seed(40 + case)
+    kw = dict(kw)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(hq, generator=g).to(DEVICE)
+    q = _randn(b, sq, hq, d, dtype=dtype, gen=g)
+    k = _randn(b, sk, hkv, d, dtype=dtype, gen=g)
+    v = _randn(b, sk, hkv, d, dtype=dtype, gen=g)
+    with torch.no_grad():
+        _assert_ok(check_backend("triton", q, k, v, **kw))
+    assert len(routed) >= 1
+    n = len(routed)
+    with torch.no_grad():
+        portattn.attention(q, k[:, :100], v[:, :100], backend="triton", **kw)                   # few keys
+        portattn.attention(q, k, v, backend="triton", attn_bias=torch.zeros(1, 1, 1, sk, device=DEVICE), **kw)
+    portattn.attention(q.requires_grad_(), k, v, backend="triton", **kw)                        # a gradient
+    assert len(routed) == n
+
+
 # ----- GPU: real sizes (run on the H200) ----------------------------------------------------
 
 GPU_CASES = [

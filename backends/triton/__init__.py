@@ -105,7 +105,13 @@ class TritonBackend(Backend):
         return reasons
 
     def forward(self, spec):
-        """``(out, lse)``: out in ``spec.out_shape`` and q's dtype, lse float32 ``spec.lse_shape``."""
+        """``(out, lse)``: out in ``spec.out_shape`` and q's dtype, lse float32 ``spec.lse_shape``.
+        Decode-shaped problems (a few queries against many keys, no gradient: see
+        :func:`_as_decode`) run on the split-KV decode kernels, which spread the keys over the
+        GPU instead of giving each (batch, head) one mostly empty 128-row tile."""
+        kv = _as_decode(spec)
+        if kv is not None:
+            return _forward_kvcache(self, kv)
         return _ops().forward(spec)
 
     def forward_for_backward(self, spec):
@@ -164,3 +170,43 @@ def _forward_kvcache(self, kv):
 
 TritonBackend.kvcache_reasons = _kvcache_reasons
 TritonBackend.forward_kvcache = _forward_kvcache
+
+#: a dense call with at most this many queries per sequence (and no more than 64 packed rows per
+#: KV head) and at least DECODE_MIN_KEYS keys runs on the split-KV decode kernels
+DECODE_MAX_QUERIES = 16
+DECODE_MIN_KEYS = 256
+#: (device, batch, Sk) -> int32 (B,) lengths, all Sk: made once (graph-capturable afterwards)
+_full_lengths: dict = {}
+
+
+def _lengths(device, batch: int, seqlen_k: int):
+    key = (device, batch, seqlen_k)
+    t = _full_lengths.get(key)
+    if t is None:
+        if len(_full_lengths) > 256:
+            _full_lengths.clear()
+        t = _full_lengths[key] = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+    return t
+
+
+def _as_decode(spec):
+    """The dense problem ``spec`` as a KV-cache problem over a full cache (every sequence's length
+    ``Sk``), when it is decode-shaped and the decode kernels compute it the same way: no gradient,
+    dense (not varlen), no ``attn_bias``, ``Sq <= DECODE_MAX_QUERIES``, at most 64 packed
+    (query head x query) rows per KV head, ``Sk >= DECODE_MIN_KEYS``, unit stride on K/V's last
+    dimension. Masking, softcap, ALiBi and GQA carry over (docs/semantics.md: the window acts on
+    the aligned row ``i + Sk - Sq`` or ``i``, as in the KV-cache API with ``L_b = Sk``). None
+    otherwise (the dense kernels run)."""
+    if (spec.needs_grad or spec.cu_seqlens_q is not None or spec.attn_bias is not None
+            or spec.seqlen_q > DECODE_MAX_QUERIES or spec.seqlen_k < DECODE_MIN_KEYS
+            or spec.seqlen_q * (spec.num_heads_q // spec.num_heads_kv) > 64 or spec.q.numel() == 0):
+        return None
+    k, v = spec.k, spec.v
+    if (k.stride(-1) != 1 and k.shape[-1] > 1) or (v.stride(-1) != 1 and v.shape[-1] > 1):
+        return None
+    from portattn.kvcache import KVCacheSpec
+    return KVCacheSpec(
+        q=spec.q, k_cache=k, v_cache=v, cache_seqlens=_lengths(spec.device, spec.batch, spec.seqlen_k),
+        scale=spec.scale, causal=spec.causal, alignment=spec.alignment, window_left=spec.window_left,
+        window_right=spec.window_right, softcap=spec.softcap, alibi_slopes=spec.alibi_slopes, return_lse=True,
+        deterministic=spec.deterministic, allow_tf32=spec.allow_tf32)
