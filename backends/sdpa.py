@@ -126,9 +126,6 @@ class _Plan:
         self.mask = None           # bool or float, broadcastable to (B, Hq, Sq, Sk)
         self.row_keep = None       # float (B|1, Hq|1, Sq, 1) multiplier: 0 for rows with no key
         self.structured = False    # mask is SDPA's own causal (is_causal / causal_lower_right)
-        if (spec.window_left is None and spec.window_right is None and spec.attn_bias is None
-                and spec.alibi_slopes is None):
-            return                 # nothing to mask (the common case: no tensor work at all)
         keep = _keep_mask(spec, device)
         plain_causal = (spec.causal and spec.window_left is None and spec.attn_bias is None
                         and spec.alibi_slopes is None)
@@ -175,13 +172,33 @@ class _Plan:
 _NANS: dict = {}
 
 
-def _nan(device: torch.device) -> torch.Tensor:
-    """A float32 NaN scalar on ``device``, made once (expanded, it stands for an lse nobody asked
-    for: writes into an expanded view raise, reads give NaN)."""
-    t = _NANS.get(device)
+def _nan_lse(device: torch.device, shape: tuple) -> torch.Tensor:
+    """A float32 NaN of ``shape`` on ``device`` that costs no memory: an expanded view of one NaN
+    scalar, made once per (device, shape). It stands for an lse nobody asked for: writes into an
+    expanded view raise, reads give NaN."""
+    key = (device, shape)
+    t = _NANS.get(key)
     if t is None:
-        t = _NANS[device] = torch.full((), float("nan"), dtype=torch.float32, device=device)
+        if len(_NANS) > 256:
+            _NANS.clear()
+        t = _NANS[key] = torch.full((), float("nan"), dtype=torch.float32, device=device).expand(*shape)
     return t
+
+
+class _NoMask:
+    """The plan of a problem with nothing to mask (the common case): no tensor work at all."""
+
+    is_causal = False
+    mask = None
+    row_keep = None
+    structured = False
+
+
+def _plan(spec, dtype):
+    if (spec.window_left is None and spec.window_right is None and spec.attn_bias is None
+            and spec.alibi_slopes is None):
+        return _NoMask
+    return _Plan(spec, dtype)
 
 
 class SdpaBackend(Backend):
@@ -225,7 +242,7 @@ class SdpaBackend(Backend):
     def _sdpa(self, spec, q, k, v, for_grad: bool = False):
         """q/k/v in canonical (B, S, H, D), already made friendly; returns out (B, Sq, Hq, Dv).
         ``for_grad``: the call is differentiated (see :func:`_kernel_choice`)."""
-        plan = _Plan(spec, q.dtype)
+        plan = _plan(spec, q.dtype)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         kwargs = {}
         if spec.num_heads_q != spec.num_heads_kv:
@@ -251,7 +268,7 @@ class SdpaBackend(Backend):
         """Masked scores ``scale · q kᵀ (+ mask)`` in ``dtype``, in row chunks of bounded size:
         yields ``(r0, r1, s (B, Hq, r1 - r0, Sk), keep)``, ``keep`` bool (B, Hq, r1 - r0) False
         for rows with no visible key (their scores are not all -inf: see :class:`_Plan`), or None."""
-        plan = _Plan(spec, dtype)
+        plan = _plan(spec, dtype)
         b, hq, sq, sk = spec.batch, spec.num_heads_q, spec.seqlen_q, spec.seqlen_k
         q = spec.q.transpose(1, 2).to(dtype)
         k = spec.k.transpose(1, 2).to(dtype).repeat_interleave(spec.gqa_ratio, dim=1)
@@ -318,7 +335,7 @@ class SdpaBackend(Backend):
         elif spec.needs_grad:   # saved for the backward, which never reads it
             lse = torch.full(spec.lse_shape, float("nan"), dtype=torch.float32, device=spec.device)
         else:                   # not requested and not saved: a read-only NaN view (no allocation)
-            lse = _nan(spec.device).expand(*spec.lse_shape)
+            lse = _nan_lse(spec.device, spec.lse_shape)
         return out, lse
 
     def backward(self, spec, out, lse, dout, dlse=None):
