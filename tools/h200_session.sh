@@ -16,8 +16,8 @@
 #       call-path GPU tests side by side, then alone on the GPU: the launcher check, the overhead table
 #       and the decode tile sweep; everything but the summaries in $OUT/results.tgz
 #   bash tools/h200_session.sh final3   # the session's last call: decode + triton GPU tests and the
-#       catalogue's headdim/decode cases side by side, then alone: the decode grid, the D 256 training
-#       cells (the TMA forward row) and the fastest policy's quick grid
+#       catalogue's headdim and KV-cache cases side by side, then alone: the decode grid, the overhead
+#       table and the fastest policy's quick grid
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh fwdsweep
 #       # the TMA/prepared GPU tests and the catalogue cases PREV lacks side by side (one merged
 #       # report), then alone: the triton forward sweep (--fwd-only) and the overhead table
@@ -172,10 +172,10 @@ if [[ $what == final3 ]]; then
   t0=$(date +%s)
   R=$OUT/r; mkdir -p "$R"; cp "$OUT/env.txt" "$R/"
   rm -rf "$shards"; mkdir -p "$shards"
-  timeout -s INT -k 20 "${TEST_LIMIT:-150}" $PY -m pytest -v --tb=short -p no:cacheprovider -n 6 \
+  timeout -s INT -k 20 "${TEST_LIMIT:-130}" $PY -m pytest -v --tb=short -p no:cacheprovider -n 6 \
       tests/test_kvcache_gpu.py tests/test_kvcache.py tests/test_triton.py -k "gpu or cuda or paged or decode_shaped" -rfEs \
       > "$R/pytest_gpu.txt" 2>&1 &
-  LIMIT=${CONF_LIMIT:-150}
+  LIMIT=${CONF_LIMIT:-130}
   run_shard t-headdim --backends triton --cases 'headdim/*' 'large/headdim/*' &
   timeout "$LIMIT" $PY -m portattn.conformance.kvcache --backends triton,sdpa,reference --devices cuda \
       --json "$R/conformance-kvcache-h200.json" > "$R/conformance_kvcache.txt" 2>&1 &
@@ -186,12 +186,11 @@ if [[ $what == final3 ]]; then
   { cat "$shards/rc.txt"; for f in "$shards"/*.log; do echo "=== $f"; tail -12 "$f"; done; } > "$R/conformance_shards.txt"
   echo "== conformance ($(( $(date +%s) - t0 ))s):"; cat "$shards/rc.txt"; grep -h "passed," "$shards"/*.log
   tail -4 "$R/conformance_kvcache.txt"
-  timeout -s INT -k 10 "${DECODE_LIMIT:-190}" $PY benchmarks/bench_decode.py --out "$R" > "$R/bench_decode.log" 2>&1
+  timeout -s INT -k 10 "${DECODE_LIMIT:-170}" $PY benchmarks/bench_decode.py --out "$R" > "$R/bench_decode.log" 2>&1
   echo "== decode grid rc=$? ($(( $(date +%s) - t0 ))s)"; tail -40 "$R/bench_decode.log"
-  timeout -s INT -k 10 "${BENCH_LIMIT:-80}" $PY -m portattn.cli bench --head-dims 256 --dtypes bf16 --out "$R" \
-      --tag h200-d256 --no-progress-bar --time-limit 60 > "$R/bench_d256.log" 2>&1
-  echo "== D256 training cells rc=$? ($(( $(date +%s) - t0 ))s)"; tail -16 "$R/bench_d256.log"
-  timeout -s INT -k 10 "${FASTEST_LIMIT:-130}" $PY benchmarks/bench_fastest.py --quick --out "$R" --time-limit 110 \
+  $PY benchmarks/overhead.py --out "$R" > "$R/overhead.log" 2>&1
+  echo "== overhead rc=$? ($(( $(date +%s) - t0 ))s)"; grep -E "target" "$R/overhead.log"
+  timeout -s INT -k 10 "${FASTEST_LIMIT:-175}" $PY benchmarks/bench_fastest.py --quick --out "$R" --time-limit 150 \
       > "$R/fastest.log" 2>&1
   echo "== fastest quick rc=$? ($(( $(date +%s) - t0 ))s)"; tail -30 "$R/fastest.log"
   tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$R"
