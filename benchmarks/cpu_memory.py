@@ -1,5 +1,6 @@
 """Wall time and peak memory of attention on the CPU: torch SDPA's default, portattn's default
-(``chunked``) and portattn's ``sdpa`` backend (torch's math kernel).
+(``chunked``) and portattn's ``sdpa`` backend (torch's fused CPU kernel forward, its math kernel
+under a gradient: backends/sdpa.py).
 
 Problem: ``(B, S, H, D)`` float32, causal, S = 1024 … 8192 (forward), and forward+backward at
 one size. Each measurement runs in a fresh subprocess (Linux): it builds the inputs, makes one
@@ -31,7 +32,7 @@ from pathlib import Path
 IMPLS = {
     "torch": "torch SDPA (default kernel choice)",
     "chunked": "portattn default (chunked)",
-    "sdpa": "portattn backend='sdpa' (math kernel)",
+    "sdpa": "portattn backend='sdpa'",
 }
 
 CHILD = r"""

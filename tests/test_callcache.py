@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from test_call_path import spy  # records the calls of a module function
 
 import portattn
 from portattn import api, callcache, dispatch
@@ -52,18 +53,6 @@ def backends(monkeypatch):
     portattn.unregister_backend("stable_counting")
     portattn.unregister_backend("unstable_counting")
     callcache.clear()
-
-
-def spy(monkeypatch, module, name):
-    calls = []
-    original = getattr(module, name)
-
-    def wrapper(*args, **kwargs):
-        calls.append(name)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, wrapper)
-    return calls
 
 
 def qkv(*shape, grad=False, seed=0):
