@@ -137,29 +137,32 @@ def _decode_tile(acc, l_i, m_i, q, k_base, v_base, krow, vrow, start_n, end, off
 
 
 @triton.jit
+def _page_base(BT, bt_base, start_n, end, page_size, num_pages, stride_kp, stride_ks, stride_vp, stride_vs):
+    """``PAGE_FIT_TILE`` (``page_size % BLOCK_N == 0``): the key tile starting at ``start_n`` (a
+    multiple of ``BLOCK_N``) lies in one page: the scalar element offsets (K, V) of its first row
+    (one page id, read only below ``end``, clamped into ``[0, num_pages)``); its rows follow at
+    the cache's row strides as in a contiguous cache."""
+    idx = start_n // page_size
+    page = tl.load(BT + bt_base + idx, mask=start_n < end, other=0)
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+    in_page = start_n - idx * page_size
+    return page * stride_kp + in_page * stride_ks, page * stride_vp + in_page * stride_vs
+
+
+@triton.jit
 def _tile_rows(BT, bt_base, start_n, end, offs_n, row_page, row_in_page, page_size, num_pages, stride_kp,
                stride_ks, stride_vp, stride_vs, PAGE_FIT: tl.constexpr):
     """Element offsets (K, V) of the cache rows of the key tile starting at ``start_n`` (a multiple
-    of ``BLOCK_N``) with a paged cache, by :data:`PAGE_FIT`:
+    of ``BLOCK_N``) with a paged cache, by :data:`PAGE_FIT` (``PAGE_FIT_TILE``: :func:`_page_base`):
 
-    * ``PAGE_FIT_GENERAL``: per row ``block_table[col // page_size]``, row ``col % page_size``
-      (:func:`_rows`; two run-time integer divisions per row and tile);
-    * ``PAGE_FIT_TILE`` (``page_size % BLOCK_N == 0``): the tile lies in one page: one scalar
-      page id, then the rows are contiguous as in a contiguous cache;
     * ``PAGE_FIT_ROWS`` (``BLOCK_N % page_size == 0``): the tile covers whole pages: row ``r``'s
       page index is ``start_n // page_size + row_page[r]`` and its row in the page
-      ``row_in_page[r]`` (both vectors are loop-invariant, computed once before the loop).
+      ``row_in_page[r]`` (both vectors are loop-invariant, computed once before the loop);
+    * ``PAGE_FIT_GENERAL``: per row ``block_table[col // page_size]``, row ``col % page_size``
+      (:func:`_rows`; two run-time integer divisions per row and tile).
 
     Page ids are read only below ``end`` and clamped into ``[0, num_pages)``."""
-    if PAGE_FIT == 1:
-        idx = start_n // page_size
-        page = tl.load(BT + bt_base + idx, mask=start_n < end, other=0)
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
-        in_page = start_n - idx * page_size
-        rows_k = offs_n * stride_ks
-        rows_v = offs_n * stride_vs
-        return (page * stride_kp + in_page * stride_ks) + rows_k, (page * stride_vp + in_page * stride_vs) + rows_v
-    elif PAGE_FIT == 2:
+    if PAGE_FIT == 2:
         page = tl.load(BT + bt_base + (start_n // page_size + row_page), mask=start_n + offs_n < end, other=0)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
         return page * stride_kp + row_in_page * stride_ks, page * stride_vp + row_in_page * stride_vs
@@ -181,7 +184,25 @@ def _decode_range(acc, l_i, m_i, q, BT, k_base, v_base, bt_base, lo, hi, end, of
     pipeliner (3.9, checked in the sm_90 output) otherwise treats as an indirection level, giving
     K/V half the stages (two, with one ``async_wait 0`` per tile). A carry of two or more tiles
     ahead turns the pipeliner off altogether (3.6 and 3.9)."""
-    if PAGED:
+    if PAGE_FIT == 1:   # PAGE_FIT_TILE: a scalar base per tile (carried), rows at the row strides
+        k_off, v_off = _page_base(BT, bt_base, lo, end, page_size, num_pages, stride_kp, stride_ks, stride_vp,
+                                  stride_vs)
+        for start_n in range(lo, hi, BLOCK_N):
+            next_k, next_v = _page_base(BT, bt_base, start_n + BLOCK_N, end, page_size, num_pages, stride_kp,
+                                        stride_ks, stride_vp, stride_vs)
+            # the tile's rows as (start_n + offs_n) % BLOCK_N (= offs_n, start_n being a multiple of
+            # BLOCK_N): a per-iteration value as in the contiguous loop. With offs_n * stride (loop
+            # invariant) the compiler hoisted the whole (BLOCK_N, BLOCK_D) offset tensor out of the
+            # loop: sm_90 D128 64 rows 217 registers against the contiguous tile's 176, 179 this way
+            # (triton 3.6; an & (BLOCK_N - 1) is folded back to offs_n: 217 again)
+            r = (start_n + offs_n) % BLOCK_N
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_base + k_off, v_base + v_off, r * stride_ks,
+                                         r * stride_vs, start_n, end, offs_n, offs_d, qpos, apos, slope2, qk_scale2,
+                                         softcap_scale, softcap2,
+                                         window_left, window_right, HEAD_D, HEAD_DV, BLOCK_D, MASKED, SOFTCAP,
+                                         ALIBI, IEEE, RAW_SCORES)
+            k_off, v_off = next_k, next_v
+    elif PAGED:
         row_page = offs_n // page_size          # PAGE_FIT_ROWS: loop-invariant page index / row
         row_in_page = offs_n - row_page * page_size
         krow, vrow = _tile_rows(BT, bt_base, lo, end, offs_n, row_page, row_in_page, page_size, num_pages,
@@ -269,7 +290,7 @@ def decode_split(
     q_hi = tl.max(tl.where(row_ok, qpos, -1073741824), 0)
     lo = tl.maximum(q_lo - window_left, 0)
     if PAGED:   # from a multiple of BLOCK_N (keys below the band are masked): the paged tile
-        lo = lo // BLOCK_N * BLOCK_N   # addressing (_tile_rows) needs tiles on multiples of BLOCK_N
+        lo = lo - lo % BLOCK_N   # addressing (_tile_rows) needs tiles on multiples of BLOCK_N
     hi = tl.minimum(tl.maximum(q_hi + window_right + 1, 0), seq_len)
     n_keys = tl.maximum(hi - lo, 0)
     chunk = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
