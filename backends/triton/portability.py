@@ -382,9 +382,10 @@ class DecodeFeatures:
     head_dv: int | None = None
     num_splits: int = 8
     append: bool = False   # decode_split's prologue writes the new k/v rows (APPEND)
+    page_size: int = 16    # paged: the cache's page size (decode.page_fit picks PAGE_FIT from it)
 
     def label(self) -> str:
-        names = [n for n, on in (("paged", self.paged), ("softcap", self.softcap), ("alibi", self.alibi),
+        names = [n for n, on in ((f"paged{self.page_size}", self.paged), ("softcap", self.softcap), ("alibi", self.alibi),
                                  ("top_left", not self.bottom_right), ("append", self.append)) if on]
         if self.head_d is not None:
             names.append(f"D{self.head_d}/Dv{self.head_dv}")
@@ -398,7 +399,7 @@ def decode_cases(quick: bool = False, smoke: bool = False) -> list[Case]:
     if smoke:
         return []
     out: list[Case] = []
-    every = DecodeFeatures(paged=True, softcap=True, alibi=True, bottom_right=False, append=True)
+    every = DecodeFeatures(paged=True, softcap=True, alibi=True, bottom_right=False, append=True, page_size=24)
     for target, limit in PORTABILITY_TARGETS:
         if quick:
             out.append(Case("decode_split", target, limit, torch.bfloat16, 128,
@@ -413,7 +414,8 @@ def decode_cases(quick: bool = False, smoke: bool = False) -> list[Case]:
         for n, (cfg, (dtype, block_d)) in enumerate(sorted(chosen.items(), key=lambda kv: kv[0].short())):
             if n % 2:
                 feats = DecodeFeatures(paged=True, softcap=n % 4 == 1, alibi=n % 4 == 3,
-                                       bottom_right=n % 3 != 0, ieee=n % 4 != 3, append=n % 4 == 1)
+                                       bottom_right=n % 3 != 0, ieee=n % 4 != 3, append=n % 4 == 1,
+                                       page_size=(16, 256, 24)[n // 2 % 3])
             else:
                 d, dv = _odd_dims(block_d)
                 feats = DecodeFeatures(head_d=d, head_dv=dv, ieee=n % 4 != 2, append=n % 4 == 2)
@@ -433,12 +435,14 @@ _DECODE_FLOATS = {"qk_scale2", "softcap_scale", "softcap2"}
 
 
 def _decode_signature(fn, case: Case):
+    from .decode import page_fit
     f = case.features
     dt = _TRITON_DTYPE[case.dtype]
     cfg = case.config
     values = dict(
         HEAD_D=f.head_d or case.block_d, HEAD_DV=f.head_dv or case.block_d, BLOCK_D=case.block_d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=f.num_splits > 1, PAGED=f.paged,
+        PAGE_FIT=page_fit(f.page_size, cfg.block_n) if f.paged else 0,
         BOTTOM_RIGHT=f.bottom_right, SOFTCAP=f.softcap, ALIBI=f.alibi,
         IEEE=case.dtype == torch.float32 and f.ieee,
         RAW_SCORES=case.dtype == torch.float32 and not f.softcap and not f.alibi, APPEND=f.append,
