@@ -186,11 +186,11 @@ if [[ $what == final3 ]]; then
   { cat "$shards/rc.txt"; for f in "$shards"/*.log; do echo "=== $f"; tail -12 "$f"; done; } > "$R/conformance_shards.txt"
   echo "== conformance ($(( $(date +%s) - t0 ))s):"; cat "$shards/rc.txt"; grep -h "passed," "$shards"/*.log
   tail -4 "$R/conformance_kvcache.txt"
-  timeout -s INT -k 10 "${DECODE_LIMIT:-170}" $PY benchmarks/bench_decode.py --out "$R" > "$R/bench_decode.log" 2>&1
+  timeout -s INT -k 10 "${DECODE_LIMIT:-190}" $PY benchmarks/bench_decode.py --no-eager --out "$R" > "$R/bench_decode.log" 2>&1
   echo "== decode grid rc=$? ($(( $(date +%s) - t0 ))s)"; tail -40 "$R/bench_decode.log"
   $PY benchmarks/overhead.py --out "$R" > "$R/overhead.log" 2>&1
   echo "== overhead rc=$? ($(( $(date +%s) - t0 ))s)"; grep -E "target" "$R/overhead.log"
-  timeout -s INT -k 10 "${FASTEST_LIMIT:-175}" $PY benchmarks/bench_fastest.py --quick --out "$R" --time-limit 150 \
+  timeout -s INT -k 10 "${FASTEST_LIMIT:-155}" $PY benchmarks/bench_fastest.py --quick --out "$R" --time-limit 130 \
       > "$R/fastest.log" 2>&1
   echo "== fastest quick rc=$? ($(( $(date +%s) - t0 ))s)"; tail -30 "$R/fastest.log"
   tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$R"
