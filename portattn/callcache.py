@@ -8,14 +8,15 @@ dense call, and everything the backend choice depends on, is a function of
   bias), and ``torch.is_grad_enabled()``;
 * the scalar arguments with their types (``scale=1`` and ``scale=True`` differ: one is refused);
 * the selection state: ``backend=``, the innermost :func:`portattn.use_backend`, the policy,
-  every ``PORTATTN_*`` variable the call path reads, the registry's generation, torch's
-  deterministic-algorithms flags and its TF32 matmul flag.
+  every ``PORTATTN_*`` variable the call path reads, the registry's generation, the fastest
+  policy's generation (:func:`portattn.tuning.generation`), torch's deterministic-algorithms
+  flags and its TF32 matmul flag.
 
 :func:`key` builds that tuple (~3 us on a slow host, against ~12 us for the validation and
 ~7 us for the choice); a signature seen before reuses its validated spec as a *template*
 (:func:`portattn.spec.copy_with_tensors` puts the new tensors in) and, when the choice is stable
-(:func:`portattn.dispatch.select_stable`: every backend asked declares ``stable_reasons``, and
-the fastest policy is not in force), the chosen backend. The results are those of the full
+(:func:`portattn.dispatch.select_stable`: every backend asked declares ``stable_reasons``; under
+the fastest policy, a remembered winner that declares them), the chosen backend. The results are those of the full
 path by construction: the same spec fields, the same backend, the same calls after that.
 
 Not cached (the full path runs): varlen (``cu_seqlens`` contents are validated on the host),
@@ -30,7 +31,7 @@ import threading
 
 import torch
 
-from . import config, dispatch, registry
+from . import config, dispatch, registry, tuning
 from .spec import copy_with_tensors
 
 _Tensor = torch.Tensor
@@ -67,7 +68,7 @@ def key(q, k, v, bias, causal, alignment, window, scale, softcap, layout, return
         None if bias is None else _tensor(bias), _grad_enabled(),
         causal, type(causal), alignment, window, scale, type(scale), softcap, type(softcap), layout,
         return_lse, type(return_lse), backend, type(backend),
-        _pinned.get(), dispatch._policy, config.state(), registry._generation,
+        _pinned.get(), dispatch._policy, config.state(), registry._generation, tuning._generation,
         _det(), _det_warn(), _tf32(),
     )
 

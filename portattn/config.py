@@ -65,7 +65,7 @@ def _raw(name: str):
 
 #: the variables the call path reads (selection, determinism, TF32): portattn.callcache keys on them
 _CALL_PATH = ("PORTATTN_BACKEND", "PORTATTN_POLICY", "PORTATTN_DETERMINISTIC", "PORTATTN_ALLOW_TF32",
-              "PORTATTN_PRIORITY_NVIDIA", "PORTATTN_PRIORITY_AMD", "PORTATTN_PRIORITY_CPU")
+              "PORTATTN_PRIORITY_NVIDIA", "PORTATTN_PRIORITY_AMD", "PORTATTN_PRIORITY_CPU", "PORTATTN_CACHE_DIR")
 _CALL_PATH_BYTES = tuple(map(os.fsencode, _CALL_PATH))
 
 

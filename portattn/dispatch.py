@@ -200,7 +200,9 @@ def select_stable(spec: AttentionSpec, backend: str | None = None) -> tuple[Back
     """``(backend, stable)``: :func:`select`'s choice, and whether it may be remembered for every
     call with the same signature (:mod:`portattn.callcache`): True under a pin or the priority
     policy when every backend asked (the ones passed over and the one chosen) declares
-    ``stable_reasons``; never under the fastest policy (its winners are looked up per call)."""
+    ``stable_reasons``; under the fastest policy when the class's remembered winner was chosen
+    and declares them (the signature holds :func:`portattn.tuning.generation`, which changes
+    with any remembered winner), never for a choice that timed the candidates."""
     names, _ = _requested(backend)
     fits = _fitting(spec, names)
     if names == (FASTEST,):
@@ -209,7 +211,7 @@ def select_stable(spec: AttentionSpec, backend: str | None = None) -> tuple[Back
             for b in fits:
                 if b.name == winner:
                     if _runs(b, spec):
-                        return b, False
+                        return b, b.stable_reasons
                     break
         runnable = [b.name for b in fits if _runs(b, spec)]
         if runnable:

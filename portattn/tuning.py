@@ -245,6 +245,21 @@ _store_index: dict[tuple, _Store] = {}
 _hot: dict[tuple, dict] = {}
 _HOT_LIMIT = 8192
 _hot_dir: list = [None]   # the raw PORTATTN_CACHE_DIR value _hot was filled under
+#: bumped whenever a remembered winner may change (an entry stored, the memory cleared, another
+#: cache directory): the call path (portattn.callcache) keeps a choice made from a remembered
+#: winner under this number, so that the next call after a change chooses again
+_generation = 0
+
+
+def generation() -> int:
+    """See :data:`_generation`."""
+    return _generation
+
+
+def _forget_hot() -> None:
+    global _generation
+    _hot.clear()
+    _generation += 1
 
 
 def _hot_key(spec: AttentionSpec) -> tuple:
@@ -262,7 +277,7 @@ def _hot_get(spec: AttentionSpec) -> tuple:
     :func:`_hot_key` after the first sight of a problem, else the class's entry from the store."""
     raw_dir = config._raw("PORTATTN_CACHE_DIR")
     if raw_dir != _hot_dir[0]:
-        _hot.clear()
+        _forget_hot()
         _hot_dir[0] = raw_dir
     hot = _hot_key(spec)
     got = _hot.get(hot)
@@ -306,7 +321,7 @@ def clear(*, disk: bool = False) -> list[str]:
     with _lock:
         _stores.clear()
         _store_index.clear()
-        _hot.clear()
+        _forget_hot()
         if disk:
             directory = os.path.join(config.cache_dir(), "tuning")
             if os.path.isdir(directory):
@@ -690,7 +705,7 @@ def _tune(spec: AttentionSpec, candidates: list[str], key: str, store: _Store, p
         "tuning_s": round(time.perf_counter() - t_start + (old or {}).get("tuning_s", 0.0), 3),
     }
     store.entries[key] = entry
-    _hot.clear()   # entries are replaced, not updated: forget the old objects
+    _forget_hot()   # entries are replaced, not updated: forget the old objects
     store.save([key])
     return entry
 

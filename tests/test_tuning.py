@@ -441,6 +441,26 @@ def test_every_way_to_ask_for_fastest_runs_the_fastest_correct(only_toys, monkey
     assert "policy: fastest" in text and "[failed the check]" in text        # toy_wrong
 
 
+def test_a_remembered_winner_is_kept_per_call_signature_and_a_new_timing_is_seen(only_toys, monkeypatch):
+    """After the class is timed, repeated calls skip the choice (portattn.callcache keeps it under
+    tuning.generation()); forgetting the winners makes the next call choose (and time) again."""
+    for cls in (SlowToy, FastToy, WrongToy):
+        monkeypatch.setattr(cls, "stable_reasons", True)
+    from portattn import dispatch
+    chosen = []
+    real = dispatch.select_stable
+    monkeypatch.setattr(dispatch, "select_stable",    # (the timing runs each candidate pinned: not counted)
+                        lambda spec, backend=None: (chosen.append(backend == "fastest"), real(spec, backend))[1])
+    q, k, v = _qkv()
+    for _ in range(4):
+        portattn.attention(q, k, v, causal=True, backend="fastest")
+    # the timing call, the first call that found the winner, then none
+    assert sum(chosen) == 2 and only_toys["toy_fast"].calls >= 3
+    tuning.clear()
+    portattn.attention(q, k, v, causal=True, backend="fastest")
+    assert sum(chosen) == 3 and tuning.lookup(build_spec(q, k, v, causal=True)) == "toy_fast"
+
+
 def test_fastest_backward_runs_on_the_forward_backend(only_toys):
     q, k, v = _qkv(sq=10, sk=20, grad=True)
     out = portattn.attention(q, k, v, causal=True, backend="fastest")

@@ -18,6 +18,7 @@
 #   bash tools/h200_session.sh final3   # the session's last call: decode + triton GPU tests and the
 #       catalogue's headdim and KV-cache cases side by side, then alone: the decode grid, the overhead
 #       table and the fastest policy's quick grid
+#   bash tools/h200_session.sh policy   # the fastest policy's quick grid and the overhead table
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh fwdsweep
 #       # the TMA/prepared GPU tests and the catalogue cases PREV lacks side by side (one merged
 #       # report), then alone: the triton forward sweep (--fwd-only) and the overhead table
@@ -165,6 +166,17 @@ if [[ $what == callpath ]]; then
   timeout -s INT -k 10 "${SWEEP_LIMIT:-175}" $PY tools/decode_sweep.py --out "$R" --time-limit "${SWEEP_TIME:-150}" \
       > "$R/decode_sweep.log" 2>&1
   echo "== decode sweep rc=$? ($(( $(date +%s) - t0 ))s)"; tail -45 "$R/decode_sweep.log"
+  tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$R"
+fi
+
+if [[ $what == policy ]]; then
+  t0=$(date +%s)
+  R=$OUT/r; mkdir -p "$R"; cp "$OUT/env.txt" "$R/"
+  timeout -s INT -k 10 "${FASTEST_LIMIT:-175}" $PY benchmarks/bench_fastest.py --quick --out "$R" --time-limit 145 \
+      > "$R/fastest.log" 2>&1
+  echo "== fastest quick rc=$? ($(( $(date +%s) - t0 ))s)"; tail -14 "$R/fastest.log"
+  $PY benchmarks/overhead.py --out "$R" > "$R/overhead.log" 2>&1
+  echo "== overhead rc=$? ($(( $(date +%s) - t0 ))s)"; grep -E "target|us/call" "$R/overhead.log"
   tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$R"
 fi
 
