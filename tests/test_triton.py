@@ -263,6 +263,15 @@ def test_decode_shaped_dense_calls_use_the_split_kv_kernels(case, dtype, monkeyp
     assert len(routed) == n
 
 
+def test_decode_route_makes_no_lengths_tensor_during_capture(monkeypatch):
+    """A lengths tensor first made inside a CUDA-graph capture would hold nothing until the graph
+    replays: the route is not taken then (the dense kernels run), and nothing is remembered."""
+    import portattn.backends.triton as tb
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(tb, "_full_lengths", {})
+    assert tb._lengths(torch.device("cuda", 0), 2, 300) is None and not tb._full_lengths
+
+
 # ----- GPU: real sizes (run on the H200) ----------------------------------------------------
 
 GPU_CASES = [

@@ -180,9 +180,14 @@ _full_lengths: dict = {}
 
 
 def _lengths(device, batch: int, seqlen_k: int):
+    """The int32 (B,) lengths, all ``Sk``, made once per (device, B, Sk); None when it does not
+    exist yet and a CUDA graph is being captured (a tensor filled inside a capture holds nothing
+    until the graph replays: the dense kernels run that call instead)."""
     key = (device, batch, seqlen_k)
     t = _full_lengths.get(key)
     if t is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         if len(_full_lengths) > 256:
             _full_lengths.clear()
         t = _full_lengths[key] = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
@@ -204,9 +209,12 @@ def _as_decode(spec):
     k, v = spec.k, spec.v
     if (k.stride(-1) != 1 and k.shape[-1] > 1) or (v.stride(-1) != 1 and v.shape[-1] > 1):
         return None
+    lengths = _lengths(spec.device, spec.batch, spec.seqlen_k)
+    if lengths is None:
+        return None
     from portattn.kvcache import KVCacheSpec
     return KVCacheSpec(
-        q=spec.q, k_cache=k, v_cache=v, cache_seqlens=_lengths(spec.device, spec.batch, spec.seqlen_k),
+        q=spec.q, k_cache=k, v_cache=v, cache_seqlens=lengths,
         scale=spec.scale, causal=spec.causal, alignment=spec.alignment, window_left=spec.window_left,
         window_right=spec.window_right, softcap=spec.softcap, alibi_slopes=spec.alibi_slopes, return_lse=True,
         deterministic=spec.deterministic, allow_tf32=spec.allow_tf32)
