@@ -296,7 +296,12 @@ def test_nonfinite_catalogue_cases(case):
     if case.problem.poison_at == "partial":
         assert "poisoned_rows" in checker.check("chunked").checks
     if "sdpa" in seen and not case.problem.is_varlen:
-        assert seen["sdpa"] == "known"   # the additive-mask behaviour the table describes
+        # the additive-mask behaviour the table describes; under SDPA's own causal (is_causal) the
+        # CPU forward runs torch's fused kernel, which skips hidden keys: such a case passes unless
+        # its gradients (the math kernel) meet the non-finite value
+        own_causal = case.problem.causal and not case.problem.window and case.problem.bias is None and (
+            case.problem.seqlen_q == case.problem.seqlen_k or case.problem.alignment == "top_left")
+        assert seen["sdpa"] in (("pass", "known") if own_causal else ("known",)), seen
 
 
 def test_checker_does_not_pass_a_backend_that_hides_a_visible_nan():
