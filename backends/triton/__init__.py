@@ -1,7 +1,7 @@
 """The ``triton`` backend: FlashAttention-2 forward and backward kernels written in Triton.
 
 Runs on NVIDIA (sm_80+) and AMD CDNA GPUs, and on CPU tensors through Triton's interpreter
-(``TRITON_INTERPRET=1`` set before triton is first imported). Every feature of DESIGN.md §2;
+(``TRITON_INTERPRET=1`` set before triton is first imported). Every feature of docs/semantics.md;
 gradients are deterministic by construction (no atomics). See docs/triton.md.
 
 This module imports neither triton nor the kernels: a missing triton is a reason, not an error.
