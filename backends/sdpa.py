@@ -17,6 +17,7 @@ added to SDPA's own backward by a second such pass (``dS = dlse · P``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -100,12 +101,16 @@ class _MathOnly:
             put(was)
 
 
+#: the context of a call where torch picks SDPA's kernel (reusable: nullcontext keeps no state)
+_ANY_KERNEL = contextlib.nullcontext()
+
+
 def _kernel_choice(spec, for_grad: bool):
-    """A context that restricts SDPA to its math kernel, or None when torch may choose. Gradients (``for_grad``: the recomputation under
-    ``torch.func.vjp``) use SDPA's math kernel on CPU: the fused CPU kernel approximates exp, and
-    its backward missed the equivalence rule (docs/semantics.md; fp16 with extreme logits: dq 13x
-    the naive error, found by the property suite; float32 bhsd views: dk 3.6x, the conformance
-    catalogue on CPU, 2026-12-01). Its forward meets the rule (the CPU catalogue and
+    """The context SDPA runs in: its math kernel only, or :data:`_ANY_KERNEL` (torch chooses).
+    Gradients (``for_grad``: the recomputation under ``torch.func.vjp``) use the math kernel on
+    CPU: the fused CPU kernel approximates exp, and its backward missed the equivalence rule
+    (docs/semantics.md; fp16 with extreme logits: dq 13x the naive error, found by the property
+    suite; float32 bhsd views: dk 3.6x, the conformance catalogue on CPU, 2026-12-01). Its forward meets the rule (the CPU catalogue and
     tests/test_sdpa.py::test_cpu_forward_uses_the_fused_kernel), and costs ~40 us less than the
     math kernel per small call, so the forward lets torch choose on CPU (float64 keeps the
     math). On GPUs float32/float64 always take the math kernel: on the H200 (2026-11-29) the
@@ -114,7 +119,7 @@ def _kernel_choice(spec, for_grad: bool):
     cpu = spec.q.device.type == "cpu"
     if spec.dtype == torch.float64 or (not cpu and spec.dtype == torch.float32) or (cpu and for_grad):
         return _MathOnly()
-    return None
+    return _ANY_KERNEL
 
 
 class _Plan:
@@ -251,14 +256,9 @@ class SdpaBackend(Backend):
             else:
                 kh = kh.repeat_interleave(spec.gqa_ratio, dim=1)
                 vh = vh.repeat_interleave(spec.gqa_ratio, dim=1)
-        choice = _kernel_choice(spec, for_grad or not self.cpu_fused_forward)
-        if choice is None:
+        with _kernel_choice(spec, for_grad or not self.cpu_fused_forward):
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=plan.mask, is_causal=plan.is_causal,
                                                  scale=spec.scale, **kwargs)
-        else:
-            with choice:
-                out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=plan.mask, is_causal=plan.is_causal,
-                                                     scale=spec.scale, **kwargs)
         if plan.row_keep is not None:
             out = out * plan.row_keep
         return out.transpose(1, 2), plan

@@ -63,9 +63,7 @@ def key(q, k, v, bias, causal, alignment, window, scale, softcap, layout, return
             return None
         window = (window, type(window[0]), type(window[1]))
     return (
-        q.shape, q.stride(), q.dtype, q.device, q.requires_grad, k.shape, k.stride(), k.dtype, k.device,
-        k.requires_grad, v.shape, v.stride(), v.dtype, v.device, v.requires_grad,
-        None if bias is None else _tensor(bias), _grad_enabled(),
+        _tensor(q), _tensor(k), _tensor(v), None if bias is None else _tensor(bias), _grad_enabled(),
         causal, type(causal), alignment, window, scale, type(scale), softcap, type(softcap), layout,
         return_lse, type(return_lse), backend, type(backend),
         _pinned.get(), dispatch._policy, config.state(), registry._generation, tuning._generation,
