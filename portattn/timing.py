@@ -17,7 +17,12 @@ Method (:func:`compare`):
    ``samples_per_round`` samples of ``reps`` back-to-back calls, ``reps`` chosen from the estimate
    so that a round gives each callable about ``round_ms`` of calls (at least one call per
    sample);
-5. the result per callable is the **median over rounds of the per-round medians** of the
+5. **settling** (``max_rounds`` > ``rounds``): while a callable is *unsettled* against the
+   fastest so far — its median within the larger of the two spreads of the fastest's and their
+   per-round ranges overlapping (:func:`unsettled`) — further rounds run, up to ``max_rounds`` and
+   the deadline, so that a kernel whose time jumps between two levels (seen on the H200 with
+   cuDNN: rounds at 0.21 and 0.38 ms in one run) is judged over a longer stretch of time;
+6. the result per callable is the **median over rounds of the per-round medians** of the
    per-call time, with the rounds' relative **spread** ``(max - min) / median``.
 
 A *sample* is measured by a clock: :class:`CudaClock` flushes the L2 cache, waits for the device
@@ -150,11 +155,35 @@ def round_order(names: list[str], r: int) -> list[str]:
     return order[::-1] if r % 2 else order
 
 
+def unsettled(per_round: dict[str, list[float]]) -> list[str]:
+    """The callables whose order against the fastest (lowest median of ``per_round``) is not
+    settled yet: median within the larger of the two relative spreads of the fastest's, and the
+    per-round ranges overlapping. Empty when there is nothing to decide."""
+    timed = {n: r for n, r in per_round.items() if r}
+    if len(timed) < 2:
+        return []
+    med = {n: statistics.median(r) for n, r in timed.items()}
+    best = min(med, key=med.get)
+    b = timed[best]
+    spread_b = (max(b) - min(b)) / med[best] if med[best] else 0.0
+    out = []
+    for n, r in timed.items():
+        if n == best or not med[n]:
+            continue
+        spread = max(spread_b, (max(r) - min(r)) / med[n])
+        if med[n] <= med[best] * (1 + spread) and min(r) <= max(b):
+            out.append(n)
+    return out
+
+
 def compare(fns: dict[str, Callable], clock, *, warmup: int = 2, rounds: int = 5, min_rounds: int = 3,
-            round_ms: float = 10.0, samples_per_round: int = 3, max_reps: int = 10_000,
-            prune: float | None = None, deadline: float | None = None, on_error=None) -> dict[str, Timing]:
+            max_rounds: int | None = None, round_ms: float = 10.0, samples_per_round: int = 3,
+            max_reps: int = 10_000, prune: float | None = None, deadline: float | None = None,
+            on_error=None) -> dict[str, Timing]:
     """Time the callables of ``fns`` against each other (module docstring). ``deadline``
-    (``clock.now()`` units) stops starting rounds after ``min_rounds``; ``on_error(name, exc)``
+    (``clock.now()`` units) stops starting rounds after ``min_rounds``; ``max_rounds`` (default
+    ``rounds``: no settling) bounds the rounds run while :func:`unsettled` names a callable;
+    ``on_error(name, exc)``
     runs when a callable raises (it is then left out, with its ``error``). Python's cyclic
     garbage collector is paused meanwhile (as ``timeit`` does: a collection inside one sample
     would be charged to whichever callable it hit). Returns a :class:`Timing` per name, in the
@@ -163,7 +192,8 @@ def compare(fns: dict[str, Callable], clock, *, warmup: int = 2, rounds: int = 5
     gc.collect()
     gc.disable()
     try:
-        return _compare(fns, clock, warmup=warmup, rounds=rounds, min_rounds=min_rounds, round_ms=round_ms,
+        return _compare(fns, clock, warmup=warmup, rounds=rounds, min_rounds=min_rounds,
+                        max_rounds=rounds if max_rounds is None else max(rounds, max_rounds), round_ms=round_ms,
                         samples_per_round=samples_per_round, max_reps=max_reps, prune=prune, deadline=deadline,
                         on_error=on_error)
     finally:
@@ -171,8 +201,8 @@ def compare(fns: dict[str, Callable], clock, *, warmup: int = 2, rounds: int = 5
             gc.enable()
 
 
-def _compare(fns, clock, *, warmup, rounds, min_rounds, round_ms, samples_per_round, max_reps, prune, deadline,
-             on_error) -> dict[str, Timing]:
+def _compare(fns, clock, *, warmup, rounds, min_rounds, max_rounds, round_ms, samples_per_round, max_reps, prune,
+             deadline, on_error) -> dict[str, Timing]:
     out: dict[str, Timing] = {}
     live: list[str] = []
 
@@ -223,8 +253,10 @@ def _compare(fns, clock, *, warmup, rounds, min_rounds, round_ms, samples_per_ro
     reps = {n: max(1, min(max_reps, math.ceil(round_ms / samples_per_round / max(estimate[n], 1e-6))))
             for n in live}
     per_round: dict[str, list[float]] = {n: [] for n in live}
-    for r in range(rounds):                      # 4. interleaved rounds
+    for r in range(max_rounds):                  # 4. interleaved rounds, 5. settling
         if r >= min_rounds and deadline is not None and clock.now() > deadline:
+            break
+        if r >= rounds and not unsettled(per_round):
             break
         for name in round_order(list(live), r):
             try:
@@ -235,7 +267,7 @@ def _compare(fns, clock, *, warmup, rounds, min_rounds, round_ms, samples_per_ro
                 per_round.pop(name, None)
                 continue
             per_round[name].append(statistics.median(samples))
-    for name in live:                            # 5. median of the per-round medians
+    for name in live:                            # 6. median of the per-round medians
         meds = per_round[name]
         ms = statistics.median(meds)
         total = calls[name] + len(meds) * samples_per_round * reps[name]

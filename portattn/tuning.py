@@ -15,7 +15,9 @@ every candidate is
    needed), by :func:`portattn.timing.compare`: warm-up, a ~1 ms estimate (over ``PRUNE`` × the
    best: not timed further), ``ROUNDS`` interleaved rounds of ~``ROUND_MS`` of back-to-back
    calls per candidate (CUDA events after an L2 flush and a sync on GPUs, ``perf_counter`` on
-   CPUs), the median of per-round medians and the rounds' spread, within ``TUNE_BUDGET_S``;
+   CPUs), up to ``MAX_ROUNDS`` while a candidate is too close to the fastest to call
+   (:func:`portattn.timing.unsettled`), the median of per-round medians and the rounds' spread,
+   within ``TUNE_BUDGET_S``;
 3. ranked with the tie rule of :func:`portattn.timing.pick`: within the measured noise of the
    fastest (0.3-1 %), the first in priority order wins (the entry's ``tied``).
 
@@ -57,9 +59,10 @@ FORMAT = 2   # 2: interleaved rounds and the tie rule (portattn.timing); format-
 #: never timed: the float64 oracle and the O(S²)-memory math kernel (chosen only as a last resort)
 NOT_TIMED = frozenset({"reference", "sdpa_math"})
 #: the policy's timing (portattn.timing.compare): warm-up calls, interleaved rounds (at least
-#: MIN_ROUNDS, more while the class's TUNE_BUDGET_S lasts), ~ROUND_MS of calls per candidate per
-#: round in SAMPLES_PER_ROUND samples; a candidate whose estimate is over PRUNE x the best cannot win
-WARMUP, ROUNDS, MIN_ROUNDS, ROUND_MS, SAMPLES_PER_ROUND = 2, 5, 3, 10.0, 3
+#: MIN_ROUNDS, ROUNDS while the class's TUNE_BUDGET_S lasts, up to MAX_ROUNDS while the order of the
+#: fastest and a close candidate is unsettled), ~ROUND_MS of calls per candidate per round in
+#: SAMPLES_PER_ROUND samples; a candidate whose estimate is over PRUNE x the best cannot win
+WARMUP, ROUNDS, MIN_ROUNDS, MAX_ROUNDS, ROUND_MS, SAMPLES_PER_ROUND = 2, 5, 3, 15, 10.0, 3
 PRUNE = 1.5
 TUNE_BUDGET_S = 2.0
 
@@ -521,9 +524,9 @@ def _measure(names: list[str], spec: AttentionSpec, *, on_error=None) -> dict[st
         except Exception as exc:
             errors[name] = timing.Timing(None, error=timing._error(exc))
     clock = _clock(spec.device)
-    out = timing.compare(fns, clock, warmup=WARMUP, rounds=ROUNDS, min_rounds=MIN_ROUNDS, round_ms=ROUND_MS,
-                         samples_per_round=SAMPLES_PER_ROUND, prune=PRUNE, deadline=clock.now() + TUNE_BUDGET_S,
-                         on_error=on_error)
+    out = timing.compare(fns, clock, warmup=WARMUP, rounds=ROUNDS, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS,
+                         round_ms=ROUND_MS, samples_per_round=SAMPLES_PER_ROUND, prune=PRUNE,
+                         deadline=clock.now() + TUNE_BUDGET_S, on_error=on_error)
     return {n: errors.get(n) or out[n] for n in names}
 
 

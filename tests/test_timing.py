@@ -147,3 +147,27 @@ def test_garbage_collector_paused_while_timing_and_restored():
         assert not gc.isenabled()                      # a caller's own setting is kept
     finally:
         gc.enable()
+
+
+def test_unsettled_names_a_close_candidate_whose_rounds_overlap_the_fastest():
+    assert timing.unsettled({"a": [1.0, 1.0, 1.0], "b": [0.9, 1.2, 1.3]}) == ["b"]   # within b's spread
+    assert timing.unsettled({"a": [1.0, 1.01, 1.0], "b": [1.5, 1.6, 1.55]}) == []    # clearly slower
+    assert timing.unsettled({"a": [1.0, 1.0], "b": [1.003, 1.003]}) == []            # no overlap, no noise
+    assert timing.unsettled({"a": [1.0]}) == [] and timing.unsettled({"a": [1.0], "b": []}) == []
+
+
+def test_settling_rounds_judge_a_two_level_kernel_over_a_longer_stretch():
+    """b runs at 0.8 ms but its first three rounds hit a slow level (x1.3, as cuDNN did on the
+    H200): five rounds pick a; settling rounds run on while a and b are too close to call, and b
+    wins; a clearly slower c does not keep the rounds going."""
+    slow = [1.0, 1.0] + [1.3] * 9   # two estimate samples, then three rounds of three samples
+    for max_rounds, winner, n_rounds in ((None, "a", 5), (15, "b", 15)):
+        fns, _ = _fns(["a", "b"])
+        res = timing.compare(fns, Clock({"a": 1.0, "b": 0.8}, {"b": slow}), rounds=5, max_rounds=max_rounds)
+        assert timing.pick(res, ["a", "b"])[0] == winner and len(res["b"].rounds) == n_rounds
+    fns, _ = _fns(["a", "c"])
+    res = timing.compare(fns, Clock({"a": 1.0, "c": 2.0}), rounds=5, max_rounds=15)
+    assert len(res["a"].rounds) == 5                             # settled: no extra rounds
+    fns, _ = _fns(["a", "b"])
+    res = timing.compare(fns, Clock({"a": 1.0, "b": 0.8}, {"b": slow}), rounds=5, max_rounds=15, deadline=6.0 * 6)
+    assert 5 <= len(res["b"].rounds) < 15                        # the deadline still stops settling

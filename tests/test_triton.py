@@ -572,6 +572,17 @@ def test_tma_needs_16_byte_aligned_rows():
         assert not got.tma and not got.ws and got.block_m == 128
 
 
+def test_hopper_d256_forward_row_uses_tma_for_16_bit_inputs_only():
+    """The D 256 Hopper row is the TMA row (measured 1.10 x the pointer row on the H200); float32
+    and sm_80 keep the pointer rows (the float32 tiles as before: M32 N32, 2 stages)."""
+    from portattn.backends.triton.configs import KernelConfig, Target, forward_config
+
+    hopper, ampere = Target("nvidia", 90), Target("nvidia", 80)
+    assert forward_config(hopper, 256, 2) == KernelConfig(128, 64, 8, 2, tma=True)
+    assert forward_config(hopper, 256, 4) == KernelConfig(32, 32, 8, 2)
+    assert not forward_config(ampere, 256, 2).tma and not forward_config(hopper, 128, 2).tma
+
+
 def test_tma_launch_sets_an_allocator_only_when_none_is_set():
     """Device-side descriptors need triton's global-scratch allocator: the TMA launch installs a
     torch-backed one in a context that has none, and keeps one the caller set."""

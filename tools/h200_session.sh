@@ -22,6 +22,9 @@
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh fwdsweep
 #       # the TMA/prepared GPU tests and the catalogue cases PREV lacks side by side (one merged
 #       # report), then alone: the triton forward sweep (--fwd-only) and the overhead table
+#   bash tools/h200_session.sh s4fastest   # triton's D 129-256 and headdim catalogue cases (the D256
+#       TMA row), the TMA tests and the compile warm-up side by side, then alone: the fastest
+#       policy's full grid
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -384,4 +387,28 @@ fi
 if [[ $what == properties ]]; then
   # the property suite alone (PROFILE=ci: 25 derandomised examples a test; gpu: 300)
   run_properties "${LIMIT}"
+fi
+
+if [[ $what == s4fastest ]]; then
+  # issue #14: the catalogue cases over D 128 (the D256 forward's TMA row) and the headdim cases
+  # not run yet, the TMA tests, and the fastest grid's compiles (tools/warm_caches.py, one
+  # process per head dim) side by side; then issue #15: the fastest policy's full grid, alone
+  t0=$(date +%s); rm -rf "$shards"; mkdir -p "$shards"
+  LIMIT=${CONF_LIMIT:-130}
+  run_shard t-d256 --backends triton --cases 'large/headdim/*' 'large/fp16/*/d256' 'large/bf16/*/d256' &
+  run_shard t-hd1 --backends triton --cases 'headdim/d40/*' 'headdim/d48/*' 'headdim/d57/*' 'headdim/d64/*' 'headdim/d72/*' &
+  run_shard t-hd2 --backends triton --cases 'headdim/d80/*' 'headdim/d96/*' 'headdim/d100/*' 'headdim/d128/*' &
+  run_shard t-hd3 --backends triton --cases 'headdim/*-dv*' 'headdim/d1/*' 'headdim/d3/*' 'headdim/d8/*' &
+  timeout -s INT -k 10 "$LIMIT" $PY -m pytest -q --tb=short -p no:cacheprovider tests/test_triton.py -k "tma or prepared" \
+      -rfEs > "$OUT/pytest_tma.txt" 2>&1 &
+  for d in 64 128 256; do timeout "$LIMIT" $PY tools/warm_caches.py --d $d --dtype bf16 > /tmp/warm-$d.log 2>&1 & done
+  wait
+  merge_shards conformance-s4.json
+  echo "== TMA tests:"; tail -3 "$OUT/pytest_tma.txt"; tail -2 /tmp/warm-*.log
+  W=/tmp/portattn-fastest; rm -rf "$W"; mkdir -p "$W"
+  t1=$(date +%s)
+  timeout -s INT -k 10 "${FASTEST_LIMIT:-440}" $PY benchmarks/bench_fastest.py --full --out "$W" \
+      --time-limit "${FASTEST_TIME:-420}" > "$OUT/fastest.txt" 2>&1
+  echo "== fastest --full rc=$? ($(( $(date +%s) - t1 ))s):"; tail -70 "$OUT/fastest.txt"
+  tar czf "$OUT/fastest.tgz" -C "$W" . && ls -la "$W"
 fi

@@ -141,13 +141,16 @@ _FWD_NVIDIA = {
 # hopper D256: tools/triton_sweep.py --fwd-only on the H200 (2026-12-01, bf16, 16k tokens, S 1k-16k,
 # causal and not, time relative to each cell's best, mean of 6): TMA loads (tensor descriptors) with
 # BLOCK_N 64 and 2 stages 1.000, the same with pointers 1.061, this N32 s3 row 1.101 (TMA up to
-# 1.18x faster at S >= 4k). The TMA row (128, 64, 8, 2, True, False) waits for the conformance
-# catalogue's D 129-256 cases on the H200 before it replaces this one. D64 and D128 keep pointer
-# loads on the evidence (TMA: 1.066 and 1.067 at their best).
-    "hopper": {16: (128, 64, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 32, 8, 3)},
+# 1.18x faster at S >= 4k), so D256 runs the TMA row; the pointer row (128, 32, 8, 3) is what sm_90
+# float32 and the other targets keep. D64 and D128 keep pointer loads on the evidence (TMA: 1.066
+# and 1.067 at their best).
+    "hopper": {16: (128, 64, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3),
+               256: (128, 64, 8, 2, True, False)},
     "ampere": {16: (128, 64, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (128, 32, 8, 2)},
     "small":  {16: (128, 64, 4, 2), 32: (128, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 1)},
 }
+#: the pointer rows that a table's TMA rows stand for where TMA does not apply (float32 inputs)
+_FWD_POINTER = {"hopper": {256: (128, 32, 8, 3)}}
 # bwd tables: BLOCK_D -> (dK/dV (BLOCK_M streamed queries, BLOCK_N resident keys, warps, stages),
 #                         dQ (BLOCK_M resident queries, BLOCK_N streamed keys, warps, stages)), 2-byte inputs.
 _BWD_NVIDIA = {
@@ -203,10 +206,14 @@ def forward_config(target: Target, block_d: int, elem_size: int) -> KernelConfig
         m, n, w, s, wpe = _FWD_AMD[block_d]
         m, n, s = _shrink(m, n, s, elem_size, block_d)
         return KernelConfig(m, n, w, s, waves_per_eu=wpe, matrix_instr_nonkdim=16, kpack=1)
-    m, n, w, s, *flags = _FWD_NVIDIA[_nvidia_family(int(target.arch))][block_d]
+    family = _nvidia_family(int(target.arch))
+    hopper = int(target.arch) >= 90 and elem_size <= 2   # TMA / warp specialisation: sm_90+, 16-bit only
+    row = _FWD_NVIDIA[family][block_d]
+    if not hopper and len(row) > 4:   # a TMA row: float32 (and sm_8x) keep the pointer row
+        row = _FWD_POINTER.get(family, {}).get(block_d, row)
+    m, n, w, s, *flags = row
     m, n, s = _shrink(m, n, s, elem_size, block_d)
     tma, ws = (tuple(flags) + (False, False))[:2]
-    hopper = int(target.arch) >= 90 and elem_size <= 2   # TMA / warp specialisation: sm_90+, 16-bit only
     return KernelConfig(m, n, w, s, tma=bool(tma) and hopper, ws=bool(ws) and hopper)
 
 
