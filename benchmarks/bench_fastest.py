@@ -157,6 +157,8 @@ def run_once(impl: str, q, k, v, causal: bool, dout):
 #: interleaved rounds per cell (portattn.timing.compare), samples per round, and the bounds on the
 #: ms of back-to-back calls each implementation gets per round (the time limit picks within them)
 ROUNDS, MIN_ROUNDS, MAX_ROUNDS, SAMPLES = 7, 4, 11, 3
+#: wall time of waited-for calls each implementation gets after its warm-up calls (portattn.timing)
+WARMUP_MS = 50.0
 ROUND_MS_MIN, ROUND_MS_MAX = 3.0, 60.0
 #: what a later cell's first call and checks are assumed to cost when sharing out the time left
 LATER_CELL_S = 4.0
@@ -225,7 +227,7 @@ def bench_cell(cell: dict, mode: str, impls: list[str], dtype, device, clock, de
         left = max(0.5, (deadline - time.time() - LATER_CELL_S * (cells_left - 1)) / max(1, cells_left))
     round_ms = min(ROUND_MS_MAX, max(ROUND_MS_MIN, 0.7 * left * 1e3 / (ROUNDS * max(1, len(fns)))))
     row["round_ms"] = round_ms
-    results = timing.compare(fns, clock, warmup=3, rounds=ROUNDS, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS,
+    results = timing.compare(fns, clock, warmup=3, warmup_ms=WARMUP_MS, rounds=ROUNDS, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS,
                              round_ms=round_ms, samples_per_round=SAMPLES, deadline=clock.now() + left)
     for impl, t in results.items():
         entry = row["results"][impl]
@@ -460,6 +462,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="directory for the JSON, the markdown table, the PNG and the "
                                                 "tuning cache")
     ap.add_argument("--tag", default="h200")
+    ap.add_argument("--cells", nargs="+", default=None, metavar="'CASE MODE'",
+                    help="run only these cells of the grid, named as the table does (e.g. 'D128 S1k causal fwd'): "
+                         "a re-check of some cells, reported as such")
     args = ap.parse_args(argv)
     time_limit = args.time_limit if args.time_limit is not None else (240.0 if args.quick else 540.0)
     if args.dry_run:
@@ -478,6 +483,13 @@ def main(argv=None) -> int:
     for b in set(wanted) - set(impls):
         print(f"skipping {b}: {'; '.join(portattn.get_backend(b).availability())}", file=sys.stderr)
     work = jobs(args.quick, args.dry_run)
+    if args.cells:
+        names = {f"{c['name']} {m}" for c, m in work}
+        unknown = [c for c in args.cells if c not in names]
+        if unknown:
+            print(f"--cells: no such cell {unknown}; the grid's cells are: {sorted(names)}", file=sys.stderr)
+            return 2
+        work = [(c, m) for c, m in work if f"{c['name']} {m}" in args.cells]
     rows, skipped = [], []
     t_start = time.time()
     deadline = t_start + time_limit - RESERVE_S
@@ -512,10 +524,11 @@ def main(argv=None) -> int:
     result = {"environment": _environment(device), "dtype": str(dtype).replace("torch.", ""), "impls": impls,
               "grid": {"training": "D 64/128/256, S 1k/4k/16k, B*S=16k, hidden 2048, causal and not, fwd and fwd+bwd",
                        "decode": "Sq 1/8, B 1/8, Sk 8k/32k/128k, GQA 32:4, D 128, bottom-right causal, fwd"},
-              "quick": args.quick, "dry_run": args.dry_run, "time_limit_s": time_limit,
-              "method": {"rounds": ROUNDS, "min_rounds": MIN_ROUNDS, "samples_per_round": SAMPLES,
-                         "round_ms": [ROUND_MS_MIN, ROUND_MS_MAX], "clock": type(clock).__name__,
-                         "policy": {"rounds": tuning.ROUNDS, "round_ms": tuning.ROUND_MS, "prune": tuning.PRUNE,
+              "quick": args.quick, "cells": args.cells, "dry_run": args.dry_run, "time_limit_s": time_limit,
+              "method": {"rounds": ROUNDS, "min_rounds": MIN_ROUNDS, "max_rounds": MAX_ROUNDS, "samples_per_round": SAMPLES,
+                         "warmup_ms": WARMUP_MS, "round_ms": [ROUND_MS_MIN, ROUND_MS_MAX], "clock": type(clock).__name__,
+                         "policy": {"rounds": tuning.ROUNDS, "max_rounds": tuning.MAX_ROUNDS, "round_ms": tuning.ROUND_MS,
+                                    "warmup_ms": tuning.WARMUP_MS, "prune": tuning.PRUNE,
                                     "tie": [timing.TIE_MIN, timing.TIE_MAX], "budget_s": tuning.TUNE_BUDGET_S}},
               "rows": rows, "summary": summary, "host_overhead": overhead, "skipped_for_time": skipped,
               "wall_s": time.time() - t_start}

@@ -6,7 +6,11 @@ policy is judged on the quantity it optimises.
 
 Method (:func:`compare`):
 
-1. **warm-up**: every callable runs ``warmup`` times (compilation, allocation, autotuning);
+1. **warm-up**: every callable runs ``warmup`` times (compilation, allocation, autotuning), then
+   on, one call at a time with the device waited for, until ``warmup_ms`` of wall time have
+   passed: a GPU left idle by compiles clocks up, and a library's lazily built plans settle
+   (on the H200, torch SDPA's cuDNN path ran at twice its time in the first milliseconds after a
+   new shape, which pruned it from the policy's timing at D128 S1k causal);
 2. **estimate**: one *sample* of ~1 ms per callable gives its time per call;
 3. optional **pruning**: the estimates are taken a second time in reverse order and the least
    kept (a GPU whose clock still ramps up must not prune the first callable); one whose estimate
@@ -176,12 +180,13 @@ def unsettled(per_round: dict[str, list[float]]) -> list[str]:
     return out
 
 
-def compare(fns: dict[str, Callable], clock, *, warmup: int = 2, rounds: int = 5, min_rounds: int = 3,
-            max_rounds: int | None = None, round_ms: float = 10.0, samples_per_round: int = 3,
+def compare(fns: dict[str, Callable], clock, *, warmup: int = 2, warmup_ms: float = 0.0, rounds: int = 5,
+            min_rounds: int = 3, max_rounds: int | None = None, round_ms: float = 10.0, samples_per_round: int = 3,
             max_reps: int = 10_000, prune: float | None = None, deadline: float | None = None,
             on_error=None) -> dict[str, Timing]:
     """Time the callables of ``fns`` against each other (module docstring). ``deadline``
-    (``clock.now()`` units) stops starting rounds after ``min_rounds``; ``max_rounds`` (default
+    (``clock.now()`` units) stops starting rounds after ``min_rounds``; ``warmup_ms`` extends the
+    warm-up by wall time (step 1); ``max_rounds`` (default
     ``rounds``: no settling) bounds the rounds run while :func:`unsettled` names a callable;
     ``on_error(name, exc)``
     runs when a callable raises (it is then left out, with its ``error``). Python's cyclic
@@ -192,7 +197,7 @@ def compare(fns: dict[str, Callable], clock, *, warmup: int = 2, rounds: int = 5
     gc.collect()
     gc.disable()
     try:
-        return _compare(fns, clock, warmup=warmup, rounds=rounds, min_rounds=min_rounds,
+        return _compare(fns, clock, warmup=warmup, warmup_ms=warmup_ms, rounds=rounds, min_rounds=min_rounds,
                         max_rounds=rounds if max_rounds is None else max(rounds, max_rounds), round_ms=round_ms,
                         samples_per_round=samples_per_round, max_reps=max_reps, prune=prune, deadline=deadline,
                         on_error=on_error)
@@ -201,8 +206,23 @@ def compare(fns: dict[str, Callable], clock, *, warmup: int = 2, rounds: int = 5
             gc.enable()
 
 
-def _compare(fns, clock, *, warmup, rounds, min_rounds, max_rounds, round_ms, samples_per_round, max_reps, prune,
-             deadline, on_error) -> dict[str, Timing]:
+def _warm(fn, clock, warmup: int, warmup_ms: float, max_calls: int) -> int:
+    """``warmup`` calls, then more, each waited for, until ``warmup_ms`` of wall time have passed
+    (at most ``max_calls`` in all). Returns the number of calls."""
+    for _ in range(warmup):
+        fn()
+    clock.sync()
+    n = warmup
+    end = time.perf_counter() + warmup_ms / 1e3
+    while warmup_ms > 0 and n < max_calls and time.perf_counter() < end:
+        fn()
+        clock.sync()
+        n += 1
+    return n
+
+
+def _compare(fns, clock, *, warmup, warmup_ms, rounds, min_rounds, max_rounds, round_ms, samples_per_round,
+             max_reps, prune, deadline, on_error) -> dict[str, Timing]:
     out: dict[str, Timing] = {}
     live: list[str] = []
 
@@ -211,17 +231,15 @@ def _compare(fns, clock, *, warmup, rounds, min_rounds, max_rounds, round_ms, sa
         if on_error is not None:
             on_error(name, exc)
 
+    calls: dict[str, int] = {}
     for name, fn in fns.items():                 # 1. warm-up
         try:
-            for _ in range(warmup):
-                fn()
-            clock.sync()
+            calls[name] = _warm(fn, clock, warmup, warmup_ms, max_reps) + 1
         except Exception as exc:
             fail(name, exc)
             continue
         live.append(name)
     estimate: dict[str, float] = {}
-    calls = {n: warmup + 1 for n in live}
     for name in list(live):                      # 2. estimate: one call, then a ~1 ms sample
         try:
             one = clock.sample(name, fns[name], 1)

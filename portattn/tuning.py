@@ -63,7 +63,10 @@ NOT_TIMED = frozenset({"reference", "sdpa_math"})
 #: fastest and a close candidate is unsettled), ~ROUND_MS of calls per candidate per round in
 #: SAMPLES_PER_ROUND samples; a candidate whose estimate is over PRUNE x the best cannot win
 WARMUP, ROUNDS, MIN_ROUNDS, MAX_ROUNDS, ROUND_MS, SAMPLES_PER_ROUND = 2, 5, 3, 15, 10.0, 3
-PRUNE = 1.5
+#: wall time each candidate keeps being called (each call waited for) after WARMUP calls
+WARMUP_MS = 30.0
+#: (1.5 pruned cuDNN on an estimate taken before WARMUP_MS existed: 1.83 x, at its true 0.94 x)
+PRUNE = 2.0
 TUNE_BUDGET_S = 2.0
 
 _lock = threading.RLock()
@@ -524,7 +527,7 @@ def _measure(names: list[str], spec: AttentionSpec, *, on_error=None) -> dict[st
         except Exception as exc:
             errors[name] = timing.Timing(None, error=timing._error(exc))
     clock = _clock(spec.device)
-    out = timing.compare(fns, clock, warmup=WARMUP, rounds=ROUNDS, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS,
+    out = timing.compare(fns, clock, warmup=WARMUP, warmup_ms=WARMUP_MS, rounds=ROUNDS, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS,
                          round_ms=ROUND_MS, samples_per_round=SAMPLES_PER_ROUND, prune=PRUNE,
                          deadline=clock.now() + TUNE_BUDGET_S, on_error=on_error)
     return {n: errors.get(n) or out[n] for n in names}

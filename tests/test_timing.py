@@ -171,3 +171,29 @@ def test_settling_rounds_judge_a_two_level_kernel_over_a_longer_stretch():
     fns, _ = _fns(["a", "b"])
     res = timing.compare(fns, Clock({"a": 1.0, "b": 0.8}, {"b": slow}), rounds=5, max_rounds=15, deadline=6.0 * 6)
     assert 5 <= len(res["b"].rounds) < 15                        # the deadline still stops settling
+
+
+def test_warmup_by_wall_time_keeps_a_slow_starter_from_being_pruned():
+    """'b' costs twice its time for its first 200 calls (as torch SDPA's cuDNN path did on the
+    H200 after a new shape): with a count-only warm-up its estimate prunes it; with ``warmup_ms``
+    the warm-up calls it on until the time passes, and it wins."""
+    calls = {"a": 0, "b": 0}
+
+    def make(n):
+        def f():
+            calls[n] += 1
+        return f
+
+    class WarmClock(Clock):
+        def sample(self, name, fn, reps):
+            fn()
+            self.t += 1.0
+            return (2.0 if name == "b" and calls["b"] < 200 else 1.0) * self.cost[name]
+
+    for warmup_ms, pruned in ((0.0, True), (20.0, False)):
+        calls.update(a=0, b=0)
+        fns = {n: make(n) for n in calls}
+        res = timing.compare(fns, WarmClock({"a": 1.0, "b": 0.8}), warmup=2, warmup_ms=warmup_ms, rounds=3, prune=1.5)
+        assert res["b"].pruned is pruned
+        assert timing.pick(res, ["a", "b"])[0] == ("a" if pruned else "b")
+    assert calls["a"] > 200 and res["a"].calls >= calls["a"] - 3 * 3   # the warm-up calls are counted
