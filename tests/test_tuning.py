@@ -129,6 +129,7 @@ def toys(tmp_path, monkeypatch, clock):
     each timed backend (forward, and backward for gradient classes)."""
     monkeypatch.setenv("PORTATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "_clock", lambda device: clock)
+    monkeypatch.setattr(tuning, "WARMUP_MS", 0.0)   # the fake clock has no wall time (test_timing covers it)
     tuning.clear()
     made = {cls.name: portattn.register_backend(cls) for cls in TOYS}
     yield made
