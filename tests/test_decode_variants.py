@@ -256,3 +256,34 @@ def test_page_id_carry_cross_compiles_for_every_portability_target():
     rows = json.loads(res.stdout.strip().splitlines()[-1])
     assert {r["target"] for r in rows} == {"sm_80", "sm_90", "gfx90a", "gfx942"}
     assert all(r["fit"] >= 4 and r["shared"] <= r["limit"] for r in rows), rows
+
+
+def test_variants_trial_order_and_deadline(variants_tool):
+    """The current rows at every point first, then the first variant of each class, the Sq 8 /
+    B1 / Sk 32k split scan, the other variants (paged-only rows on their layouts only); past
+    the deadline nothing starts."""
+    vt = variants_tool
+    pts = vt.points()
+    calls = []
+
+    def trial(p, name, cfg, splits, heuristic):
+        calls.append((vt.ds._key(p), name, splits, heuristic))
+
+    vt.make_sweep(vt.VARIANTS)(pts, trial, None, float("inf"), lambda *a: None, False, 8, None, 132, 140)
+    assert [c[1] for c in calls[:len(pts)]] == ["current"] * len(pts)
+    assert {c[0] for c in calls[:len(pts)]} == {vt.ds._key(p) for p in pts}
+    names = [c[1] for c in calls]
+    first_scan = names.index("current scan")
+    assert set(names[len(pts):first_scan]) == {vt.VARIANTS["narrow"][0][0], vt.VARIANTS["wide"][0][0]}
+    scans = [c for c in calls if c[1].endswith(" scan")]
+    assert len(scans) == 2 * len(vt.LAYOUTS) * len(vt.SCAN_SPLITS)
+    assert all(c[0].startswith("Sq8 B1 Sk32768") and not c[3] for c in scans)
+    for cls, rows in vt.VARIANTS.items():
+        for name, _, lays in rows:
+            mine = [c for c in calls if c[1] == name]
+            assert mine and all(c[3] and c[2] == 0 for c in mine)
+            assert {c[0].split()[-1] for c in mine} == set(lays or vt.LAYOUTS)
+            assert {int(c[0].split()[0][2:]) for c in mine} == ({1} if cls == "narrow" else {8})
+    calls.clear()
+    vt.make_sweep(vt.VARIANTS)(pts, trial, None, 0.0, lambda *a: None, False, 8, None, 132, 140)
+    assert calls == []

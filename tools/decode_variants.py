@@ -15,8 +15,8 @@ next, so a time limit leaves the current rows everywhere):
 2. the :data:`VARIANTS` of each tile-height class (``configs.DecodeConfig``: tile, programs
    per SM the split heuristic plans for, the paged loop's ``page_ids`` carry), round robin
    between Sq 1 and Sq 8, each at the split count its row gives;
-3. a split-count scan at Sq 8 / B1 / Sk 32k (the point furthest from its target) for the
-   current row and the first Sq 8 variant.
+3. after the first variant of each class: a split-count scan at Sq 8 / B1 / Sk 32k (the point
+   furthest from its target) for the current row and the first Sq 8 variant.
 
 Writes ``decode-variants.json`` (every trial, the baselines, the environment) and
 ``decode-variants.txt``: per point and row TB/s, paged / contiguous, x cuDNN; per (Sq, layout)
@@ -130,17 +130,19 @@ def make_sweep(variants: dict, scan: bool = True):
         order = [item for tier in zip(*queues) for item in tier] if queues else []
         for q in queues:
             order += q[min(map(len, queues)):]
-        for name, cfg, lays, grp in order[:max_candidates * len(queues)] if max_candidates else order:
+        if max_candidates:
+            order = order[:max_candidates * len(queues)]
+        for i, (name, cfg, lays, grp) in enumerate(order):
             for p in grp:
                 if lays is None or p["layout"] in lays:
                     go(p, name, cfg)
-        if scan:
-            wide = variants.get("wide", [])
-            for p in pts:
-                if (p["Sq"], p["B"], p["Sk"]) == (8, 1, 32768):
-                    for name, cfg in [("current", None)] + [(n, c) for n, c, lays in wide[:1]]:
-                        for s in SCAN_SPLITS:
-                            go(p, f"{name} scan", cfg, s)
+            if scan and i == len(queues) - 1:   # after the first tier: no new compiles, a few seconds
+                wide = variants.get("wide", [])
+                for p in pts:
+                    if (p["Sq"], p["B"], p["Sk"]) == (8, 1, 32768):
+                        for sname, scfg in [("current", None)] + [(n, c) for n, c, _ in wide[:1]]:
+                            for s in SCAN_SPLITS:
+                                go(p, f"{sname} scan", scfg, s)
         if skipped:
             progress(f"time limit ({time_limit:.0f} s) reached: {skipped} trials skipped")
     return sweep
