@@ -49,19 +49,21 @@ def _paged_copy(cache, page_size, seed):
 
 
 @pytest.mark.parametrize("sq", [1, 4])
-@pytest.mark.parametrize("page_size", [16, 24])
-def test_page_id_carry_reads_what_the_default_paged_loop_reads(page_size, sq):
-    """Pages of 16 (BLOCK_N 32 covers two: PAGE_FIT_ROWS + IDS) and 24 (PAGE_FIT_GENERAL + IDS):
-    the page-id carry gives bit-identical results to the default paged loop and to the
+@pytest.mark.parametrize("page_size", [16, 24, 32])
+def test_page_id_variants_read_what_the_default_paged_loop_reads(page_size, sq):
+    """Pages of 16 (BLOCK_N 32 covers two: PAGE_FIT_ROWS), 24 (PAGE_FIT_GENERAL) and 32 (one
+    page per tile: PAGE_FIT_TILE): the page-id carry (+ PAGE_FIT_IDS) and the direct loads
+    (+ PAGE_FIT_DIRECT) give bit-identical results to the default paged loop and to the
     contiguous cache, 3 splits, new rows appended through the block table, a length-0
     sequence; the contiguous result matches the oracle."""
     decode = _decode()
     from portattn.conformance.kvcache import KVProblem, make_inputs, oracle
     from portattn.numerics import compare, compare_lse
-    fit = decode.PAGE_FIT_ROWS if page_size == 16 else decode.PAGE_FIT_GENERAL
-    assert decode.page_fit(page_size, 32, page_ids=True) == fit + decode.PAGE_FIT_IDS
+    fit = {16: decode.PAGE_FIT_ROWS, 24: decode.PAGE_FIT_GENERAL, 32: decode.PAGE_FIT_TILE}[page_size]
     assert decode.page_fit(page_size, 32) == fit
-    assert decode.page_fit(64, 32, page_ids=True) == decode.PAGE_FIT_TILE   # one page per tile: nothing to carry
+    # one page per tile: nothing to carry but a scalar (the ids flag changes nothing there)
+    assert decode.page_fit(page_size, 32, page_ids=True) == fit + (decode.PAGE_FIT_IDS if page_size != 32 else 0)
+    assert decode.page_fit(page_size, 32, page_ids=True, page_direct=True) == fit + decode.PAGE_FIT_DIRECT
     p = KVProblem(lengths=(150, 0), seqlen_q=sq, seqlen_new=sq, heads_q=4, heads_kv=1, head_dim=16,
                   dtype="bfloat16", capacity=192, seed=page_size + sq)
     inp = make_inputs(p)
@@ -75,14 +77,16 @@ def test_page_id_carry_reads_what_the_default_paged_loop_reads(page_size, sq):
     for k_cache, v_cache, table, cfg in (
             (inp["k_cache"], inp["v_cache"], None, KernelConfig(16, 32, 4, 1)),
             (k_pool.clone(), v_pool.clone(), bt, KernelConfig(16, 32, 4, 1)),
+            (k_pool.clone(), v_pool.clone(), bt, DecodeConfig(16, 32, 4, 1, page_direct=True)),
             (k_pool, v_pool, bt, DecodeConfig(16, 32, 4, 1, page_ids=True))):
         kv = kvcache.build_kvcache_spec(inp["q"], k_cache.clone() if table is None else k_cache,
                                         v_cache.clone() if table is None else v_cache, inp["k"], inp["v"],
                                         cache_seqlens=inp["cache_seqlens"], block_table=table, causal=True,
                                         num_splits=3)
         runs.append(decode.forward(kv, cfg))
-    (out_c, lse_c), (out_p, lse_p), (out_i, lse_i) = runs
+    (out_c, lse_c), (out_p, lse_p), (out_d, lse_d), (out_i, lse_i) = runs
     _ok([compare("out", out_c, ref, naive), compare_lse(lse_c, ref_lse)])
+    assert torch.equal(out_d, out_p) and torch.equal(lse_d, lse_p)
     assert torch.equal(out_i, out_p) and torch.equal(lse_i, lse_p)
     assert torch.equal(out_i, out_c) and torch.equal(lse_i, lse_c)
     assert not out_i.isnan().any()
@@ -91,7 +95,7 @@ def test_page_id_carry_reads_what_the_default_paged_loop_reads(page_size, sq):
             assert torch.equal(k_pool[bt[i, t // page_size], t % page_size], inp["k"][i, t - n])
 
 
-def test_page_id_carry_fully_masked_rows_are_zero_and_minus_inf():
+def test_page_id_variants_fully_masked_rows_are_zero_and_minus_inf():
     """Length-0 sequences with no new keys: every row is fully masked: 0 and lse -inf, no NaN
     (the pool is NaN)."""
     decode = _decode()
@@ -101,8 +105,9 @@ def test_page_id_carry_fully_masked_rows_are_zero_and_minus_inf():
     lens = torch.zeros(2, dtype=torch.int32)
     kv = kvcache.build_kvcache_spec(q, pool, pool.clone(), cache_seqlens=lens, block_table=bt, causal=True,
                                     num_splits=2)
-    out, lse = decode.forward(kv, DecodeConfig(16, 32, 4, 1, page_ids=True))
-    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    for cfg in (DecodeConfig(16, 32, 4, 1, page_ids=True), DecodeConfig(16, 32, 4, 1, page_direct=True)):
+        out, lse = decode.forward(kv, cfg)
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
 
 
 def test_programs_per_sm_sets_the_split_heuristic():
@@ -128,18 +133,21 @@ def test_rows_table_replaces_the_rule_for_its_class_and_layout(monkeypatch):
     hopper = Target("nvidia", 90)
     before = {(m, pg): configs.decode_config(hopper, 128, 2, m, pg) for m in (16, 64) for pg in (False, True)}
     assert before[(64, False)] == before[(64, True)] and before[(16, False)] == before[(16, True)]
-    rows = {(128, "wide", "paged"): (64, 64, 4, 3, 2, True), (128, "narrow", "contig"): (32, 64, 4, 4, 1, False)}
+    rows = {(128, "wide", "paged"): (64, 64, 4, 3, 2, True, False),
+            (128, "narrow", "contig"): (32, 64, 4, 4, 1, False, True)}
     monkeypatch.setitem(configs._DECODE_ROWS_NVIDIA, "hopper", rows)
     assert configs.decode_config(hopper, 128, 2, 64, True) == DecodeConfig(64, 64, 4, 3, programs_per_sm=2,
                                                                            page_ids=True)
     assert configs.decode_config(hopper, 128, 2, 64, False) == before[(64, False)]
-    assert configs.decode_config(hopper, 128, 2, 16, False) == DecodeConfig(16, 64, 4, 4, programs_per_sm=1)
+    assert configs.decode_config(hopper, 128, 2, 16, False) == DecodeConfig(16, 64, 4, 4, programs_per_sm=1,
+                                                                            page_direct=True)
     assert configs.decode_config(hopper, 128, 2, 16, True) == before[(16, True)]
     assert configs.decode_config(hopper, 128, 4, 64, True) == configs.decode_config(hopper, 128, 4, 64, False)
     assert configs.decode_config(hopper, 64, 2, 64, True) == configs.decode_config(hopper, 64, 2, 64, False)
     assert configs.decode_config(Target("nvidia", 80), 128, 2, 64, True) == \
         configs.decode_config(Target("nvidia", 80), 128, 2, 64, False)
     assert DecodeConfig(64, 64, 4, 3, programs_per_sm=2, page_ids=True).short() == "M64 N64 w4 s3 p2 ids"
+    assert DecodeConfig(64, 64, 4, 6, page_direct=True).short() == "M64 N64 w4 s6 direct"
     assert DecodeConfig(16, 64, 4, 3).short() == KernelConfig(16, 64, 4, 3).short()
 
 
@@ -192,7 +200,7 @@ def test_variants_best_rows_report_and_paste(variants_tool):
     assert best[(8, "paged")]["cand"] == "N64 s3 p2" and best[(8, "paged")]["score"] == pytest.approx(1.9)
     assert best[(8, "paged16")]["cand"] == "N64 s3 p2 ids" and best[(8, "paged16")]["score"] == pytest.approx(2.0)
     text = vt.report(result, vt.VARIANTS)
-    assert '_DECODE_ROWS_NVIDIA["hopper"][(128, "wide", "paged")] = (64, 64, 4, 3, 2, False)' in text
+    assert '_DECODE_ROWS_NVIDIA["hopper"][(128, "wide", "paged")] = (64, 64, 4, 3, 2, False, False)' in text
     assert '(128, "wide", "contig")' not in text
     assert "1 failed or wrong" in text and "FAILED" in text
     current = text.split("verdict, current rows:")[1].split("verdict, best row per Sq")[0]
@@ -232,10 +240,10 @@ for target, limit in PORTABILITY_TARGETS:
     base = decode_config(target, 128, 2, 64)
     cfg = DecodeConfig(base.block_m, base.block_n, base.num_warps, base.num_stages, page_ids=True,
                        waves_per_eu=base.waves_per_eu, matrix_instr_nonkdim=base.matrix_instr_nonkdim, kpack=base.kpack)
-    for page in (16, 24):
+    for page, direct in ((16, False), (24, False), (16, True), (cfg.block_n, True)):
         case = P.Case("decode_split", target, limit, torch.bfloat16, 128, cfg, P.DecodeFeatures(paged=True, page_size=page))
         sig = P._decode_signature(decode.decode_split, case)
-        sig[1]["PAGE_FIT"] = decode.page_fit(page, cfg.block_n, True)
+        sig[1]["PAGE_FIT"] = decode.page_fit(page, cfg.block_n, True, direct)
         c = triton.compile(P._ast_source(decode.decode_split, *sig), target=P._gpu_target(target),
                            options=cfg.launch_options())
         rows.append(dict(target=str(target), page=page, fit=sig[1]["PAGE_FIT"], shared=int(c.metadata.shared),
@@ -244,8 +252,9 @@ print(json.dumps(rows))
 """
 
 
-def test_page_id_carry_cross_compiles_for_every_portability_target():
-    """The PAGE_FIT_IDS loop (pages of 16 and 24, each target's 64-row tile) compiles for
+def test_page_id_variants_cross_compile_for_every_portability_target():
+    """The PAGE_FIT_IDS loop (pages of 16 and 24) and the PAGE_FIT_DIRECT one (pages of 16 and
+    of BLOCK_N), each target's 64-row tile, compile for
     sm_80, sm_90, gfx90a and gfx942 within each target's shared memory (the portability
     check's targets; its own case list covers the table's configs)."""
     pytest.importorskip("triton")
@@ -256,6 +265,7 @@ def test_page_id_carry_cross_compiles_for_every_portability_target():
     rows = json.loads(res.stdout.strip().splitlines()[-1])
     assert {r["target"] for r in rows} == {"sm_80", "sm_90", "gfx90a", "gfx942"}
     assert all(r["fit"] >= 4 and r["shared"] <= r["limit"] for r in rows), rows
+    assert {r["fit"] for r in rows} == {4, 6, 9, 10}
 
 
 def test_variants_trial_order_and_deadline(variants_tool):

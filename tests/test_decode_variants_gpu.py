@@ -65,7 +65,7 @@ def as_row(monkeypatch):
         family = _nvidia_family(int(target.arch))
         monkeypatch.setitem(configs._DECODE_ROWS_NVIDIA, family, {
             (128, cls, layout): (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm,
-                                 cfg.page_ids)})
+                                 cfg.page_ids, cfg.page_direct)})
         clear()
         return decode
     yield put
@@ -74,8 +74,9 @@ def as_row(monkeypatch):
 
 @pytest.mark.parametrize("cls, name, cfg, lays", _variants(), ids=lambda x: x if isinstance(x, str) else "")
 def test_variant_rows_match_the_oracle(as_row, cls, name, cfg, lays):
-    """Each row on a paged-16 cache (its pages hold no whole tile but for N16: the page-id carry
-    and the page-fit tiles); the first row of each class also on a contiguous cache."""
+    """Each row on a paged-16 cache (its pages hold no whole tile but for N16: the page-id carry,
+    the direct page loads and the page-fit tiles); the first row of each class also on a
+    contiguous cache."""
     first = next(v for v in _variants() if v[0] == cls)[1] == name
     layouts = ["paged", "contig"] if first and lays is None else ["paged"]
     for layout in layouts:

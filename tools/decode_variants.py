@@ -13,7 +13,8 @@ next, so a time limit leaves the current rows everywhere):
 
 1. ``current``: what ``attention_with_kvcache`` runs today (the table and the split heuristic);
 2. the :data:`VARIANTS` of each tile-height class (``configs.DecodeConfig``: tile, programs
-   per SM the split heuristic plans for, the paged loop's ``page_ids`` carry), round robin
+   per SM the split heuristic plans for, the paged loop's ``page_ids`` carry or
+   ``page_direct`` loads), round robin
    between Sq 1 and Sq 8, each at the split count its row gives;
 3. after the first variant of each class: a split-count scan at Sq 8 / B1 / Sk 32k (the point
    furthest from its target) for the current row and the first Sq 8 variant.
@@ -67,23 +68,31 @@ RESERVE = 12.0
 #: Sq 1 at GQA 8 packs 8 rows (tile 16, "narrow"); Sq 8 packs 64 ("wide"). ``ids`` only changes
 #: paged caches whose pages do not hold whole tiles (paged 16 at BLOCK_N 64); N16 makes paged 16
 #: one page per tile (decode.PAGE_FIT_TILE: a scalar page id per tile). Shared memory per program
-#: (sm_90 D128 bf16, from the portability compile): M64 N64 s3 112 KB (two fit an SM), s4 144 KB
-#: (one); M64 N32 s4 80 KB; M16 N64 s3 70 KB.
+#: (sm_90 D128 bf16, triton 3.9's cross-compile): M64 N64 s3 112 KB (two fit an SM), s4 144 KB
+#: (one); M64 N32 s4 80 KB; M16 N64 s3 70 KB. ``direct`` (decode.PAGE_FIT_DIRECT: page ids
+#: loaded in the tile's own iteration) lets the pipeliner prefetch the page ids as cp.async
+#: copies (the default carry leaves one synchronous block-table load per iteration, the likely
+#: stall of the 64-row paged tiles at one program per SM) but gives K/V about half the stages:
+#: M64 N64 s6 direct keeps 3 tiles in flight in 112 KB (186 registers: two per SM), M64 N32 s8
+#: 6 in 82 KB, M16 N64 s6 3 in 72 KB.
+PAGED = ("paged16", "paged256")
 VARIANTS = {
     "narrow": [
         ("N64 s3 p1", DecodeConfig(16, 64, 4, 3, programs_per_sm=1), None),
-        ("N64 s3 ids", DecodeConfig(16, 64, 4, 3, page_ids=True), ("paged16",)),
+        ("N64 s6 direct", DecodeConfig(16, 64, 4, 6, page_direct=True), PAGED),
         ("N64 s3 p3", DecodeConfig(16, 64, 4, 3, programs_per_sm=3), None),
+        ("N64 s3 ids", DecodeConfig(16, 64, 4, 3, page_ids=True), ("paged16",)),
         ("N16 s6", DecodeConfig(16, 16, 4, 6), ("paged16",)),
         ("N64 s4 p2", DecodeConfig(16, 64, 4, 4, programs_per_sm=2), None),
     ],
     "wide": [
         ("N64 s3 p2", DecodeConfig(64, 64, 4, 3, programs_per_sm=2), None),
-        ("N64 s3 p2 ids", DecodeConfig(64, 64, 4, 3, programs_per_sm=2, page_ids=True), ("paged16",)),
+        ("N64 s6 p2 direct", DecodeConfig(64, 64, 4, 6, programs_per_sm=2, page_direct=True), PAGED),
         ("N32 s4 p2", DecodeConfig(64, 32, 4, 4, programs_per_sm=2), None),
-        ("N16 s6 p2", DecodeConfig(64, 16, 4, 6, programs_per_sm=2), ("paged16",)),
+        ("N32 s8 p2 direct", DecodeConfig(64, 32, 4, 8, programs_per_sm=2, page_direct=True), PAGED),
+        ("N16 s8 p2 direct", DecodeConfig(64, 16, 4, 8, programs_per_sm=2, page_direct=True), ("paged16",)),
+        ("N64 s3 p2 ids", DecodeConfig(64, 64, 4, 3, programs_per_sm=2, page_ids=True), ("paged16",)),
         ("N32 s6 p2", DecodeConfig(64, 32, 4, 6, programs_per_sm=2), None),
-        ("N64 s2 p2", DecodeConfig(64, 64, 4, 2, programs_per_sm=2), None),
     ],
 }
 #: interpreter (--tiny) variants: tiles of 16 rows and 16/32 keys
@@ -194,7 +203,7 @@ def paste_row(sq: int, lay: str, cand: str, variants: dict, group: int, family: 
     for name, cfg, _ in variants.get(cls, []):
         if name == cand:
             return (f'_DECODE_ROWS_NVIDIA["{family}"][({block_d}, "{cls}", "{lay}")] = ({cfg.block_m}, {cfg.block_n}, '
-                    f"{cfg.num_warps}, {cfg.num_stages}, {cfg.programs_per_sm}, {cfg.page_ids})")
+                    f"{cfg.num_warps}, {cfg.num_stages}, {cfg.programs_per_sm}, {cfg.page_ids}, {cfg.page_direct})")
     return f"(keep the current {cls} {lay} row)"
 
 

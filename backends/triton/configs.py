@@ -280,17 +280,21 @@ class DecodeConfig(KernelConfig):
       (``decode.num_splits_for``) plans for (0: :func:`decode_programs_per_sm`);
     * ``page_ids``: with a paged cache whose pages do not hold whole tiles, the key loop carries
       the next tile's int32 page ids instead of its int64 K and V row offsets
-      (``decode.PAGE_FIT_IDS``): fewer loop-carried registers, the offsets computed per tile."""
+      (``decode.PAGE_FIT_IDS``): fewer loop-carried registers, the offsets computed per tile;
+    * ``page_direct``: with a paged cache, each tile's page ids are loaded in the iteration that
+      reads it, no carry (``decode.PAGE_FIT_DIRECT``: the pipeliner prefetches them itself)."""
 
     programs_per_sm: int = 0
     page_ids: bool = False
+    page_direct: bool = False
 
     def short(self) -> str:
-        return super().short() + (f" p{self.programs_per_sm}" if self.programs_per_sm else "") + " ids" * self.page_ids
+        return (super().short() + (f" p{self.programs_per_sm}" if self.programs_per_sm else "")
+                + " ids" * self.page_ids + " direct" * self.page_direct)
 
 
 # Rows with the decode knobs on NVIDIA, 2-byte inputs: (BLOCK_D, tile height class, cache layout)
-# -> (BLOCK_M cap, BLOCK_N, num_warps, num_stages, programs_per_sm, page_ids), replacing the rows
+# -> (BLOCK_M cap, BLOCK_N, num_warps, num_stages, programs_per_sm, page_ids, page_direct), replacing the rows
 # above where an entry exists; height class "wide" (64-row tiles: Sq 8 at GQA 8) or "narrow"
 # (<= 32 rows), layout "contig" or "paged" (every page size). Empty until an H200 sweep picks
 # rows (tools/decode_sweep.py --variants prints them): the 2026-12-01 sweep (before the page-fit
@@ -324,8 +328,9 @@ def decode_config(target: Target, block_d: int, elem_size: int, block_m: int, pa
         row = _DECODE_ROWS_NVIDIA[family].get((block_d, "wide" if block_m >= 64 else "narrow",
                                                "paged" if paged else "contig")) if elem_size <= 2 else None
         if row is not None:
-            cap, n, w, s, per_sm, ids = row
-            return DecodeConfig(min(block_m, cap), n, w, s, programs_per_sm=per_sm, page_ids=bool(ids))
+            cap, n, w, s, per_sm, ids, direct = row
+            return DecodeConfig(min(block_m, cap), n, w, s, programs_per_sm=per_sm, page_ids=bool(ids),
+                                page_direct=bool(direct))
         wide = _DECODE_WIDE_NVIDIA[family].get(block_d) if block_m >= 64 and elem_size <= 2 else None
         if wide is not None:
             cap, n, w, s = wide

@@ -84,17 +84,26 @@ PAGE_FIT_ROWS = 2      # BLOCK_N % page_size == 0: per-row page ids without divi
 #: vector for K and V) instead of its int64 row offsets (two vectors), which it then computes
 #: from the ids in the iteration that loads the tile (a sweep variant; see :func:`_decode_range`)
 PAGE_FIT_IDS = 4
+#: added to any case by a config with ``page_direct``: each tile's page ids are loaded in the
+#: iteration that reads the tile (no loop carry), so Triton's pipeliner sees a two-level
+#: indirection (page id, then K/V) and prefetches the page ids with the tiles (at the price of
+#: K/V stages: deep-stage configs only; a sweep variant)
+PAGE_FIT_DIRECT = 8
 
 
-def page_fit(page_size: int, block_n: int, page_ids: bool = False) -> int:
+def page_fit(page_size: int, block_n: int, page_ids: bool = False, page_direct: bool = False) -> int:
     """The :data:`PAGE_FIT_TILE` / :data:`PAGE_FIT_ROWS` / :data:`PAGE_FIT_GENERAL` case of a
     paged cache's ``page_size`` (host int: the cache's ``shape[1]``) and the key tile height;
-    ``page_ids`` adds :data:`PAGE_FIT_IDS` to the two per-row cases (a tile inside one page
-    carries one scalar already)."""
+    ``page_direct`` adds :data:`PAGE_FIT_DIRECT` to any case, else ``page_ids`` adds
+    :data:`PAGE_FIT_IDS` to the two per-row cases (a tile inside one page carries one scalar
+    already)."""
     if page_size % block_n == 0:
-        return PAGE_FIT_TILE
-    fit = PAGE_FIT_ROWS if block_n % page_size == 0 else PAGE_FIT_GENERAL
-    return fit + PAGE_FIT_IDS if page_ids else fit
+        fit = PAGE_FIT_TILE
+    else:
+        fit = PAGE_FIT_ROWS if block_n % page_size == 0 else PAGE_FIT_GENERAL
+    if page_direct:
+        return fit + PAGE_FIT_DIRECT
+    return fit + PAGE_FIT_IDS if page_ids and fit != PAGE_FIT_TILE else fit
 
 
 # ----- kernels ------------------------------------------------------------------------------
@@ -224,7 +233,24 @@ def _decode_range(acc, l_i, m_i, q, BT, k_base, v_base, bt_base, lo, hi, end, of
     pipeliner (3.9, checked in the sm_90 output) otherwise treats as an indirection level, giving
     K/V half the stages (two, with one ``async_wait 0`` per tile). A carry of two or more tiles
     ahead turns the pipeliner off altogether (3.6 and 3.9)."""
-    if PAGE_FIT == 1:   # PAGE_FIT_TILE: a scalar base per tile (carried), rows at the row strides
+    if PAGE_FIT >= 8:   # PAGE_FIT_DIRECT: each tile's page ids loaded in its own iteration (no carry)
+        page_shift = 0
+        for i in tl.static_range(8):
+            page_shift += (page_size > (1 << i)).to(tl.int32)
+        for start_n in range(lo, hi, BLOCK_N):
+            if PAGE_FIT == 9:
+                k_off, v_off = _page_base(BT, bt_base, start_n, end, page_size, num_pages, stride_kp, stride_ks,
+                                          stride_vp, stride_vs)
+                r = (start_n + offs_n) % BLOCK_N
+                krow, vrow = k_off + r * stride_ks, v_off + r * stride_vs
+            else:
+                krow, vrow = _tile_rows(BT, bt_base, start_n, end, offs_n, page_shift, page_size, num_pages,
+                                        stride_kp, stride_ks, stride_vp, stride_vs, PAGE_FIT - 8, BLOCK_N)
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_base, v_base, krow, vrow, start_n, end, offs_n,
+                                         offs_d, qpos, apos, slope2, qk_scale2, softcap_scale, softcap2,
+                                         window_left, window_right, HEAD_D, HEAD_DV, BLOCK_D, MASKED, SOFTCAP,
+                                         ALIBI, IEEE, RAW_SCORES)
+    elif PAGE_FIT == 1:   # PAGE_FIT_TILE: a scalar base per tile (carried), rows at the row strides
         k_off, v_off = _page_base(BT, bt_base, lo, end, page_size, num_pages, stride_kp, stride_ks, stride_vp,
                                   stride_vs)
         for start_n in range(lo, hi, BLOCK_N):
@@ -598,7 +624,8 @@ def _build_launch(kv, config) -> _Launch:
         # HEAD_D, HEAD_DV, BLOCK_D, BLOCK_M, BLOCK_N, SPLIT, PAGED, PAGE_FIT, BOTTOM_RIGHT, SOFTCAP, ALIBI, IEEE,
         # RAW_SCORES, APPEND (set below)
         kv.head_dim, dv, block_d, block_m, cfg.block_n, splits > 1, kv.paged,
-        page_fit(kv.page_size, cfg.block_n, getattr(cfg, "page_ids", False)) if kv.paged else PAGE_FIT_GENERAL,
+        page_fit(kv.page_size, cfg.block_n, getattr(cfg, "page_ids", False), getattr(cfg, "page_direct", False))
+        if kv.paged else PAGE_FIT_GENERAL,
         kv.alignment == "bottom_right",
         softcap is not None, kv.alibi_slopes is not None, ieee, raw,
     )
