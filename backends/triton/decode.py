@@ -28,6 +28,11 @@ the host side of a call is cached (see "Host cost" below):
    ``out = Σ_s exp(lse_s - m) o_s / Σ_s exp(lse_s - m)``, ``lse = m + log Σ_s exp(lse_s - m)``;
    a row with no visible key gets 0 and ``-inf``.
 
+Variants for sweeps (tools/decode_variants.py) and table rows (``configs._DECODE_ROWS_NVIDIA``):
+a :class:`.configs.DecodeConfig` sets the split heuristic's programs per SM and the paged loop's
+page-id handling (:data:`PAGE_FIT_IDS`, :data:`PAGE_FIT_DIRECT`); they read the same keys as the
+default loop, in the same order (the same bits).
+
 Keys are read only below each sequence's length (masked loads), so NaN in unused slots never
 enters a sum; page ids are clamped into ``[0, num_pages)``. The split count is a host-side
 function of ``B``, ``Hkv``, the cache capacity and the SM count (:func:`num_splits_for`), never of
@@ -232,7 +237,11 @@ def _decode_range(acc, l_i, m_i, q, BT, k_base, v_base, bt_base, lo, hi, end, of
     the K/V addresses then do not depend on a load of the same iteration, which Triton's software
     pipeliner (3.9, checked in the sm_90 output) otherwise treats as an indirection level, giving
     K/V half the stages (two, with one ``async_wait 0`` per tile). A carry of two or more tiles
-    ahead turns the pipeliner off altogether (3.6 and 3.9)."""
+    ahead turns the pipeliner off altogether (3.6 and 3.9). That carried block-table load stays
+    a synchronous load in the loop (sm_90 ttgir, 3.9); two sweep variants change it:
+    ``PAGE_FIT_IDS`` carries int32 page ids instead of the int64 offsets, ``PAGE_FIT_DIRECT``
+    loads each tile's page ids in its own iteration, which the pipeliner then prefetches as
+    cp.async copies (with about half the K/V stages: deep-stage configs only)."""
     if PAGE_FIT >= 8:   # PAGE_FIT_DIRECT: each tile's page ids loaded in its own iteration (no carry)
         page_shift = 0
         for i in tl.static_range(8):
