@@ -1,7 +1,7 @@
 """GPU checks of tools/decode_variants.py's rows, each made the table's row
 (configs._DECODE_ROWS_NVIDIA) so that it runs through ``attention_with_kvcache`` itself: every
-variant against the float64 oracle at decoding sizes (GQA 32:4, D 128, NaN in unused slots,
-new rows appended, a length-0 sequence), and one CUDA-graph capture with a paged 64-row row."""
+variant that changes the paged loop against the float64 oracle at decoding sizes (GQA 32:4, D 128, NaN in unused slots,
+new rows appended, a length-0 sequence), and one CUDA-graph capture with a paged 64-row row of direct page loads."""
 
 from __future__ import annotations
 
@@ -26,9 +26,14 @@ def _tool():
     return module
 
 
-def _variants():
-    rows = _tool().VARIANTS
-    return [(cls, name, cfg, lays) for cls, group in rows.items() for name, cfg, lays in group]
+def _variants(new_paths_only: bool = False):
+    """tools/decode_variants.py's rows; ``new_paths_only``: those that change the paged loop's
+    code (page-id carry, direct page loads, one page per 16-key tile), not only tiles and split
+    counts (those the tool itself checks at every point it times)."""
+    rows = [(cls, name, cfg, lays) for cls, group in _tool().VARIANTS.items() for name, cfg, lays in group]
+    if new_paths_only:
+        rows = [r for r in rows if r[2].page_ids or r[2].page_direct or r[2].block_n == 16]
+    return rows
 
 
 PROBLEMS = {
@@ -72,13 +77,12 @@ def as_row(monkeypatch):
     clear()
 
 
-@pytest.mark.parametrize("cls, name, cfg, lays", _variants(), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("cls, name, cfg, lays", _variants(new_paths_only=True),
+                         ids=lambda x: x.replace(" ", "_") if isinstance(x, str) else "")
 def test_variant_rows_match_the_oracle(as_row, cls, name, cfg, lays):
-    """Each row on a paged-16 cache (its pages hold no whole tile but for N16: the page-id carry,
-    the direct page loads and the page-fit tiles); the first row of each class also on a
-    contiguous cache."""
-    first = next(v for v in _variants() if v[0] == cls)[1] == name
-    layouts = ["paged", "contig"] if first and lays is None else ["paged"]
+    """Each row that changes the paged loop on a paged-16 cache (its pages hold no whole tile but
+    for N16: the page-id carry, the direct page loads, the page-fit tiles), as the table's row."""
+    layouts = ["paged"]
     for layout in layouts:
         p = PROBLEMS[(cls, layout)]
         decode = as_row(cls, layout, cfg)
@@ -91,9 +95,10 @@ def test_variant_rows_match_the_oracle(as_row, cls, name, cfg, lays):
 
 
 def test_cuda_graph_capture_with_a_paged_wide_row(as_row):
-    """The first wide variant as the paged 64-row row: a captured decode step (append +
-    attention) replayed on new inputs equals the eager call, bit for bit."""
-    cls, name, cfg, _ = next(v for v in _variants() if v[0] == "wide")
+    """The first wide variant with a new paged loop (direct page loads) as the paged 64-row row:
+    a captured decode step (append + attention) replayed on new inputs equals the eager call,
+    bit for bit."""
+    cls, name, cfg, _ = next(v for v in _variants(new_paths_only=True) if v[0] == "wide")
     as_row(cls, "paged", cfg)
     p = KVProblem(lengths=(1500, 3), seqlen_q=8, seqlen_new=8, heads_q=32, heads_kv=4, head_dim=128,
                   dtype="bfloat16", page_size=16, pages_per_seq=128)
