@@ -15,7 +15,9 @@ GPU time per call, the launches queued behind a spin kernel, rotating cache copi
   kernel, no fork);
 * torch SDPA's cuDNN and flash kernels on the contiguous cache (the issue's baselines).
 
-Every timed (config, split count) output is checked once against a float32 reference. The
+Every timed (config, split count) output is checked once against a float32 reference
+(``bench_decode.check``) and, beside the heuristic's output at the same point, with
+``portattn.numerics.compare`` (the heuristic's error as the yardstick). The
 candidates are visited best-guess first, alternating Sq 1 and Sq 8, each over all its points,
 so a ``--time-limit`` that stops the sweep early (compiles included) still leaves every point
 with the heuristic and the first candidates. Writes ``decode-sweep.json`` and
@@ -258,12 +260,15 @@ def report(result: dict) -> str:
 # ----- the GPU (or interpreter) part ------------------------------------------------------------
 
 def run(pts: list[dict], device: str = "cuda", timer=None, time_limit: float = 170.0, progress=print,
-        tiny: bool = False, max_candidates: int | None = None) -> dict:
-    """Time the heuristic, the candidates and the SDPA baselines at ``pts``; the raw result."""
+        tiny: bool = False, max_candidates: int | None = None, sweep=None) -> dict:
+    """Time the heuristic, the candidates and the SDPA baselines at ``pts``; the raw result.
+    ``sweep``: the trial order (default :func:`_sweep`, the tile candidates; ``--variants``:
+    :func:`decode_variants.sweep`)."""
     from portattn.backends.triton import decode
     from portattn.backends.triton.configs import _nvidia_family, device_target
 
     from portattn.kvcache import build_kvcache_spec
+    from portattn.numerics import compare
     t0 = time.time()
     deadline = t0 + time_limit
     if timer is None:
@@ -315,7 +320,15 @@ def run(pts: list[dict], device: str = "cuda", timer=None, time_limit: float = 1
             entry.update(config=f"M{plan['block_m']} " + plan["config"].split(" ", 1)[1],
                          num_splits=plan["num_splits"], programs=plan["programs"], block_m=plan["block_m"])
             fns = [lambda kv=kv: decode.forward(kv, cfg) for kv in kvs]
-            entry.update(bench.check(fns[0]()[0], problems[(p["B"], p["Sk"], p["Sq"])][3]))
+            out = fns[0]()[0]
+            ref = problems[(p["B"], p["Sk"], p["Sq"])][3]
+            entry.update(bench.check(out, ref))
+            if cfg is None and splits == 0:
+                current_out.setdefault(entry["point"], out)
+            elif entry["point"] in current_out:   # portattn.numerics.compare, the current rows as yardstick
+                cmp = compare("out", out, ref, current_out[entry["point"]])
+                entry["compare"] = str(cmp)
+                entry["ok"] = entry["ok"] and cmp.passed
             if entry["ok"]:
                 entry.update(timer(fns))
                 entry["tbps"] = bench.tbps(bench.kv_bytes(p["B"], p["Sk"], hkv, d), entry["ms"])
@@ -328,8 +341,9 @@ def run(pts: list[dict], device: str = "cuda", timer=None, time_limit: float = 1
         return entry
 
     interrupted = False
+    current_out = {}   # point -> the current rows' output (the yardstick of the others' compare)
     try:   # SIGINT (timeout -s INT) keeps the trials done so far
-        _sweep(pts, trial, spec, deadline, progress, tiny, hq // hkv, max_candidates, sms, time_limit)
+        (sweep or _sweep)(pts, trial, spec, deadline, progress, tiny, hq // hkv, max_candidates, sms, time_limit)
     except KeyboardInterrupt:
         interrupted = True
     return {"environment": bench.environment() if device == "cuda" else {"device": device},

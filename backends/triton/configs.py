@@ -278,13 +278,47 @@ _DECODE_PROGRAMS_PER_SM = {"nvidia": 2, "amd": 2, "cpu": 2}
 DECODE_BLOCK_MS = (16, 32, 64)
 
 
-def decode_config(target: Target, block_d: int, elem_size: int, block_m: int) -> KernelConfig:
+@dataclass(frozen=True)
+class DecodeConfig(KernelConfig):
+    """A decode tile with the decode kernel's own knobs (tools/decode_sweep.py's variants, and the
+    rows of :data:`_DECODE_ROWS_NVIDIA`):
+
+    * ``programs_per_sm``: the resident programs per SM the split heuristic
+      (``decode.num_splits_for``) plans for (0: :func:`decode_programs_per_sm`);
+    * ``page_ids``: with a paged cache whose pages do not hold whole tiles, the key loop carries
+      the next tile's int32 page ids instead of its int64 K and V row offsets
+      (``decode.PAGE_FIT_IDS``): fewer loop-carried registers, the offsets computed per tile;
+    * ``page_direct``: with a paged cache, each tile's page ids are loaded in the iteration that
+      reads it, no carry (``decode.PAGE_FIT_DIRECT``: the pipeliner prefetches them itself)."""
+
+    programs_per_sm: int = 0
+    page_ids: bool = False
+    page_direct: bool = False
+
+    def short(self) -> str:
+        return (super().short() + (f" p{self.programs_per_sm}" if self.programs_per_sm else "")
+                + " ids" * self.page_ids + " direct" * self.page_direct)
+
+
+# Rows with the decode knobs on NVIDIA, 2-byte inputs: (BLOCK_D, tile height class, cache layout)
+# -> (BLOCK_M cap, BLOCK_N, num_warps, num_stages, programs_per_sm, page_ids, page_direct), replacing the rows
+# above where an entry exists; height class "wide" (64-row tiles: Sq 8 at GQA 8) or "narrow"
+# (<= 32 rows), layout "contig" or "paged" (every page size). Empty until an H200 sweep picks
+# rows (tools/decode_sweep.py --variants prints them): the 2026-12-01 sweep (before the page-fit
+# tiles) read paged 64-row tiles 1.3-1.5x faster at two programs per SM (x66 / x8 splits, M64 N64
+# w4 s3: 112 KB of shared memory, two fit an SM) than at the one the rule above plans for.
+_DECODE_ROWS_NVIDIA: dict = {"hopper": {}, "ampere": {}, "small": {}}
+
+
+def decode_config(target: Target, block_d: int, elem_size: int, block_m: int, paged: bool = False) -> KernelConfig:
     """Config of the split-KV decode kernel for a packed (GQA x Sq) tile of ``block_m`` rows.
 
     The returned ``block_m`` may be smaller (more row blocks, K/V read once per block): at most
     64 rows, 32 at D 256, and 16 for float32 (whose scores are float64 dots, kernels._scores) —
     the portability check found spills beyond these (sm_90 fp16 D256 M64: 48 B; sm_80 fp32 D64
-    M32 N64: 5 KB; fp32 D256 M64: 328 B) and AMD LDS overflows (fp32 D256 M64: 128 KB)."""
+    M32 N64: 5 KB; fp32 D256 M64: 328 B) and AMD LDS overflows (fp32 D256 M64: 128 KB). A
+    :data:`_DECODE_ROWS_NVIDIA` row for the tile height and the layout (``paged``: a paged cache)
+    replaces the rule where one exists (a :class:`DecodeConfig`)."""
     cap = 32 if block_d >= 256 else 64
     if elem_size > 2:
         cap = 16
@@ -298,6 +332,12 @@ def decode_config(target: Target, block_d: int, elem_size: int, block_m: int) ->
         family = _nvidia_family(int(target.arch))
         n, w, s = _DECODE_NVIDIA[family][block_d]
         amd = {}
+        row = _DECODE_ROWS_NVIDIA[family].get((block_d, "wide" if block_m >= 64 else "narrow",
+                                               "paged" if paged else "contig")) if elem_size <= 2 else None
+        if row is not None:
+            cap, n, w, s, per_sm, ids, direct = row
+            return DecodeConfig(min(block_m, cap), n, w, s, programs_per_sm=per_sm, page_ids=bool(ids),
+                                page_direct=bool(direct))
         wide = _DECODE_WIDE_NVIDIA[family].get(block_d) if block_m >= 64 and elem_size <= 2 else None
         if wide is not None:
             cap, n, w, s = wide

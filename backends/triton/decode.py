@@ -28,6 +28,11 @@ the host side of a call is cached (see "Host cost" below):
    ``out = Σ_s exp(lse_s - m) o_s / Σ_s exp(lse_s - m)``, ``lse = m + log Σ_s exp(lse_s - m)``;
    a row with no visible key gets 0 and ``-inf``.
 
+Variants for sweeps (tools/decode_variants.py) and table rows (``configs._DECODE_ROWS_NVIDIA``):
+a :class:`.configs.DecodeConfig` sets the split heuristic's programs per SM and the paged loop's
+page-id handling (:data:`PAGE_FIT_IDS`, :data:`PAGE_FIT_DIRECT`); they read the same keys as the
+default loop, in the same order (the same bits).
+
 Keys are read only below each sequence's length (masked loads), so NaN in unused slots never
 enters a sum; page ids are clamped into ``[0, num_pages)``. The split count is a host-side
 function of ``B``, ``Hkv``, the cache capacity and the SM count (:func:`num_splits_for`), never of
@@ -79,16 +84,31 @@ SPLIT_EFFICIENCY = 0.85
 PAGE_FIT_GENERAL = 0   # neither divides the other: a page lookup and two divisions per row
 PAGE_FIT_TILE = 1      # page_size % BLOCK_N == 0: one scalar page id per tile
 PAGE_FIT_ROWS = 2      # BLOCK_N % page_size == 0: per-row page ids without divisions in the loop
+#: added to ``PAGE_FIT_ROWS`` / ``PAGE_FIT_GENERAL`` by a config with ``page_ids``
+#: (:class:`.configs.DecodeConfig`): the key loop carries the next tile's int32 page ids (one
+#: vector for K and V) instead of its int64 row offsets (two vectors), which it then computes
+#: from the ids in the iteration that loads the tile (a sweep variant; see :func:`_decode_range`)
+PAGE_FIT_IDS = 4
+#: added to any case by a config with ``page_direct``: each tile's page ids are loaded in the
+#: iteration that reads the tile (no loop carry), so Triton's pipeliner sees a two-level
+#: indirection (page id, then K/V) and prefetches the page ids with the tiles (at the price of
+#: K/V stages: deep-stage configs only; a sweep variant)
+PAGE_FIT_DIRECT = 8
 
 
-def page_fit(page_size: int, block_n: int) -> int:
+def page_fit(page_size: int, block_n: int, page_ids: bool = False, page_direct: bool = False) -> int:
     """The :data:`PAGE_FIT_TILE` / :data:`PAGE_FIT_ROWS` / :data:`PAGE_FIT_GENERAL` case of a
-    paged cache's ``page_size`` (host int: the cache's ``shape[1]``) and the key tile height."""
+    paged cache's ``page_size`` (host int: the cache's ``shape[1]``) and the key tile height;
+    ``page_direct`` adds :data:`PAGE_FIT_DIRECT` to any case, else ``page_ids`` adds
+    :data:`PAGE_FIT_IDS` to the two per-row cases (a tile inside one page carries one scalar
+    already)."""
     if page_size % block_n == 0:
-        return PAGE_FIT_TILE
-    if block_n % page_size == 0:
-        return PAGE_FIT_ROWS
-    return PAGE_FIT_GENERAL
+        fit = PAGE_FIT_TILE
+    else:
+        fit = PAGE_FIT_ROWS if block_n % page_size == 0 else PAGE_FIT_GENERAL
+    if page_direct:
+        return fit + PAGE_FIT_DIRECT
+    return fit + PAGE_FIT_IDS if page_ids and fit != PAGE_FIT_TILE else fit
 
 
 # ----- kernels ------------------------------------------------------------------------------
@@ -178,6 +198,34 @@ def _tile_rows(BT, bt_base, start_n, end, offs_n, page_shift, page_size, num_pag
 
 
 @triton.jit
+def _tile_ids(BT, bt_base, start_n, end, offs_n, page_shift, page_size, num_pages, PAGE_FIT: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """``PAGE_FIT_IDS`` variants: the int32 page id of every row of the key tile starting at
+    ``start_n`` (``PAGE_FIT_ROWS + PAGE_FIT_IDS``: index ``start_n // page_size + (r >>
+    page_shift)`` as in :func:`_tile_rows`; ``PAGE_FIT_GENERAL + PAGE_FIT_IDS``: ``col //
+    page_size``), read only below ``end``, clamped into ``[0, num_pages)``."""
+    if PAGE_FIT == 6:
+        r = (start_n + offs_n) % BLOCK_N
+        idx = start_n // page_size + (r >> page_shift)
+    else:
+        idx = (start_n + offs_n) // page_size
+    page = tl.load(BT + bt_base + idx, mask=start_n + offs_n < end, other=0)
+    return tl.minimum(tl.maximum(page, 0), num_pages - 1)
+
+
+@triton.jit
+def _id_rows(page, start_n, offs_n, page_size, stride_kp, stride_ks, stride_vp, stride_vs, PAGE_FIT: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """Element offsets (K, V) of the key tile's rows from their page ids (:func:`_tile_ids`)."""
+    if PAGE_FIT == 6:
+        in_page = ((start_n + offs_n) % BLOCK_N) & (page_size - 1)
+    else:
+        in_page = (start_n + offs_n) % page_size
+    p64 = page.to(tl.int64)
+    return p64 * stride_kp + in_page * stride_ks, p64 * stride_vp + in_page * stride_vs
+
+
+@triton.jit
 def _decode_range(acc, l_i, m_i, q, BT, k_base, v_base, bt_base, lo, hi, end, offs_n, offs_d, qpos, apos, slope2,
                   page_size, num_pages, stride_kp, stride_ks, stride_vp, stride_vs,
                   qk_scale2, softcap_scale, softcap2, window_left, window_right,
@@ -189,8 +237,29 @@ def _decode_range(acc, l_i, m_i, q, BT, k_base, v_base, bt_base, lo, hi, end, of
     the K/V addresses then do not depend on a load of the same iteration, which Triton's software
     pipeliner (3.9, checked in the sm_90 output) otherwise treats as an indirection level, giving
     K/V half the stages (two, with one ``async_wait 0`` per tile). A carry of two or more tiles
-    ahead turns the pipeliner off altogether (3.6 and 3.9)."""
-    if PAGE_FIT == 1:   # PAGE_FIT_TILE: a scalar base per tile (carried), rows at the row strides
+    ahead turns the pipeliner off altogether (3.6 and 3.9). That carried block-table load stays
+    a synchronous load in the loop (sm_90 ttgir, 3.9); two sweep variants change it:
+    ``PAGE_FIT_IDS`` carries int32 page ids instead of the int64 offsets, ``PAGE_FIT_DIRECT``
+    loads each tile's page ids in its own iteration, which the pipeliner then prefetches as
+    cp.async copies (with about half the K/V stages: deep-stage configs only)."""
+    if PAGE_FIT >= 8:   # PAGE_FIT_DIRECT: each tile's page ids loaded in its own iteration (no carry)
+        page_shift = 0
+        for i in tl.static_range(8):
+            page_shift += (page_size > (1 << i)).to(tl.int32)
+        for start_n in range(lo, hi, BLOCK_N):
+            if PAGE_FIT == 9:
+                k_off, v_off = _page_base(BT, bt_base, start_n, end, page_size, num_pages, stride_kp, stride_ks,
+                                          stride_vp, stride_vs)
+                r = (start_n + offs_n) % BLOCK_N
+                krow, vrow = k_off + r * stride_ks, v_off + r * stride_vs
+            else:
+                krow, vrow = _tile_rows(BT, bt_base, start_n, end, offs_n, page_shift, page_size, num_pages,
+                                        stride_kp, stride_ks, stride_vp, stride_vs, PAGE_FIT - 8, BLOCK_N)
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_base, v_base, krow, vrow, start_n, end, offs_n,
+                                         offs_d, qpos, apos, slope2, qk_scale2, softcap_scale, softcap2,
+                                         window_left, window_right, HEAD_D, HEAD_DV, BLOCK_D, MASKED, SOFTCAP,
+                                         ALIBI, IEEE, RAW_SCORES)
+    elif PAGE_FIT == 1:   # PAGE_FIT_TILE: a scalar base per tile (carried), rows at the row strides
         k_off, v_off = _page_base(BT, bt_base, lo, end, page_size, num_pages, stride_kp, stride_ks, stride_vp,
                                   stride_vs)
         for start_n in range(lo, hi, BLOCK_N):
@@ -208,6 +277,21 @@ def _decode_range(acc, l_i, m_i, q, BT, k_base, v_base, bt_base, lo, hi, end, of
                                          window_left, window_right, HEAD_D, HEAD_DV, BLOCK_D, MASKED, SOFTCAP,
                                          ALIBI, IEEE, RAW_SCORES)
             k_off, v_off = next_k, next_v
+    elif PAGE_FIT >= 4:   # PAGE_FIT_IDS: carry the next tile's int32 page ids, offsets per iteration
+        page_shift = 0
+        for i in tl.static_range(8):
+            page_shift += (page_size > (1 << i)).to(tl.int32)
+        ids = _tile_ids(BT, bt_base, lo, end, offs_n, page_shift, page_size, num_pages, PAGE_FIT, BLOCK_N)
+        for start_n in range(lo, hi, BLOCK_N):
+            next_ids = _tile_ids(BT, bt_base, start_n + BLOCK_N, end, offs_n, page_shift, page_size, num_pages,
+                                 PAGE_FIT, BLOCK_N)
+            krow, vrow = _id_rows(ids, start_n, offs_n, page_size, stride_kp, stride_ks, stride_vp, stride_vs,
+                                  PAGE_FIT, BLOCK_N)
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_base, v_base, krow, vrow, start_n, end, offs_n,
+                                         offs_d, qpos, apos, slope2, qk_scale2, softcap_scale, softcap2,
+                                         window_left, window_right, HEAD_D, HEAD_DV, BLOCK_D, MASKED, SOFTCAP,
+                                         ALIBI, IEEE, RAW_SCORES)
+            ids = next_ids
     elif PAGED:
         page_shift = 0           # PAGE_FIT_ROWS: log2(page_size) (a power of two <= BLOCK_N / 2 there)
         for i in tl.static_range(8):
@@ -454,24 +538,26 @@ def num_splits_for(units: int, key_blocks: int, num_sms: int, programs_per_sm: i
 def _plan(kv, config=None):
     """(config, block_d, BLOCK_M, m_blocks, num_splits) of one call (host ints only);
     ``config`` replaces the table's tiles (sweeps, tools/decode_sweep.py); its ``block_m`` caps
-    the packed tile's height like the table's does (16, 32 or 64)."""
+    the packed tile's height like the table's does (16, 32 or 64). A
+    :class:`.configs.DecodeConfig` (the table's paged rows, or a sweep's) may also set the split
+    heuristic's programs per SM and the paged loop's ``page_ids`` carry."""
     if config is not None and config.block_m not in (16, 32, 64):
         raise ValueError(f"config.block_m must be 16, 32 or 64 (the packed query tile's height cap), "
                          f"got {config.block_m}")
     return _plan_cached(kv.device.type, kv.device.index, kv.dtype, kv.head_dim, kv.head_dim_v, kv.gqa_ratio,
                         kv.seqlen_q, kv.batch, kv.num_heads_kv, kv.capacity, kv.window_left, kv.window_right,
-                        kv.num_splits, config)
+                        kv.num_splits, config, kv.paged)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan_cached(device_type, device_index, dtype, head_dim, head_dim_v, group, seqlen_q, batch, num_heads_kv,
-                 capacity, window_left, window_right, num_splits, config):
+                 capacity, window_left, window_right, num_splits, config, paged=False):
     device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
     target = device_target(device)
     block_d = max(padded_dim(head_dim), padded_dim(head_dim_v))
     rows = group * seqlen_q
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
-    cfg = decode_config(target, block_d, ELEM_SIZES[dtype], block_m) if config is None else config
+    cfg = decode_config(target, block_d, ELEM_SIZES[dtype], block_m, paged) if config is None else config
     block_m = min(block_m, cfg.block_m)
     m_blocks = triton.cdiv(rows, block_m)
     units = batch * num_heads_kv * m_blocks
@@ -481,8 +567,8 @@ def _plan_cached(device_type, device_index, dtype, head_dim, head_dim_v, group, 
     if num_splits:
         splits = max(1, min(MAX_SPLITS, num_splits))
     else:
-        splits = num_splits_for(units, triton.cdiv(keys, cfg.block_n), _sm_count(device_type, device_index),
-                                decode_programs_per_sm(target, block_m))
+        per_sm = getattr(cfg, "programs_per_sm", 0) or decode_programs_per_sm(target, block_m)
+        splits = num_splits_for(units, triton.cdiv(keys, cfg.block_n), _sm_count(device_type, device_index), per_sm)
     return cfg, block_d, block_m, m_blocks, splits
 
 
@@ -547,7 +633,9 @@ def _build_launch(kv, config) -> _Launch:
         # HEAD_D, HEAD_DV, BLOCK_D, BLOCK_M, BLOCK_N, SPLIT, PAGED, PAGE_FIT, BOTTOM_RIGHT, SOFTCAP, ALIBI, IEEE,
         # RAW_SCORES, APPEND (set below)
         kv.head_dim, dv, block_d, block_m, cfg.block_n, splits > 1, kv.paged,
-        page_fit(kv.page_size, cfg.block_n) if kv.paged else PAGE_FIT_GENERAL, kv.alignment == "bottom_right",
+        page_fit(kv.page_size, cfg.block_n, getattr(cfg, "page_ids", False), getattr(cfg, "page_direct", False))
+        if kv.paged else PAGE_FIT_GENERAL,
+        kv.alignment == "bottom_right",
         softcap is not None, kv.alibi_slopes is not None, ieee, raw,
     )
     p.split_opts = cfg.launch_options()
