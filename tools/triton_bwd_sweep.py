@@ -43,7 +43,8 @@ from portattn.backends.triton.configs import BackwardConfigs, KernelConfig
 #   D256 table M32 N32 w4 s3 fused 255/592 -- a 32-row resident tile is below wgmma's 64 rows per
 #        warp group, so its products run as Ampere-style mma; split M16 N128 w8 s2 255/0,
 #        M16 N64 w8 s2 255/176, M32 N128 w8 s2 255/352, M32 N64 w8 s2 255/440, M64 N64 w8 s2 255/744
-#        (not swept), M32 N64 w4 s2 255/880 (not swept).
+#        (not swept), M32 N64 w4 s2 255/880 (not swept); dV launch of split M16 N128 w8 s2 255/0.
+#   D256 dQ: table M64 N16 w4 s2 254/0, M128 N16 w8 s2 215/0 (two 64-row warp groups), M64 N32 w8 s2 255/16.
 # Prediction: D256 is where the split can pay (wgmma-sized resident tiles without the spills of the
 # fused kernel: dK/dV 1.3-2x faster, the backward 1.2-1.5x); at D128 the extra product about cancels
 # what fewer spills give (0.9-1.1x); D64 is already at 1.0 x FA2 and is swept for completeness.
@@ -52,9 +53,9 @@ BWD_VARIANTS = {
           ((32, 128, 8, 3, True), (64, 32, 4, 3)),
           ((32, 128, 8, 2, True), (64, 32, 4, 3))],
     256: [((16, 128, 8, 2, True), (64, 16, 4, 2)),
-          ((16, 64, 8, 2, True), (64, 16, 4, 2)),
+          ((16, 128, 8, 2, True), (128, 16, 8, 2)),
           ((32, 128, 8, 2, True), (64, 16, 4, 2)),
-          ((32, 64, 8, 2, True), (64, 16, 4, 2))],
+          ((16, 64, 8, 2, True), (64, 16, 4, 2))],
     64: [((32, 128, 4, 3, True), (64, 64, 4, 3))],
 }
 TARGETS = ("D128 S>=2k >= 1.0 x FA2 in every cell (goal 0.85 x cuDNN); D64, D256 >= 1.0 x FA2; "
