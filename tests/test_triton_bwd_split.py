@@ -102,3 +102,19 @@ def test_split_is_part_of_the_config_identity():
     b = KernelConfig(32, 64, 8, 2, split=True)
     assert a != b and hash(a) != hash(b)
     assert b.short().endswith(" split") and not a.short().endswith("split")
+
+
+def test_a_split_table_row_gives_a_split_config_for_16_bit_only(monkeypatch):
+    from portattn.backends.triton import configs
+    rows = {fam: dict(table) for fam, table in configs._BWD_NVIDIA.items()}
+    rows["hopper"][256] = ((16, 128, 8, 2, True), (64, 16, 4, 2))
+    monkeypatch.setattr(configs, "_BWD_NVIDIA", rows)
+    configs.backward_configs.cache_clear()
+    try:
+        h200 = configs.Target("nvidia", 90)
+        bf16 = configs.backward_configs(h200, 256, 2)
+        assert bf16.dkdv == KernelConfig(16, 128, 8, 2, split=True) and not bf16.dq.split
+        assert not configs.backward_configs(h200, 256, 4).dkdv.split      # float32: the fused kernel
+        assert not configs.backward_configs(h200, 128, 2).dkdv.split      # other rows unchanged
+    finally:
+        configs.backward_configs.cache_clear()

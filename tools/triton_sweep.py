@@ -3,6 +3,7 @@
     python tools/triton_sweep.py --out $OUT [--dims 64,128,256] [--seqlens 1024,4096,16384]
     python tools/triton_sweep.py --compile-only --dims 128     # fill triton's cache (parallel)
     python tools/triton_sweep.py --fwd-only --out $OUT [--time-limit 240] [--jobs 14]
+    python tools/triton_sweep.py --bwd-variants --out $OUT --time-limit 170   # tools/triton_bwd_sweep.py
 
 For each head dim and each candidate config of the forward, the dQ and the dK/dV kernels (the
 config table of ``backends/triton/configs.py`` is overridden, nothing else changes), on bf16
