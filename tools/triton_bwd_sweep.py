@@ -11,7 +11,8 @@
 2. the backward alone (``torch.autograd.grad`` of one saved forward, as benchmarks/bench_attention.py
    times it) of every passing candidate, beside torch SDPA's flash (FA2) and cuDNN backward, on bf16
    problems of 16k tokens and hidden 2048, S 1k/4k/16k, causal and not;
-3. ``triton_bwd_sweep.json`` (every time) and ``triton_bwd_sweep.txt`` (per cell each candidate's
+3. ``triton_bwd_sweep.json`` and ``triton_bwd_sweep.txt`` under ``--out``, rewritten after every
+   timed cell (so an outer ``timeout`` keeps what was measured): per cell each candidate's
    ratio x FA2 and x cuDNN; per head dim the best row over all cells, its verdict against the
    targets and the ``_BWD_NVIDIA['hopper']`` row to paste).
 
@@ -171,7 +172,7 @@ def _triton_bwd(q, k, v, do, causal):
     return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
 
 
-def _time_cells(cells, dims, seqlens, cands, bad, deadline) -> None:
+def _time_cells(cells, dims, seqlens, cands, bad, deadline, save=lambda: None) -> None:
     for d in dims:
         h = 2048 // d
         for causal in (False, True):
@@ -206,6 +207,7 @@ def _time_cells(cells, dims, seqlens, cands, bad, deadline) -> None:
                         _use(None)
                 cells.append(cell)
                 print(_cell_line(cell), flush=True)
+                save()
                 q = k = v = do = None
                 torch.cuda.empty_cache()
 
@@ -288,23 +290,35 @@ def bwd_variants(args) -> None:
     bad = base._fwd_precompile(jobs, args.jobs, t0 + args.time_limit * 0.6, flag="--bwd-worker", label=label,
                                alone=lambda j: False)
     cells = []
-    try:
-        _time_cells(cells, dims, seqlens, cands, bad, deadline)
-    except Exception as exc:   # a dead CUDA context, say: keep what was measured
-        print(f"timing stopped: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-    finally:
-        _use(None)
-    text = report(cells, cands, table)
-    print(text, flush=True)
-    if args.out:
+
+    passed = sum(1 for why in bad.values() if not why)
+    checks = [f"# checks (float64 reference under docs/semantics.md, ragged S 200/333, and two identical backward"
+              f" passes bit-identical at S 640): {passed}/{len(jobs)} candidate x causal compiles passed"]
+    checks += [f"#   FAILED D{d} {'causal' if c else 'full'} {label(t)}: {why}" for (d, c, t), why in bad.items() if why]
+
+    def save(final=False):
+        text = report(cells, cands, table) + "\n\n" + "\n".join(checks)
+        if final:
+            print(text, flush=True)
+        if not args.out:
+            return
         os.makedirs(args.out, exist_ok=True)
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
                     date=dt.datetime.now(dt.timezone.utc).isoformat(), seconds=round(time.time() - t0, 1),
-                    candidates={d: [label(t) for t in cands[d]] for d in dims}, targets=TARGETS,
+                    complete=final, candidates={d: [label(t) for t in cands[d]] for d in dims}, targets=TARGETS,
                     method="torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) of one saved forward")
         fails = {f"D{d} {'causal' if c else 'full'} {label(t)}": w for (d, c, t), w in bad.items() if w}
         with open(os.path.join(args.out, "triton_bwd_sweep.json"), "w") as fh:
             json.dump(dict(meta=meta, cells=cells, check_failures=fails), fh, indent=1)
         with open(os.path.join(args.out, "triton_bwd_sweep.txt"), "w") as fh:
-            fh.write(text + "\n")
+            fh.write(text + ("\n" if final else "\n# (partial: the run was still timing)\n"))
+
+    save()
+    try:
+        _time_cells(cells, dims, seqlens, cands, bad, deadline, save)
+    except Exception as exc:   # a dead CUDA context, say: keep what was measured
+        print(f"timing stopped: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    finally:
+        _use(None)
+    save(final=True)
     print(f"backward sweep done in {time.time() - t0:.0f}s", flush=True)
