@@ -3,6 +3,7 @@
     python tools/triton_sweep.py --out $OUT [--dims 64,128,256] [--seqlens 1024,4096,16384]
     python tools/triton_sweep.py --compile-only --dims 128     # fill triton's cache (parallel)
     python tools/triton_sweep.py --fwd-only --out $OUT [--time-limit 240] [--jobs 14]
+    python tools/triton_sweep.py --bwd-variants --out $OUT --time-limit 170   # tools/triton_bwd_sweep.py
 
 For each head dim and each candidate config of the forward, the dQ and the dK/dV kernels (the
 config table of ``backends/triton/configs.py`` is overridden, nothing else changes), on bf16
@@ -185,12 +186,21 @@ def main(argv=None):
                     help="forward only: the table's row against TMA / warp-specialised / tile variants")
     ap.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
                     help="--fwd-only: processes compiling and checking candidates in parallel")
+    ap.add_argument("--bwd-variants", action="store_true",
+                    help="backward only: the table's rows against the split dK/dV and tile variants (tools/triton_bwd_sweep.py)")
     ap.add_argument("--fwd-worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--bwd-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.fwd_worker:
         return _fwd_worker(args.fwd_worker)
+    if args.bwd_worker:
+        from triton_bwd_sweep import bwd_worker
+        return bwd_worker(args.bwd_worker)
     if args.time_limit is None:
-        args.time_limit = 240.0 if args.fwd_only else 400.0
+        args.time_limit = 170.0 if args.bwd_variants else 240.0 if args.fwd_only else 400.0
+    if args.bwd_variants:
+        from triton_bwd_sweep import bwd_variants
+        return bwd_variants(args)
     if args.fwd_only:
         return fwd_only(args)
     t0 = time.time()
@@ -368,18 +378,22 @@ def _fwd_worker(jobs_json: str) -> None:
               flush=True)
 
 
-def _fwd_precompile(jobs, n_procs, deadline) -> dict:
+def _fwd_precompile(jobs, n_procs, deadline, flag="--fwd-worker", label=None, alone=None) -> dict:
     """Run the jobs in ``n_procs`` worker processes (a compiler crash loses one worker's remaining
-    jobs, reported as failures); returns {(d, causal, t): why}."""
+    jobs, reported as failures); returns {(d, causal, t): why}. ``flag`` picks the worker
+    (``--fwd-worker`` or ``--bwd-worker``), ``label`` names a job's candidate, ``alone(job)`` says
+    which jobs get a worker of their own."""
     import subprocess
+    label = label or _fwd_label
+    alone = alone or (lambda j: j[2][5])
     chunks = [jobs[i::n_procs] for i in range(n_procs)]
     # warp-specialised candidates each get their own worker: the Hopper warp-specialisation pass
     # can abort the process on loops it does not handle
-    ws = [j for j in jobs if j[2][5]]
-    chunks = [[j for j in c if not j[2][5]] for c in chunks] + [[j] for j in ws]
+    ws = [j for j in jobs if alone(j)]
+    chunks = [[j for j in c if not alone(j)] for c in chunks] + [[j] for j in ws]
     chunks = [c for c in chunks if c]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    procs = [(c, subprocess.Popen([sys.executable, os.path.abspath(__file__), "--fwd-worker", json.dumps(c)],
+    procs = [(c, subprocess.Popen([sys.executable, os.path.abspath(__file__), flag, json.dumps(c)],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
              for c in chunks]
     results, done = {}, 0
@@ -399,11 +413,12 @@ def _fwd_precompile(jobs, n_procs, deadline) -> dict:
                 continue
             if line.startswith("JOB "):
                 r = json.loads(line[4:])
-                results[(r["d"], r["causal"], tuple(r["t"]))] = r["why"]
+                t = _tuple(r["t"])
+                results[(r["d"], r["causal"], t)] = r["why"]
                 done += 1
                 state = f"FAILED {r['why']}" if r["why"] else "ok"
                 print(f"  [{done}/{len(jobs)} {time.time() - T0:5.0f}s] D{r['d']} {'causal' if r['causal'] else 'full'}"
-                      f" {_fwd_label(r['t'])}: compiled+checked in {r['s']}s, {state}", flush=True)
+                      f" {label(t)}: compiled+checked in {r['s']}s, {state}", flush=True)
             else:
                 tails.setdefault(id(p), []).append(line.rstrip()[-200:])
     for c, p in procs:
@@ -411,11 +426,16 @@ def _fwd_precompile(jobs, n_procs, deadline) -> dict:
             p.kill()
         p.wait()
         for j in c:
-            if (j[0], j[1], tuple(j[2])) not in results:
+            if (j[0], j[1], _tuple(j[2])) not in results:
                 tail = " | ".join(tails.get(id(p), [])[-3:])
-                results[(j[0], j[1], tuple(j[2]))] = (f"worker exited {p.returncode} before this job: {tail}"
+                results[(j[0], j[1], _tuple(j[2]))] = (f"worker exited {p.returncode} before this job: {tail}"
                                                       if time.time() <= deadline else "not compiled in time")
     return results
+
+
+def _tuple(t):
+    """A job's candidate as a hashable tuple (JSON turns nested tuples into lists)."""
+    return tuple(_tuple(x) for x in t) if isinstance(t, (list, tuple)) else t
 
 
 T0 = time.time()

@@ -52,6 +52,9 @@ class KernelConfig:
     kpack: int | None = None                 # AMD only
     tma: bool = False   # forward, NVIDIA sm_90+: Q/K/V/O through tensor descriptors (kernels.attn_fwd)
     ws: bool = False    # forward, NVIDIA sm_90+: warp-specialised key loops
+    # backward dK/dV only: two launches, dV (K resident, 2 products per tile pair) then dK (K, V
+    # resident, 3 products), each program holding one float32 accumulator (kernels.attn_bwd_dkdv's PART)
+    split: bool = False
 
     def launch_options(self) -> dict:
         """Keyword arguments for ``kernel[grid](..., **options)`` (and ``triton.compile``).
@@ -67,7 +70,7 @@ class KernelConfig:
     def short(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in asdict(self).items()
                         if k in ("waves_per_eu", "matrix_instr_nonkdim", "kpack") and v is not None)
-        extra += " tma" * self.tma + " ws" * self.ws
+        extra += " tma" * self.tma + " ws" * self.ws + " split" * self.split
         return f"M{self.block_m} N{self.block_n} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -151,8 +154,10 @@ _FWD_NVIDIA = {
 }
 #: the pointer rows that a table's TMA rows stand for where TMA does not apply (float32 inputs)
 _FWD_POINTER = {"hopper": {256: (128, 32, 8, 3)}}
-# bwd tables: BLOCK_D -> (dK/dV (BLOCK_M streamed queries, BLOCK_N resident keys, warps, stages),
+# bwd tables: BLOCK_D -> (dK/dV (BLOCK_M streamed queries, BLOCK_N resident keys, warps, stages[, split]),
 #                         dQ (BLOCK_M resident queries, BLOCK_N streamed keys, warps, stages)), 2-byte inputs.
+# ``split`` (KernelConfig.split, 16-bit only): dK/dV as a dV launch and a dK launch; tools/triton_sweep.py
+# --bwd-variants times split rows against these.
 _BWD_NVIDIA = {
     # measured on the H200 (2026-12-01, tools/triton_sweep.py, bf16, 16k tokens, hidden 2048, S 1k-16k,
     # causal and not; backward time relative to the best config of each cell, mean over the 6 cells):
@@ -227,12 +232,14 @@ def backward_configs(target: Target, block_d: int, elem_size: int) -> BackwardCo
         amd = dict(waves_per_eu=wpe, matrix_instr_nonkdim=16, kpack=1)
         w1 = w2 = w
         s1 = s2 = s
+        split = False
     else:
-        (m1, n1, w1, s1), (m2, n2, w2, s2) = _BWD_NVIDIA[_nvidia_family(int(target.arch))][block_d]
+        (m1, n1, w1, s1, *flags), (m2, n2, w2, s2) = _BWD_NVIDIA[_nvidia_family(int(target.arch))][block_d]
+        split = bool(flags and flags[0]) and elem_size <= 2   # float32 keeps the shrunk fused tiles
         amd = {}
     m1, n1, s1 = _shrink(m1, n1, s1, elem_size, block_d)
     m2, n2, s2 = _shrink(m2, n2, s2, elem_size, block_d)
-    return BackwardConfigs(KernelConfig(m1, n1, w1, s1, **amd), KernelConfig(m2, n2, w2, s2, **amd))
+    return BackwardConfigs(KernelConfig(m1, n1, w1, s1, split=split, **amd), KernelConfig(m2, n2, w2, s2, **amd))
 
 
 #: Targets the portability check compiles for, with their shared memory (LDS) limit in bytes.

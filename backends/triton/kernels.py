@@ -487,8 +487,9 @@ def attn_fwd(
 #    gets P = 1 and dS = 0 exactly, as the math says.
 # Then dQ (Q stationary, K/V streaming: 3 products per tile pair) and dK/dV (K/V stationary, Q/dO
 # streaming, in the transposed (key, query) orientation so that P and dS feed the dV and dK
-# products without a transpose: 4 products). Every program owns its output tile: no atomics,
-# bit-identical gradients across runs.
+# products without a transpose: 4 products; a config with ``split`` runs it as a dV launch and a
+# dK launch, 5 products, each program holding one accumulator). Every program owns its output
+# tile: no atomics, bit-identical gradients across runs.
 
 @triton.jit
 def _load_tile_t(ptrs, rows, row_limit, cols, HEAD: tl.constexpr, BLOCK: tl.constexpr, CHECK_ROWS: tl.constexpr):
@@ -594,6 +595,28 @@ def attn_bwd_prep(
 
 
 @triton.jit
+def _kv_logits(q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d,
+               sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
+               slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
+               IEEE: tl.constexpr, RAW_SCORES: tl.constexpr):
+    """The prologue of one key tile in the dQ kernel's band loops: the K and V tiles of keys
+    ``start_n + offs_n0`` and their base-2 logits against the resident Q tile.
+
+    Returns ``(offs_n, k, v, s, t)`` with ``s`` the (BLOCK_M, BLOCK_N) logits of :func:`_logits`
+    and ``t`` its softcap residual (``tanh``; raw ``qk`` without softcap)."""
+    offs_n = start_n + offs_n0
+    k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
+    v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_d, HEAD_DV, BLOCK_D, MASKED)
+    qk = _scores(q, k, IEEE)
+    s, t = _logits(qk, offs_m[:, None], offs_n[None, :], sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
+                   qk_scale2, softcap_scale, softcap2, window_left, window_right,
+                   MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
+    return offs_n, k, v, s, t
+
+
+@triton.jit
 def _stats_band(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, lo, hi, offs_m, offs_n0, offs_d,
                 sq, sk, off, stride_ks, stride_vs, stride_bm, stride_bn,
                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
@@ -603,15 +626,12 @@ def _stats_band(m_i, l_i, dacc, q, do, k_ptrs, v_ptrs, bias_ptrs, lo, hi, offs_m
     """The exact statistics pass over key tiles ``[lo, hi)``: the forward's online (m, l) and,
     rescaled alongside, dacc_i = Σ_j exp2(S_ij - m_i) dP_ij (so delta = dacc / l = Σ_j P_ij dP_ij)."""
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
-        v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_d, HEAD_DV, BLOCK_D, MASKED)
-        qk = _scores(q, k, IEEE)
-        s, _ = _logits(qk, offs_m[:, None], offs_n[None, :], sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
-                       qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                       MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
-        m_new, alpha, p = _online_max(m_i, s, qk_scale2, RAW_SCORES)
-        dp = _mm(do, tl.trans(v), None, IEEE)
+        _, _, v, s, _ = _kv_logits(q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, sq, sk, off,
+                                   stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2, softcap_scale,
+                                   softcap2, window_left, window_right, HEAD_D, HEAD_DV, BLOCK_D,
+                                   MASKED, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+        m_new, alpha, p = _online_max(m_i, s, qk_scale2, RAW_SCORES)   # the forward's (m, P)
+        dp = _mm(do, tl.trans(v), None, IEEE)                          # dP = dO Vᵀ
         l_i = l_i * alpha + tl.sum(p, 1)
         dacc = dacc * alpha + tl.sum(p * dp, 1)
         m_i = m_new
@@ -627,26 +647,20 @@ def _dq_band(dq, q, do, m2, inv_l, delta, k_ptrs, v_ptrs, bias_ptrs, dbias_ptrs,
              BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr):
     """Key tiles ``[lo, hi)`` against the resident Q tile: accumulate dQ (unscaled); write dBias."""
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        k = _load_tile(k_ptrs + start_n * stride_ks, offs_n, sk, offs_d, HEAD_D, BLOCK_D, MASKED)
-        v = _load_tile(v_ptrs + start_n * stride_vs, offs_n, sk, offs_d, HEAD_DV, BLOCK_D, MASKED)
-        # recompute P
-        qk = _scores(q, k, IEEE)
-        s, t = _logits(qk, offs_m[:, None], offs_n[None, :], sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
-                       qk_scale2, softcap_scale, softcap2, window_left, window_right,
-                       MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
-        p = _probs(s, m2[:, None], inv_l[:, None], qk_scale2, RAW_SCORES, EXACT_STATS)
-        # dS = P ∘ (dO Vᵀ - delta): the gradient of the (natural-log) score, i.e. dBias
-        dp = _mm(do, tl.trans(v), None, IEEE)
-        ds = p * (dp - delta[:, None])
+        offs_n, k, v, s, t = _kv_logits(q, k_ptrs, v_ptrs, bias_ptrs, start_n, offs_m, offs_n0, offs_d, sq, sk, off,
+                                        stride_ks, stride_vs, stride_bm, stride_bn, slope2, qk_scale2, softcap_scale,
+                                        softcap2, window_left, window_right, HEAD_D, HEAD_DV, BLOCK_D,
+                                        MASKED, SOFTCAP, ALIBI, BIAS_MODE, IEEE, RAW_SCORES)
+        p = _probs(s, m2[:, None], inv_l[:, None], qk_scale2, RAW_SCORES, EXACT_STATS)   # P from the row stats
+        dp = _mm(do, tl.trans(v), None, IEEE)                                               # dP = dO Vᵀ
+        ds = p * (dp - delta[:, None])       # dS = P ∘ (dP − delta): the natural-log score's gradient (dBias)
         if BIAS_GRAD:
             db_ptrs = dbias_ptrs + offs_m[:, None] * stride_dbm + offs_n[None, :] * stride_dbn
             tl.store(db_ptrs, _round_to(ds, dbias_ptrs.dtype.element_ty),
                      mask=(offs_m[:, None] < sq) & (offs_n[None, :] < sk))
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
-        # dQ += dS K
-        dq = _mm(_round_to(ds, k.dtype), k, dq, IEEE)
+        dq = _mm(_round_to(ds, k.dtype), k, dq, IEEE)                                       # dQ += dS K
     return dq
 
 
@@ -758,25 +772,29 @@ def _dkdv_band(dk, dv, k, v, qt_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, 
                qk_scale2, softcap_scale, softcap2, window_left, window_right,
                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
-               IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr):
+               IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr, PART: tl.constexpr):
     """Query tiles ``[lo, hi)`` against the resident K/V tile, in the (key, query) orientation:
-    Sᵀ = K Qᵀ, Pᵀ, dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q (unscaled)."""
+    Sᵀ = K Qᵀ, Pᵀ, dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q (unscaled).
+    ``PART`` 1 does the dV half alone (2 products), 2 the dK half alone (3 products; ``v`` used
+    only there), 0 both (4 products)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
         qt = _load_tile_t(qt_ptrs + start_m * stride_qs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, MASKED)
         do = _load_tile(do_ptrs + start_m * stride_dos, offs_m, sq, offs_d, HEAD_DV, BLOCK_D, MASKED)
         m2, inv_l, delta = _load_row_stats(ROWMAX, ROWINV, DELTA, row_base, offs_m, sq, EXACT_STATS)
-        qkt = _dot_f32(k, qt, IEEE)
+        qkt = _dot_f32(k, qt, IEEE)                                                         # Sᵀ = K Qᵀ
         st, tt = _logits(qkt, offs_m[None, :], offs_n[:, None], sq, sk, off, bias_ptrs, stride_bm, stride_bn, slope2,
                          qk_scale2, softcap_scale, softcap2, window_left, window_right,
                          MASKED, SOFTCAP, ALIBI, BIAS_MODE, RAW_SCORES, IEEE)
         pt = _probs(st, m2[None, :], inv_l[None, :], qk_scale2, RAW_SCORES, EXACT_STATS)
-        dv = _mm(_round_to(pt, do.dtype), do, dv, IEEE)
-        dpt = _mm(v, tl.trans(do), None, IEEE)
-        dst = pt * (dpt - delta[None, :])
-        if SOFTCAP:
-            dst = dst * (1.0 - tt * tt)
-        dk = _mm(_round_to(dst, qt.dtype), tl.trans(qt), dk, IEEE)
+        if PART != 2:
+            dv = _mm(_round_to(pt, do.dtype), do, dv, IEEE)                                 # dV += Pᵀ dO
+        if PART != 1:
+            dpt = _mm(v, tl.trans(do), None, IEEE)                                          # dPᵀ = V dOᵀ
+            dst = pt * (dpt - delta[None, :])
+            if SOFTCAP:
+                dst = dst * (1.0 - tt * tt)
+            dk = _mm(_round_to(dst, qt.dtype), tl.trans(qt), dk, IEEE)                      # dK += dSᵀ Q
     return dk, dv
 
 
@@ -797,10 +815,15 @@ def attn_bwd_dkdv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr, PART: tl.constexpr,
 ):
     """dK, dV of one (key tile, batch·kv head): K/V resident, loop over the query heads of the
-    GQA group and over their query tiles. Each program owns its output tile (no atomics)."""
+    GQA group and over their query tiles. Each program owns its output tile (no atomics).
+
+    ``PART`` (a config's ``split``, :class:`configs.KernelConfig`): 0 computes both; 1 only dV
+    (K resident, V never read, one float32 accumulator) and 2 only dK (K and V resident), as two
+    launches. The split costs one product more per tile pair (Sᵀ twice, 5 instead of 4) and
+    halves what a program holds, for tiles that would not fit otherwise (D 256)."""
     pid_n = _tile_order(tl.program_id(0), tl.num_programs(0), LONGEST_FIRST)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_kv
@@ -822,7 +845,11 @@ def attn_bwd_dkdv(
     v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv.to(tl.int64) * stride_vh
     # the K/V tile stays resident for every query head and query tile
     k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, sk, offs_d, HEAD_D, BLOCK_D, True)
-    v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], offs_n, sk, offs_d, HEAD_DV, BLOCK_D, True)
+    if PART == 1:
+        v = k   # the dV part reads no V (placeholder of the same shape)
+    else:
+        v = _load_tile(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], offs_n, sk, offs_d, HEAD_DV, BLOCK_D,
+                       True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -845,12 +872,14 @@ def attn_bwd_dkdv(
                                 offs_m0, offs_n, offs_d, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
                                 slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
                                 HEAD_D, HEAD_DV, BLOCK_D, BLOCK_M, phase != 1, SOFTCAP, ALIBI, BIAS_MODE,
-                                IEEE, RAW_SCORES, EXACT_STATS)
+                                IEEE, RAW_SCORES, EXACT_STATS, PART)
 
     dk = dk * sm_scale
     dk_ptrs = (DK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv.to(tl.int64) * stride_dkh
                + offs_n[:, None] * stride_dks + offs_d[None, :])
     dv_ptrs = (DV + b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + h_kv.to(tl.int64) * stride_dvh
                + offs_n[:, None] * stride_dvs + offs_d[None, :])
-    _store_tile(dk_ptrs, _round_to(dk, DK.dtype.element_ty), offs_n, sk, offs_d, HEAD_D, BLOCK_D)
-    _store_tile(dv_ptrs, _round_to(dv, DV.dtype.element_ty), offs_n, sk, offs_d, HEAD_DV, BLOCK_D)
+    if PART != 1:
+        _store_tile(dk_ptrs, _round_to(dk, DK.dtype.element_ty), offs_n, sk, offs_d, HEAD_D, BLOCK_D)
+    if PART != 2:
+        _store_tile(dv_ptrs, _round_to(dv, DV.dtype.element_ty), offs_n, sk, offs_d, HEAD_DV, BLOCK_D)

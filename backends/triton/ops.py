@@ -463,14 +463,17 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
                          LONGEST_FIRST=_causal_like(spec)),
     )
     # 2. dK, dV (reads the row statistics): one program per (key tile, batch·kv head)
+    #    (a ``split`` config: a dV launch, then a dK launch, each program with one accumulator)
     c1 = cfgs.dkdv
-    launcher.fast(kernels.attn_bwd_dkdv)[(_cdiv(spec.seqlen_k, c1.block_n), spec.batch * spec.num_heads_kv)](
-        q, k, v, dout, rowmax, rowinv, delta, dk, dv, bias, slopes, cu_q, cu_k,
-        *seq, *_seq3(dk.stride(), varlen), *_seq3(dv.stride(), varlen),
-        *lse_strides, *bias_strides,
-        spec.num_heads_q, spec.num_heads_kv, gqa, *sizes, *scalars,
-        **_launch_kwargs(c1, bias_mode, static_key, EXACT_STATS=exact, LONGEST_FIRST=_anticausal_like(spec)),
-    )
+    for part in ((1, 2) if c1.split else (0,)):
+        launcher.fast(kernels.attn_bwd_dkdv)[(_cdiv(spec.seqlen_k, c1.block_n), spec.batch * spec.num_heads_kv)](
+            q, k, v, dout, rowmax, rowinv, delta, dk, dv, bias, slopes, cu_q, cu_k,
+            *seq, *_seq3(dk.stride(), varlen), *_seq3(dv.stride(), varlen),
+            *lse_strides, *bias_strides,
+            spec.num_heads_q, spec.num_heads_kv, gqa, *sizes, *scalars,
+            **_launch_kwargs(c1, bias_mode, static_key, EXACT_STATS=exact, LONGEST_FIRST=_anticausal_like(spec),
+                             PART=part),
+        )
     return dq, dk, dv, dbias
 
 

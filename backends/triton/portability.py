@@ -180,6 +180,7 @@ def _signature(fn, case: Case):
         EXACT_STATS=case.dtype == torch.float32, LONGEST_FIRST=not f.bottom_right,
         RESIDUAL=case.dtype != torch.float32,
         TMA=getattr(cfg, "tma", False), WS=getattr(cfg, "ws", False),
+        PART=2 if getattr(cfg, "split", False) else 0,   # attn_bwd_dkdv: a split config's heavier (dK) launch
     )
     bias_ty = "*u8" if f.bias_mode == kernels.BIAS_BOOL else f"*{dt}"
     signature, constexprs, attrs = {}, {}, {}
