@@ -410,8 +410,9 @@ def decode_cases(quick: bool = False, smoke: bool = False) -> list[Case]:
         for block_d in PADDED_DIMS:                      # ascending: the largest head dim wins
             for dtype in (torch.float16, torch.float32):
                 for block_m in DECODE_BLOCK_MS:
-                    cfg = decode_config(target, block_d, ELEM_SIZES[dtype], max(32, block_m))
-                    chosen[cfg] = (dtype, block_d)
+                    for paged in (False, True):   # a paged row of the table (configs._DECODE_ROWS_NVIDIA)
+                        cfg = decode_config(target, block_d, ELEM_SIZES[dtype], max(32, block_m), paged=paged)
+                        chosen[cfg] = (dtype, block_d)
         for n, (cfg, (dtype, block_d)) in enumerate(sorted(chosen.items(), key=lambda kv: kv[0].short())):
             if n % 2:
                 feats = DecodeFeatures(paged=True, softcap=n % 4 == 1, alibi=n % 4 == 3,
@@ -443,7 +444,8 @@ def _decode_signature(fn, case: Case):
     values = dict(
         HEAD_D=f.head_d or case.block_d, HEAD_DV=f.head_dv or case.block_d, BLOCK_D=case.block_d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=f.num_splits > 1, PAGED=f.paged,
-        PAGE_FIT=page_fit(f.page_size, cfg.block_n) if f.paged else 0,
+        PAGE_FIT=page_fit(f.page_size, cfg.block_n, getattr(cfg, "page_ids", False),
+                          getattr(cfg, "page_direct", False)) if f.paged else 0,
         BOTTOM_RIGHT=f.bottom_right, SOFTCAP=f.softcap, ALIBI=f.alibi,
         IEEE=case.dtype == torch.float32 and f.ieee,
         RAW_SCORES=case.dtype == torch.float32 and not f.softcap and not f.alibi, APPEND=f.append,
