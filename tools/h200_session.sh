@@ -25,6 +25,9 @@
 #   bash tools/h200_session.sh s4fastest   # triton's D 129-256 and headdim catalogue cases (the D256
 #       TMA row), the TMA tests and the compile warm-up side by side, then alone: the fastest
 #       policy's full grid
+#   bash tools/h200_session.sh s4variants  # the helpers' variant sweeps in one call: GPU tests of the
+#       split backward / decode variants / cupy beside the compiles, then alone: the triton backward
+#       sweep, the decode variants, the cupy forward check, the fastest policy's re-checked cells
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -411,4 +414,35 @@ if [[ $what == s4fastest ]]; then
       --time-limit "${FASTEST_TIME:-420}" > "$OUT/fastest.txt" 2>&1
   echo "== fastest --full rc=$? ($(( $(date +%s) - t1 ))s):"; tail -70 "$OUT/fastest.txt"
   tar czf "$OUT/fastest.tgz" -C "$W" . && ls -la "$W"
+fi
+
+if [[ $what == s4variants ]]; then
+  # issues #13, #14, #15, #16: every part bounded; results land in $W and come back as one archive
+  W=/tmp/portattn-s4; rm -rf "$W"; mkdir -p "$W"
+  t0=$(date +%s)
+  timeout -s INT -k 10 "${TEST_LIMIT:-70}" $PY -m pytest -q --tb=short -p no:cacheprovider -n 3 \
+      tests/test_decode_variants_gpu.py tests/test_triton_bwd_split.py tests/test_timing.py \
+      ${CUPY_TESTS:-} -rfEs > "$W/pytest_gpu.txt" 2>&1 &
+  [[ -n ${CUPY_PRE:-} ]] && { bash -c "$CUPY_PRE" > "$W/cupy_pre.txt" 2>&1 & }
+  wait
+  echo "== GPU tests ($(( $(date +%s) - t0 ))s):"; grep -E "^(FAILED|ERROR)" "$W/pytest_gpu.txt" | head -20; tail -1 "$W/pytest_gpu.txt"
+  t1=$(date +%s)
+  timeout -s INT -k 10 "${BWD_LIMIT:-165}" $PY tools/triton_sweep.py --bwd-variants --out "$W" \
+      --time-limit $(( ${BWD_LIMIT:-165} - 10 )) > "$W/bwd_sweep_log.txt" 2>&1
+  echo "== bwd sweep rc=$? ($(( $(date +%s) - t1 ))s):"; tail -40 "$W/triton_bwd_sweep.txt" 2>/dev/null || tail -20 "$W/bwd_sweep_log.txt"
+  t2=$(date +%s)
+  timeout -k 5 -s INT "${DEC_LIMIT:-130}" $PY tools/decode_variants.py --out "$W" --time-limit $(( ${DEC_LIMIT:-130} - 4 )) \
+      > "$W/decode_variants_log.txt" 2>&1
+  echo "== decode variants rc=$? ($(( $(date +%s) - t2 ))s):"; tail -40 "$W/decode-variants.txt" 2>/dev/null || tail -20 "$W/decode_variants_log.txt"
+  if [[ -n ${CUPY_CMD:-} ]]; then
+    t3=$(date +%s); bash -c "$CUPY_CMD" > "$W/cupy_log.txt" 2>&1
+    echo "== cupy rc=$? ($(( $(date +%s) - t3 ))s):"; tail -30 "$W/cupy_log.txt"
+  fi
+  t4=$(date +%s)
+  timeout -s INT -k 10 "${FASTEST_LIMIT:-70}" $PY benchmarks/bench_fastest.py --out "$W" --tag h200-recheck \
+      --time-limit $(( ${FASTEST_LIMIT:-70} - 8 )) --cells 'D128 S1k causal fwd' 'D64 S4k causal fwd+bwd' \
+      'decode Sq1 B1 Sk8k fwd' 'decode Sq8 B8 Sk8k fwd' 'D128 S1k fwd+bwd' 'D256 S1k causal fwd+bwd' 'D128 S4k fwd' \
+      > "$W/fastest_recheck_log.txt" 2>&1
+  echo "== fastest re-check rc=$? ($(( $(date +%s) - t4 ))s):"; tail -16 "$W/fastest_recheck_log.txt"
+  tar czf "$OUT/s4variants.tgz" -C "$W" . ; ls "$W"; echo "total $(( $(date +%s) - t0 ))s"
 fi
