@@ -182,16 +182,41 @@ def test_mma_tiles_match_kernel_constraints():
             assert hd % 16 == 0 and bn % 16 == 0 and warps * 32 <= 1024 and mt in (1, 2)
             cfg = configs.KernelConfig("fwd_mma", "float16", hd)
             role = "extras" if extras else "plain"
-            assert cfg.kernel_names()[role] == f"attn_fwd_mma<pa_half, {hd}, {warps}, {bn}, {mt}, {str(extras).lower()}>"
+            assert cfg.kernel_names()[role] == f"attn_fwd_mma<pa_half, {hd}, {warps}, {bn}, {mt}, 1, {str(extras).lower()}>"
             assert cfg.block_rows(role) == 16 * mt * warps and cfg.threads(role) == 32 * warps
+            two = configs.KernelConfig("fwd_mma", "float16", hd, kv_stages=2)
+            assert two.kernel_names()[role] == f"attn_fwd_mma<pa_half, {hd}, {warps}, {bn}, {mt}, 2, {str(extras).lower()}>"
+            # two K and two V buffers: the K/V part of the shared memory doubles, Q's does not
+            assert two.smem_bytes(role) - cfg.smem_bytes(role) == 2 * bn * (hd + 8) * 2
+            assert two.block_rows(role) == cfg.block_rows(role) and two.threads(role) == cfg.threads(role)
+
+
+def test_forward_kv_stages_switch(monkeypatch):
+    """PORTATTN_CUPY_FWD_KV_STAGES picks the tensor-core forward's K/V pipeline; float32 keeps its
+    FMA kernel; a bad value is a ValueError naming the variable; both are compiled (all_configs)."""
+    monkeypatch.delenv(configs.FORWARD_KV_STAGES_ENV, raising=False)
+    assert configs.forward_config("bfloat16", 128, 128).kv_stages == 1
+    monkeypatch.setenv(configs.FORWARD_KV_STAGES_ENV, "2")
+    cfg = configs.forward_config("bfloat16", 128, 128)
+    assert cfg.kv_stages == 2 and cfg.family == "fwd_mma" and cfg in set(configs.all_configs())
+    assert configs.forward_config("float32", 128, 128) == configs.KernelConfig("fwd_fma", "float32", 128)
+    assert configs.forward_config("float16", 64, 64, kv_stages=1).kv_stages == 1
+    plan = runtime.plan_forward(_spec(torch.bfloat16))
+    assert plan.launches[0].cfg.kv_stages == 2
+    monkeypatch.setenv(configs.FORWARD_KV_STAGES_ENV, "3")
+    with pytest.raises(ValueError, match=configs.FORWARD_KV_STAGES_ENV):
+        configs.forward_config("bfloat16", 128, 128)
+    with pytest.raises(ValueError, match="kv_stages"):
+        configs.forward_config("bfloat16", 128, 128, kv_stages=4)
 
 
 def test_cache_keys_distinguish_configs_and_devices():
     a = configs.KernelConfig("fwd_mma", "float16", 128)
     b = configs.KernelConfig("fwd_mma", "bfloat16", 128)
     c = configs.KernelConfig("fwd_mma", "float16", 64)
-    keys = {runtime.cache_key(x, 0) for x in (a, b, c)} | {runtime.cache_key(a, 1)}
-    assert len(keys) == 4
+    d = configs.KernelConfig("fwd_mma", "float16", 128, kv_stages=2)
+    keys = {runtime.cache_key(x, 0) for x in (a, b, c, d)} | {runtime.cache_key(a, 1)}
+    assert len(keys) == 5
     assert runtime.cache_key(a, 0) == runtime.cache_key(configs.KernelConfig("fwd_mma", "float16", 128), 0)
 
 

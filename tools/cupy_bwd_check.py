@@ -65,7 +65,7 @@ def precompile(workers: int) -> list[str]:
 
     from cupy_gpu_dev import _compile_one
 
-    cfgs = [(c.family, c.dtype, c.head_dim) for c in _needed_configs()]
+    cfgs = [(c.family, c.dtype, c.head_dim, c.tile, c.kv_stages) for c in _needed_configs()]
     errors = []
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
         for cfg, secs, err, regs in pool.map(_compile_one, cfgs):
@@ -149,14 +149,19 @@ def check_case(case, dtype_name) -> dict:
     return row
 
 
-def _time_ms(fn, reps: int) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs (CUDA events; two warm-up runs)."""
+def _time_ms(fn, reps: int, budget_ms: float | None = None) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs (CUDA events; two warm-up runs); with
+    ``budget_ms``, at least 3 runs and then only as many as fit that budget (at most ``reps``)."""
     import torch
 
     for _ in range(2):
         fn()
+    torch.cuda.synchronize()
     times = []
-    for _ in range(reps):
+    t_start = time.perf_counter()
+    while len(times) < reps:
+        if budget_ms is not None and len(times) >= 3 and (time.perf_counter() - t_start) * 1e3 > budget_ms:
+            break
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()

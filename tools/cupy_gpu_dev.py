@@ -50,7 +50,7 @@ def compile_all(workers: int = 16) -> int:
 
     from portattn.backends.cupy import configs
 
-    cfgs = [(c.family, c.dtype, c.head_dim) for c in configs.all_configs()]
+    cfgs = [(c.family, c.dtype, c.head_dim, c.tile, c.kv_stages) for c in configs.all_configs()]
     cfgs += [("fwd_mma", "bfloat16", d, t) for d, tiles in VARIANT_TILES.items() for t in tiles]
     t0 = time.perf_counter()
     failures = 0

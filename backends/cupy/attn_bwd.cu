@@ -38,28 +38,13 @@ attn_bwd_preprocess(const T* __restrict__ o, long long o_sb, long long o_ss, lon
     delta[idx] = dlse != nullptr ? acc - dlse[idx] : acc;
 }
 
-// Copy rows [r0, r0 + ROWS) of a (tokens, head_dim) slice into shared float32, zero outside.
-template <typename T, int ROWS, int HD, int LD, int NT>
-__device__ __forceinline__ void load_rows_f32(float* sm, const T* g, long long row_stride, int rows_valid,
-                                              int cols_valid, int tid) {
-    for (int c = tid; c < ROWS * HD; c += NT) {
-        const int r = c / HD, d = c % HD;
-        sm[r * LD + d] = (r < rows_valid && d < cols_valid) ? Elem<T>::to_float(g[r * row_stride + d]) : 0.f;
-    }
-}
-
 // Q and dO rows [m0, m0 + ROWS) of head h into shared float32 (zero outside the sequence and
 // past head_dim / head_dim_v).
-template <typename T, int ROWS, int HD, int LD, int NT>
-__device__ __forceinline__ void load_query_rows_f32(float* sQ, float* sdO, const T* q, long long q_sb, long long q_ss,
-                                                    long long q_sh, const T* dout, long long do_sb, long long do_ss,
-                                                    long long do_sh, const SeqInfo& s, int b, int h, int m0,
-                                                    int head_dim, int head_dim_v, int tid) {
-    load_rows_f32<T, ROWS, HD, LD, NT>(sQ, tok_ptr(q, b, q_sb, s.q0 + m0, q_ss, h, q_sh), q_ss, s.sq - m0, head_dim,
-                                       tid);
-    load_rows_f32<T, ROWS, HD, LD, NT>(sdO, tok_ptr(dout, b, do_sb, s.q0 + m0, do_ss, h, do_sh), do_ss, s.sq - m0,
-                                       head_dim_v, tid);
-}
+#define PA_LOAD_QUERY_ROWS_F32(ROWS, SQ, SDO, S, B, H, M0)                                                       \
+    do {                                                                                                          \
+        load_rows_f32<T, ROWS, HD, LD, NT>(SQ, PA_Q_ROW(S, B, H, M0), q_ss, (S).sq - (M0), head_dim, tid);         \
+        load_rows_f32<T, ROWS, HD, LD, NT>(SDO, PA_DO_ROW(S, B, H, M0), do_ss, (S).sq - (M0), head_dim_v, tid);    \
+    } while (0)
 
 // Row statistics one (i, j) entry needs: P = exp(s - lse), or with `exact` (float32 inputs)
 // P = exp(s - m) / l from attn_bwd_stats, which carries no rounding of lse.
@@ -97,30 +82,22 @@ attn_bwd_stats(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lo
                const float* __restrict__ dlse) {
     constexpr int BM = 16, BN = 32, NT = 256, LD = HD + 1;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sQ = reinterpret_cast<float*>(smem_raw);   // BM x LD
-    float* sdO = sQ + BM * LD;                         // BM x LD
-    float* sK = sdO + BM * LD;                         // BN x LD
-    float* sV = sK + BN * LD;                          // BN x LD
+    SmemCarve sm{smem_raw};
+    float* sQ = sm.take<float>(BM * LD);
+    float* sdO = sm.take<float>(BM * LD);
+    float* sK = sm.take<float>(BN * LD);
+    float* sV = sm.take<float>(BN * LD);
 
-    const int tid = threadIdx.x, row = tid / 16, sub = tid % 16;
-    const RowCta cta = PA_ROW_CTA(BM);
-    if (cta.m0 >= cta.s.sq) return;
-    const SeqInfo& s = cta.s;
-    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi;
-    const int i = m0 + row;
-    const ScoreMods mods = PA_MODS(b, h);
-    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, cta.hk, k_sh);
-    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, cta.hk, v_sh);
-    load_query_rows_f32<T, BM, HD, LD, NT>(sQ, sdO, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh, s, b, h, m0,
-                                           head_dim, head_dim_v, tid);
-    const int n_first = (cta.n_lo / BN) * BN;
+    PA_FMA_ROW_PROLOGUE(BM, 16);
+    const int n_first = cta.n_first(BN);
+    PA_LOAD_QUERY_ROWS_F32(BM, sQ, sdO, s, b, h, m0);
 
     // Pass 1: online row max and float64 sum over this thread's keys, then over the row's 16 threads.
     float m_t = PA_NEG_INF;
     double l_t = 0.0;
     for (int n0 = n_first; n0 < n_hi; n0 += BN) {
         __syncthreads();
-        load_rows_f32<T, BN, HD, LD, NT>(sK, k_base + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);
+        load_rows_f32<T, BN, HD, LD, NT>(sK, cta.k_seq + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);
         __syncthreads();
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
@@ -147,8 +124,8 @@ attn_bwd_stats(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lo
     double dsum = 0.0;
     for (int n0 = n_first; n0 < n_hi; n0 += BN) {
         __syncthreads();
-        load_rows_f32<T, BN, HD, LD, NT>(sK, k_base + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);
-        load_rows_f32<T, BN, HD, LD, NT>(sV, v_base + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
+        load_rows_f32<T, BN, HD, LD, NT>(sK, cta.k_seq + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);
+        load_rows_f32<T, BN, HD, LD, NT>(sV, cta.v_seq + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
         __syncthreads();
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
@@ -173,34 +150,37 @@ attn_bwd_stats(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lo
     }
 }
 
+// Up to HD 160 two CTAs per SM fit (<= 128 registers, 66 KB of shared memory at 160): asked of
+// ptxas explicitly (unconstrained it took 133 registers, one CTA, at HD 160 float32 on sm_90;
+// with the bound 72-126 on sm_80/sm_90, no spills). The arithmetic is unchanged.
 template <typename T, int HD>
-__global__ void __launch_bounds__(256, 1)
+__global__ void __launch_bounds__(256, HD <= 160 ? 2 : 1)
 attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
               const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk, long long dk_sb,
               long long dk_ss, long long dk_sh, T* __restrict__ dv, long long dv_sb, long long dv_ss,
               long long dv_sh, const float* __restrict__ row_m, const float* __restrict__ row_l) {
     constexpr int BN = 32, BM = 16, NT = 256, LD = HD + 1, CPT = HD / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sK = reinterpret_cast<float*>(smem_raw);   // BN x LD
-    float* sV = sK + BN * LD;                          // BN x LD
-    float* sQ = sV + BN * LD;                          // BM x LD
-    float* sdO = sQ + BM * LD;                         // BM x LD
-    float* sP = sdO + BM * LD;                         // BM x (BN + 1)
-    float* sdS = sP + BM * (BN + 1);                   // BM x (BN + 1)
-    float* sRow = sdS + BM * (BN + 1);                 // lse[BM], delta[BM], m[BM], l[BM]
+    SmemCarve sm{smem_raw};
+    float* sK = sm.take<float>(BN * LD);
+    float* sV = sm.take<float>(BN * LD);
+    float* sQ = sm.take<float>(BM * LD);
+    float* sdO = sm.take<float>(BM * LD);
+    float* sP = sm.take<float>(BM * (BN + 1));
+    float* sdS = sm.take<float>(BM * (BN + 1));
+    float* sRow = sm.take<float>(4 * BM);   // lse[BM], delta[BM], m[BM], l[BM]
     const bool exact = row_m != nullptr;
 
     const int tid = threadIdx.x, key_l = tid / 8, sub = tid % 8;
-    const KeyCta cta = PA_KEY_CTA(BN);
-    if (cta.n0 >= cta.s.sk) return;
+    const KeyCta<T> cta = PA_KEY_CTA(BN);
+    if (cta.empty()) return;
     const SeqInfo& s = cta.s;
     const int b = cta.b, hk = cta.hk, n0 = cta.n0, r_lo = cta.r_lo, r_hi = cta.r_hi;
     const int j = n0 + key_l;
 
     // Stage 0: this CTA's K and V tiles stay in shared memory for the whole walk.
-    load_rows_f32<T, BN, HD, LD, NT>(sK, tok_ptr(k, b, k_sb, s.k0 + n0, k_ss, hk, k_sh), k_ss, s.sk - n0, head_dim, tid);
-    load_rows_f32<T, BN, HD, LD, NT>(sV, tok_ptr(v, b, v_sb, s.k0 + n0, v_ss, hk, v_sh), v_ss, s.sk - n0, head_dim_v,
-                                     tid);
+    load_rows_f32<T, BN, HD, LD, NT>(sK, cta.k_tile, k_ss, s.sk - n0, head_dim, tid);
+    load_rows_f32<T, BN, HD, LD, NT>(sV, cta.v_tile, v_ss, s.sk - n0, head_dim_v, tid);
 
     float dk_acc[CPT], dv_acc[CPT];
     #pragma unroll
@@ -212,8 +192,7 @@ attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lon
         for (int m0 = (r_lo / BM) * BM; m0 < r_hi; m0 += BM) {
             // Stage 1: the query tile, its dO, lse and delta.
             __syncthreads();
-            load_query_rows_f32<T, BM, HD, LD, NT>(sQ, sdO, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh, s, b, h, m0,
-                                                   head_dim, head_dim_v, tid);
+            PA_LOAD_QUERY_ROWS_F32(BM, sQ, sdO, s, b, h, m0);
             if (tid < BM) {
                 const bool ok = m0 + tid < s.sq;
                 const long long idx = row_index(b, h, lse_sb, lse_sh, s, m0 + tid);
@@ -269,25 +248,17 @@ attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long 
             long long dq_ss, long long dq_sh, const float* __restrict__ row_m, const float* __restrict__ row_l) {
     constexpr int BM = 16, BN = 32, NT = 256, LD = HD + 1, CPT = HD / 16;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sQ = reinterpret_cast<float*>(smem_raw);   // BM x LD
-    float* sdO = sQ + BM * LD;                         // BM x LD
-    float* sK = sdO + BM * LD;                         // BN x LD
-    float* sV = sK + BN * LD;                          // BN x LD
-    float* sdS = sV + BN * LD;                         // BM x (BN + 1)
+    SmemCarve sm{smem_raw};
+    float* sQ = sm.take<float>(BM * LD);
+    float* sdO = sm.take<float>(BM * LD);
+    float* sK = sm.take<float>(BN * LD);
+    float* sV = sm.take<float>(BN * LD);
+    float* sdS = sm.take<float>(BM * (BN + 1));
 
-    const int tid = threadIdx.x, row = tid / 16, sub = tid % 16;
-    const RowCta cta = PA_ROW_CTA(BM);
-    if (cta.m0 >= cta.s.sq) return;
-    const SeqInfo& s = cta.s;
-    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi;
-    const int i = m0 + row;
-    const ScoreMods mods = PA_MODS(b, h);
-    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, cta.hk, k_sh);
-    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, cta.hk, v_sh);
+    PA_FMA_ROW_PROLOGUE(BM, 16);
 
     // Stage 0: this CTA's Q and dO rows, and each row's lse and delta.
-    load_query_rows_f32<T, BM, HD, LD, NT>(sQ, sdO, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh, s, b, h, m0,
-                                           head_dim, head_dim_v, tid);
+    PA_LOAD_QUERY_ROWS_F32(BM, sQ, sdO, s, b, h, m0);
     const long long ridx = row_index(b, h, lse_sb, lse_sh, s, i);
     const bool exact = row_m != nullptr;
     RowStats stats = {PA_NEG_INF, 0.f, 0.f, 0.f};
@@ -303,11 +274,11 @@ attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long 
     #pragma unroll
     for (int c = 0; c < CPT; ++c) dq_acc[c] = 0.f;
 
-    for (int n0 = (cta.n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
+    for (int n0 = cta.n_first(BN); n0 < n_hi; n0 += BN) {
         // Stage 1: K and V tiles.
         __syncthreads();
-        load_rows_f32<T, BN, HD, LD, NT>(sK, k_base + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);
-        load_rows_f32<T, BN, HD, LD, NT>(sV, v_base + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
+        load_rows_f32<T, BN, HD, LD, NT>(sK, cta.k_seq + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);
+        load_rows_f32<T, BN, HD, LD, NT>(sV, cta.v_seq + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
         __syncthreads();
 
         // Stage 2: score gradient of row i against keys sub and sub + 16.

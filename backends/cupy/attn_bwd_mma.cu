@@ -67,11 +67,9 @@ __device__ __forceinline__ void grad_entry_mma(float dot, float dp, float lse2, 
 }
 
 // Does any (query row, key) pair of the tile rows [m0, m0+bm) x keys [n0, n0+bn) need masking
-// (causal / window boundary, sequence end)? Same test as the forward's.
+// (causal / window boundary, key or query sequence end)? The forward's test plus the row end.
 __device__ __forceinline__ bool tile_needs_mask(const SeqInfo& s, int m0, int bm, int n0, int bn, int left, int right) {
-    return (n0 + bn > s.sk) || (m0 + bm > s.sq) ||
-           ((long long)n0 < (long long)(m0 + bm - 1) + s.off_mask - left) ||
-           ((long long)(n0 + bn - 1) > (long long)m0 + s.off_mask + right);
+    return (m0 + bm > s.sq) || keys_need_mask(s, m0, bm, n0, bn, left, right);
 }
 
 // Store a warp's 16 x HD float accumulator (rows g and g + 8 of each n8 tile) as T pairs:
@@ -94,26 +92,13 @@ __device__ __forceinline__ void store_acc_rows(T* base, long long row_stride, co
     }
 }
 
-template <int N>
-__device__ __forceinline__ void zero_acc(float (*acc)[4]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-}
-
 // ----- dK, dV --------------------------------------------------------------------------------
 // Issue the copies of one query tile (Q, dO rows m0..m0+BM-1 of head h) into buffer `buf`, and
-// write its rows' lse2 / delta into shared memory (plain stores, visible after the next barrier).
-template <typename T, int HD, int BM, int LDS, int NT>
-__device__ __forceinline__ void dkdv_load_query_tile(T* sQ, T* sdO, float* sL, const T* q, long long q_sb,
-                                                     long long q_ss, long long q_sh, const T* dout, long long do_sb,
-                                                     long long do_ss, long long do_sh, const float* lse,
-                                                     const float* delta, long long lse_sb, long long lse_sh,
-                                                     const SeqInfo& s, int b, int h, int m0, int head_dim,
-                                                     int head_dim_v, int tid) {
-    load_tile_async<T, BM, HD, LDS, NT>(sQ, tok_ptr(q, b, q_sb, s.q0 + m0, q_ss, h, q_sh), q_ss, s.sq - m0, head_dim,
-                                        tid);
-    load_tile_async<T, BM, HD, LDS, NT>(sdO, tok_ptr(dout, b, do_sb, s.q0 + m0, do_ss, h, do_sh), do_ss, s.sq - m0,
-                                        head_dim_v, tid);
+// write its rows' lse2 / delta into shared memory (plain stores, visible after the next barrier);
+// the macro reads the kernel's parameters and prologue (s, b, tid).
+template <int BM, int NT>
+__device__ __forceinline__ void load_row_stats(float* sL, const float* lse, const float* delta, long long lse_sb,
+                                               long long lse_sh, const SeqInfo& s, int b, int h, int m0, int tid) {
     for (int r = tid; r < BM; r += NT) {
         const bool ok = m0 + r < s.sq;
         const long long idx = row_index(b, h, lse_sb, lse_sh, s, m0 + r);
@@ -121,6 +106,12 @@ __device__ __forceinline__ void dkdv_load_query_tile(T* sQ, T* sdO, float* sL, c
         sL[BM + r] = ok ? delta[idx] : 0.f;
     }
 }
+#define PA_DKDV_LOAD_QUERY_TILE(SQ, SDO, SL, H, M0)                                                               \
+    do {                                                                                                          \
+        load_tile_async<T, BM, HD, LDS, NT>(SQ, PA_Q_ROW(s, b, H, M0), q_ss, s.sq - (M0), head_dim, tid);          \
+        load_tile_async<T, BM, HD, LDS, NT>(SDO, PA_DO_ROW(s, b, H, M0), do_ss, s.sq - (M0), head_dim_v, tid);     \
+        load_row_stats<BM, NT>(SL, lse, delta, lse_sb, lse_sh, s, b, H, M0, tid);                                  \
+    } while (0)
 
 // Warps 2p and 2p + 1 (NSPLIT = 2) each hold a partial S^T / dP^T of the same 16 keys x BM
 // queries, summed over their own half of the head dim: swap the partials through shared memory
@@ -173,36 +164,31 @@ attn_bwd_dkdv_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
     constexpr int NT_S = BM / 8;         // n8 tiles of S^T / dP^T (queries) per warp
     constexpr int NT_D = HDS / 8;        // n8 tiles of this warp's dK / dV columns
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sK = reinterpret_cast<T*>(smem_raw);                        // [BN][LDS]
-    T* sV = sK + BN * LDS;                                         // [BN][LDS]
-    T* sQ = sV + BN * LDS;                                         // [2][BM][LDS]
-    T* sdO = sQ + 2 * BM * LDS;                                    // [2][BM][LDS]
-    float* sL = reinterpret_cast<float*>(sdO + 2 * BM * LDS);      // [2][lse2 BM | delta BM]
-    float* sX = sL + 4 * BM;                                       // NSPLIT 2: [NWARPS][2][NT_S*4][32]
+    SmemCarve sm{smem_raw};
+    T* sK = sm.take<T>(BN * LDS);                 // [BN][LDS]
+    T* sV = sm.take<T>(BN * LDS);                 // [BN][LDS]
+    T* sQ = sm.take<T>(2 * BM * LDS);             // [2][BM][LDS]
+    T* sdO = sm.take<T>(2 * BM * LDS);            // [2][BM][LDS]
+    float* sL = sm.take<float>(4 * BM);           // [2][lse2 BM | delta BM]
+    float* sX = sm.take<float>(0);                // NSPLIT 2: [NWARPS][2][NT_S*4][32]
 
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int g = lane / 4, t4 = lane % 4;
+    const auto [tid, warp, lane, g, t4] = warp_lane();
     const int kg = warp / NSPLIT, col0 = (warp % NSPLIT) * HDS;   // key group, first head-dim column
-    const KeyCta cta = PA_KEY_CTA(BN);
-    if (cta.n0 >= cta.s.sk) return;
+    const KeyCta<T> cta = PA_KEY_CTA(BN);
+    if (cta.empty()) return;
     const SeqInfo& s = cta.s;
     const int b = cta.b, hk = cta.hk, n0 = cta.n0;
     const float scale_log2 = scale * PA_LOG2E;
 
     // Stage 0: this CTA's K and V tiles (resident for the whole walk) and the first query tile.
-    load_tile_async<T, BN, HD, LDS, NT>(sK, tok_ptr(k, b, k_sb, s.k0 + n0, k_ss, hk, k_sh), k_ss, s.sk - n0,
-                                        head_dim, tid);
-    load_tile_async<T, BN, HD, LDS, NT>(sV, tok_ptr(v, b, v_sb, s.k0 + n0, v_ss, hk, v_sh), v_ss, s.sk - n0,
-                                        head_dim_v, tid);
+    load_tile_async<T, BN, HD, LDS, NT>(sK, cta.k_tile, k_ss, s.sk - n0, head_dim, tid);
+    load_tile_async<T, BN, HD, LDS, NT>(sV, cta.v_tile, v_ss, s.sk - n0, head_dim_v, tid);
     // Query rows that can see any of these keys, walked in BM tiles, for each head of the group:
     // iteration `it` is (head hk*gqa_ratio + it / n_mt, rows m_first + (it % n_mt) * BM).
     const int m_first = (cta.r_lo / BM) * BM;
     const int n_mt = cta.r_hi > cta.r_lo ? (cta.r_hi - m_first + BM - 1) / BM : 0;
     const int n_iter = n_mt * gqa_ratio;
-    if (n_iter > 0)
-        dkdv_load_query_tile<T, HD, BM, LDS, NT>(sQ, sdO, sL, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh, lse,
-                                                 delta, lse_sb, lse_sh, s, b, hk * gqa_ratio, m_first, head_dim,
-                                                 head_dim_v, tid);
+    if (n_iter > 0) PA_DKDV_LOAD_QUERY_TILE(sQ, sdO, sL, hk * gqa_ratio, m_first);
     cp_async_commit();
 
     float dk_acc[NT_D][4], dv_acc[NT_D][4];
@@ -226,10 +212,7 @@ attn_bwd_dkdv_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
         __syncthreads();
         if (it + 1 < n_iter) {
             const int h1 = hk * gqa_ratio + (it + 1) / n_mt, m1 = m_first + ((it + 1) % n_mt) * BM;
-            dkdv_load_query_tile<T, HD, BM, LDS, NT>(sQ + (buf ^ 1) * BM * LDS, sdO + (buf ^ 1) * BM * LDS,
-                                                     sL + (buf ^ 1) * 2 * BM, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss,
-                                                     do_sh, lse, delta, lse_sb, lse_sh, s, b, h1, m1, head_dim,
-                                                     head_dim_v, tid);
+            PA_DKDV_LOAD_QUERY_TILE(sQ + (buf ^ 1) * BM * LDS, sdO + (buf ^ 1) * BM * LDS, sL + (buf ^ 1) * 2 * BM, h1, m1);
             cp_async_commit();
         }
         const pa_u32 q_addr = smem_addr(sQ + buf * BM * LDS), do_addr = smem_addr(sdO + buf * BM * LDS);
@@ -247,9 +230,7 @@ attn_bwd_dkdv_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
 
         // Stage 3: P^T and dS^T in place (element e of n-tile nt: key jl0 + 8*(e/2), query
         // nt*8 + 2*t4 + e%2 of the tile).
-        ScoreMods mods;
-        mods.scale = scale;
-        if (EXTRAS) mods = PA_MODS(b, h);
+        const ScoreMods mods = PA_MODS_IF(EXTRAS, b, h);
         const bool check = tile_needs_mask(s, m0, BM, n0, BN, win_left, win_right);
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt)
@@ -290,33 +271,26 @@ attn_bwd_dq_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, l
     constexpr int NT_S = BN / 8;         // n8 tiles of S / dP (keys) per warp
     constexpr int NT_D = HD / 8;         // n8 tiles of dQ (head dim) per warp
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sQ = reinterpret_cast<T*>(smem_raw);   // [BM][LDS]
-    T* sdO = sQ + BM * LDS;                    // [BM][LDS]
-    T* sK = sdO + BM * LDS;                    // [2][BN][LDS]
-    T* sV = sK + 2 * BN * LDS;                 // [2][BN][LDS]
+    SmemCarve sm{smem_raw};
+    T* sQ = sm.take<T>(BM * LDS);              // [BM][LDS]
+    T* sdO = sm.take<T>(BM * LDS);             // [BM][LDS]
+    T* sK = sm.take<T>(2 * BN * LDS);          // [2][BN][LDS]
+    T* sV = sm.take<T>(2 * BN * LDS);          // [2][BN][LDS]
 
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int g = lane / 4, t4 = lane % 4;
-    const RowCta cta = PA_ROW_CTA(BM);
-    if (cta.m0 >= cta.s.sq) return;
+    const auto [tid, warp, lane, g, t4] = warp_lane();
+    const RowCta<T> cta = PA_ROW_CTA(BM);
+    if (cta.empty()) return;
     const SeqInfo& s = cta.s;
-    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi;
+    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi, n_first = cta.n_first(BN);
     const float scale_log2 = scale * PA_LOG2E;
-    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, cta.hk, k_sh);
-    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, cta.hk, v_sh);
-    ScoreMods mods;
-    mods.scale = scale;
-    if (EXTRAS) mods = PA_MODS(b, h);
+    const ScoreMods mods = PA_MODS_IF(EXTRAS, b, h);
 
     // Stage 0: Q and dO rows (resident) and the first K/V tile.
-    load_tile_async<T, BM, HD, LDS, NT>(sQ, tok_ptr(q, b, q_sb, s.q0 + m0, q_ss, h, q_sh), q_ss, s.sq - m0, head_dim,
-                                        tid);
-    load_tile_async<T, BM, HD, LDS, NT>(sdO, tok_ptr(dout, b, do_sb, s.q0 + m0, do_ss, h, do_sh), do_ss, s.sq - m0,
-                                        head_dim_v, tid);
-    const int n_first = (cta.n_lo / BN) * BN;
+    load_tile_async<T, BM, HD, LDS, NT>(sQ, PA_Q_ROW(s, b, h, m0), q_ss, s.sq - m0, head_dim, tid);
+    load_tile_async<T, BM, HD, LDS, NT>(sdO, PA_DO_ROW(s, b, h, m0), do_ss, s.sq - m0, head_dim_v, tid);
     if (n_first < n_hi) {
-        load_tile_async<T, BN, HD, LDS, NT>(sK, k_base + n_first * k_ss, k_ss, s.sk - n_first, head_dim, tid);
-        load_tile_async<T, BN, HD, LDS, NT>(sV, v_base + n_first * v_ss, v_ss, s.sk - n_first, head_dim_v, tid);
+        load_tile_async<T, BN, HD, LDS, NT>(sK, cta.k_seq + n_first * k_ss, k_ss, s.sk - n_first, head_dim, tid);
+        load_tile_async<T, BN, HD, LDS, NT>(sV, cta.v_seq + n_first * v_ss, v_ss, s.sk - n_first, head_dim_v, tid);
     }
     cp_async_commit();
 
@@ -344,9 +318,9 @@ attn_bwd_dq_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, l
         __syncthreads();
         if (n0 + BN < n_hi) {
             const int n1 = n0 + BN;
-            load_tile_async<T, BN, HD, LDS, NT>(sK + (buf ^ 1) * BN * LDS, k_base + n1 * k_ss, k_ss, s.sk - n1,
+            load_tile_async<T, BN, HD, LDS, NT>(sK + (buf ^ 1) * BN * LDS, cta.k_seq + n1 * k_ss, k_ss, s.sk - n1,
                                                 head_dim, tid);
-            load_tile_async<T, BN, HD, LDS, NT>(sV + (buf ^ 1) * BN * LDS, v_base + n1 * v_ss, v_ss, s.sk - n1,
+            load_tile_async<T, BN, HD, LDS, NT>(sV + (buf ^ 1) * BN * LDS, cta.v_seq + n1 * v_ss, v_ss, s.sk - n1,
                                                 head_dim_v, tid);
             cp_async_commit();
         }

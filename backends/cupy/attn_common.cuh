@@ -151,52 +151,127 @@ __device__ __forceinline__ long long row_index(int b, int h, long long lse_sb, l
 }
 
 // A CTA that owns query rows [m0, m0 + bm) of query head h (grid: x = row tile, y = head,
-// z = batch): its sequence (clamped, seq_info), kv head, and the keys [n_lo, n_hi) any of its
-// rows can see. The caller returns when m0 >= s.sq.
+// z = batch): its sequence (clamped, seq_info), kv head, the keys [n_lo, n_hi) any of its rows
+// can see, and where that sequence's keys start in k and v (kv head hk; key j is
+// k_seq + j * k_ss). The caller returns when empty().
 // Row tiles run last-first (tile gridDim.x - 1 - blockIdx.x): with causal masking the last rows
 // see the most keys, so the longest CTAs start first and the short ones fill the last wave
 // (the order is a permutation of the tiles, nothing else changes; dK/dV CTAs, keyed by key tile,
 // already start with the longest: the first keys are seen by the most rows).
+template <typename T>
 struct RowCta {
     SeqInfo s;
     int b, h, hk, m0, n_lo, n_hi;
+    const T* k_seq;
+    const T* v_seq;
+    __device__ __forceinline__ bool empty() const { return m0 >= s.sq; }
+    // the first key tile of width bn (tiles are aligned to multiples of bn)
+    __device__ __forceinline__ int n_first(int bn) const { return (n_lo / bn) * bn; }
 };
-__device__ __forceinline__ RowCta row_cta(int bm, const int* cu_q, const int* cu_k, int seqlen_q, int seqlen_k,
-                                          int total_q, int total_k, int top_left, int gqa_ratio, int left, int right) {
-    RowCta c;
+template <typename T>
+__device__ __forceinline__ RowCta<T> row_cta(int bm, const int* cu_q, const int* cu_k, int seqlen_q, int seqlen_k,
+                                             int total_q, int total_k, int top_left, int gqa_ratio, int left,
+                                             int right, const T* k, long long k_sb, long long k_ss, long long k_sh,
+                                             const T* v, long long v_sb, long long v_ss, long long v_sh) {
+    RowCta<T> c;
     c.b = blockIdx.z;
     c.h = blockIdx.y;
     c.hk = c.h / gqa_ratio;
     c.s = seq_info(c.b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
     c.m0 = (gridDim.x - 1 - blockIdx.x) * bm;
     key_range(c.s, c.m0, c.m0 + bm - 1, left, right, &c.n_lo, &c.n_hi);
+    c.k_seq = tok_ptr(k, c.b, k_sb, c.s.k0, k_ss, c.hk, k_sh);
+    c.v_seq = tok_ptr(v, c.b, v_sb, c.s.k0, v_ss, c.hk, v_sh);
     return c;
 }
 
 // A CTA that owns keys [n0, n0 + bn) of kv head hk (grid: x = key tile, y = kv head, z = batch):
-// its sequence and the query rows [r_lo, r_hi) that see any of its keys. The caller returns
-// when n0 >= s.sk.
+// its sequence, the query rows [r_lo, r_hi) that see any of its keys, and where its own key
+// rows start in k and v (k_tile = key n0). The caller returns when empty().
+template <typename T>
 struct KeyCta {
     SeqInfo s;
     int b, hk, n0, r_lo, r_hi;
+    const T* k_tile;
+    const T* v_tile;
+    __device__ __forceinline__ bool empty() const { return n0 >= s.sk; }
 };
-__device__ __forceinline__ KeyCta key_cta(int bn, const int* cu_q, const int* cu_k, int seqlen_q, int seqlen_k,
-                                          int total_q, int total_k, int top_left, int left, int right) {
-    KeyCta c;
+template <typename T>
+__device__ __forceinline__ KeyCta<T> key_cta(int bn, const int* cu_q, const int* cu_k, int seqlen_q, int seqlen_k,
+                                             int total_q, int total_k, int top_left, int left, int right, const T* k,
+                                             long long k_sb, long long k_ss, long long k_sh, const T* v,
+                                             long long v_sb, long long v_ss, long long v_sh) {
+    KeyCta<T> c;
     c.b = blockIdx.z;
     c.hk = blockIdx.y;
     c.s = seq_info(c.b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
     c.n0 = blockIdx.x * bn;
     row_range(c.s, c.n0, c.n0 + bn - 1, left, right, &c.r_lo, &c.r_hi);
+    c.k_tile = tok_ptr(k, c.b, k_sb, c.s.k0 + c.n0, k_ss, c.hk, k_sh);
+    c.v_tile = tok_ptr(v, c.b, v_sb, c.s.k0 + c.n0, v_ss, c.hk, v_sh);
     return c;
 }
 
 // The prologues above and the score terms of (b, h), from a kernel's PA_COMMON_PARAMS.
-#define PA_ROW_CTA(BM) \
-    row_cta((BM), cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left, gqa_ratio, win_left, win_right)
-#define PA_KEY_CTA(BN) key_cta((BN), cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left, win_left, win_right)
+#define PA_KV_ARGS k, k_sb, k_ss, k_sh, v, v_sb, v_ss, v_sh
+#define PA_ROW_CTA(BM)                                                                                          \
+    row_cta<T>((BM), cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left, gqa_ratio, win_left, win_right, \
+               PA_KV_ARGS)
+#define PA_KEY_CTA(BN) \
+    key_cta<T>((BN), cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left, win_left, win_right, PA_KV_ARGS)
 #define PA_MODS(B, H) \
     make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, (B), (H))
+// The tensor-core kernels' score terms: all of them with EXTRAS; otherwise only the scale (the
+// plain kernels read nothing else, and must not read alibi / bias).
+#define PA_MODS_IF(EXTRAS, B, H) ((EXTRAS) ? PA_MODS(B, H) : plain_mods(scale))
+
+// The prologue of the FMA row kernels (float32 forward, stats, dQ): TPR threads per query row,
+// thread tid owns row i = m0 + tid / TPR with sub = tid % TPR; declares tid, row, sub, cta, s, b,
+// h, m0, n_hi, i and mods, and returns from a CTA past its sequence's rows.
+#define PA_FMA_ROW_PROLOGUE(BM, TPR)                                                \
+    const int tid = threadIdx.x, row = tid / (TPR), sub = tid % (TPR);              \
+    const RowCta<T> cta = PA_ROW_CTA(BM);                                           \
+    if (cta.empty()) return;                                                        \
+    const SeqInfo& s = cta.s;                                                       \
+    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi, i = m0 + row;     \
+    const ScoreMods mods = PA_MODS(b, h)
+
+// Row r of the query-side tensors q / dO (head h, batch b) in a row CTA's sequence.
+#define PA_Q_ROW(S, B, H, R) tok_ptr(q, (B), q_sb, (S).q0 + (R), q_ss, (H), q_sh)
+#define PA_DO_ROW(S, B, H, R) tok_ptr(dout, (B), do_sb, (S).q0 + (R), do_ss, (H), do_sh)
+
+// Coordinates of a thread in a CTA of warps: tid, warp, lane and the mma fragment coordinates
+// g = lane / 4 (row of an accumulator), t4 = lane % 4 (column pair).
+struct WarpLane {
+    int tid, warp, lane, g, t4;
+};
+__device__ __forceinline__ WarpLane warp_lane() {
+    WarpLane w;
+    w.tid = threadIdx.x;
+    w.warp = w.tid / 32;
+    w.lane = w.tid % 32;
+    w.g = w.lane / 4;
+    w.t4 = w.lane % 4;
+    return w;
+}
+
+// Consecutive regions of a kernel's dynamic shared memory, in declaration order.
+struct SmemCarve {
+    unsigned char* p;
+    template <typename U>
+    __device__ __forceinline__ U* take(int n) {
+        U* r = reinterpret_cast<U*>(p);
+        p += (long long)n * sizeof(U);
+        return r;
+    }
+};
+
+// Does a key tile [n0, n0+bn) need a per-element mask for the rows [m0, m0+bm): does it cross
+// the key sequence end or the causal / window boundary of any of the rows?
+__device__ __forceinline__ bool keys_need_mask(const SeqInfo& s, int m0, int bm, int n0, int bn, int left, int right) {
+    return (n0 + bn > s.sk) || ((long long)n0 < (long long)(m0 + bm - 1) + s.off_mask - left) ||
+           ((long long)(n0 + bn - 1) > (long long)m0 + s.off_mask + right);
+}
 
 __device__ __forceinline__ bool is_visible(const SeqInfo& s, int i, int j, int left, int right) {
     long long ip = (long long)i + s.off_mask;
@@ -231,6 +306,18 @@ __device__ __forceinline__ ScoreMods make_mods(float scale, float softcap, const
     }
     m.bias_si = bias_si;
     m.bias_sj = bias_sj;
+    return m;
+}
+
+// The score terms of a kernel compiled without EXTRAS: the scale alone.
+__device__ __forceinline__ ScoreMods plain_mods(float scale) {
+    ScoreMods m;
+    m.scale = scale;
+    m.softcap = 0.f;
+    m.slope = 0.f;
+    m.bias = nullptr;
+    m.bias_kind = BIAS_NONE;
+    m.bias_si = m.bias_sj = 0;
     return m;
 }
 
@@ -349,6 +436,17 @@ __device__ __forceinline__ void load_tile_async(T* sm, const T* g, long long row
     }
 }
 
+// Copy ROWS rows of a (tokens, head_dim) slice (row_stride elements apart) into shared float32
+// rows of pitch LD, zero-filling rows >= rows_valid and columns >= cols_valid (the FMA kernels).
+template <typename T, int ROWS, int HD, int LD, int NT>
+__device__ __forceinline__ void load_rows_f32(float* sm, const T* g, long long row_stride, int rows_valid,
+                                              int cols_valid, int tid) {
+    for (int c = tid; c < ROWS * HD; c += NT) {
+        const int r = c / HD, d = c % HD;
+        sm[r * LD + d] = (r < rows_valid && d < cols_valid) ? Elem<T>::to_float(g[r * row_stride + d]) : 0.f;
+    }
+}
+
 // ----- warp-level tile matmuls (mma.m16n8k16 fragments) -------------------------------------
 // Fragment layout (g = lane / 4, t4 = lane % 4): A (16x16) regs a0..a3 hold rows g, g+8, g, g+8
 // and columns 2t4 + {0,1}, 2t4 + {0,1}, 8 + 2t4 + {0,1}, 8 + 2t4 + {0,1}; B (16x8, k x n) regs
@@ -382,42 +480,75 @@ __device__ __forceinline__ void acc_to_a(pa_u32* a, const float* c0, const float
     a[3] = Elem<T>::pack2(c1[2], c1[3]);
 }
 
-// acc[16 x 16*NP] += A[16 x 16*KS] * B^T, A read from shared memory at a_addr (this lane's
-// ldm_a_offset included), B stored [n][k] at b_addr (ldm_b_offset included); row pitch LDS.
-template <typename T, int KS, int NP, int LDS>
-__device__ __forceinline__ void warp_mma_abt(float (*acc)[4], pa_u32 a_addr, pa_u32 b_addr) {
+template <int N>
+__device__ __forceinline__ void zero_acc(float (*acc)[4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
+// For each of MT m16 tiles: acc[mt][16 x 16*NP] += A_mt[16 x 16*KS] * B^T. A_mt is read from
+// shared memory at a_addr + mt * 16 rows (this lane's ldm_a_offset included), B stored [n][k]
+// at b_addr (ldm_b_offset included); row pitch LDS. Every B fragment feeds the MT m-tiles (the
+// forward's S = Q K^T with MT = 2); per accumulator the k order is kk = 0, 1, ...
+template <typename T, int KS, int NP, int LDS, int MT>
+__device__ __forceinline__ void warp_mma_abt_mt(float (*acc)[2 * NP][4], pa_u32 a_addr, pa_u32 b_addr) {
     constexpr int ES = sizeof(T);
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
-        pa_u32 a[4];
-        ldmatrix_x4(a, a_addr + kk * 16 * ES);
+        pa_u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], a_addr + (mt * 16 * LDS + kk * 16) * ES);
 #pragma unroll
         for (int np = 0; np < NP; ++np) {
             pa_u32 bf[4];
             ldmatrix_x4(bf, b_addr + (np * 16 * LDS + kk * 16) * ES);
-            mma_16816<T>(acc[2 * np], a, bf[0], bf[1]);
-            mma_16816<T>(acc[2 * np + 1], a, bf[2], bf[3]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_16816<T>(acc[mt][2 * np], a[mt], bf[0], bf[1]);
+                mma_16816<T>(acc[mt][2 * np + 1], a[mt], bf[2], bf[3]);
+            }
         }
     }
 }
 
-// acc[16 x 16*NP] += A[16 x 16*KS] * B, A taken from float accumulators `p` (2*KS n8 tiles,
-// rounded to T), B stored [k][n] at b_addr (ldm_bt_offset included); row pitch LDS.
-template <typename T, int KS, int NP, int LDS>
-__device__ __forceinline__ void warp_mma_pb(float (*acc)[4], const float (*p)[4], pa_u32 b_addr) {
+// For each of MT m16 tiles: acc[mt][16 x 16*NP] += A_mt[16 x 16*KS] * B, A_mt taken from the
+// float accumulators p[mt] (2*KS n8 tiles, rounded to T), B stored [k][n] at b_addr
+// (ldm_bt_offset included); row pitch LDS. Every B fragment feeds the MT m-tiles (the forward's
+// O += P V).
+template <typename T, int KS, int NP, int LDS, int MT, int NPT>
+__device__ __forceinline__ void warp_mma_pb_mt(float (*acc)[2 * NP][4], const float (*p)[NPT][4], pa_u32 b_addr) {
+    static_assert(NPT >= 2 * KS, "p holds 2 * KS n8 tiles per m-tile");
     constexpr int ES = sizeof(T);
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
-        pa_u32 a[4];
-        acc_to_a<T>(a, p[2 * kk], p[2 * kk + 1]);
+        pa_u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) acc_to_a<T>(a[mt], p[mt][2 * kk], p[mt][2 * kk + 1]);
 #pragma unroll
         for (int dp = 0; dp < NP; ++dp) {
             pa_u32 bf[4];
             ldmatrix_x4_trans(bf, b_addr + (kk * 16 * LDS + dp * 16) * ES);
-            mma_16816<T>(acc[2 * dp], a, bf[0], bf[1]);
-            mma_16816<T>(acc[2 * dp + 1], a, bf[2], bf[3]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_16816<T>(acc[mt][2 * dp], a[mt], bf[0], bf[1]);
+                mma_16816<T>(acc[mt][2 * dp + 1], a[mt], bf[2], bf[3]);
+            }
         }
     }
+}
+
+// One m16 tile: acc[16 x 16*NP] += A[16 x 16*KS] * B^T (see warp_mma_abt_mt).
+template <typename T, int KS, int NP, int LDS>
+__device__ __forceinline__ void warp_mma_abt(float (*acc)[4], pa_u32 a_addr, pa_u32 b_addr) {
+    warp_mma_abt_mt<T, KS, NP, LDS, 1>(reinterpret_cast<float (*)[2 * NP][4]>(acc), a_addr, b_addr);
+}
+
+// One m16 tile: acc[16 x 16*NP] += P[16 x 16*KS] * B, P from 2*KS float accumulators (see
+// warp_mma_pb_mt).
+template <typename T, int KS, int NP, int LDS>
+__device__ __forceinline__ void warp_mma_pb(float (*acc)[4], const float (*p)[4], pa_u32 b_addr) {
+    warp_mma_pb_mt<T, KS, NP, LDS, 1, 2 * KS>(reinterpret_cast<float (*)[2 * NP][4]>(acc),
+                                              reinterpret_cast<const float (*)[2 * KS][4]>(p), b_addr);
 }
 
 // The argument list every kernel shares: layout of q/k/v, sequences, masking and score terms.

@@ -1,9 +1,11 @@
 // portattn CuPy backend: forward kernels (FlashAttention-2 work partition).
 //
-// attn_fwd_mma<T, HD, NWARPS, BN, MT, EXTRAS>  fp16/bf16 on tensor cores (mma.sync m16n8k16).
+// attn_fwd_mma<T, HD, NWARPS, BN, MT, KV_STAGES, EXTRAS>  fp16/bf16 on tensor cores (mma.sync m16n8k16).
 //   One CTA per (Q tile of 16*MT*NWARPS rows, query head, batch); warp w owns 16*MT rows
 //   (MT m16 tiles, so each K/V fragment read from shared memory feeds MT mma's).
-//   K/V tiles of BN keys go through shared memory with cp.async; Q, K and V fragments are
+//   K/V tiles of BN keys go through shared memory with cp.async (KV_STAGES 1: one K and one V
+//   buffer, V and the next K each fetched during the other's matmul, as FA2; KV_STAGES 2: two
+//   K+V buffers, the next tile fetched during the whole current one); Q, K and V fragments are
 //   read with ldmatrix; S = Q K^T and O += P V accumulate in float32 registers; P is
 //   re-packed from the S accumulators into A fragments without touching shared memory.
 //   HD is the head dim padded to a multiple of 32 (the tail of q/k/v is zero-filled).
@@ -13,7 +15,7 @@
 //   with expf, P V and row sums accumulated in float64), any T: one CTA of 128 threads per
 //   (16 rows, head, batch); 8 threads share a row.
 
-template <typename T, int HD, int NWARPS, int BN, int MT, bool EXTRAS>
+template <typename T, int HD, int NWARPS, int BN, int MT, int KV_STAGES, bool EXTRAS>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss, long long o_sh,
              float* __restrict__ lse) {
@@ -23,87 +25,79 @@ attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     constexpr int LDS = HD + 8;          // padded row: ldmatrix rows fall in distinct banks
     constexpr int NT_S = BN / 8;         // n-tiles of S per m-tile
     constexpr int NT_O = HD / 8;         // n-tiles of O per m-tile
+    static_assert(KV_STAGES == 1 || KV_STAGES == 2, "one K/V buffer (K, V staggered) or two (K+V prefetched)");
+    constexpr int KV_TILE = BN * LDS;    // elements of one K (or V) buffer
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* sK = sQ + BM * LDS;
-    T* sV = sK + BN * LDS;
+    SmemCarve sm{smem_raw};
+    T* sQ = sm.take<T>(BM * LDS);
+    T* sK = sm.take<T>(KV_STAGES * KV_TILE);   // [KV_STAGES][BN][LDS]
+    T* sV = sm.take<T>(KV_STAGES * KV_TILE);   // [KV_STAGES][BN][LDS]
 
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int g = lane / 4, t4 = lane % 4;
-    const RowCta cta = PA_ROW_CTA(BM);
-    if (cta.m0 >= cta.s.sq) return;
+    const auto [tid, warp, lane, g, t4] = warp_lane();
+    const RowCta<T> cta = PA_ROW_CTA(BM);
+    if (cta.empty()) return;
     const SeqInfo& s = cta.s;
-    const int b = cta.b, h = cta.h, m0 = cta.m0;
-
-    const T* q_base = tok_ptr(q, b, q_sb, s.q0 + m0, q_ss, h, q_sh);
-    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, cta.hk, k_sh);
-    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, cta.hk, v_sh);
-    ScoreMods mods;
-    if (EXTRAS) mods = PA_MODS(b, h);
+    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi, n_first = cta.n_first(BN);
+    const ScoreMods mods = PA_MODS_IF(EXTRAS, b, h);
     const float scale_log2 = scale * PA_LOG2E;
 
-    // Keys any row of this tile can see: [n_lo, n_hi), walked in BN-wide tiles.
-    const int n_hi = cta.n_hi;
-    const int n_first = (cta.n_lo / BN) * BN;
-
-    // Stage 0: Q tile and the first K tile in flight.
-    load_tile_async<T, BM, HD, LDS, NT>(sQ, q_base, q_ss, s.sq - m0, head_dim, tid);
-    if (n_first < n_hi)
-        load_tile_async<T, BN, HD, LDS, NT>(sK, k_base + n_first * k_ss, k_ss, s.sk - n_first, head_dim, tid);
+    // Stage 0: Q tile and the first K tile (KV_STAGES 2: and V tile) in flight; the CTA walks
+    // keys [n_lo, n_hi) in BN tiles.
+    load_tile_async<T, BM, HD, LDS, NT>(sQ, PA_Q_ROW(s, b, h, m0), q_ss, s.sq - m0, head_dim, tid);
+    if (n_first < n_hi) {
+        load_tile_async<T, BN, HD, LDS, NT>(sK, cta.k_seq + n_first * k_ss, k_ss, s.sk - n_first, head_dim, tid);
+        if (KV_STAGES == 2)
+            load_tile_async<T, BN, HD, LDS, NT>(sV, cta.v_seq + n_first * v_ss, v_ss, s.sk - n_first, head_dim_v, tid);
+    }
     cp_async_commit();
 
     float acc[MT][NT_O][4];               // O accumulator: rows g, g+8 of each m-tile
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int i = 0; i < NT_O; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt) zero_acc<NT_O>(acc[mt]);
     float m_i[MT][2], l_i[MT][2];         // running row max (base 2) and row sum (this thread's columns)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) m_i[mt][0] = m_i[mt][1] = PA_NEG_INF, l_i[mt][0] = l_i[mt][1] = 0.f;
     const int row_w = m0 + warp * WM;     // first row of this warp
     const T* sQw = sQ + warp * WM * LDS;
     // ldmatrix addresses: per-lane byte offsets inside a 16x16 block (A: rows of Q; B: keys of
-    // K, keys of V transposed); the loops add compile-time block offsets.
+    // K, keys of V transposed); the matmuls add compile-time block offsets.
     constexpr int ES = sizeof(T);
-    const pa_u32 aQ = smem_addr(sQw) + ((lane % 16) * LDS + (lane / 16) * 8) * ES;
-    const pa_u32 aK = smem_addr(sK) + (((lane / 16) * 8 + lane % 8) * LDS + ((lane / 8) % 2) * 8) * ES;
-    const pa_u32 aV = smem_addr(sV) + ((((lane / 8) % 2) * 8 + lane % 8) * LDS + (lane / 16) * 8) * ES;
+    const pa_u32 aQ = smem_addr(sQw) + ldm_a_offset(lane, LDS) * ES;
+    const pa_u32 aK = smem_addr(sK) + ldm_b_offset(lane, LDS) * ES;
+    const pa_u32 aV = smem_addr(sV) + ldm_bt_offset(lane, LDS) * ES;
 
-    for (int n0 = n_first; n0 < n_hi; n0 += BN) {
-        // Stage 1: K tile landed (and every warp is done with the previous V); fetch V.
+    // KV_STAGES 1 (FA2's pipeline): one K and one V buffer; V(n) loads during S = Q K(n)^T and
+    // the softmax, K(n+1) during O += P V(n): two barriers per tile. KV_STAGES 2: two K+V
+    // buffers; tile n+1 is fetched into the other buffer while tile n is used, so each copy has
+    // a whole iteration to land, and one barrier per tile. The arithmetic is the same.
+    for (int n0 = n_first, it = 0; n0 < n_hi; n0 += BN, ++it) {
+        const int buf = KV_STAGES == 2 ? (it & 1) : 0;
+        const pa_u32 kv_off = buf * KV_TILE * ES;
+        // Stage 1 (KV_STAGES 1): K tile landed (and every warp is done with the previous V);
+        // fetch V. (KV_STAGES 2): K and V of tile n landed, every warp is done with the other
+        // buffer (tile n-1): fetch tile n+1 into it.
         cp_async_wait_all();
         __syncthreads();
-        load_tile_async<T, BN, HD, LDS, NT>(sV, v_base + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
-        cp_async_commit();
+        if (KV_STAGES == 1) {
+            load_tile_async<T, BN, HD, LDS, NT>(sV, cta.v_seq + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
+            cp_async_commit();
+        } else if (n0 + BN < n_hi) {
+            const int n1 = n0 + BN;
+            load_tile_async<T, BN, HD, LDS, NT>(sK + (buf ^ 1) * KV_TILE, cta.k_seq + n1 * k_ss, k_ss, s.sk - n1,
+                                                head_dim, tid);
+            load_tile_async<T, BN, HD, LDS, NT>(sV + (buf ^ 1) * KV_TILE, cta.v_seq + n1 * v_ss, v_ss, s.sk - n1,
+                                                head_dim_v, tid);
+            cp_async_commit();
+        }
 
         // Stage 2: S = Q K^T on tensor cores; each K fragment feeds MT m-tiles.
         float sc[MT][NT_S][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int i = 0; i < NT_S; ++i) sc[mt][i][0] = sc[mt][i][1] = sc[mt][i][2] = sc[mt][i][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-            pa_u32 a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                ldmatrix_x4(a[mt], aQ + (mt * 16 * LDS + kk * 16) * ES);
-#pragma unroll
-            for (int np = 0; np < BN / 16; ++np) {
-                pa_u32 bf[4];
-                ldmatrix_x4(bf, aK + (np * 16 * LDS + kk * 16) * ES);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<T>(sc[mt][2 * np], a[mt], bf[0], bf[1]);
-                    mma_16816<T>(sc[mt][2 * np + 1], a[mt], bf[2], bf[3]);
-                }
-            }
-        }
+        for (int mt = 0; mt < MT; ++mt) zero_acc<NT_S>(sc[mt]);
+        warp_mma_abt_mt<T, HD / 16, BN / 16, LDS, MT>(sc, aQ, aK + kv_off);
 
         // Stage 3: scale (+ softcap, ALiBi, bias) into base-2 logits; mask where needed.
-        const bool need_mask = (n0 + BN > s.sk) ||
-                               ((long long)n0 < (long long)(m0 + BM - 1) + s.off_mask - win_left) ||
-                               ((long long)(n0 + BN - 1) > (long long)m0 + s.off_mask + win_right);
+        const bool need_mask = keys_need_mask(s, m0, BM, n0, BN, win_left, win_right);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -153,36 +147,20 @@ attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
                 }
             }
 
-        // Stage 5: V tile landed (and every warp is done with K); prefetch the next K tile.
-        cp_async_wait_all();
-        __syncthreads();
-        if (n0 + BN < n_hi) {
-            load_tile_async<T, BN, HD, LDS, NT>(sK, k_base + (n0 + BN) * k_ss, k_ss, s.sk - n0 - BN, head_dim, tid);
-            cp_async_commit();
+        // Stage 5 (KV_STAGES 1): V tile landed (and every warp is done with K); prefetch the
+        // next K tile.
+        if (KV_STAGES == 1) {
+            cp_async_wait_all();
+            __syncthreads();
+            if (n0 + BN < n_hi) {
+                load_tile_async<T, BN, HD, LDS, NT>(sK, cta.k_seq + (n0 + BN) * k_ss, k_ss, s.sk - n0 - BN, head_dim,
+                                                    tid);
+                cp_async_commit();
+            }
         }
 
         // Stage 6: O += P V, P taken from the S accumulators as A fragments.
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            pa_u32 a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                a[mt][0] = Elem<T>::pack2(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
-                a[mt][1] = Elem<T>::pack2(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
-                a[mt][2] = Elem<T>::pack2(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
-                a[mt][3] = Elem<T>::pack2(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
-            }
-#pragma unroll
-            for (int dp = 0; dp < HD / 16; ++dp) {
-                pa_u32 bf[4];
-                ldmatrix_x4_trans(bf, aV + (kk * 16 * LDS + dp * 16) * ES);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<T>(acc[mt][2 * dp], a[mt], bf[0], bf[1]);
-                    mma_16816<T>(acc[mt][2 * dp + 1], a[mt], bf[2], bf[3]);
-                }
-            }
-        }
+        warp_mma_pb_mt<T, BN / 16, HD / 16, LDS, MT, NT_S>(acc, sc, aV + kv_off);
     }
 
     // Epilogue: O / l (0 for rows with no visible key), lse = (m + log2 l) ln 2.
@@ -237,27 +215,14 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     constexpr int CPT = HD / 8;          // output columns per thread
     constexpr int LDK = HD + 1;          // odd stride: conflict-free column reads
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* sQ = reinterpret_cast<float*>(smem_raw);   // BM x HD
-    float* sK = sQ + BM * HD;                          // BN x LDK
-    float* sV = sK + BN * LDK;                         // BN x HD
-    float* sP = sV + BN * HD;                          // BM x BN
+    SmemCarve sm{smem_raw};
+    float* sQ = sm.take<float>(BM * HD);   // BM x HD
+    float* sK = sm.take<float>(BN * LDK);  // BN x LDK
+    float* sV = sm.take<float>(BN * HD);   // BN x HD
+    float* sP = sm.take<float>(BM * BN);   // BM x BN
 
-    const int tid = threadIdx.x, row = tid / 8, sub = tid % 8;
-    const RowCta cta = PA_ROW_CTA(BM);
-    if (cta.m0 >= cta.s.sq) return;
-    const SeqInfo& s = cta.s;
-    const int b = cta.b, h = cta.h, m0 = cta.m0;
-    const int i = m0 + row;
-    const ScoreMods mods = PA_MODS(b, h);
-    const T* q_base = tok_ptr(q, b, q_sb, s.q0 + m0, q_ss, h, q_sh);
-    const T* k_base = tok_ptr(k, b, k_sb, s.k0, k_ss, cta.hk, k_sh);
-    const T* v_base = tok_ptr(v, b, v_sb, s.k0, v_ss, cta.hk, v_sh);
-
-    for (int c = tid; c < BM * HD; c += NT) {
-        const int r = c / HD, d = c % HD;
-        sQ[c] = (m0 + r < s.sq && d < head_dim) ? Elem<T>::to_float(q_base[r * q_ss + d]) : 0.f;
-    }
-    const int n_hi = cta.n_hi;
+    PA_FMA_ROW_PROLOGUE(BM, 8);
+    load_rows_f32<T, BM, HD, HD, NT>(sQ, PA_Q_ROW(s, b, h, m0), q_ss, s.sq - m0, head_dim, tid);
 
     // P V and the row sum accumulate in float64: sums of hundreds of terms of either sign would
     // otherwise lose a few float32 ulps against plain float32 math (docs/semantics.md's yardstick).
@@ -267,14 +232,11 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     float m_i = PA_NEG_INF;
     double l_i = 0.0;
 
-    for (int n0 = (cta.n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
+    for (int n0 = cta.n_first(BN); n0 < n_hi; n0 += BN) {
         // Stage 1: K and V tiles into shared memory (float32, zero outside the sequence).
         __syncthreads();
-        for (int c = tid; c < BN * HD; c += NT) {
-            const int r = c / HD, d = c % HD, j = n0 + r;
-            sK[r * LDK + d] = (j < s.sk && d < head_dim) ? Elem<T>::to_float(k_base[j * k_ss + d]) : 0.f;
-            sV[r * HD + d] = (j < s.sk && d < head_dim_v) ? Elem<T>::to_float(v_base[j * v_ss + d]) : 0.f;
-        }
+        load_rows_f32<T, BN, HD, LDK, NT>(sK, cta.k_seq + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);
+        load_rows_f32<T, BN, HD, HD, NT>(sV, cta.v_seq + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
         __syncthreads();
 
         // Stage 2: this thread's scores s = q_i . k_j, turned into masked logits.

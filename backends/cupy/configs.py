@@ -41,6 +41,14 @@ BWD_MMA_MAX_HEAD_DIM = 256
 #: ``fma`` = the FMA kernels for every problem. float32 runs the FMA kernels in every mode.
 BACKWARD_ENV = "PORTATTN_CUPY_BACKWARD"
 BACKWARD_MODES = ("auto", "mma128", "fma")
+#: Environment switch of the tensor-core forward's K/V pipeline (read at call time by
+#: :func:`forward_config`): ``1`` (default, also unset/empty) = one K and one V buffer, V and the
+#: next K each fetched while the other is used (FA2's schedule, two barriers per key tile);
+#: ``2`` = two K+V buffers, the next tile fetched during the whole current one (one barrier per
+#: tile; 2 x the K/V shared memory). Same arithmetic, so bit-identical outputs; not the default
+#: until the H200 says it is faster (tools/cupy_fwd_check.py times both).
+FORWARD_KV_STAGES_ENV = "PORTATTN_CUPY_FWD_KV_STAGES"
+FORWARD_KV_STAGES = (1, 2)
 #: Opt-in shared memory per block: sm_80 (A100) and sm_90 (H100/H200); every instantiation must fit.
 SMEM_LIMITS = {80: 163 * 1024, 90: 227 * 1024}
 
@@ -115,6 +123,15 @@ def backward_mode() -> str:
     return raw
 
 
+def forward_kv_stages() -> int:
+    """The value of :data:`FORWARD_KV_STAGES_ENV` (1 when unset); ValueError names the choices."""
+    raw = os.environ.get(FORWARD_KV_STAGES_ENV, "").strip() or "1"
+    if raw not in ("1", "2"):
+        raise ValueError(f"{FORWARD_KV_STAGES_ENV}={raw!r}: expected 1 (one K and one V buffer, the default) "
+                         f"or 2 (double-buffered K+V tiles)")
+    return int(raw)
+
+
 def fma_block_n(hd: int) -> int:
     return 32 if hd <= 128 else 16
 
@@ -135,6 +152,8 @@ class KernelConfig:
     head_dim: int
     #: (warps, BLOCK_N, MT) of both tensor-core forwards; None = :func:`mma_tile` (benchmarks try others)
     tile: tuple[int, int, int] | None = None
+    #: K/V buffers of the tensor-core forward (1 or 2, see :data:`FORWARD_KV_STAGES_ENV`); 1 elsewhere
+    kv_stages: int = 1
 
     def mma_shape(self, role: str = "plain") -> tuple[int, int, int]:
         return self.tile if self.tile is not None else mma_tile(self.head_dim, extras=role == "extras")
@@ -153,8 +172,9 @@ class KernelConfig:
         t, hd = self.ctype, self.head_dim
         if self.family == "fwd_mma":
             (w0, n0, m0), (w1, n1, m1) = self.mma_shape("plain"), self.mma_shape("extras")
-            return {"plain": f"attn_fwd_mma<{t}, {hd}, {w0}, {n0}, {m0}, false>",
-                    "extras": f"attn_fwd_mma<{t}, {hd}, {w1}, {n1}, {m1}, true>"}
+            st = self.kv_stages
+            return {"plain": f"attn_fwd_mma<{t}, {hd}, {w0}, {n0}, {m0}, {st}, false>",
+                    "extras": f"attn_fwd_mma<{t}, {hd}, {w1}, {n1}, {m1}, {st}, true>"}
         if self.family == "fwd_fma":
             return {"plain": f"attn_fwd_fma<{t}, {hd}>"}
         if self.family == "bwd":
@@ -202,7 +222,7 @@ class KernelConfig:
         hd = self.head_dim
         if self.family == "fwd_mma":
             warps, bn, mt = self.mma_shape(role)
-            return (16 * mt * warps + 2 * bn) * (hd + 8) * CTYPES[self.dtype][1]
+            return (16 * mt * warps + 2 * bn * self.kv_stages) * (hd + 8) * CTYPES[self.dtype][1]
         if self.family == "fwd_fma":
             bn = fma_block_n(hd)
             return 4 * (FMA_BLOCK_M * hd + bn * (hd + 1) + bn * hd + FMA_BLOCK_M * bn)
@@ -228,13 +248,20 @@ class KernelConfig:
         return max(self.smem_bytes(role) for role in self.kernel_names())
 
 
-def forward_config(dtype: str, head_dim: int, head_dim_v: int) -> KernelConfig | None:
-    """The forward module for a problem, or None when the head dim is over the largest bucket."""
+def forward_config(dtype: str, head_dim: int, head_dim_v: int, kv_stages: int | None = None) -> KernelConfig | None:
+    """The forward module for a problem, or None when the head dim is over the largest bucket.
+
+    ``kv_stages`` (tensor-core forward only; default: :data:`FORWARD_KV_STAGES_ENV`, see
+    :func:`forward_kv_stages`): 1 or 2 K/V buffers. float32 ignores it (its exact FMA path)."""
     hd = padded_head_dim(head_dim, head_dim_v)
     if hd is None or dtype not in CTYPES:
         return None
-    family = "fwd_mma" if dtype in TENSOR_CORE_DTYPES else "fwd_fma"
-    return KernelConfig(family, dtype, hd)
+    if dtype not in TENSOR_CORE_DTYPES:
+        return KernelConfig("fwd_fma", dtype, hd)
+    stages = forward_kv_stages() if kv_stages is None else kv_stages
+    if stages not in FORWARD_KV_STAGES:
+        raise ValueError(f"kv_stages={stages!r}: expected one of {FORWARD_KV_STAGES}")
+    return KernelConfig("fwd_mma", dtype, hd, kv_stages=stages)
 
 
 def backward_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: int | None = None,
@@ -273,7 +300,8 @@ def all_configs() -> list[KernelConfig]:
     out = []
     for hd in HEAD_DIM_BUCKETS:
         for dtype in CTYPES:
-            out.append(forward_config(dtype, hd, hd))
+            for stages in (FORWARD_KV_STAGES if dtype in TENSOR_CORE_DTYPES else (1,)):
+                out.append(forward_config(dtype, hd, hd, kv_stages=stages))
             out.append(backward_config(dtype, hd, hd, mode="auto"))
             fma = fma_backward_config(dtype, hd, hd)
             if fma not in out:   # the FMA backward stays launchable for every dtype (force_fma)

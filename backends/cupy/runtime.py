@@ -28,7 +28,7 @@ _lock = threading.Lock()
 
 
 def cache_key(cfg: configs.KernelConfig, device_index: int) -> tuple:
-    return (cfg.family, cfg.dtype, cfg.head_dim, cfg.tile, device_index)
+    return (cfg.family, cfg.dtype, cfg.head_dim, cfg.tile, cfg.kv_stages, device_index)
 
 
 def get_function(cfg: configs.KernelConfig, role: str, device_index: int):
