@@ -131,6 +131,8 @@ def test_rows_table_replaces_the_rule_for_its_class_and_layout(monkeypatch):
     """A _DECODE_ROWS_NVIDIA entry is taken for its tile-height class and layout only (2-byte
     inputs), capped at the tile's rows; without entries decode_config is what it was."""
     hopper = Target("nvidia", 90)
+    committed = dict(configs._DECODE_ROWS_NVIDIA["hopper"])
+    monkeypatch.setitem(configs._DECODE_ROWS_NVIDIA, "hopper", {})
     before = {(m, pg): configs.decode_config(hopper, 128, 2, m, pg) for m in (16, 64) for pg in (False, True)}
     assert before[(64, False)] == before[(64, True)] and before[(16, False)] == before[(16, True)]
     rows = {(128, "wide", "paged"): (64, 64, 4, 3, 2, True, False),
@@ -146,6 +148,12 @@ def test_rows_table_replaces_the_rule_for_its_class_and_layout(monkeypatch):
     assert configs.decode_config(hopper, 64, 2, 64, True) == configs.decode_config(hopper, 64, 2, 64, False)
     assert configs.decode_config(Target("nvidia", 80), 128, 2, 64, True) == \
         configs.decode_config(Target("nvidia", 80), 128, 2, 64, False)
+    # the committed table: only the paged 64-row class has a row (the H200 sweep's), the rest is the rule
+    monkeypatch.setitem(configs._DECODE_ROWS_NVIDIA, "hopper", committed)
+    assert set(committed) == {(128, "wide", "paged")}
+    assert configs.decode_config(hopper, 128, 2, 64, True).page_direct
+    for key in ((64, False), (16, False), (16, True)):
+        assert configs.decode_config(hopper, 128, 2, *key) == before[key]
     assert DecodeConfig(64, 64, 4, 3, programs_per_sm=2, page_ids=True).short() == "M64 N64 w4 s3 p2 ids"
     assert DecodeConfig(64, 64, 4, 6, page_direct=True).short() == "M64 N64 w4 s6 direct"
     assert DecodeConfig(16, 64, 4, 3).short() == KernelConfig(16, 64, 4, 3).short()

@@ -28,6 +28,10 @@
 #   bash tools/h200_session.sh s4variants  # the helpers' variant sweeps in one call: GPU tests of the
 #       split backward / decode variants / cupy beside the compiles, then alone: the triton backward
 #       sweep, the decode variants, the cupy forward check, the fastest policy's re-checked cells
+#   bash tools/h200_session.sh s4final     # the rows picked from s4variants: triton's D 256 catalogue
+#       cases, the KV-cache catalogue and the GPU tests side by side, then alone: the cupy forward
+#       check (kernels after the prologue fold, the K/V double buffer), the fastest policy's
+#       re-checked cells and the D 256 training cells
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -445,4 +449,33 @@ if [[ $what == s4variants ]]; then
       > "$W/fastest_recheck_log.txt" 2>&1
   echo "== fastest re-check rc=$? ($(( $(date +%s) - t4 ))s):"; tail -16 "$W/fastest_recheck_log.txt"
   tar czf "$OUT/s4variants.tgz" -C "$W" . ; ls "$W"; echo "total $(( $(date +%s) - t0 ))s"
+fi
+
+if [[ $what == s4final ]]; then
+  W=/tmp/portattn-s4f; rm -rf "$W" "$shards"; mkdir -p "$W" "$shards"
+  t0=$(date +%s)
+  LIMIT=${CONF_LIMIT:-110}
+  run_shard t-d256 --backends triton --cases 'large/headdim/*' 'large/fp16/*/d256' 'large/bf16/*/d256' &
+  timeout "$LIMIT" $PY -m portattn.conformance.kvcache --devices cuda --backends triton \
+      --json "$W/conformance-kvcache.json" > "$W/conformance-kvcache.txt" 2>&1 &
+  timeout -s INT -k 10 "$LIMIT" $PY -m pytest -q --tb=short -p no:cacheprovider -n 3 \
+      tests/test_decode_variants_gpu.py tests/test_triton_bwd_split.py tests/test_kvcache_gpu.py \
+      -rfEs > "$W/pytest_gpu.txt" 2>&1 &
+  wait
+  merge_shards conformance-d256.json; cp "$OUT/conformance-d256.json" "$W/" 2>/dev/null
+  echo "== KV-cache conformance:"; tail -4 "$W/conformance-kvcache.txt"
+  echo "== GPU tests ($(( $(date +%s) - t0 ))s):"; grep -E "^(FAILED|ERROR)" "$W/pytest_gpu.txt" | head -20; tail -1 "$W/pytest_gpu.txt"
+  t1=$(date +%s)
+  timeout -k 5 140 $PY tools/cupy_fwd_check.py --out "$W" --time-limit 130 > "$W/cupy_log.txt" 2>&1
+  echo "== cupy check rc=$? ($(( $(date +%s) - t1 ))s):"; tail -40 "$W/cupy_fwd_check.txt" 2>/dev/null || tail -30 "$W/cupy_log.txt"
+  t2=$(date +%s)
+  timeout -s INT -k 10 "${FASTEST_LIMIT:-95}" $PY benchmarks/bench_fastest.py --out "$W" --tag h200-recheck \
+      --time-limit $(( ${FASTEST_LIMIT:-95} - 10 )) --cells 'D128 S1k causal fwd' 'D64 S4k causal fwd+bwd' \
+      'D128 S1k fwd+bwd' 'decode Sq8 B8 Sk8k fwd' > "$W/fastest_recheck_log.txt" 2>&1
+  echo "== fastest re-check rc=$? ($(( $(date +%s) - t2 ))s):"; tail -14 "$W/fastest_recheck_log.txt"
+  t3=$(date +%s)
+  timeout -s INT -k 10 "${BENCH_LIMIT:-90}" $PY -m portattn.cli bench --backends triton --head-dims 256 --dtypes bf16 \
+      --out "$W" --tag h200-d256 --time-limit $(( ${BENCH_LIMIT:-90} - 15 )) --no-progress-bar > "$W/bench_d256_log.txt" 2>&1
+  echo "== bench D256 rc=$? ($(( $(date +%s) - t3 ))s):"; tail -22 "$W/bench_d256_log.txt"
+  tar czf "$OUT/s4final.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
 fi

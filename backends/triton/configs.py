@@ -164,9 +164,12 @@ _BWD_NVIDIA = {
     # D64 dK/dV (32,128,4,3) 1.00, (64,64,4,3) 1.11, (64,128,8,3) 1.16; dQ (64,64,4,3) 1.00, (64,32,4,3) 1.02.
     # D128 dK/dV (64,128,8,2) 1.007, (64,128,8,3) 1.008, (32,64,4,3) 1.06; dQ (64,32,4,3) 1.00, (128,32,8,3) 1.02.
     # D256 dK/dV (32,32,4,3) 1.007, (32,64,8,2) 1.02; dQ (64,16,4,2) 1.00, (32,64,4,2) 1.06.
+    # Split dK/dV (tools/triton_sweep.py --bwd-variants, H200 2026-12-01, the same grid, backward alone,
+    # relative to each cell's best): D256 (32,128,8,2,split) 1.000, (16,128,8,2,split) 1.30, the fused
+    # (32,32,4,3) 1.33: 0.73-0.82 x FA2 (fused 0.51-0.65); D128 split 1.29-1.53 and D64 split 1.25 lose.
     "hopper": {16: ((32, 128, 4, 3), (64, 64, 4, 3)), 32: ((32, 128, 4, 3), (64, 64, 4, 3)),
                64: ((32, 128, 4, 3), (64, 64, 4, 3)), 128: ((64, 128, 8, 2), (64, 32, 4, 3)),
-               256: ((32, 32, 4, 3), (64, 16, 4, 2))},
+               256: ((32, 128, 8, 2, True), (64, 16, 4, 2))},
     "ampere": {16: ((32, 64, 4, 2), (64, 32, 4, 2)), 32: ((32, 64, 4, 2), (64, 32, 4, 2)),
                64: ((32, 64, 4, 2), (64, 32, 4, 2)), 128: ((32, 64, 4, 2), (64, 32, 4, 2)),
                256: ((16, 32, 4, 1), (32, 16, 4, 1))},
@@ -310,11 +313,15 @@ class DecodeConfig(KernelConfig):
 # Rows with the decode knobs on NVIDIA, 2-byte inputs: (BLOCK_D, tile height class, cache layout)
 # -> (BLOCK_M cap, BLOCK_N, num_warps, num_stages, programs_per_sm, page_ids, page_direct), replacing the rows
 # above where an entry exists; height class "wide" (64-row tiles: Sq 8 at GQA 8) or "narrow"
-# (<= 32 rows), layout "contig" or "paged" (every page size). Empty until an H200 sweep picks
-# rows (tools/decode_sweep.py --variants prints them): the 2026-12-01 sweep (before the page-fit
-# tiles) read paged 64-row tiles 1.3-1.5x faster at two programs per SM (x66 / x8 splits, M64 N64
-# w4 s3: 112 KB of shared memory, two fit an SM) than at the one the rule above plans for.
-_DECODE_ROWS_NVIDIA: dict = {"hopper": {}, "ampere": {}, "small": {}}
+# (<= 32 rows), layout "contig" or "paged" (every page size). Picked by tools/decode_variants.py
+# on the H200 (2026-12-01, bf16 GQA 32:4 D128, Sq 1/8 x B 1/8 x Sk 4k/32k/128k, contiguous and
+# paged 16/256; benchmarks/results/decode-variants-h200.txt): paged 64-row tiles with the page ids
+# loaded in the tile's own iteration, 6 stages and two programs per SM (M64 N64 w4: 112 KB of
+# shared memory, 186 registers) against the rule's row: paged 16 at Sq 8 0.84-0.92 of the
+# contiguous cache (was 0.54-0.86), paged 256 0.87-0.98. No narrow (Sq 1) or contiguous variant
+# beat the rule's rows by more than 2 %.
+_DECODE_ROWS_NVIDIA: dict = {"hopper": {(128, "wide", "paged"): (64, 64, 4, 6, 2, False, True)},
+                             "ampere": {}, "small": {}}
 
 
 def decode_config(target: Target, block_d: int, elem_size: int, block_m: int, paged: bool = False) -> KernelConfig:
