@@ -459,7 +459,7 @@ if [[ $what == s4final ]]; then
   timeout "$LIMIT" $PY -m portattn.conformance.kvcache --devices cuda --backends triton \
       --json "$W/conformance-kvcache.json" > "$W/conformance-kvcache.txt" 2>&1 &
   timeout -s INT -k 10 "$LIMIT" $PY -m pytest -q --tb=short -p no:cacheprovider -n 3 \
-      tests/test_decode_variants_gpu.py tests/test_triton_bwd_split.py tests/test_kvcache_gpu.py \
+      tests/test_decode_variants_gpu.py tests/test_triton_bwd_split.py tests/test_kvcache_gpu.py "tests/test_triton.py::test_gpu_tma_forward_matches_the_reference" \
       -rfEs > "$W/pytest_gpu.txt" 2>&1 &
   wait
   merge_shards conformance-d256.json; cp "$OUT/conformance-d256.json" "$W/" 2>/dev/null
