@@ -583,6 +583,18 @@ def test_hopper_d256_forward_row_uses_tma_for_16_bit_inputs_only():
     assert not forward_config(ampere, 256, 2).tma and not forward_config(hopper, 128, 2).tma
 
 
+def test_hopper_d256_backward_row_splits_dkdv_for_16_bit_inputs_only():
+    """The D 256 Hopper dK/dV row is the split row (measured 1.33 x the fused row on the H200);
+    float32 keeps the fused row it replaced (shrunk as before: M16 N16 w4 s2), sm_80 and D 128
+    stay fused."""
+    from portattn.backends.triton.configs import KernelConfig, Target, backward_configs
+
+    hopper, ampere = Target("nvidia", 90), Target("nvidia", 80)
+    assert backward_configs(hopper, 256, 2).dkdv == KernelConfig(32, 128, 8, 2, split=True)
+    assert backward_configs(hopper, 256, 4).dkdv == KernelConfig(16, 16, 4, 2)
+    assert not backward_configs(ampere, 256, 2).dkdv.split and not backward_configs(hopper, 128, 2).dkdv.split
+
+
 def test_tma_launch_sets_an_allocator_only_when_none_is_set():
     """Device-side descriptors need triton's global-scratch allocator: the TMA launch installs a
     torch-backed one in a context that has none, and keeps one the caller set."""

@@ -177,6 +177,8 @@ _BWD_NVIDIA = {
                64: ((32, 64, 4, 2), (64, 32, 4, 2)), 128: ((32, 64, 4, 1), (64, 32, 4, 1)),
                256: ((16, 32, 4, 1), (32, 16, 4, 1))},
 }
+#: the fused dK/dV rows that a table's split rows stand for where the split does not apply (float32)
+_BWD_FUSED = {"hopper": {256: (32, 32, 4, 3)}}
 # AMD CDNA (64 KiB LDS): BLOCK_D -> (BLOCK_M, BLOCK_N, num_warps, num_stages, waves_per_eu)
 # (8 warps: with 4, the all-features variant spilled 10-170 VGPRs in the portability check)
 _FWD_AMD = {16: (128, 64, 8, 2, 2), 32: (128, 64, 8, 2, 2), 64: (128, 64, 8, 2, 2), 128: (128, 32, 8, 2, 2),
@@ -237,8 +239,12 @@ def backward_configs(target: Target, block_d: int, elem_size: int) -> BackwardCo
         s1 = s2 = s
         split = False
     else:
-        (m1, n1, w1, s1, *flags), (m2, n2, w2, s2) = _BWD_NVIDIA[_nvidia_family(int(target.arch))][block_d]
-        split = bool(flags and flags[0]) and elem_size <= 2   # float32 keeps the shrunk fused tiles
+        family = _nvidia_family(int(target.arch))
+        dkdv, dq = _BWD_NVIDIA[family][block_d]
+        split = len(dkdv) > 4 and bool(dkdv[4]) and elem_size <= 2
+        if len(dkdv) > 4 and not split:   # a split row: float32 keeps the fused row it replaced
+            dkdv = _BWD_FUSED.get(family, {}).get(block_d, dkdv)
+        (m1, n1, w1, s1), (m2, n2, w2, s2) = dkdv[:4], dq
         amd = {}
     m1, n1, s1 = _shrink(m1, n1, s1, elem_size, block_d)
     m2, n2, s2 = _shrink(m2, n2, s2, elem_size, block_d)
