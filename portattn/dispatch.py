@@ -202,12 +202,13 @@ def select_stable(spec: AttentionSpec, backend: str | None = None) -> tuple[Back
     policy when every backend asked (the ones passed over and the one chosen) declares
     ``stable_reasons``; under the fastest policy when the class's remembered winner was chosen
     and declares them (the signature holds :func:`portattn.tuning.generation`, which changes
-    with any remembered winner), never for a choice that timed the candidates."""
+    with any remembered winner), never for a choice that timed the candidates or is provisional
+    (a second look pending: :func:`portattn.tuning.recheck_due`)."""
     names, _ = _requested(backend)
     fits = _fitting(spec, names)
     if names == (FASTEST,):
         winner = tuning.lookup(spec)   # a class timed before: its winner, no timing, no sync
-        if winner is not None:
+        if winner is not None and not tuning.recheck_due(spec):
             for b in fits:
                 if b.name == winner:
                     if _runs(b, spec):

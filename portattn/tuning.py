@@ -68,6 +68,13 @@ WARMUP_MS = 30.0
 #: (1.5 pruned cuDNN on an estimate taken before WARMUP_MS existed: 1.83 x, at its true 0.94 x)
 PRUNE = 2.0
 TUNE_BUDGET_S = 2.0
+#: the second look: a class whose first timing found a candidate within RECHECK_WITHIN x the
+#: winner's time is timed once more among those candidates, at its first call RECHECK_AFTER_S
+#: seconds (wall time) later (a backend's first moments after a new shape can be unrepresentative:
+#: on the H200, torch SDPA's cuDNN path measured 1.2-1.9 x slower in the policy's first timing
+#: than a benchmark measured it seconds later); until then the choice is provisional
+RECHECK_WITHIN = 2.0
+RECHECK_AFTER_S = 2.0
 
 _lock = threading.RLock()
 _busy = threading.local()
@@ -657,6 +664,12 @@ def format_timings(info: dict | None) -> str:
     tied = set(info.get("tied") or ())
     if len(tied) > 1:
         lines[0] += f" (tied within the noise: {', '.join(info['tied'])}; the priority order decides)"
+    if "recheck" in info:
+        lines.append(f"  provisional: a second look at {', '.join(info['recheck']['among'])} is due at the first call "
+                     f"from {_dt.datetime.fromtimestamp(info['recheck']['at'], _dt.timezone.utc):%H:%M:%S} UTC")
+    elif "rechecked" in info:
+        lines.append(f"  second look at {info['rechecked'].get('at', '?')} (first winner "
+                     f"{info['rechecked'].get('first_winner')}); the times below are from it")
     for name, r in info["results"].items():
         if name in timed:
             rel = f" ({r['ms'] / best:.3f}x)" if best else ""
@@ -710,10 +723,76 @@ def _tune(spec: AttentionSpec, candidates: list[str], key: str, store: _Store, p
         "tuned_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "tuning_s": round(time.perf_counter() - t_start + (old or {}).get("tuning_s", 0.0), 3),
     }
+    among = _close_to_winner(results, order)
+    if among and not (old or {}).get("rechecked"):
+        entry["recheck"] = {"at": time.time() + RECHECK_AFTER_S, "among": among}
+    elif old and old.get("rechecked"):
+        entry["rechecked"] = old["rechecked"]
+    return _keep(entry, key, store)
+
+
+def _keep(entry: dict, key: str, store: _Store) -> dict:
     store.entries[key] = entry
     _forget_hot()   # entries are replaced, not updated: forget the old objects
     store.save([key])
     return entry
+
+
+def _close_to_winner(results: dict, order: list[str]) -> list[str]:
+    """The winner and the timed candidates within :data:`RECHECK_WITHIN` x its time (pruned ones
+    by their estimate), or [] when none is that close."""
+    timed = _timed(results)
+    if not order or order[0] not in timed:
+        return []
+    best = timed[order[0]].ms
+    close = [n for n in order[1:] if n in timed and timed[n].ms <= RECHECK_WITHIN * best]
+    return [order[0], *close] if close else []
+
+
+def recheck_due(spec: AttentionSpec) -> bool:
+    """Whether ``spec``'s class has a provisional choice (a second look pending; see
+    :data:`RECHECK_WITHIN`). No timing, no device sync."""
+    entry = _hot_get(spec)[0]
+    return entry is not None and "recheck" in entry
+
+
+def recheck(spec: AttentionSpec, candidates: list[str] | None = None, *, force: bool = False) -> dict | None:
+    """Take the second look at ``spec``'s class now if one is pending and due (``force``: due or
+    not): time the close candidates against each other again, keep the first timing under
+    ``rechecked``, rank them afresh and make the choice final. Returns the new entry, or None when
+    nothing was done (no look pending, not due yet, or timing not allowed here: CUDA-graph
+    capture, torch.compile tracing, inside a tuning)."""
+    if _timing_forbidden(spec) or getattr(_busy, "active", False):
+        return None
+    key = shape_class(spec)
+    with _lock:
+        store = _store(spec.device)
+        entry = store.entries.get(key)
+        if entry is None or "recheck" not in entry:
+            return None
+        pending = entry["recheck"]
+        if not force and time.time() < pending["at"]:
+            return None
+        if candidates is None:
+            candidates = supported_candidates(spec)
+        among = [n for n in pending["among"] if n in candidates]
+        t_start = time.perf_counter()
+        results = dict(entry["results"])
+        first = {n: results.get(n) for n in among}
+        _busy.active = True
+        try:
+            if len(among) > 1:
+                for name, t in _measure(among, spec).items():
+                    results[name] = t.as_dict()
+        finally:
+            _busy.active = False
+        order, tied = _rank(results, candidates)
+        new = dict(entry, results=results, order=order, winner=order[0] if order else None, tied=tied,
+                   tuning_s=round(entry.get("tuning_s", 0.0) + time.perf_counter() - t_start, 3),
+                   rechecked={"first": first, "first_winner": entry.get("winner"),
+                              "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
+        new.pop("recheck")
+        return _keep(new, key, store)
 
 
 def tune(spec: AttentionSpec, candidates: list[str] | None = None, *, progress=None) -> dict:
@@ -743,6 +822,8 @@ def choose(spec: AttentionSpec, candidates: list[str]) -> str:
     if len(candidates) == 1 or getattr(_busy, "active", False):
         return candidates[0]
     entry = _entry(spec)
+    if entry is not None and "recheck" in entry and time.time() >= entry["recheck"]["at"]:
+        entry = recheck(spec, candidates) or entry   # the second look (see RECHECK_WITHIN)
     if entry is not None:
         results = entry["results"]
         if all(n in results for n in candidates):   # the call path after the first call of a class

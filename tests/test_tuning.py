@@ -690,6 +690,30 @@ def test_tune_cli_fills_the_cache(toys, capsys):
         tuning.run(parser.parse_args([]))
 
 
+def test_tune_cli_takes_the_second_look_at_close_classes(toys, clock, capsys, monkeypatch):
+    """A class whose first timing was close is timed again after the others (forced, once), so
+    the cache the command leaves holds final choices; explain's text says so."""
+    import argparse
+    monkeypatch.setitem(COST, "toy_slow", 1.4)
+    parser = argparse.ArgumentParser()
+    tuning.add_arguments(parser)
+    args = parser.parse_args(["--shape", "1,16,16,2,2,8", "--dtype", "fp32", "--device", "cpu", "--causal",
+                              "--backends", "toy_slow,toy_fast"])
+    n = {}
+
+    def count(spec, candidates=None, *, force=False, real=tuning.recheck):
+        n["calls"] = n.get("calls", 0) + 1
+        assert force
+        return real(spec, candidates, force=force)
+    monkeypatch.setattr(tuning, "recheck", count)
+    monkeypatch.setattr("portattn.tuning_cli.recheck", count)
+    assert tuning.run(args) == 0 and n["calls"] == 1
+    spec = build_spec(torch.randn(1, 16, 2, 8), torch.randn(1, 16, 2, 8), torch.randn(1, 16, 2, 8), causal=True)
+    info = tuning.timing_details(spec)
+    assert "recheck" not in info and info["rechecked"]["first_winner"] == "toy_fast"
+    assert "second look at" in tuning.format_timings(info) and "toy_fast" in capsys.readouterr().out
+
+
 # ----- benchmarks/bench_fastest.py's GPU-free parts ----------------------------------------
 
 def _bench():
@@ -844,3 +868,49 @@ def test_gpu_choice_is_stable_and_its_cost_bounded(tmp_path, monkeypatch):
         a, b = (res[w].ms for w in winners)
         assert max(a, b) / min(a, b) < 1.03, (winners, a, b)
     tuning.clear()
+
+
+# ----- the second look (RECHECK_WITHIN / RECHECK_AFTER_S) ----------------------------------
+
+def test_a_close_first_timing_is_provisional_and_a_second_look_can_change_the_winner(toys, clock, monkeypatch):
+    """toy_slow measures within RECHECK_WITHIN x toy_fast at first (as cuDNN did on the H200 right
+    after a new shape): the choice is provisional (never kept by the call-signature cache) until
+    the second look, RECHECK_AFTER_S later, times the two again; there toy_slow is the faster, so
+    it becomes the winner and the choice is final, with the first timing kept."""
+    from portattn import dispatch
+    monkeypatch.setitem(COST, "toy_slow", 1.5)
+    for toy in toys.values():                                     # choices the call path could keep
+        monkeypatch.setattr(toy, "stable_reasons", True, raising=False)
+    spec = _spec(sq=8, sk=24)
+    cands = ["toy_slow", "toy_fast"]
+    assert tuning.choose(spec, cands) == "toy_fast"
+    entry = tuning.timing_details(spec)
+    assert entry["recheck"]["among"] == ["toy_fast", "toy_slow"] and tuning.recheck_due(spec)
+    assert "provisional: a second look at toy_fast, toy_slow" in tuning.format_timings(entry)
+    backend, stable = dispatch.select_stable(spec, "fastest")
+    assert backend.name == "toy_fast" and not stable              # provisional: not remembered per call
+    assert tuning.recheck(spec, cands) is None                    # not due yet: nothing timed
+    monkeypatch.setitem(COST, "toy_slow", 0.5)                    # its steady-state speed
+    monkeypatch.setattr(tuning, "RECHECK_AFTER_S", 0.0)
+    entry = tuning.timing_details(spec)
+    entry["recheck"]["at"] = 0.0                                  # (the moment has come)
+    assert dispatch.select_stable(spec, "fastest")[0].name == "toy_slow"
+    final = tuning.timing_details(spec)
+    assert "recheck" not in final and final["winner"] == "toy_slow"
+    assert final["rechecked"]["first_winner"] == "toy_fast" and final["rechecked"]["first"]["toy_slow"]["ms"] == 1.5
+    backend, stable = dispatch.select_stable(spec, "fastest")
+    assert backend.name == "toy_slow" and stable                  # final: kept per call signature again
+
+
+def test_no_second_look_for_a_clear_winner_or_where_timing_is_forbidden(toys, clock, monkeypatch):
+    spec = _spec(sq=8, sk=40)                                     # toy_slow 5 x toy_fast: clear
+    assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast"
+    assert not tuning.recheck_due(spec) and "recheck" not in tuning.timing_details(spec)
+    monkeypatch.setitem(COST, "toy_slow", 1.2)
+    spec2 = _spec(sq=8, sk=100)                                   # another class (Sk bucket 128)
+    assert tuning.choose(spec2, ["toy_slow", "toy_fast"]) == "toy_fast" and tuning.recheck_due(spec2)
+    tuning.timing_details(spec2)["recheck"]["at"] = 0.0
+    monkeypatch.setattr(tuning, "_timing_forbidden", lambda spec: True)   # capture / compile tracing
+    n = len(clock.log)
+    assert tuning.recheck(spec2, force=True) is None and tuning.choose(spec2, ["toy_slow", "toy_fast"]) == "toy_fast"
+    assert len(clock.log) == n and tuning.recheck_due(spec2)      # nothing timed; still provisional
