@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_kvcache_gpu import capture_and_replay  # the capture / replay / compare of a decode step
 
 from portattn import kvcache
 from portattn.conformance.kvcache import KVProblem, check_kvcache, make_inputs
@@ -102,29 +103,4 @@ def test_cuda_graph_capture_with_a_paged_wide_row(as_row):
     as_row(cls, "paged", cfg)
     p = KVProblem(lengths=(1500, 3), seqlen_q=8, seqlen_new=8, heads_q=32, heads_kv=4, head_dim=128,
                   dtype="bfloat16", page_size=16, pages_per_seq=128)
-    inp = make_inputs(p, DEV)
-    kc, vc = inp["k_cache"], inp["v_cache"]
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    q_s, k_s, v_s = inp["q"].clone(), inp["k"].clone(), inp["v"].clone()
-    lens_s = inp["cache_seqlens"].clone()
-    kw = dict(block_table=inp["block_table"], causal=True, return_lse=True, backend="triton")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        kvcache.attention_with_kvcache(q_s, kc.clone(), vc.clone(), k_s, v_s, cache_seqlens=lens_s, **kw)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_s, lse_s = kvcache.attention_with_kvcache(q_s, kc, vc, k_s, v_s, cache_seqlens=lens_s, **kw)
-    gen = torch.Generator(device=DEV).manual_seed(5)
-    lens = inp["cache_seqlens"].clone()
-    for _step in range(2):
-        for t in (q_s, k_s, v_s):
-            t.copy_(torch.randn(t.shape, generator=gen, device=DEV, dtype=torch.float32))
-        lens_s.copy_(lens)
-        graph.replay()
-        want, want_lse = kvcache.attention_with_kvcache(q_s.clone(), kc_ref, vc_ref, k_s.clone(), v_s.clone(),
-                                                        cache_seqlens=lens.clone(), **kw)
-        torch.cuda.synchronize()
-        assert torch.equal(out_s, want) and torch.equal(lse_s, want_lse)
-        lens += 8
+    capture_and_replay(p, steps=2)

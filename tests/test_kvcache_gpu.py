@@ -79,14 +79,12 @@ def test_triton_is_the_default_on_nvidia():
     assert exp.selected == "triton", str(exp)
 
 
-@pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("sq", [1, 8])
-def test_cuda_graph_capture_matches_eager(paged, sq):
-    """Capture one decode step (append + attention) and replay it on new q/k/v and lengths; each
-    replay equals the eager call on an identical cache, bit for bit, and the caches agree."""
-    layout = dict(page_size=16, pages_per_seq=128) if paged else dict(capacity=2048)
-    p = KVProblem(lengths=(1500, 3), seqlen_q=sq, seqlen_new=sq, heads_q=32, heads_kv=4, head_dim=128,
-                  dtype="bfloat16", **layout)
+def capture_and_replay(p: KVProblem, steps: int) -> dict:
+    """Capture one decode step (append + attention, through ``p``'s block table when paged) and
+    replay it ``steps`` times on new q/k/v and lengths (``p.seqlen_new`` more each time); each
+    replay equals the eager call on an identical cache, bit for bit. Returns the inputs
+    (``inp``), the captured caches (``kc``, ``vc``) and the eager ones (``kc_ref``, ``vc_ref``),
+    the step's q/k/v and the lengths after the last step (``lens``)."""
     inp = make_inputs(p, DEV)
     kc, vc = inp["k_cache"], inp["v_cache"]
     kc_ref, vc_ref = kc.clone(), vc.clone()
@@ -106,7 +104,7 @@ def test_cuda_graph_capture_matches_eager(paged, sq):
 
     gen = torch.Generator(device=DEV).manual_seed(5)
     lens = inp["cache_seqlens"].clone()
-    for _step in range(3):
+    for _step in range(steps):
         for t in (q_s, k_s, v_s):
             t.copy_(torch.randn(t.shape, generator=gen, device=DEV, dtype=torch.float32))
         lens_s.copy_(lens)
@@ -115,13 +113,26 @@ def test_cuda_graph_capture_matches_eager(paged, sq):
                                                         cache_seqlens=lens.clone(), **kw)
         torch.cuda.synchronize()
         assert torch.equal(out_s, want) and torch.equal(lse_s, want_lse)
-        lens += sq
+        lens += p.seqlen_new
+    return dict(inp=inp, kc=kc, vc=vc, kc_ref=kc_ref, vc_ref=vc_ref, q=q_s, k=k_s, v=v_s, lens=lens)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("sq", [1, 8])
+def test_cuda_graph_capture_matches_eager(paged, sq):
+    """Capture one decode step (append + attention) and replay it on new q/k/v and lengths; each
+    replay equals the eager call on an identical cache, bit for bit, and the caches agree."""
+    layout = dict(page_size=16, pages_per_seq=128) if paged else dict(capacity=2048)
+    p = KVProblem(lengths=(1500, 3), seqlen_q=sq, seqlen_new=sq, heads_q=32, heads_kv=4, head_dim=128,
+                  dtype="bfloat16", **layout)
+    r = capture_and_replay(p, steps=3)
+    kc, vc, kc_ref, vc_ref, lens = r["kc"], r["vc"], r["kc_ref"], r["vc_ref"], r["lens"]
     assert torch.equal(torch.nan_to_num(kc, nan=7.0), torch.nan_to_num(kc_ref, nan=7.0))
     assert torch.equal(torch.nan_to_num(vc, nan=7.0), torch.nan_to_num(vc_ref, nan=7.0))
     # and the eager result itself is right (against the float64 oracle) on the last state
     last = KVProblem(**{**p.__dict__, "lengths": tuple(int(x) for x in (lens - sq).tolist())})
-    state = dict(inp, k_cache=kc_ref.clone(), v_cache=vc_ref.clone(), q=q_s.clone(), k=k_s.clone(), v=v_s.clone(),
-                 cache_seqlens=(lens - sq).to(torch.int32))
+    state = dict(r["inp"], k_cache=kc_ref.clone(), v_cache=vc_ref.clone(), q=r["q"].clone(), k=r["k"].clone(),
+                 v=r["v"].clone(), cache_seqlens=(lens - sq).to(torch.int32))
     # the oracle appends again at the same positions: the same values, so the expected caches hold
     _ok(check_kvcache(last, "triton", DEV, inputs=state)[:2])
 
