@@ -175,6 +175,17 @@ def clock_for(device):
     return timing.clock_for(device)
 
 
+def _policy_fields(spec) -> dict:
+    """The policy's remembered record of ``spec``'s class as a row's fields: its choice, the
+    candidates tied with it, its tuning time and each candidate's timing (or why it has none)."""
+    details = tuning.timing_details(spec) or {}
+    keep = ("ms", "spread", "pruned", "failed", "error", "skipped")
+    return {"policy_choice": details.get("winner"), "policy_tied": details.get("tied"),
+            "policy_tuning_s": details.get("tuning_s"),
+            "policy_record": {n: {key: val for key, val in r.items() if key in keep}
+                              for n, r in details.get("results", {}).items()}}
+
+
 def bench_cell(cell: dict, mode: str, impls: list[str], dtype, device, clock, deadline: float | None = None,
                cells_left: int = 1) -> dict:
     """One cell: the policy's first call (its tuning), every implementation once and checked on
@@ -196,13 +207,7 @@ def bench_cell(cell: dict, mode: str, impls: list[str], dtype, device, clock, de
         row["policy_first_call_s"] = time.perf_counter() - t0
     except Exception as exc:
         row["policy_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-    details = tuning.timing_details(spec) or {}
-    row["policy_choice"] = details.get("winner")
-    row["policy_tied"] = details.get("tied")
-    row["policy_tuning_s"] = details.get("tuning_s")
-    row["policy_record"] = {n: {key: val for key, val in r.items() if key in ("ms", "spread", "pruned", "failed",
-                                                                           "error", "skipped")}
-                            for n, r in details.get("results", {}).items()}
+    row.update(_policy_fields(spec))
     # 2. every implementation once, checked on the slice
     pack = reference_slice(q, k, v, causal, dout)
     fns = {}
@@ -228,13 +233,8 @@ def bench_cell(cell: dict, mode: str, impls: list[str], dtype, device, clock, de
         tuning.recheck(spec, force=True)
         _sync(device)
         row["policy_recheck_s"] = time.perf_counter() - t0
-        details = tuning.timing_details(spec) or {}
         row["policy_first_choice"] = row["policy_choice"]
-        row["policy_choice"] = details.get("winner")
-        row["policy_tied"] = details.get("tied")
-        row["policy_record"] = {n: {key: val for key, val in r.items() if key in ("ms", "spread", "pruned", "failed",
-                                                                               "error", "skipped")}
-                                for n, r in details.get("results", {}).items()}
+        row.update(_policy_fields(spec))
     # 3. timings: all implementations against each other, interleaved rounds
     if deadline is None:
         left = 1e3

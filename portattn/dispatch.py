@@ -207,8 +207,8 @@ def select_stable(spec: AttentionSpec, backend: str | None = None) -> tuple[Back
     names, _ = _requested(backend)
     fits = _fitting(spec, names)
     if names == (FASTEST,):
-        winner = tuning.lookup(spec)   # a class timed before: its winner, no timing, no sync
-        if winner is not None and not tuning.recheck_due(spec):
+        winner = tuning.lookup(spec, final=True)   # a class timed before: its winner, no timing, no sync
+        if winner is not None:
             for b in fits:
                 if b.name == winner:
                     if _runs(b, spec):

@@ -186,10 +186,9 @@ def compare(fns: dict[str, Callable], clock, *, warmup: int = 2, warmup_ms: floa
             on_error=None) -> dict[str, Timing]:
     """Time the callables of ``fns`` against each other (module docstring). ``deadline``
     (``clock.now()`` units) stops starting rounds after ``min_rounds``; ``warmup_ms`` extends the
-    warm-up by wall time (step 1); ``max_rounds`` (default
-    ``rounds``: no settling) bounds the rounds run while :func:`unsettled` names a callable;
-    ``on_error(name, exc)``
-    runs when a callable raises (it is then left out, with its ``error``). Python's cyclic
+    warm-up by wall time (step 1); ``max_rounds`` (default ``rounds``: no settling) bounds the
+    rounds run while :func:`unsettled` names a callable; ``on_error(name, exc)`` runs when a
+    callable raises (it is then left out, with its ``error``). Python's cyclic
     garbage collector is paused meanwhile (as ``timeit`` does: a collection inside one sample
     would be charged to whichever callable it hit). Returns a :class:`Timing` per name, in the
     order of ``fns``."""

@@ -534,9 +534,9 @@ def _measure(names: list[str], spec: AttentionSpec, *, on_error=None) -> dict[st
         except Exception as exc:
             errors[name] = timing.Timing(None, error=timing._error(exc))
     clock = _clock(spec.device)
-    out = timing.compare(fns, clock, warmup=WARMUP, warmup_ms=WARMUP_MS, rounds=ROUNDS, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS,
-                         round_ms=ROUND_MS, samples_per_round=SAMPLES_PER_ROUND, prune=PRUNE,
-                         deadline=clock.now() + TUNE_BUDGET_S, on_error=on_error)
+    out = timing.compare(fns, clock, warmup=WARMUP, warmup_ms=WARMUP_MS, rounds=ROUNDS, min_rounds=MIN_ROUNDS,
+                         max_rounds=MAX_ROUNDS, round_ms=ROUND_MS, samples_per_round=SAMPLES_PER_ROUND,
+                         prune=PRUNE, deadline=clock.now() + TUNE_BUDGET_S, on_error=on_error)
     return {n: errors.get(n) or out[n] for n in names}
 
 
@@ -614,11 +614,15 @@ def _fallback(key: str, candidates: list[str], entry: dict | None) -> str:
         f"pin a backend (backend=...) or add 'reference' to the candidates", reasons)
 
 
-def lookup(spec: AttentionSpec) -> str | None:
+def lookup(spec: AttentionSpec, *, final: bool = False) -> str | None:
     """The remembered winner of ``spec``'s class, or None — no timing, no device sync (the fast
-    path: dispatch may try it first and verify that the winner has no reasons). After the first
-    sight of a problem this is one dict hit on a tuple of the spec's attributes."""
-    return _hot_get(spec)[1]
+    path: dispatch may try it first and verify that the winner has no reasons); ``final``: None
+    also while the choice is provisional (a second look pending, :func:`recheck_due`). After
+    the first sight of a problem this is one dict hit on a tuple of the spec's attributes."""
+    entry, winner = _hot_get(spec)
+    if final and entry is not None and "recheck" in entry:
+        return None
+    return winner
 
 
 def cached_choice(spec: AttentionSpec, candidates: list[str]) -> str | None:
@@ -723,11 +727,10 @@ def _tune(spec: AttentionSpec, candidates: list[str], key: str, store: _Store, p
         "tuned_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "tuning_s": round(time.perf_counter() - t_start + (old or {}).get("tuning_s", 0.0), 3),
     }
-    among = _close_to_winner(results, order)
-    if among and not (old or {}).get("rechecked"):
-        entry["recheck"] = {"at": time.time() + RECHECK_AFTER_S, "among": among}
-    elif old and old.get("rechecked"):
+    if old and old.get("rechecked"):   # a class that had its second look keeps it
         entry["rechecked"] = old["rechecked"]
+    elif among := _close_to_winner(results, order):
+        entry["recheck"] = {"at": time.time() + RECHECK_AFTER_S, "among": among}
     return _keep(entry, key, store)
 
 

@@ -103,6 +103,12 @@ def _progress():
                     TimeElapsedColumn())
 
 
+def _row(label: str, spec) -> tuple:
+    """``(label, winner, timing lines)`` of a tuned class, as :func:`run` prints it."""
+    info = timing_details(spec)
+    return label, info.get("winner"), format_timings(info).split("\n", 1)[-1]
+
+
 def run(args) -> int:
     """Time each shape's class (skipping classes already cached) and print the winners."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
@@ -151,10 +157,10 @@ def run(args) -> int:
                     bar.update(task, description=f"{label}: {name}")
                 else:
                     print(f"[{i + 1}/{len(jobs)}] {label}: {name}", flush=True)
-            entry = tune(spec, candidates, progress=step)
+            tune(spec, candidates, progress=step)
             if recheck_due(spec):
                 provisional.append((len(rows), i, candidates))
-            rows.append((label, entry.get("winner"), format_timings(timing_details(spec)).split("\n", 1)[-1]))
+            rows.append(_row(label, spec))
             if bar:
                 bar.advance(task)
             del spec
@@ -165,8 +171,7 @@ def run(args) -> int:
             if bar:
                 bar.update(task, description=f"{rows[row][0]}: second look")
             recheck(spec, candidates, force=True)
-            rows[row] = (rows[row][0], timing_details(spec).get("winner"),
-                         format_timings(timing_details(spec)).split("\n", 1)[-1])
+            rows[row] = _row(rows[row][0], spec)
             del spec
     for label, winner, detail in rows:
         print(f"{label}: {winner or '-'}\n{detail}")

@@ -397,6 +397,15 @@ def _sweep(pts, trial, spec, deadline, progress, tiny, group, max_candidates, sm
         progress(f"time limit ({time_limit:.0f} s) reached: {skipped} point/candidate pairs skipped")
 
 
+def write_results(out: str, stem: str, result: dict, text: str) -> None:
+    """``result`` as ``out/stem.json`` and the report ``text`` as ``out/stem.txt``."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as fh:
+        json.dump(result, fh, indent=1, default=str)
+    with open(os.path.join(out, f"{stem}.txt"), "w") as fh:
+        fh.write(text + "\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -426,11 +435,7 @@ def main(argv=None) -> int:
     text = report(result)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "decode-sweep.json"), "w") as fh:
-            json.dump(result, fh, indent=1, default=str)
-        with open(os.path.join(args.out, "decode-sweep.txt"), "w") as fh:
-            fh.write(text + "\n")
+        write_results(args.out, "decode-sweep", result, text)
         print(f"\nwrote {args.out}/decode-sweep.json and decode-sweep.txt")
     return 0 if all(t.get("ok") for t in result["trials"] if t["cand"] == "heuristic") else 1
 

@@ -35,9 +35,7 @@ _T0 = time.time()   # the process's start: --time-limit counts imports and set-u
 
 import argparse  # noqa: E402
 import importlib.util  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -316,11 +314,7 @@ def main(argv=None) -> int:
     text = report(result, variants)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "decode-variants.json"), "w") as fh:
-            json.dump(result, fh, indent=1, default=str)
-        with open(os.path.join(args.out, "decode-variants.txt"), "w") as fh:
-            fh.write(text + "\n")
+        ds.write_results(args.out, "decode-variants", result, text)
         print(f"\nwrote {args.out}/decode-variants.json and decode-variants.txt ({time.time() - _T0:.0f} s)")
     return 0 if all(t.get("ok") for t in result["trials"]) else 1
 

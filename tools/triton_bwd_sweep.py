@@ -247,16 +247,12 @@ def report(cells, cands, table) -> str:
     for d in sorted({c["d"] for c in cells}):
         dc = [c for c in cells if c["d"] == d and c["triton"]]
         names = ["table"] + [label(t) for t in cands[d][1:]]
-        scores = {}
-        for i, name in enumerate(names):
-            rel = [c["triton"][name] / min(c["triton"].values()) for c in dc if name in c["triton"]]
-            if dc and len(rel) == len(dc):
-                scores[name] = (sum(rel) / len(rel), i)
+        scores = base.mean_relative(dc, names)
         if not scores:
             lines.append(f"D{d}: no candidate timed in every cell")
             continue
         pretty = lambda n: f"{label(table[d])} (table)" if n == "table" else n  # noqa: E731
-        ranking = ", ".join(f"{pretty(n)} {v:.3f}" for n, (v, _) in sorted(scores.items(), key=lambda kv: kv[1][0]))
+        ranking = base.ranking_text(scores, pretty)
         lines.append(f"D{d}: mean time relative to each cell's best: {ranking}")
         best = min(scores, key=lambda n: scores[n][0])
         lines.append(f"D{d}: best row {pretty(best)}: " + ", ".join(_verdict(d, c, c["triton"][best]) for c in dc))

@@ -541,6 +541,22 @@ def _fwd_cell_line(c, table_cfg) -> str:
             f" | best {name} {_fwd_flops(c) / ms / 1e9:4.0f} TF x cuDNN {r(cu, ms)} x FA2 {r(fa, ms)}")
 
 
+def mean_relative(cells: list[dict], names: list[str]) -> dict:
+    """``name -> (mean over cells of its triton time relative to the cell's fastest, its index
+    in names)`` for the names timed in every one of ``cells`` (their ``"triton"`` dicts)."""
+    scores = {}
+    for i, name in enumerate(names):
+        rel = [c["triton"][name] / min(c["triton"].values()) for c in cells if name in c["triton"]]
+        if cells and len(rel) == len(cells):
+            scores[name] = (sum(rel) / len(rel), i)
+    return scores
+
+
+def ranking_text(scores: dict, pretty) -> str:
+    """``mean_relative``'s scores, best first, as ``"name 1.000, other 1.061"``."""
+    return ", ".join(f"{pretty(n)} {v:.3f}" for n, (v, _) in sorted(scores.items(), key=lambda kv: kv[1][0]))
+
+
 def _fwd_report(cells, cands, table) -> str:
     """Per cell the best candidate; per head dim the config with the least mean time relative to
     each cell's best (the config-table row to paste) and the verdict against issue #14's targets."""
@@ -552,18 +568,14 @@ def _fwd_report(cells, cands, table) -> str:
     for d in sorted({c["d"] for c in cells}):
         dc = [c for c in cells if c["d"] == d and c["triton"]]
         names = ["table"] + [_fwd_label(t) for t in cands[d][1:]]
-        scores = {}
-        for i, name in enumerate(names):
-            rel = [c["triton"][name] / min(c["triton"].values()) for c in dc if name in c["triton"]]
-            if dc and len(rel) == len(dc):
-                scores[name] = (sum(rel) / len(rel), i)
+        scores = mean_relative(dc, names)
         if not scores:
             lines.append(f"D{d}: no config timed in every cell")
             continue
         best = min(scores, key=lambda n: scores[n][0])
         t = cands[d][scores[best][1]]
         pretty = lambda n: table[d].short() + " (table)" if n == "table" else n  # noqa: E731
-        ranking = ", ".join(f"{pretty(n)} {v:.3f}" for n, (v, _) in sorted(scores.items(), key=lambda kv: kv[1][0]))
+        ranking = ranking_text(scores, pretty)
         lines.append(f"D{d}: mean time relative to each cell's best: {ranking}")
         verdict = []
         for c in dc:

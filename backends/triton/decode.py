@@ -111,6 +111,12 @@ def page_fit(page_size: int, block_n: int, page_ids: bool = False, page_direct: 
     return fit + PAGE_FIT_IDS if page_ids and fit != PAGE_FIT_TILE else fit
 
 
+def page_fit_for(cfg, page_size: int) -> int:
+    """:func:`page_fit` of a decode config (a :class:`.configs.DecodeConfig` may turn on
+    ``page_ids`` / ``page_direct``; a plain ``KernelConfig`` has neither)."""
+    return page_fit(page_size, cfg.block_n, getattr(cfg, "page_ids", False), getattr(cfg, "page_direct", False))
+
+
 # ----- kernels ------------------------------------------------------------------------------
 
 @triton.jit
@@ -633,8 +639,7 @@ def _build_launch(kv, config) -> _Launch:
         # HEAD_D, HEAD_DV, BLOCK_D, BLOCK_M, BLOCK_N, SPLIT, PAGED, PAGE_FIT, BOTTOM_RIGHT, SOFTCAP, ALIBI, IEEE,
         # RAW_SCORES, APPEND (set below)
         kv.head_dim, dv, block_d, block_m, cfg.block_n, splits > 1, kv.paged,
-        page_fit(kv.page_size, cfg.block_n, getattr(cfg, "page_ids", False), getattr(cfg, "page_direct", False))
-        if kv.paged else PAGE_FIT_GENERAL,
+        page_fit_for(cfg, kv.page_size) if kv.paged else PAGE_FIT_GENERAL,
         kv.alignment == "bottom_right",
         softcap is not None, kv.alibi_slopes is not None, ieee, raw,
     )

@@ -179,8 +179,8 @@ def _signature(fn, case: Case):
         RAW_SCORES=case.dtype == torch.float32 and not f.softcap and not f.alibi and f.bias_mode != kernels.BIAS_ADD,
         EXACT_STATS=case.dtype == torch.float32, LONGEST_FIRST=not f.bottom_right,
         RESIDUAL=case.dtype != torch.float32,
-        TMA=getattr(cfg, "tma", False), WS=getattr(cfg, "ws", False),
-        PART=2 if getattr(cfg, "split", False) else 0,   # attn_bwd_dkdv: a split config's heavier (dK) launch
+        TMA=cfg.tma, WS=cfg.ws,
+        PART=2 if cfg.split else 0,   # attn_bwd_dkdv: a split config's heavier (dK) launch
     )
     bias_ty = "*u8" if f.bias_mode == kernels.BIAS_BOOL else f"*{dt}"
     signature, constexprs, attrs = {}, {}, {}
@@ -437,15 +437,14 @@ _DECODE_FLOATS = {"qk_scale2", "softcap_scale", "softcap2"}
 
 
 def _decode_signature(fn, case: Case):
-    from .decode import page_fit
+    from .decode import page_fit_for
     f = case.features
     dt = _TRITON_DTYPE[case.dtype]
     cfg = case.config
     values = dict(
         HEAD_D=f.head_d or case.block_d, HEAD_DV=f.head_dv or case.block_d, BLOCK_D=case.block_d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=f.num_splits > 1, PAGED=f.paged,
-        PAGE_FIT=page_fit(f.page_size, cfg.block_n, getattr(cfg, "page_ids", False),
-                          getattr(cfg, "page_direct", False)) if f.paged else 0,
+        PAGE_FIT=page_fit_for(cfg, f.page_size) if f.paged else 0,
         BOTTOM_RIGHT=f.bottom_right, SOFTCAP=f.softcap, ALIBI=f.alibi,
         IEEE=case.dtype == torch.float32 and f.ieee,
         RAW_SCORES=case.dtype == torch.float32 and not f.softcap and not f.alibi, APPEND=f.append,
