@@ -10,14 +10,14 @@ lse -inf."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _scripts import load_script
 from portattn.backends.triton import configs
 from portattn.backends.triton.configs import DecodeConfig, KernelConfig, Target
+from test_kvcache import _paged_copy  # a cache laid into a shuffled, NaN-padded pool of pages
+from test_triton_portability import compile_in_subprocess  # GPU-target compiles, one JSON line back
 
 from portattn import kvcache
 
@@ -33,19 +33,6 @@ def _decode():
         pytest.skip("interpreter test (CPU tensors)")
     from portattn.backends.triton import decode
     return decode
-
-
-def _paged_copy(cache, page_size, seed):
-    """``cache`` (B, S, Hkv, D) in a shuffled pool of pages (2 spare, NaN): ``(pool, block_table)``."""
-    b, cap, hkv, d = cache.shape
-    pps = cap // page_size
-    pool = torch.full((pps * b + 2, page_size, hkv, d), float("nan"), dtype=cache.dtype)
-    perm = torch.randperm(pps * b + 2, generator=torch.Generator().manual_seed(seed))
-    bt = perm[: pps * b].view(b, pps).to(torch.int32)
-    for i in range(b):
-        for j in range(pps):
-            pool[bt[i, j]] = cache[i, j * page_size:(j + 1) * page_size]
-    return pool, bt
 
 
 @pytest.mark.parametrize("sq", [1, 4])
@@ -163,13 +150,7 @@ def test_rows_table_replaces_the_rule_for_its_class_and_layout(monkeypatch):
 
 @pytest.fixture(scope="module")
 def variants_tool():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "tools" / "decode_variants.py"
-    spec = importlib.util.spec_from_file_location("decode_variants", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("decode_variants", "tools")
 
 
 def test_variants_grid_and_classes(variants_tool):
@@ -266,11 +247,7 @@ def test_page_id_variants_cross_compile_for_every_portability_target():
     sm_80, sm_90, gfx90a and gfx942 within each target's shared memory (the portability
     check's targets; its own case list covers the table's configs)."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run([sys.executable, "-c", _IDS_COMPILE], capture_output=True, text=True, env=env, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    rows = compile_in_subprocess(_IDS_COMPILE)
     assert {r["target"] for r in rows} == {"sm_80", "sm_90", "gfx90a", "gfx942"}
     assert all(r["fit"] >= 4 and r["shared"] <= r["limit"] for r in rows), rows
     assert {r["fit"] for r in rows} == {4, 6, 9, 10}

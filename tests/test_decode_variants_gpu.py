@@ -5,11 +5,9 @@ new rows appended, a length-0 sequence), and one CUDA-graph capture with a paged
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from _scripts import load_script
 from test_kvcache_gpu import capture_and_replay  # the capture / replay / compare of a decode step
 
 from portattn import kvcache
@@ -20,11 +18,7 @@ DEV = "cuda"
 
 
 def _tool():
-    path = Path(__file__).resolve().parents[1] / "tools" / "decode_variants.py"
-    spec = importlib.util.spec_from_file_location("decode_variants", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("decode_variants", "tools")
 
 
 def _variants(new_paths_only: bool = False):

@@ -114,6 +114,17 @@ def test_float32_scores_are_float64_dots_in_the_ptx(ptx_ops):
     assert not any(".f64" in op for op in ptx_ops["bf16"]), ptx_ops["bf16"]
 
 
+def compile_in_subprocess(code: str):
+    """Run ``code`` (which compiles kernels for GPU targets and prints one JSON line last) in a
+    fresh interpreter without ``TRITON_INTERPRET`` (fp fusion on by default, as the launches pin
+    it); returns that JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def test_tma_forward_compiles_to_bulk_tensor_copies_on_sm90_only():
     """The forward's ``tma`` variant (issue #14) compiles for sm_90 to TMA copies
     (cp.async.bulk.tensor) feeding wgmma, with no cp.async left; the pointer kernel has no TMA;
@@ -137,10 +148,7 @@ def test_tma_forward_compiles_to_bulk_tensor_copies_on_sm90_only():
         "        out[f'{tgt} {name}'] = dict(tma=c.tma, bulk=asm.count('cp.async.bulk.tensor'),\n"
         "            wgmma=asm.count('wgmma.mma_async'), cp_async=len(re.findall(r'cp\\.async\\.(?:ca|cg)', asm)))\n"
         "print(json.dumps(out))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
+    got = compile_in_subprocess(code)
     tma = got["sm_90 table"]
     assert tma["tma"] and tma["bulk"] > 0 and tma["wgmma"] > 0 and tma["cp_async"] == 0, got
     plain = got["sm_90 plain"]
@@ -181,11 +189,7 @@ def test_paged_decode_tiles_compile_and_pipeline_like_contiguous():
     iteration), and the pages that fit the tile (a multiple of BLOCK_N, or a divisor) leave no
     per-row integer division by a run-time value in the loop (issue #13: those made 64-row paged tiles 0.53-0.85x
     of contiguous on the H200)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run([sys.executable, "-c", _PAGED_DECODE], capture_output=True, text=True, env=env, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    rows = compile_in_subprocess(_PAGED_DECODE)
     assert {r["target"] for r in rows} == {"sm_80", "sm_90", "gfx90a", "gfx942"}
     for r in rows:
         assert 0 < r["shared"] <= r["limit"], r
