@@ -176,11 +176,13 @@ def test_strided_view_equals_contiguous_copy(device, data):
     """A strided view (NaN around it) gives the same bits as a contiguous copy of the same values."""
     problem = replace(data.draw(_problems(device), label="problem"), strided=True)
     note(f"problem: {problem!r}")
-    checker = Checker(problem, device)
-    for name, grads, bias_grad in _runnable(checker):
-        strided = checker.run_backend(name, grads=grads, bias_grad=bias_grad)
-        dense = checker.run_backend(name, grads=grads, bias_grad=bias_grad, problem=replace(problem, strided=False))
-        _assert_bit_equal(f"{name}: strided vs contiguous", strided, dense)
+    with _deterministic_mode():   # bits compared across runs (triton's atomic dQ otherwise)
+        checker = Checker(problem, device)
+        for name, grads, bias_grad in _runnable(checker):
+            strided = checker.run_backend(name, grads=grads, bias_grad=bias_grad)
+            dense = checker.run_backend(name, grads=grads, bias_grad=bias_grad,
+                                        problem=replace(problem, strided=False))
+            _assert_bit_equal(f"{name}: strided vs contiguous", strided, dense)
 
 
 def _sequence_slices(problem, b):
@@ -201,11 +203,13 @@ def test_sequences_are_independent(device, data):
     problem = data.draw(_problems(device, need=frozenset({"batch2"})), label="problem")
     b = data.draw(st.integers(0, problem.num_seqs - 1), label="kept sequence")
     note(f"problem: {problem!r}, kept sequence {b}")
-    checker = Checker(problem, device)
-    pick = _sequence_slices(problem, b)
-    for name, grads, bias_grad in _runnable(checker):
-        base = checker.run_backend(name, grads=grads, bias_grad=bias_grad)
-        moved = checker.run_backend(name, grads=grads, bias_grad=bias_grad, perturb_except=b)
+    with _deterministic_mode():   # bits compared across runs (triton's atomic dQ otherwise)
+        checker = Checker(problem, device)
+        pick = _sequence_slices(problem, b)
+        runs = [(name, checker.run_backend(name, grads=grads, bias_grad=bias_grad),
+                 checker.run_backend(name, grads=grads, bias_grad=bias_grad, perturb_except=b))
+                for name, grads, bias_grad in _runnable(checker)]
+    for name, base, moved in runs:
         pairs = [("out", base.out, moved.out), ("lse", base.lse, moved.lse)]
         pairs += [(g, base.grads[g], moved.grads[g]) for g in GRAD_NAMES if g in base.grads and g != "dbias"]
         for label, x, y in pairs:

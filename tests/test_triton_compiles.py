@@ -49,14 +49,17 @@ _CODE = textwrap.dedent(r"""
             return call
     launcher.fast = Recorder
 
-    for causal in (False, True):
-        for b, s in ((1, 1000), (1, 1024), (2, 2048), (4, 4096), (1, 4097), (3, 1536), (16, 512), (1, 16384)):
-            q, k, v = (torch.randn(b, s, 16, 128, dtype=torch.bfloat16) for _ in range(3))
-            spec = build_spec(q, k, v, causal=causal)
-            out, lse, res = ops.forward_for_backward(spec)
-            ops.forward(spec)
-            dout = torch.randn_like(out)
-            ops.backward(spec, out, lse, dout, residuals=res)
+    import os
+    for deterministic in ("1", "0"):   # the two-kernel backward, then atomic dQ (the sm_90 D128 atomic row)
+        os.environ["PORTATTN_DETERMINISTIC"] = deterministic
+        for causal in (False, True):
+            for b, s in ((1, 1000), (1, 1024), (2, 2048), (4, 4096), (1, 4097), (3, 1536), (16, 512), (1, 16384)):
+                q, k, v = (torch.randn(b, s, 16, 128, dtype=torch.bfloat16) for _ in range(3))
+                spec = build_spec(q, k, v, causal=causal)
+                out, lse, res = ops.forward_for_backward(spec)
+                ops.forward(spec)
+                dout = torch.randn_like(out)
+                ops.backward(spec, out, lse, dout, residuals=res)
     print(json.dumps({k: len(v) for k, v in seen.items()}))
 """)
 
@@ -69,5 +72,6 @@ def test_a_new_sequence_length_reuses_the_compiled_kernels():
     import json
     keys = json.loads(res.stdout.strip().splitlines()[-1])
     # one key per kernel variant: forward with and without the residual, times causal and not
-    # (LONGEST_FIRST); prep once; dQ and dK/dV once per causal flag — never one per length
-    assert keys == {"attn_fwd": 4, "attn_bwd_prep": 1, "attn_bwd_dq": 2, "attn_bwd_dkdv": 1}, keys
+    # (LONGEST_FIRST); prep once; dQ once per causal flag (deterministic only); dK/dV once per
+    # path (its own tiles and DQ_ATOMIC with atomic dQ) — never one per length
+    assert keys == {"attn_fwd": 4, "attn_bwd_prep": 1, "attn_bwd_dq": 2, "attn_bwd_dkdv": 2}, keys

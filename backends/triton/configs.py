@@ -77,11 +77,17 @@ class KernelConfig:
 @dataclass(frozen=True)
 class BackwardConfigs:
     """The backward's kernels: dK/dV (``block_n`` keys resident, ``block_m`` queries streaming),
-    dQ (``block_m`` queries resident, ``block_n`` keys streaming) and the row-statistics prep."""
+    dQ (``block_m`` queries resident, ``block_n`` keys streaming) and the row-statistics prep.
+
+    ``atomic``: the dK/dV config of FlashAttention-2's atomic dQ (the dK/dV kernel also adds
+    dS K into a float32 dQ with atomic adds; no dQ kernel), or None. Used by 16-bit calls that
+    do not request determinism and need no bias gradient (ops.backward); a separate row because
+    it holds one more (BLOCK_M, BLOCK_D) float32 tile per program."""
 
     dkdv: KernelConfig
     dq: KernelConfig
     prep: KernelConfig = KernelConfig(64, 16, 4, 1)
+    atomic: KernelConfig | None = None
 
 
 def device_target(device: torch.device) -> Target:
@@ -179,6 +185,23 @@ _BWD_NVIDIA = {
 }
 #: the fused dK/dV rows that a table's split rows stand for where the split does not apply (float32)
 _BWD_FUSED = {"hopper": {256: (32, 32, 4, 3)}}
+# atomic-dQ dK/dV rows (BackwardConfigs.atomic): BLOCK_D -> (BLOCK_M, BLOCK_N, warps, stages[, split]),
+# 16-bit only, for calls that do not request determinism; a missing entry keeps the two-kernel
+# backward. Not yet timed on a GPU (2026-12-01); tools/triton_sweep.py --bwd-variants times them
+# against the deterministic rows and prints the rows to paste. D 64 and 128 take the table's dK/dV
+# tiles (which the deterministic sweeps preferred over M32 N128 w8; FA2's D 128 backward uses
+# M64 N128 w8 too). D 256 splits and keeps 16 streamed queries: the table's M32 split row with atomic
+# dQ needs 229632 B of shared memory for sm_90 (triton 3.9 cross-compile; limit 232448), M16 180352.
+# sm_90 bf16 cross-compiles (triton 3.9, registers/stack bytes, every row at 255 registers): D64
+# M32 N128 w4 s3 904, w8 s3 16; D128 M64 N128 w8 s2 760, M32 N128 w8 s2 368; D256 split M16 N128 w8 s2
+# 344, M32 N128 680. Ampere and AMD: off (not timed there; the portability check compiles their
+# dK/dV rows with atomic dQ).
+_BWD_ATOMIC_NVIDIA: dict = {
+    "hopper": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (64, 128, 8, 2),
+               256: (16, 128, 8, 2, True)},
+    "ampere": {},
+    "small": {},
+}
 # AMD CDNA (64 KiB LDS): BLOCK_D -> (BLOCK_M, BLOCK_N, num_warps, num_stages, waves_per_eu)
 # (8 warps: with 4, the all-features variant spilled 10-170 VGPRs in the portability check)
 _FWD_AMD = {16: (128, 64, 8, 2, 2), 32: (128, 64, 8, 2, 2), 64: (128, 64, 8, 2, 2), 128: (128, 32, 8, 2, 2),
@@ -248,7 +271,21 @@ def backward_configs(target: Target, block_d: int, elem_size: int) -> BackwardCo
         amd = {}
     m1, n1, s1 = _shrink(m1, n1, s1, elem_size, block_d)
     m2, n2, s2 = _shrink(m2, n2, s2, elem_size, block_d)
-    return BackwardConfigs(KernelConfig(m1, n1, w1, s1, split=split, **amd), KernelConfig(m2, n2, w2, s2, **amd))
+    atomic = None
+    if target.vendor == "nvidia" and elem_size <= 2:   # the atomic path is 16-bit only (ops.backward)
+        row = _BWD_ATOMIC_NVIDIA[_nvidia_family(int(target.arch))].get(block_d)
+        if row is not None:
+            atomic = KernelConfig(*row[:4], split=len(row) > 4 and bool(row[4]))
+    return BackwardConfigs(KernelConfig(m1, n1, w1, s1, split=split, **amd), KernelConfig(m2, n2, w2, s2, **amd),
+                           atomic=atomic)
+
+
+def atomic_dkdv_config(target: Target, block_d: int, elem_size: int) -> KernelConfig:
+    """The dK/dV config that atomic dQ runs with on ``target``: the table's atomic row, or, where
+    the table has none (atomic dQ is off there), its dK/dV row, which the portability check
+    compiles with ``DQ_ATOMIC`` so that turning a row on is known to compile."""
+    bwd = backward_configs(target, block_d, elem_size)
+    return bwd.atomic or bwd.dkdv
 
 
 #: Targets the portability check compiles for, with their shared memory (LDS) limit in bytes.

@@ -24,8 +24,10 @@ Conventions shared by all kernels (docs/semantics.md):
   without the residual, recompute the max ``m`` and sum ``l`` exactly as the forward does and keep
   them apart (see the backward section below, and docs/triton.md).
 
-Nothing here uses atomics: dK/dV and dQ are computed by separate kernels that each own their
-output tile, so gradients are bit-identical across runs by construction.
+By default nothing uses atomics: dK/dV and dQ are computed by separate kernels that each own
+their output tile, so gradients are bit-identical across runs by construction. Only when
+determinism is not requested may the host pick FlashAttention-2's atomic dQ (``attn_bwd_dkdv``
+with ``DQ_ATOMIC``: dQ accumulated in float32 with atomic adds, the dQ kernel skipped).
 """
 
 from __future__ import annotations
@@ -490,6 +492,11 @@ def attn_fwd(
 # products without a transpose: 4 products; a config with ``split`` runs it as a dV launch and a
 # dK launch, 5 products, each program holding one accumulator). Every program owns its output
 # tile: no atomics, bit-identical gradients across runs.
+# FA2's atomic dQ (constexpr DQ_ATOMIC of the dK/dV kernel; only when determinism is not
+# requested, see ops.backward): the dK/dV loop also forms this tile pair's dQ share dS K (one
+# product) and adds it into a float32 dQ accumulator with atomic adds, and the dQ kernel is not
+# launched: 5 products per tile pair instead of 7 (6 instead of 8 with ``split``). The order of
+# the additions into dQ then depends on the schedule: dQ is not bit-identical across runs.
 
 @triton.jit
 def _load_tile_t(ptrs, rows, row_limit, cols, HEAD: tl.constexpr, BLOCK: tl.constexpr, CHECK_ROWS: tl.constexpr):
@@ -505,6 +512,24 @@ def _load_tile_t(ptrs, rows, row_limit, cols, HEAD: tl.constexpr, BLOCK: tl.cons
         else:
             x = tl.load(ptrs, mask=cols[:, None] < HEAD, other=0.0)
     return x
+
+
+@triton.jit
+def _atomic_add_tile_t(ptrs, x, rows, row_limit, cols, HEAD: tl.constexpr, BLOCK: tl.constexpr,
+                       CHECK_ROWS: tl.constexpr):
+    """Add a transposed (BLOCK, rows) float32 tile into memory atomically (the layout of
+    :func:`_load_tile_t`), skipping rows >= row_limit (``CHECK_ROWS``) and head columns >= HEAD.
+    Relaxed ordering: only the sum is read, after the launch."""
+    if CHECK_ROWS:
+        if HEAD == BLOCK:
+            tl.atomic_add(ptrs, x, mask=rows[None, :] < row_limit, sem="relaxed")
+        else:
+            tl.atomic_add(ptrs, x, mask=(rows[None, :] < row_limit) & (cols[:, None] < HEAD), sem="relaxed")
+    else:
+        if HEAD == BLOCK:
+            tl.atomic_add(ptrs, x, sem="relaxed")
+        else:
+            tl.atomic_add(ptrs, x, mask=cols[:, None] < HEAD, sem="relaxed")
 
 
 @triton.jit
@@ -767,16 +792,18 @@ def attn_bwd_dq(
 
 
 @triton.jit
-def _dkdv_band(dk, dv, k, v, qt_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, lo, hi, offs_m0, offs_n,
-               offs_d, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn, slope2,
-               qk_scale2, softcap_scale, softcap2, window_left, window_right,
+def _dkdv_band(dk, dv, k, v, qt_ptrs, do_ptrs, dqt_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, lo, hi,
+               offs_m0, offs_n, offs_d, sq, sk, off, stride_qs, stride_dos, stride_dqs, stride_bm, stride_bn, slope2,
+               sm_scale, qk_scale2, softcap_scale, softcap2, window_left, window_right,
                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                MASKED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, BIAS_MODE: tl.constexpr,
-               IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr, PART: tl.constexpr):
+               IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr, PART: tl.constexpr,
+               DQ_ATOMIC: tl.constexpr):
     """Query tiles ``[lo, hi)`` against the resident K/V tile, in the (key, query) orientation:
-    Sᵀ = K Qᵀ, Pᵀ, dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q (unscaled).
-    ``PART`` 1 does the dV half alone (2 products), 2 the dK half alone (3 products; ``v`` used
-    only there), 0 both (4 products)."""
+    Sᵀ = K Qᵀ, Pᵀ, dV += Pᵀ dO, dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q (unscaled);
+    with ``DQ_ATOMIC`` also dQᵀ += scale · Kᵀ dSᵀ, atomically into the float32 ``dqt_ptrs`` (FA2).
+    ``PART`` 1 does the dV half alone (2 products), 2 the dK half alone (3 products, 4 with
+    ``DQ_ATOMIC``; ``v`` used only there), 0 both (4 products, 5 with ``DQ_ATOMIC``)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
         qt = _load_tile_t(qt_ptrs + start_m * stride_qs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, MASKED)
@@ -794,19 +821,26 @@ def _dkdv_band(dk, dv, k, v, qt_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, 
             dst = pt * (dpt - delta[None, :])
             if SOFTCAP:
                 dst = dst * (1.0 - tt * tt)
-            dk = _mm(_round_to(dst, qt.dtype), tl.trans(qt), dk, IEEE)                      # dK += dSᵀ Q
+            dst = _round_to(dst, qt.dtype)
+            dk = _mm(dst, tl.trans(qt), dk, IEEE)                                           # dK += dSᵀ Q
+            if DQ_ATOMIC:
+                # FA2's dQ step, transposed like the loop: this key tile's share (dS K)ᵀ = Kᵀ dSᵀ of the
+                # query tile's dQ, scaled, added into the float32 accumulator (M dimension BLOCK_D >= 64: wgmma)
+                dqt = _mm(tl.trans(k), dst, None, IEEE) * sm_scale                          # dQᵀ += Kᵀ dSᵀ
+                _atomic_add_tile_t(dqt_ptrs + start_m * stride_dqs, dqt, offs_m, sq, offs_d, HEAD_D, BLOCK_D, MASKED)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=_SIZES)
 def attn_bwd_dkdv(
-    Q, K, V, DO, ROWMAX, ROWINV, DELTA, DK, DV, BIAS, SLOPES, CU_Q, CU_K,
+    Q, K, V, DO, ROWMAX, ROWINV, DELTA, DK, DV, DQ_ACC, BIAS, SLOPES, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
+    stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh,
     stride_bb, stride_bh, stride_bm, stride_bn,
     num_heads_q, num_heads_kv, gqa_ratio, seqlen_q, seqlen_k, total_q, total_k,
@@ -815,10 +849,15 @@ def attn_bwd_dkdv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     BIAS_MODE: tl.constexpr, IEEE: tl.constexpr, RAW_SCORES: tl.constexpr, EXACT_STATS: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr, PART: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr, PART: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     """dK, dV of one (key tile, batch·kv head): K/V resident, loop over the query heads of the
-    GQA group and over their query tiles. Each program owns its output tile (no atomics).
+    GQA group and over their query tiles. Each program owns its dK/dV tile (no atomics).
+
+    ``DQ_ATOMIC`` (16-bit, determinism not requested; ops.backward): the parts that form dSᵀ (0
+    and 2) also add scale · dS K into ``DQ_ACC``, a zero-initialised float32 tensor of q's shape
+    (strides ``stride_dq*``), with atomic adds, masked at rows >= Sq and columns >= HEAD_D: the
+    whole of dQ, so the dQ kernel is not launched.
 
     ``PART`` (a config's ``split``, :class:`configs.KernelConfig`): 0 computes both; 1 only dV
     (K resident, V never read, one float32 accumulator) and 2 only dK (K and V resident), as two
@@ -862,17 +901,21 @@ def attn_bwd_dkdv(
         do_ptrs = (DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h.to(tl.int64) * stride_doh
                    + offs_m0[:, None] * stride_dos + offs_d[None, :])
         row_base = b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start
+        # (DQ_ATOMIC) this head's float32 dQ rows, transposed as the Qᵀ tiles
+        dqt_ptrs = (DQ_ACC + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h.to(tl.int64) * stride_dqh
+                    + offs_m0[None, :] * stride_dqs + offs_d[:, None])
         bias_ptrs = BIAS + b64 * stride_bb + h.to(tl.int64) * stride_bh
         slope2 = 0.0
         if ALIBI:
             slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
         for phase in tl.static_range(3):
             start, stop = _phase_range(phase, lo, full_lo, full_hi, hi)
-            dk, dv = _dkdv_band(dk, dv, k, v, qt_ptrs, do_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs, start, stop,
-                                offs_m0, offs_n, offs_d, sq, sk, off, stride_qs, stride_dos, stride_bm, stride_bn,
-                                slope2, qk_scale2, softcap_scale, softcap2, window_left, window_right,
+            dk, dv = _dkdv_band(dk, dv, k, v, qt_ptrs, do_ptrs, dqt_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs,
+                                start, stop, offs_m0, offs_n, offs_d, sq, sk, off, stride_qs, stride_dos, stride_dqs,
+                                stride_bm, stride_bn, slope2, sm_scale, qk_scale2, softcap_scale, softcap2,
+                                window_left, window_right,
                                 HEAD_D, HEAD_DV, BLOCK_D, BLOCK_M, phase != 1, SOFTCAP, ALIBI, BIAS_MODE,
-                                IEEE, RAW_SCORES, EXACT_STATS, PART)
+                                IEEE, RAW_SCORES, EXACT_STATS, PART, DQ_ATOMIC)
 
     dk = dk * sm_scale
     dk_ptrs = (DK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + h_kv.to(tl.int64) * stride_dkh

@@ -401,7 +401,15 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
     then dQ and dK/dV. Otherwise (float32, or no residual): the dQ kernel recomputes exact row
     statistics first (``out`` and ``lse`` unread), then dK/dV. ``dlse`` (float32,
     ``spec.lse_shape``) is the gradient of the returned lse. ``grads``: ``(dq, dk, dv)`` buffers
-    to write into (views are fine), else new ones."""
+    to write into (views are fine), else new ones.
+
+    Atomic dQ (FlashAttention-2's): a 16-bit call with residuals that does not request
+    determinism (``spec.deterministic``: PORTATTN_DETERMINISTIC, torch.use_deterministic_algorithms;
+    docs/semantics.md "Gradients") and needs no bias gradient, on a target whose table has a
+    :attr:`BackwardConfigs.atomic` row, skips the dQ kernel: the dK/dV kernel (that row's tiles)
+    adds every tile pair's dS K into a zero-initialised float32 tensor of q's shape (B·S·H·D·4
+    bytes for the launch, from torch's caching allocator), cast into dq after. dQ is then not
+    bit-identical across runs (the order of the additions follows the schedule); dK, dV are."""
     want_dbias = (spec.attn_bias is not None and spec.attn_bias.dtype != torch.bool
                   and spec.attn_bias.requires_grad)
     if spec.is_empty:
@@ -452,29 +460,47 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
             spec.num_heads_q, spec.seqlen_q, _packed_totals(spec)[0],
             **_prep_kwargs(cp, consts["HEAD_DV"], consts["BLOCK_D"], varlen, has_dlse),
         )
-    # 1. dQ (and dBias; float32: the exact row statistics first): one program per (query tile, batch·head)
-    c2 = cfgs.dq
-    launcher.fast(kernels.attn_bwd_dq)[(_cdiv(spec.seqlen_q, c2.block_m), bh_q)](
-        q, k, v, dout, rowmax, rowinv, delta, dlse, dq, bias, dbias_arg, slopes, cu_q, cu_k,
-        *seq, *_seq3(dq.stride(), varlen),
-        *lse_strides, *bias_strides, *dbias_strides,
-        spec.num_heads_q, gqa, *sizes, *scalars,
-        **_launch_kwargs(c2, bias_mode, static_key, BIAS_GRAD=want_dbias, HAS_DLSE=has_dlse, EXACT_STATS=exact,
-                         LONGEST_FIRST=_causal_like(spec)),
-    )
+    c1 = atomic_config(spec, cfgs, exact, want_dbias)
+    if c1 is None:
+        # 1. dQ (and dBias; float32: the exact row statistics first): one program per (query tile, batch·head)
+        c1, dq_acc, dq_acc_strides = cfgs.dkdv, delta, (0, 0, 0)
+        c2 = cfgs.dq
+        launcher.fast(kernels.attn_bwd_dq)[(_cdiv(spec.seqlen_q, c2.block_m), bh_q)](
+            q, k, v, dout, rowmax, rowinv, delta, dlse, dq, bias, dbias_arg, slopes, cu_q, cu_k,
+            *seq, *_seq3(dq.stride(), varlen),
+            *lse_strides, *bias_strides, *dbias_strides,
+            spec.num_heads_q, gqa, *sizes, *scalars,
+            **_launch_kwargs(c2, bias_mode, static_key, BIAS_GRAD=want_dbias, HAS_DLSE=has_dlse, EXACT_STATS=exact,
+                             LONGEST_FIRST=_causal_like(spec)),
+        )
+    else:
+        # atomic dQ: accumulated in float32 by the dK/dV kernel below (rows no key reaches stay 0)
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=spec.device)
+        dq_acc_strides = _seq3(dq_acc.stride(), varlen)
     # 2. dK, dV (reads the row statistics): one program per (key tile, batch·kv head)
-    #    (a ``split`` config: a dV launch, then a dK launch, each program with one accumulator)
-    c1 = cfgs.dkdv
+    #    (a ``split`` config: a dV launch, then a dK launch, each program with one accumulator;
+    #    with atomic dQ the launch that forms dS also adds dS K into dq_acc)
     for part in ((1, 2) if c1.split else (0,)):
         launcher.fast(kernels.attn_bwd_dkdv)[(_cdiv(spec.seqlen_k, c1.block_n), spec.batch * spec.num_heads_kv)](
-            q, k, v, dout, rowmax, rowinv, delta, dk, dv, bias, slopes, cu_q, cu_k,
-            *seq, *_seq3(dk.stride(), varlen), *_seq3(dv.stride(), varlen),
+            q, k, v, dout, rowmax, rowinv, delta, dk, dv, dq_acc, bias, slopes, cu_q, cu_k,
+            *seq, *_seq3(dk.stride(), varlen), *_seq3(dv.stride(), varlen), *dq_acc_strides,
             *lse_strides, *bias_strides,
             spec.num_heads_q, spec.num_heads_kv, gqa, *sizes, *scalars,
             **_launch_kwargs(c1, bias_mode, static_key, EXACT_STATS=exact, LONGEST_FIRST=_anticausal_like(spec),
-                             PART=part),
+                             PART=part, DQ_ATOMIC=dq_acc is not delta),
         )
+    if dq_acc is not delta:
+        dq.copy_(dq_acc)
     return dq, dk, dv, dbias
+
+
+def atomic_config(spec, cfgs: BackwardConfigs, exact: bool, want_dbias: bool) -> KernelConfig | None:
+    """The dK/dV config of the atomic-dQ backward for this call, or None for the deterministic
+    two-kernel one: atomic only for 16-bit calls with residuals (not ``exact``) that do not request
+    determinism, need no bias gradient (the dQ kernel writes dBias) and whose table row has one."""
+    if exact or want_dbias or spec.deterministic:
+        return None
+    return cfgs.atomic
 
 
 @functools.lru_cache(maxsize=256)

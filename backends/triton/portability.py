@@ -40,6 +40,7 @@ from .configs import (
     PORTABILITY_TARGETS,
     KernelConfig,
     Target,
+    atomic_dkdv_config,
     backward_configs,
     forward_config,
 )
@@ -61,12 +62,14 @@ class Features:
     ieee: bool = True         # float32 only: IEEE products (False = TF32 where the target has it)
     head_d: int | None = None  # None = the padded dim itself; else a non-power-of-two dim
     head_dv: int | None = None
+    dq_atomic: bool = False   # attn_bwd_dkdv's DQ_ATOMIC (FA2's atomic dQ; configs.atomic_dkdv_config)
 
     def label(self) -> str:
         names = [n for n, on in (("varlen", self.varlen), ("top_left", not self.bottom_right),
                                  ("softcap", self.softcap), ("alibi", self.alibi),
                                  ("bias", self.bias_mode == 1), ("bool", self.bias_mode == 2),
-                                 ("dbias", self.bias_grad), ("dlse", self.dlse)) if on]
+                                 ("dbias", self.bias_grad), ("dlse", self.dlse),
+                                 ("atomic_dq", self.dq_atomic)) if on]
         if self.head_d is not None:
             names.append(f"D{self.head_d}/Dv{self.head_dv}")
         return "+".join(names) or "plain"
@@ -93,10 +96,13 @@ class Case:
 
 # ----- the case list ------------------------------------------------------------------------
 
-def _configs_for(kernel: str, target: Target, block_d: int, dtype: torch.dtype) -> KernelConfig:
+def _configs_for(kernel: str, target: Target, block_d: int, dtype: torch.dtype,
+                 features: Features = PLAIN) -> KernelConfig:
     es = ELEM_SIZES[dtype]
     if kernel == "attn_fwd":
         return forward_config(target, block_d, es)
+    if features.dq_atomic:
+        return atomic_dkdv_config(target, block_d, es)
     bwd = backward_configs(target, block_d, es)
     return {"attn_bwd_dkdv": bwd.dkdv, "attn_bwd_dq": bwd.dq, "attn_bwd_prep": bwd.prep}[kernel]
 
@@ -104,6 +110,9 @@ def _configs_for(kernel: str, target: Target, block_d: int, dtype: torch.dtype) 
 MAIN_KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
 ALL_FEATURES_ON = Features(varlen=True, bottom_right=False, softcap=True, alibi=True, bias_mode=1, bias_grad=True,
                            dlse=True, ieee=False)
+#: the atomic-dQ dK/dV kernel with every feature it can run with (a float bias, but no bias gradient)
+ATOMIC_FEATURES = Features(varlen=True, bottom_right=False, softcap=True, alibi=True, bias_mode=1, dlse=True,
+                           dq_atomic=True)
 
 
 def _odd_dims(block_d: int) -> tuple[int, int]:
@@ -129,7 +138,8 @@ def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
     out: list[Case] = []
     for target, limit in PORTABILITY_TARGETS:
         def add(kernel, dtype, block_d, features=PLAIN, target=target, limit=limit):
-            out.append(Case(kernel, target, limit, dtype, block_d, _configs_for(kernel, target, block_d, dtype), features))
+            cfg = _configs_for(kernel, target, block_d, dtype, features)
+            out.append(Case(kernel, target, limit, dtype, block_d, cfg, features))
 
         if smoke:
             add("attn_fwd", torch.bfloat16, 128, _with_odd_dims(ALL_FEATURES_ON, 128))
@@ -139,6 +149,7 @@ def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
                 add(kernel, torch.bfloat16, 128, _with_odd_dims(ALL_FEATURES_ON, 128))
             add("attn_fwd", torch.float32, 256)
             add("attn_bwd_prep", torch.bfloat16, 128, Features(varlen=True, dlse=True))
+            add("attn_bwd_dkdv", torch.bfloat16, 256, _with_odd_dims(ATOMIC_FEATURES, 256))
             continue
         for kernel in MAIN_KERNELS:
             for block_d in (64, 128, 256):
@@ -147,6 +158,11 @@ def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
             add(kernel, torch.float32, 64)
             add(kernel, torch.float32, 128, Features(ieee=False))
             add(kernel, torch.float32, 256)
+        # atomic dQ (16-bit only): every head dim's atomic row with every feature on; where the
+        # target's table has none (off there), its dK/dV row, so that turning it on is known to compile
+        for block_d in (64, 128, 256):
+            add("attn_bwd_dkdv", torch.float16, block_d, _with_odd_dims(ATOMIC_FEATURES, block_d))
+        add("attn_bwd_dkdv", torch.bfloat16, 128, Features(dq_atomic=True))
         add("attn_fwd", torch.bfloat16, 32, Features(varlen=True, bias_mode=2))
         add("attn_bwd_dq", torch.bfloat16, 32, Features(varlen=True, bias_mode=2))
         # the 16-bit backward's row-statistics kernel (no feature but varlen and dlse changes its code)
@@ -159,7 +175,7 @@ def cases(quick: bool = False, smoke: bool = False) -> list[Case]:
 # ----- building one compile -----------------------------------------------------------------
 
 _FLOAT_ARGS = {"qk_scale2", "softcap_scale", "softcap2", "sm_scale"}
-_FP32_PTRS = {"LSE", "ROWMAX", "ROWINV", "DELTA", "DLSE", "SLOPES"}
+_FP32_PTRS = {"LSE", "ROWMAX", "ROWINV", "DELTA", "DLSE", "SLOPES", "DQ_ACC"}
 _I32_PTRS = {"CU_Q", "CU_K"}
 
 
@@ -181,6 +197,7 @@ def _signature(fn, case: Case):
         RESIDUAL=case.dtype != torch.float32,
         TMA=cfg.tma, WS=cfg.ws,
         PART=2 if cfg.split else 0,   # attn_bwd_dkdv: a split config's heavier (dK) launch
+        DQ_ATOMIC=f.dq_atomic,
     )
     bias_ty = "*u8" if f.bias_mode == kernels.BIAS_BOOL else f"*{dt}"
     signature, constexprs, attrs = {}, {}, {}
@@ -262,7 +279,7 @@ def ptx_instructions(kernel: str, dtype: torch.dtype, features: Features = PLAIN
     from . import kernels
     target = next(t for t, _ in PORTABILITY_TARGETS if t.vendor == "nvidia" and int(t.arch) == arch)
     limit = dict(PORTABILITY_TARGETS)[target]
-    case = Case(kernel, target, limit, dtype, block_d, _configs_for(kernel, target, block_d, dtype), features)
+    case = Case(kernel, target, limit, dtype, block_d, _configs_for(kernel, target, block_d, dtype, features), features)
     fn = getattr(kernels, kernel)
     compiled = triton.compile(_ast_source(fn, *_signature(fn, case)), target=_gpu_target(target),
                               options=case.config.launch_options())
