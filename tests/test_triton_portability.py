@@ -38,6 +38,14 @@ def test_full_set_covers_every_config_the_backend_can_choose():
                 bwd = configs.backward_configs(target, block_d, elem)
                 for kernel, cfg in (("attn_fwd", fwd), ("attn_bwd_dkdv", bwd.dkdv), ("attn_bwd_dq", bwd.dq)):
                     assert (kernel, str(target), cfg) in compiled, (kernel, str(target), block_d, elem, cfg)
+    # atomic dQ (16-bit): every target's atomic dK/dV config, its table's dK/dV row where it has none
+    atomic = {(str(c.target), c.config) for c in portability.cases() if getattr(c.features, "dq_atomic", False)}
+    for target, _limit in configs.PORTABILITY_TARGETS:
+        if str(target) not in portability.ATOMIC_TARGETS:
+            continue
+        for block_d in configs.PADDED_DIMS:
+            cfg = configs.atomic_dkdv_config(target, block_d, 2)
+            assert (str(target), cfg) in atomic, (str(target), block_d, cfg)
     features = {c.features.label() for c in portability.cases()}
     for name in ("varlen", "softcap", "alibi", "bias", "bool", "dbias", "top_left"):
         assert any(name in f.split("+") for f in features), name
@@ -199,3 +207,36 @@ def test_paged_decode_tiles_compile_and_pipeline_like_contiguous():
     for r in hopper.values():
         assert r["async_copies"] == contiguous["async_copies"] and r["shared"] == contiguous["shared"], (r, contiguous)
         assert (r["vector_divs"] == 0) == (r["fit"] != 0), r     # only the general fit (page 24) divides per row
+
+
+_ATOMIC_DQ = r"""
+import json, re, torch, triton
+from portattn.backends.triton import configs as C, kernels, portability as P
+out = {}
+for d in (128, 256):
+    tgt = C.Target("nvidia", 90)
+    for atomic in (False, True):
+        cfg = C.atomic_dkdv_config(tgt, d, 2)
+        case = P.Case("attn_bwd_dkdv", tgt, 232448, torch.bfloat16, d, cfg, P.Features(dq_atomic=atomic))
+        k = triton.compile(P._ast_source(kernels.attn_bwd_dkdv, *P._signature(kernels.attn_bwd_dkdv, case)),
+                           target=P._gpu_target(tgt), options=cfg.launch_options())
+        ptx = k.asm["ptx"]
+        out[f"D{d} {atomic}"] = dict(shared=int(k.metadata.shared), wgmma=ptx.count("wgmma.mma_async"),
+                                     mma_sync=ptx.count("mma.sync"), red_f32=len(re.findall(r"red\.[a-z.]*add[a-z0-9.]*f32", ptx)),
+                                     atom=len(re.findall(r"\batom\.", ptx)))
+print(json.dumps(out))
+"""
+
+
+def test_atomic_dq_compiles_to_wgmma_and_float32_reductions_on_sm90():
+    """attn_bwd_dkdv with DQ_ATOMIC (issue #14) for sm_90's atomic rows (D 128, and D 256's split
+    row): every product a wgmma (dQ is formed transposed, Kᵀ dSᵀ, so its M dimension is the head
+    dim even for 16-row query tiles), dQ added with fire-and-forget float32 reductions (red, not
+    atom: nothing reads the old value), within the shared memory limit; without DQ_ATOMIC no
+    reduction is left. One subprocess, no GPU."""
+    got = compile_in_subprocess(_ATOMIC_DQ)
+    for d in (128, 256):
+        plain, atomic = got[f"D{d} False"], got[f"D{d} True"]
+        assert plain["red_f32"] == 0 and atomic["red_f32"] > 0 and atomic["atom"] == 0, got
+        assert atomic["wgmma"] > plain["wgmma"] > 0 and atomic["mma_sync"] == 0, got
+        assert atomic["shared"] <= 232448, got
