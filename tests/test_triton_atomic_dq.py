@@ -265,10 +265,12 @@ def test_determinism_requested_runs_the_two_kernel_path_bit_identically(atomic_r
                 torch.use_deterministic_algorithms(was[0], warn_only=was[1])
         for a, b in zip(*runs):
             assert torch.equal(a, b), f"{how}: the deterministic backward is not bit-identical across runs"
-    # both paths make the same dK, dV bits (the same products in the same order); dQ agrees to rounding
+    # dQ of both paths agrees to rounding; on the interpreter both make the same dK, dV bits (the
+    # same products in the same order: a GPU compile of another kernel variant may fuse differently)
     det = runs[0]
-    assert torch.equal(atomic[1], det[1]) and torch.equal(atomic[2], det[2])
     assert torch.allclose(atomic[0].float(), det[0].float(), atol=2e-2, rtol=2e-2)
+    if DEVICE == "cpu":
+        assert torch.equal(atomic[1], det[1]) and torch.equal(atomic[2], det[2])
 
 
 def test_bias_gradient_float32_and_no_row_keep_the_two_kernel_path(atomic_row, launches):

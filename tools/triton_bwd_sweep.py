@@ -1,23 +1,35 @@
-"""``tools/triton_sweep.py --bwd-variants``: the Triton backward's table rows against a few variants
-(issue #14: the backward at >= 1.0 x FA2), in ONE bounded run on one GPU.
+"""``tools/triton_sweep.py --bwd-variants``: the Triton backward with FlashAttention-2's atomic dQ
+against the deterministic two-kernel backward (issue #14: the backward at >= 1.0 x FA2), in ONE
+bounded run on one GPU.
 
-    python tools/triton_sweep.py --bwd-variants --out $OUT --time-limit 170 [--dims 128,256,64]
+    python tools/triton_sweep.py --bwd-variants --out $OUT --time-limit 185 [--dims 128,256,64]
 
-1. every candidate (the table's row for the head dim, then :data:`BWD_VARIANTS`) is compiled and
-   checked in ``--jobs`` parallel processes, causal and not: dq/dk/dv (and out, lse) against the
-   float64 reference under docs/semantics.md's equivalence rule (``portattn.testing.check_backend``,
-   i.e. ``portattn.numerics.compare``) on ragged bf16 problems, and bit-identical gradients over two
-   repeated backward passes; a failing candidate is reported, never timed;
+Candidates per head dim (bf16): ``det``, the table's deterministic rows (dQ kernel + dK/dV
+kernel); ``atomic``, the table's atomic-dQ row (``BackwardConfigs.atomic``: the dK/dV kernel also
+adds dS K into a float32 dQ, no dQ kernel; for D 256 also the table's dK/dV row with atomic dQ);
+and the atomic rows of :data:`ATOMIC_VARIANTS`. PORTATTN_DETERMINISTIC is cleared for the run
+(atomic dQ runs only when determinism is not requested).
+
+1. every candidate is compiled and checked in ``--jobs`` parallel processes, causal and not:
+   dq/dk/dv (and out, lse) against the float64 reference under docs/semantics.md's equivalence
+   rule (``portattn.testing.check_backend``, i.e. ``portattn.numerics.compare``) on ragged bf16
+   problems (S 200 and 333, several key tiles adding into each dQ row), then two backward passes
+   at S 640: ``det`` must repeat bit-identically; ``atomic`` must repeat dK and dV bit-identically
+   (each program owns its tile) and dQ to within 1 % of its largest element (the order of the
+   float32 additions follows the schedule: expect a bf16 ulp or so), and must have taken the
+   atomic path. A failing candidate is reported, never timed;
 2. the backward alone (``torch.autograd.grad`` of one saved forward, as benchmarks/bench_attention.py
    times it) of every passing candidate, beside torch SDPA's flash (FA2) and cuDNN backward, on bf16
    problems of 16k tokens and hidden 2048, S 1k/4k/16k, causal and not;
 3. ``triton_bwd_sweep.json`` and ``triton_bwd_sweep.txt`` under ``--out``, rewritten after every
-   timed cell (so an outer ``timeout`` keeps what was measured): per cell each candidate's
-   ratio x FA2 and x cuDNN; per head dim the best row over all cells, its verdict against the
-   targets and the ``_BWD_NVIDIA['hopper']`` row to paste).
+   timed cell (so an outer ``timeout`` keeps what was measured): per cell each candidate's time and
+   ratio x FA2 and x cuDNN; per head dim the ranking, the best row's verdict against the targets,
+   atomic's speed-up over ``det`` per cell, and last the ``_BWD_ATOMIC_NVIDIA['hopper']`` rows to
+   paste into backends/triton/configs.py (None where the deterministic backward was faster).
 
 Compile time counts against the limit: the compiles get 60% of it, and cells not reached in time
-are reported as such.
+are reported as such. On the H200 (16 cores, 14 compile processes) 30 compile+check jobs and 18
+cells fit in ~100-150 s with a cold triton cache.
 """
 
 from __future__ import annotations
@@ -32,57 +44,72 @@ import triton_sweep as base
 from portattn.backends.triton import ops
 from portattn.backends.triton.configs import BackwardConfigs, KernelConfig
 
-# candidates per head dim: (dK/dV (block_m streamed queries, block_n resident keys, warps, stages, split),
-#                           dQ (block_m resident queries, block_n streamed keys, warps, stages));
-# the table's row is always timed first, as "table". The split (KernelConfig.split) runs dK/dV as a
-# dV launch and a dK launch: one float32 accumulator per program, one product more per tile pair
-# (5 instead of 4). Registers / spilled bytes per thread of the dK launch (the heavier), sm_90 bf16
-# cross-compiled with triton 3.9 (2026-12-01; the H200's triton 3.6 allocates differently: ncu read
-# 240 registers for the D128 table row):
-#   D128 table M64 N128 w8 s2 fused 255/480; split M64 N128 w8 s2 255/200 (dV launch 255/24),
-#        split M32 N128 w8 s3 255/24, split M32 N128 w4 s3 255/928 (not swept);
-#   D256 table M32 N32 w4 s3 fused 255/592 -- a 32-row resident tile is below wgmma's 64 rows per
-#        warp group, so its products run as Ampere-style mma; split M16 N128 w8 s2 255/0,
-#        M16 N64 w8 s2 255/176, M32 N128 w8 s2 255/352, M32 N64 w8 s2 255/440, M64 N64 w8 s2 255/744
-#        (not swept), M32 N64 w4 s2 255/880 (not swept); dV launch of split M16 N128 w8 s2 255/0.
-#   D256 dQ: table M64 N16 w4 s2 254/0, M128 N16 w8 s2 215/0 (two 64-row warp groups), M64 N32 w8 s2 255/16.
-# Prediction: D256 is where the split can pay (wgmma-sized resident tiles without the spills of the
-# fused kernel: dK/dV 1.3-2x faster, the backward 1.2-1.5x); at D128 the extra product about cancels
-# what fewer spills give (0.9-1.1x); D64 is already at 1.0 x FA2 and is swept for completeness.
-BWD_VARIANTS = {
-    128: [((64, 128, 8, 2, True), (64, 32, 4, 3)),
-          ((32, 128, 8, 3, True), (64, 32, 4, 3)),
-          ((32, 128, 8, 2, True), (64, 32, 4, 3))],
-    256: [((16, 128, 8, 2, True), (64, 16, 4, 2)),
-          ((16, 128, 8, 2, True), (128, 16, 8, 2)),
-          ((32, 128, 8, 2, True), (64, 16, 4, 2)),
-          ((16, 64, 8, 2, True), (64, 16, 4, 2))],
-    64: [((32, 128, 4, 3, True), (64, 64, 4, 3))],
+# Atomic-dQ dK/dV rows timed beside the table's, per head dim: (block_m streamed queries, block_n
+# resident keys, warps, stages, split). sm_90 bf16 cross-compiles with triton 3.9 (2026-12-01;
+# shared memory bytes, stack bytes per thread at 255 registers; the H200's triton 3.6 allocates
+# differently): D64 M32 N128 w4 s3 (table) 66048/904, M32 N128 w8 s3 66048/16, M64 N128 w8 s2
+# 82432/280, M64 N64 w4 s3 74752/496; D128 M64 N128 w8 s2 (table) 147968/760, M32 N128 w8 s2
+# 114944/368, M64 N64 w8 s2 115712/632; D256 split M16 N128 w8 s2 (table) 180352/344, M32 N128
+# w8 s2 (the deterministic table's split row) 229632/680 (limit 232448), M32 N64 w8 s2 164096/704.
+# Every product is a wgmma (dQ is formed transposed, Kᵀ dSᵀ: its M dimension is the head dim).
+ATOMIC_VARIANTS = {
+    128: [(32, 128, 8, 2, False), (64, 64, 8, 2, False), (64, 128, 8, 3, False)],
+    256: [(32, 128, 8, 2, True), (32, 64, 8, 2, True), (16, 128, 8, 3, True)],
+    64: [(32, 128, 8, 3, False), (64, 128, 8, 2, False), (64, 64, 4, 3, False)],
 }
 TARGETS = ("D128 S>=2k >= 1.0 x FA2 in every cell (goal 0.85 x cuDNN); D64, D256 >= 1.0 x FA2; "
            "no cell below 0.5 x FA2")
+DET, ATOMIC = "det (table)", "atomic (table)"
 
 
-def _kc(t, split=False) -> KernelConfig:
+def _kc(t) -> KernelConfig:
     m, n, w, s, *flag = t
-    return KernelConfig(m, n, w, s, split=bool(flag and flag[0]) or split)
+    return KernelConfig(m, n, w, s, split=bool(flag and flag[0]))
+
+
+def _norm(t) -> tuple:
+    """A (m, n, warps, stages, split) row from a 4- or 5-tuple."""
+    m, n, w, s, *flag = t
+    return (m, n, w, s, bool(flag and flag[0]))
 
 
 def label(t) -> str:
-    dkdv, dq = t
-    return f"dkdv {_kc(dkdv).short()} / dq {_kc(dq).short()}"
+    """A candidate ``(dkdv, dq, atomic or None)``'s name: the rows that run."""
+    dkdv, dq, atomic = t
+    if atomic is None:
+        return f"det dkdv {_kc(dkdv).short()} / dq {_kc(dq).short()}"
+    return f"atomic dkdv {_kc(atomic).short()}"
 
 
-def _row(t) -> str:
-    (m, n, w, s, split), dq = t
-    return f"(({m}, {n}, {w}, {s}{', True' if split else ''}), {tuple(dq)})"
+def _row(atomic) -> str:
+    if atomic is None:
+        return "None"
+    m, n, w, s, split = _norm(atomic)
+    return f"({m}, {n}, {w}, {s}{', True' if split else ''})"
 
 
-def _table_row(d) -> tuple:
+def _cfg_tuple(c: KernelConfig) -> tuple:
+    return (c.block_m, c.block_n, c.num_warps, c.num_stages, c.split)
+
+
+def _table_rows(d) -> tuple[tuple, tuple | None]:
+    """(the deterministic candidate, the table's atomic candidate or None) for head dim ``d``."""
     cfgs = _ORIG(torch.device("cuda", 0), torch.bfloat16, d, d)
-    k, q = cfgs.dkdv, cfgs.dq
-    return ((k.block_m, k.block_n, k.num_warps, k.num_stages, k.split),
-            (q.block_m, q.block_n, q.num_warps, q.num_stages))
+    dkdv, dq = _cfg_tuple(cfgs.dkdv), _cfg_tuple(cfgs.dq)[:4]
+    det = (dkdv, dq, None)
+    return det, ((dkdv, dq, _cfg_tuple(cfgs.atomic)) if cfgs.atomic is not None else None)
+
+
+def candidates(d) -> list[tuple]:
+    """det first, then the table's atomic row, then the table's dK/dV row with atomic dQ and the variants."""
+    det, atomic = _table_rows(d)
+    dkdv, dq, _ = det
+    out = [det] + ([atomic] if atomic else [])
+    for row in [dkdv] + ATOMIC_VARIANTS.get(d, []):
+        t = (dkdv, dq, _norm(row))
+        if t not in out:
+            out.append(t)
+    return out
 
 
 _ORIG = ops._backward_configs
@@ -94,10 +121,17 @@ def _use(t) -> None:
         ops._backward_configs = _ORIG
         return
     dkdv, dq = _kc(t[0]), _kc(t[1])
+    atomic = _kc(t[2]) if t[2] is not None else None
 
     def patched(device, dtype, hd, hdv):
-        return BackwardConfigs(dkdv, dq, _ORIG(device, dtype, hd, hdv).prep)
+        return BackwardConfigs(dkdv, dq, _ORIG(device, dtype, hd, hdv).prep, atomic=atomic)
     ops._backward_configs = patched
+
+
+def _nondeterministic() -> None:
+    """Atomic dQ runs only when determinism is not requested: clear both switches for this process."""
+    os.environ.pop("PORTATTN_DETERMINISTIC", None)
+    torch.use_deterministic_algorithms(False)
 
 
 def _inputs(b, s, h, d, seed, device="cuda"):
@@ -114,8 +148,11 @@ def _grads(q, k, v, do, causal):
 
 
 def check(d, causal, t, device="cuda") -> str:
-    """'' if candidate ``t`` passes the equivalence rule and repeats bit-identically, else why."""
+    """'' if candidate ``t`` passes the equivalence rule and its repeat check (bit-identical for
+    det; dK, dV bit-identical and dQ within 1 % for atomic, which must take the atomic path), else why."""
+    from portattn.spec import build_spec
     from portattn.testing import check_backend
+    _nondeterministic()
     _use(t)
     # the timed problems' head count (hidden 2048): an integer argument divisible by 16 or not
     # compiles differently, and the timing must find these compiles in triton's cache
@@ -127,10 +164,21 @@ def check(d, causal, t, device="cuda") -> str:
             if bad:
                 return f"S{s}: " + "; ".join(bad)[:300]
         q, k, v, do = _inputs(1, 640, h, d, 3, device)   # the timed call path, twice
+        spec = build_spec(*(x.detach().requires_grad_(True) for x in (q, k, v)), causal=causal)
+        cfgs = ops.backward_configs_for(spec)
+        want = None if t[2] is None else _kc(t[2])
+        exact = spec.dtype == torch.float32   # 16-bit autograd calls keep the forward's residual
+        if spec.deterministic or ops.atomic_config(spec, cfgs, exact, False) != want:
+            return f"the backward would not run this candidate's path (deterministic={spec.deterministic})"
         first, second = _grads(q, k, v, do, causal), _grads(q, k, v, do, causal)
         for name, a, b in zip(("dq", "dk", "dv"), first, second):
-            if not torch.equal(a, b):
+            if torch.equal(a, b):
+                continue
+            if t[2] is None or name != "dq":
                 return f"{name} differs between two identical backward passes"
+            spread = ((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-30)).item()
+            if spread > 0.01:
+                return f"dq of two identical backward passes differs by {spread:.3g} of its largest element"
         return ""
     finally:
         _use(None)
@@ -172,7 +220,7 @@ def _triton_bwd(q, k, v, do, causal):
     return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
 
 
-def _time_cells(cells, dims, seqlens, cands, bad, deadline, save=lambda: None) -> None:
+def _time_cells(cells, dims, seqlens, cands, names, bad, deadline, save=lambda: None) -> None:
     for d in dims:
         h = 2048 // d
         for causal in (False, True):
@@ -189,8 +237,7 @@ def _time_cells(cells, dims, seqlens, cands, bad, deadline, save=lambda: None) -
                     except Exception as exc:
                         cell["sdpa"][kern] = None
                         cell["failed"][kern] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                for i, t in enumerate(cands[d]):
-                    name = "table" if i == 0 else label(t)
+                for t, name in zip(cands[d], names[d]):
                     why = bad.get((d, causal, t), "not checked")
                     if why:
                         cell["failed"][name] = why
@@ -221,7 +268,7 @@ def _cell_line(c) -> str:
     head = f"D{c['d']} S{c['s']:<5} {'causal' if c['causal'] else 'full  '}"
     parts = [f"FA2 {fa or float('nan'):.3f} ms cuDNN {cu or float('nan'):.3f} ms"]
     for name, ms in c["triton"].items():
-        parts.append(f"{'table' if name == 'table' else name}: {ms:.3f} ms x FA2 {_r(fa, ms)} x cuDNN {_r(cu, ms)}")
+        parts.append(f"{name}: {ms:.3f} ms x FA2 {_r(fa, ms)} x cuDNN {_r(cu, ms)}")
     if c["failed"]:
         parts.append(f"{len(c['failed'])} not timed")
     return head + " | " + " | ".join(parts)
@@ -238,30 +285,44 @@ def _verdict(d, c, ms) -> str:
     return f"S{c['s']}{'c' if c['causal'] else ''} FA2 {r:.2f}{goal}{flag}"
 
 
-def report(cells, cands, table) -> str:
-    lines = ["# triton backward sweep (bf16, 16k tokens, hidden 2048, backward alone): ratio = other's time /"
-             " triton's (> 1: triton faster)", f"# targets: {TARGETS}", ""]
+def report(cells, cands, names, table) -> str:
+    """The text report: ``cands[d]`` the candidates of head dim ``d`` (det first), ``names[d]`` their
+    names in the cells, ``table[d]`` the table's deterministic candidate."""
+    lines = ["# triton backward sweep, atomic dQ vs deterministic (bf16, 16k tokens, hidden 2048, backward alone):"
+             " ratio = other's time / triton's (> 1: triton faster)", f"# targets: {TARGETS}", ""]
     lines += [_cell_line(c) for c in cells]
     lines.append("")
-    rows = []
+    rows = {}
     for d in sorted({c["d"] for c in cells}):
         dc = [c for c in cells if c["d"] == d and c["triton"]]
-        names = ["table"] + [label(t) for t in cands[d][1:]]
-        scores = base.mean_relative(dc, names)
+        full = dict(zip(names[d], (label(t) for t in cands[d])))
+        pretty = lambda n: f"{full[n]} (table)" if n in (DET, ATOMIC) else n  # noqa: E731
+        scores = base.mean_relative(dc, names[d])
         if not scores:
             lines.append(f"D{d}: no candidate timed in every cell")
             continue
-        pretty = lambda n: f"{label(table[d])} (table)" if n == "table" else n  # noqa: E731
-        ranking = base.ranking_text(scores, pretty)
-        lines.append(f"D{d}: mean time relative to each cell's best: {ranking}")
+        lines.append(f"D{d}: mean time relative to each cell's best: {base.ranking_text(scores, pretty)}")
         best = min(scores, key=lambda n: scores[n][0])
-        lines.append(f"D{d}: best row {pretty(best)}: " + ", ".join(_verdict(d, c, c["triton"][best]) for c in dc))
-        if best != "table":
-            lines.append(f"D{d}: table row for comparison: " + ", ".join(
-                _verdict(d, c, c["triton"]["table"]) for c in dc if "table" in c["triton"]))
-        rows.append(f"{d}: {_row(cands[d][scores[best][1]])}")
-    lines += ["", "# best rows for _BWD_NVIDIA['hopper'] in backends/triton/configs.py "
-              "(BLOCK_D: ((dK/dV M, N, warps, stages[, split]), (dQ M, N, warps, stages))):", "    " + ", ".join(rows)]
+        lines.append(f"D{d}: best {pretty(best)}: " + ", ".join(_verdict(d, c, c["triton"][best]) for c in dc))
+        atomic = [n for n in scores if cands[d][scores[n][1]][2] is not None]
+        if atomic:
+            top = min(atomic, key=lambda n: scores[n][0])
+            speed = ", ".join(f"S{c['s']}{'c' if c['causal'] else ''} {c['triton'][DET] / c['triton'][top]:.2f}"
+                              for c in dc if DET in c["triton"])
+            lines.append(f"D{d}: speed-up of the best atomic row {pretty(top)} over {pretty(DET)}: {speed or 'n/a'}")
+            if best == DET:
+                lines.append(f"D{d}: the deterministic backward was faster: no atomic row")
+            rows[d] = cands[d][scores[best][1]][2]
+        elif DET in scores:
+            lines.append(f"D{d}: no atomic candidate timed in every cell: keep the table's atomic row (untimed)")
+    paste = []
+    for d in (16, 32, 64, 128, 256):
+        src = 64 if d < 64 else d
+        if src in rows:
+            paste.append(f"{d}: {_row(rows[src])}")
+    lines += ["", "# rows for _BWD_ATOMIC_NVIDIA['hopper'] in backends/triton/configs.py (BLOCK_D: (dK/dV M, N, warps,"
+              " stages[, True = split]); None: no atomic row, the deterministic backward was faster; D 16/32 take D 64's):",
+              "    " + (", ".join(paste) if paste else "(none measured)")]
     return "\n".join(lines)
 
 
@@ -269,17 +330,20 @@ def bwd_variants(args) -> None:
     """The --bwd-variants run: see the module docstring."""
     base.T0 = t0 = time.time()
     deadline = t0 + args.time_limit
+    _nondeterministic()   # the workers inherit the environment
     dims = [int(x) for x in args.dims.split(",")]
     if args.dims == "64,128,256":   # the default: the most important head dims first
         dims = [128, 256, 64]
     seqlens = [int(x) for x in args.seqlens.split(",")]
-    table = {d: _table_row(d) for d in dims}
-    cands = {d: [table[d]] + [t for t in BWD_VARIANTS.get(d, []) if t != table[d]] for d in dims}
-    # the table rows first (each then leads a worker), then the variants
-    jobs = [(d, c, table[d]) for d in dims for c in (False, True)]
-    # then the variants, D256's first (where the split should pay most), D64's last
-    order = sorted(dims, key=lambda d: (d == 64, d != 256))
-    jobs += [(d, c, t) for d in order for t in cands[d][1:] for c in (False, True)]
+    cands = {d: candidates(d) for d in dims}
+    table = {d: cands[d][0] for d in dims}
+    has_atomic = {d: _table_rows(d)[1] is not None for d in dims}
+    names = {d: [DET] + [ATOMIC if (i == 1 and has_atomic[d]) else label(t) for i, t in enumerate(cands[d][1:], 1)]
+             for d in dims}
+    # the table rows first (each then leads a worker), D128's first, D64's last, then the variants
+    order = sorted(dims, key=lambda d: (d == 64, d != 128))
+    jobs = [(d, c, t) for d in order for t in cands[d][:2] for c in (False, True)]
+    jobs += [(d, c, t) for d in order for t in cands[d][2:] for c in (False, True)]
     print(f"backward sweep on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{__import__('triton').__version__}: {len(jobs)} compiles+checks in {args.jobs} processes, "
           f"limit {args.time_limit:.0f}s", flush=True)
@@ -288,12 +352,13 @@ def bwd_variants(args) -> None:
     cells = []
 
     passed = sum(1 for why in bad.values() if not why)
-    checks = [f"# checks (float64 reference under docs/semantics.md, ragged S 200/333, and two identical backward"
-              f" passes bit-identical at S 640): {passed}/{len(jobs)} candidate x causal compiles passed"]
+    checks = [f"# checks (float64 reference under docs/semantics.md at ragged S 200/333; two identical backward passes"
+              f" at S 640: det bit-identical, atomic dK/dV bit-identical and dQ within 1%): {passed}/{len(jobs)}"
+              f" candidate x causal compiles passed"]
     checks += [f"#   FAILED D{d} {'causal' if c else 'full'} {label(t)}: {why}" for (d, c, t), why in bad.items() if why]
 
     def save(final=False):
-        text = report(cells, cands, table) + "\n\n" + "\n".join(checks)
+        text = report(cells, cands, names, table) + "\n\n" + "\n".join(checks)
         if final:
             print(text, flush=True)
         if not args.out:
@@ -301,7 +366,8 @@ def bwd_variants(args) -> None:
         os.makedirs(args.out, exist_ok=True)
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
                     date=dt.datetime.now(dt.timezone.utc).isoformat(), seconds=round(time.time() - t0, 1),
-                    complete=final, candidates={d: [label(t) for t in cands[d]] for d in dims}, targets=TARGETS,
+                    complete=final, candidates={d: dict(zip(names[d], map(label, cands[d]))) for d in dims},
+                    targets=TARGETS,
                     method="torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) of one saved forward")
         fails = {f"D{d} {'causal' if c else 'full'} {label(t)}": w for (d, c, t), w in bad.items() if w}
         with open(os.path.join(args.out, "triton_bwd_sweep.json"), "w") as fh:
@@ -311,7 +377,7 @@ def bwd_variants(args) -> None:
 
     save()
     try:
-        _time_cells(cells, dims, seqlens, cands, bad, deadline, save)
+        _time_cells(cells, dims, seqlens, cands, names, bad, deadline, save)
     except Exception as exc:   # a dead CUDA context, say: keep what was measured
         print(f"timing stopped: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     finally:
