@@ -494,7 +494,8 @@ def attn_fwd(
 # tile: no atomics, bit-identical gradients across runs.
 # FA2's atomic dQ (constexpr DQ_ATOMIC of the dK/dV kernel; only when determinism is not
 # requested, see ops.backward): the dK/dV loop also forms this tile pair's dQ share dS K (one
-# product) and adds it into a float32 dQ accumulator with atomic adds, and the dQ kernel is not
+# product, as (dS K)ᵀ = Kᵀ dSᵀ in the loop's orientation) and adds it into a float32 dQ
+# accumulator with atomic adds, and the dQ kernel is not
 # launched: 5 products per tile pair instead of 7 (6 instead of 8 with ``split``). The order of
 # the additions into dQ then depends on the schedule: dQ is not bit-identical across runs.
 
@@ -825,7 +826,8 @@ def _dkdv_band(dk, dv, k, v, qt_ptrs, do_ptrs, dqt_ptrs, ROWMAX, ROWINV, DELTA, 
             dk = _mm(dst, tl.trans(qt), dk, IEEE)                                           # dK += dSᵀ Q
             if DQ_ATOMIC:
                 # FA2's dQ step, transposed like the loop: this key tile's share (dS K)ᵀ = Kᵀ dSᵀ of the
-                # query tile's dQ, scaled, added into the float32 accumulator (M dimension BLOCK_D >= 64: wgmma)
+                # query tile's dQ, scaled, added into the float32 accumulator (its M dimension is BLOCK_D,
+                # not BLOCK_M: a wgmma on sm_90 even for 16- or 32-row query tiles)
                 dqt = _mm(tl.trans(k), dst, None, IEEE) * sm_scale                          # dQᵀ += Kᵀ dSᵀ
                 _atomic_add_tile_t(dqt_ptrs + start_m * stride_dqs, dqt, offs_m, sq, offs_d, HEAD_D, BLOCK_D, MASKED)
     return dk, dv
