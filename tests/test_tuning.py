@@ -780,6 +780,20 @@ def test_bench_summary_ratios_and_totals_on_the_same_cells():
     assert "x 0.100" in text and "| b | 2 | 3.00 |" in text and "within 1.03 x the best single backend: 2 of 3" in text
 
 
+def test_bench_ratio_is_the_median_of_the_paired_rounds():
+    """A machine that flips between two speeds for every backend alike (the H200's host-bound
+    cells, 2026-12-01) moves the medians of two implementations into different modes; the
+    per-round ratios, taken side by side, do not move."""
+    bench = _bench()
+    fast, slow = 0.065, 0.11
+    rounds = {"a": [fast, slow, fast, fast, fast], "fastest": [fast * 1.01, slow, slow, fast, slow]}
+    row = {"case": "c", "mode": "fwd", "policy_choice": "a",
+           "results": {n: {"ms": sorted(r)[2], "check": "ok", "ms_rounds": r} for n, r in rounds.items()}}
+    cell = bench.summarize([row], ["a"])["cells"][0]
+    assert cell["ratio_of_medians"] == pytest.approx(slow / fast)   # the medians fell in different modes
+    assert cell["ratio"] == pytest.approx(1.01) and cell["within"]
+
+
 def test_bench_cell_times_every_implementation_in_interleaved_rounds(tmp_path, monkeypatch):
     """bench_cell on the CPU with a fake clock: the policy tunes, every implementation is checked
     and then timed in the same interleaved rounds (the rows hold the rounds and spreads)."""
