@@ -89,20 +89,20 @@ def launches(monkeypatch):
 
 @pytest.fixture
 def atomic_row(monkeypatch):
-    """Give every backward an atomic row: the table's configs plus ``atomic`` = tiles of 32
-    (set ``.split = True`` for a split row, ``.row = None`` for none)."""
+    """Give every backward an atomic row: the table's own, else its dK/dV tiles (tiles of 32 on
+    the interpreter); set ``.split = True`` for a split row, ``.row = None`` for none."""
     orig = ops._backward_configs
 
     class Row:
         split = False
-        row = "tiles of 32"
+        row = "the table's"
 
     def patched(device, dtype, hd, hdv):
         base = orig(device, dtype, hd, hdv)
         atomic = None
         if Row.row is not None:
-            d = base.dkdv
-            atomic = KernelConfig(d.block_m, d.block_n, d.num_warps, d.num_stages, split=Row.split)
+            d = base.atomic or base.dkdv
+            atomic = KernelConfig(d.block_m, d.block_n, d.num_warps, d.num_stages, split=Row.split or d.split)
         return BackwardConfigs(base.dkdv, base.dq, base.prep, atomic=atomic)
 
     monkeypatch.setattr(ops, "_backward_configs", patched)
