@@ -187,7 +187,7 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
                     help="--fwd-only: processes compiling and checking candidates in parallel")
     ap.add_argument("--bwd-variants", action="store_true",
-                    help="backward only: the table's rows against the split dK/dV and tile variants (tools/triton_bwd_sweep.py)")
+                    help="backward only: atomic dQ against the table's deterministic rows (tools/triton_bwd_sweep.py)")
     ap.add_argument("--fwd-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--bwd-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -2,7 +2,8 @@
 
 Runs on NVIDIA (sm_80+) and AMD CDNA GPUs, and on CPU tensors through Triton's interpreter
 (``TRITON_INTERPRET=1`` set before triton is first imported). Every feature of docs/semantics.md;
-gradients are deterministic by construction (no atomics). See docs/triton.md.
+gradients are bit-identical across runs when determinism is requested; otherwise the 16-bit
+backward on Hopper adds dQ with atomics (FlashAttention-2's schedule). See docs/triton.md.
 
 This module imports neither triton nor the kernels: a missing triton is a reason, not an error.
 """
