@@ -36,6 +36,9 @@
 #       catalogue (kernels after the prologue fold), the moved graph-capture test and the tuning GPU
 #       tests beside the fastest grid's compiles, then alone: the fastest policy's full grid with the
 #       second look
+#   bash tools/h200_session.sh s5atomic    # triton's atomic dQ: its GPU tests and catalogue cases (16-bit
+#       core, features, varlen), the decode GPU tests, cupy's six large cases side by side; then alone:
+#       the atomic-dQ backward sweep and the fastest policy's re-checked cells with the host overhead
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -504,4 +507,30 @@ if [[ $what == s5verify ]]; then
       --time-limit "${FASTEST_TIME:-345}" > "$OUT/fastest.txt" 2>&1
   echo "== fastest --full rc=$? ($(( $(date +%s) - t1 ))s):"; tail -62 "$OUT/fastest.txt"
   tar czf "$OUT/fastest.tgz" -C "$W" . && ls -la "$W"; echo "total $(( $(date +%s) - t0 ))s"
+fi
+
+if [[ $what == s5atomic ]]; then
+  t0=$(date +%s); rm -rf "$shards"; mkdir -p "$shards"
+  LIMIT=${CONF_LIMIT:-170}
+  run_shard t-fp16 --backends triton --cases 'core/fp16/*' &
+  run_shard t-bf16 --backends triton --cases 'core/bf16/*' &
+  run_shard t-feat --backends triton --cases 'gqa/*' 'window/*' 'softcap/*' 'alibi/*' &
+  run_shard t-var --backends triton --cases 'varlen/*' 'masked/*' 'combo/*' &
+  run_shard c-large --backends cupy --cases 'large/headdim/d192' 'large/headdim/d256' 'large/varlen/mixed' \
+      'large/varlen/window-softcap' 'large/bias/float+grad' 'large/alibi/causal' &
+  timeout -s INT -k 10 "$LIMIT" $PY -m pytest -v --tb=short -p no:cacheprovider -n 3 tests/test_triton_atomic_dq.py \
+      tests/test_triton.py::test_gpu_prepared_launch_is_bit_identical_to_the_full_path tests/test_decode_variants_gpu.py \
+      tests/test_kvcache_gpu.py -rfEs > "$OUT/pytest_gpu.txt" 2>&1 &
+  wait
+  merge_shards conformance-s5atomic.json
+  echo "== GPU tests:"; grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest_gpu.txt" | tail -8
+  W=/tmp/portattn-s5; rm -rf "$W"; mkdir -p "$W"
+  t1=$(date +%s)
+  timeout -s INT -k 10 200 $PY tools/triton_sweep.py --bwd-variants --out "$W" --time-limit 185 > "$W/bwd_sweep_log.txt" 2>&1
+  echo "== bwd sweep rc=$? ($(( $(date +%s) - t1 ))s):"; tail -45 "$W/triton_bwd_sweep.txt"
+  t1=$(date +%s)
+  timeout -s INT -k 10 100 $PY benchmarks/bench_fastest.py --out "$W" --time-limit 85 --tag h200-cells --cells \
+      'decode Sq1 B1 Sk8k fwd' 'decode Sq1 B8 Sk8k fwd' 'D128 S1k causal fwd' 'D256 S1k causal fwd+bwd' > "$W/fastest_cells.txt" 2>&1
+  echo "== fastest cells rc=$? ($(( $(date +%s) - t1 ))s):"; tail -16 "$W/fastest_cells.txt"
+  tar czf "$OUT/s5atomic.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
 fi
