@@ -30,6 +30,10 @@ VARIABLES = {
     "PORTATTN_CUPY_BACKWARD": "cupy's fp16/bf16 backward: auto (default: tensor cores at every head dim), mma128 "
                               "(FMA above padded head dim 128, the earlier kernels) or fma (FMA always); read on "
                               "every call by backends/cupy/configs.py",
+    "PORTATTN_TRITON_DQ": "triton's fp16/bf16 backward when determinism is not requested: auto (default: "
+                          "atomic dQ only at the head dims whose atomic rows were timed faster on the GPU, "
+                          "backends/triton/configs.py; none yet), atomic (every atomic row) or kernel (the "
+                          "deterministic dQ kernel always); read on every backward",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
 }
@@ -121,6 +125,22 @@ def deterministic() -> bool:
 
 def allow_tf32() -> bool:
     return _flag("PORTATTN_ALLOW_TF32")
+
+
+TRITON_DQ_MODES = ("auto", "atomic", "kernel")
+
+
+def _parse_triton_dq(name: str, text: str) -> str:
+    mode = text.strip().lower() or "auto"
+    if mode not in TRITON_DQ_MODES:
+        raise ValueError(f"{name}={text!r}: use one of {', '.join(TRITON_DQ_MODES)}")
+    return mode
+
+
+def triton_dq() -> str:
+    """``PORTATTN_TRITON_DQ`` (default ``"auto"``): how triton's 16-bit backward adds dQ when
+    determinism is not requested (backends/triton/ops.py ``atomic_config``)."""
+    return _parsed("PORTATTN_TRITON_DQ", _parse_triton_dq, "auto")
 
 
 def priority_raw(vendor: str):

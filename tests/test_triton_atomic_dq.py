@@ -90,7 +90,8 @@ def launches(monkeypatch):
 @pytest.fixture
 def atomic_row(monkeypatch):
     """Give every backward an atomic row: the table's own, else its dK/dV tiles (tiles of 32 on
-    the interpreter); set ``.split = True`` for a split row, ``.row = None`` for none."""
+    the interpreter); set ``.split = True`` for a split row, ``.row = None`` for none. Under
+    ``PORTATTN_TRITON_DQ=atomic`` (the default ``auto`` takes only rows marked timed)."""
     orig = ops._backward_configs
 
     class Row:
@@ -107,6 +108,7 @@ def atomic_row(monkeypatch):
 
     monkeypatch.setattr(ops, "_backward_configs", patched)
     monkeypatch.delenv("PORTATTN_DETERMINISTIC", raising=False)
+    monkeypatch.setenv("PORTATTN_TRITON_DQ", "atomic")
     return Row
 
 
@@ -289,13 +291,24 @@ def test_bias_gradient_float32_and_no_row_keep_the_two_kernel_path(atomic_row, l
     assert launches.deterministic, launches.names
 
 
-def test_atomic_config_choice():
+def test_atomic_config_choice(monkeypatch):
     """ops.atomic_config: the row, unless the call is exact (float32 / no residual), wants dBias
-    or requests determinism."""
+    or requests determinism; PORTATTN_TRITON_DQ=auto (the default) only a row marked timed,
+    kernel never, anything else is an error naming the choices."""
     row = KernelConfig(32, 32, 4, 1)
     cfgs = BackwardConfigs(row, row, atomic=KernelConfig(16, 64, 4, 1))
     q = torch.zeros(1, 8, 1, 16, dtype=torch.bfloat16)
     spec = build_spec(q, q, q)
+    monkeypatch.delenv("PORTATTN_TRITON_DQ", raising=False)
+    assert ops.atomic_config(spec, cfgs, False, False) is None                    # auto: the row is untimed
+    timed = BackwardConfigs(row, row, atomic=KernelConfig(16, 64, 4, 1), atomic_by_default=True)
+    assert ops.atomic_config(spec, timed, False, False) == KernelConfig(16, 64, 4, 1)
+    monkeypatch.setenv("PORTATTN_TRITON_DQ", "kernel")
+    assert ops.atomic_config(spec, timed, False, False) is None
+    monkeypatch.setenv("PORTATTN_TRITON_DQ", "sometimes")
+    with pytest.raises(ValueError, match="PORTATTN_TRITON_DQ='sometimes': use one of auto, atomic, kernel"):
+        ops.atomic_config(spec, timed, False, False)
+    monkeypatch.setenv("PORTATTN_TRITON_DQ", "atomic")
     assert ops.atomic_config(spec, cfgs, False, False) == KernelConfig(16, 64, 4, 1)
     assert ops.atomic_config(spec, cfgs, True, False) is None
     assert ops.atomic_config(spec, cfgs, False, True) is None
@@ -309,6 +322,8 @@ def test_tables_give_atomic_rows_to_hopper_16_bit_only():
     for block_d in configs.PADDED_DIMS:
         bf16 = configs.backward_configs(h200, block_d, 2)
         assert bf16.atomic is not None and bf16.atomic.block_m >= 16, block_d
+        # on by default (PORTATTN_TRITON_DQ=auto) only where the table marks the row timed
+        assert bf16.atomic_by_default == (block_d in configs._BWD_ATOMIC_BY_DEFAULT["hopper"]), block_d
         assert configs.backward_configs(h200, block_d, 4).atomic is None          # float32: never atomic
         for other in (Target("nvidia", 80), Target("nvidia", 89), Target("amd", "gfx942"), Target("cpu")):
             assert configs.backward_configs(other, block_d, 2).atomic is None, other
@@ -319,15 +334,19 @@ def test_tables_give_atomic_rows_to_hopper_16_bit_only():
     assert configs.backward_configs(h200, 256, 2).atomic.split
 
 
-def test_the_default_non_deterministic_call_takes_the_tables_atomic_row(monkeypatch, launches):
-    """With a table row (here: the CPU table given Hopper's D 64 atomic row, shrunk to tiles of 32),
-    a plain 16-bit training call runs atomic dQ: no dQ kernel."""
+@pytest.mark.parametrize("timed", [False, True])
+def test_the_default_non_deterministic_call_takes_a_timed_atomic_row_only(monkeypatch, launches, timed):
+    """With a table row (here: the CPU table given an atomic row of tiles of 32), a plain 16-bit
+    training call runs atomic dQ (no dQ kernel) by default only when the row is marked timed;
+    an untimed row runs under PORTATTN_TRITON_DQ=atomic."""
     monkeypatch.delenv("PORTATTN_DETERMINISTIC", raising=False)
+    monkeypatch.delenv("PORTATTN_TRITON_DQ", raising=False)
     orig = configs.backward_configs
 
     def with_row(target, block_d, elem_size):
         base = orig(target, block_d, elem_size)
-        return BackwardConfigs(base.dkdv, base.dq, base.prep, atomic=KernelConfig(32, 32, 4, 1))
+        return BackwardConfigs(base.dkdv, base.dq, base.prep, atomic=KernelConfig(32, 32, 4, 1),
+                               atomic_by_default=timed)
 
     monkeypatch.setattr(ops, "backward_configs", with_row)
     ops._backward_configs.cache_clear()
@@ -336,7 +355,12 @@ def test_the_default_non_deterministic_call_takes_the_tables_atomic_row(monkeypa
         q, k, v = (_randn(1, 40, 2, 32, dtype=torch.bfloat16, gen=g).requires_grad_(True) for _ in range(3))
         launches.clear()
         portattn.attention(q, k, v, causal=True, backend="triton").sum().backward()
-        assert launches.atomic, launches.names
+        assert launches.atomic if timed else launches.deterministic, launches.names
+        if not timed:
+            monkeypatch.setenv("PORTATTN_TRITON_DQ", "atomic")
+            launches.clear()
+            portattn.attention(q, k, v, causal=True, backend="triton").sum().backward()
+            assert launches.atomic, launches.names
     finally:
         ops._backward_configs.cache_clear()
 
@@ -348,6 +372,7 @@ def test_the_default_non_deterministic_call_takes_the_tables_atomic_row(monkeypa
 @pytest.mark.parametrize("d", [128, 256])
 def test_gpu_atomic_dq_matches_reference(d, launches, monkeypatch):
     monkeypatch.delenv("PORTATTN_DETERMINISTIC", raising=False)
+    monkeypatch.setenv("PORTATTN_TRITON_DQ", "atomic")   # the table's rows, timed or not
     cfgs = ops._backward_configs(torch.device(DEVICE), torch.bfloat16, d, d)
     if cfgs.atomic is None:
         pytest.skip(f"this device's table has no atomic row for D {d}")
@@ -369,6 +394,7 @@ def test_gpu_atomic_dq_matches_reference(d, launches, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_determinism_requested_is_bit_identical_with_atomic_rows(monkeypatch, launches):
     monkeypatch.setenv("PORTATTN_DETERMINISTIC", "1")
+    monkeypatch.setenv("PORTATTN_TRITON_DQ", "atomic")
     g = torch.Generator().manual_seed(37)
     q, k, v, dout = (_randn(2, 2048, 16, 128, dtype=torch.bfloat16, gen=g) for _ in range(4))
     first = None

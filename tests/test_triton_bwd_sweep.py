@@ -99,6 +99,7 @@ def test_check_passes_both_paths_and_catches_a_wrong_path(monkeypatch):
     monkeypatch.setattr(sweep, "_inputs", lambda b, s, h, d, seed, device="cuda": real(1, 40 + seed * 9, 2, 24,
                                                                                      seed, device))
     monkeypatch.setenv("PORTATTN_DETERMINISTIC", "1")
+    monkeypatch.setenv("PORTATTN_TRITON_DQ", "auto")   # the sweep sets atomic: restored after the test
     tiles = (32, 32, 4, 1, False)
     det, atomic = (tiles, tiles[:4], None), (tiles, tiles[:4], tiles)
     for t in (det, atomic):

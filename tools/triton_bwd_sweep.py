@@ -7,8 +7,9 @@ bounded run on one GPU.
 Candidates per head dim (bf16): ``det``, the table's deterministic rows (dQ kernel + dK/dV
 kernel); ``atomic``, the table's atomic-dQ row (``BackwardConfigs.atomic``: the dK/dV kernel also
 adds dS K into a float32 dQ, no dQ kernel; for D 256 also the table's dK/dV row with atomic dQ);
-and the atomic rows of :data:`ATOMIC_VARIANTS`. PORTATTN_DETERMINISTIC is cleared for the run
-(atomic dQ runs only when determinism is not requested).
+and the atomic rows of :data:`ATOMIC_VARIANTS`. PORTATTN_DETERMINISTIC is cleared and
+PORTATTN_TRITON_DQ=atomic set for the run (atomic dQ runs only when determinism is not requested;
+``auto`` would take only rows marked timed).
 
 1. every candidate is compiled and checked in ``--jobs`` parallel processes, causal and not:
    dq/dk/dv (and out, lse) against the float64 reference under docs/semantics.md's equivalence
@@ -131,6 +132,7 @@ def _use(t) -> None:
 def _nondeterministic() -> None:
     """Atomic dQ runs only when determinism is not requested: clear both switches for this process."""
     os.environ.pop("PORTATTN_DETERMINISTIC", None)
+    os.environ["PORTATTN_TRITON_DQ"] = "atomic"   # every candidate's own row, timed or not
     torch.use_deterministic_algorithms(False)
 
 

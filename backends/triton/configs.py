@@ -82,12 +82,14 @@ class BackwardConfigs:
     ``atomic``: the dK/dV config of FlashAttention-2's atomic dQ (the dK/dV kernel also adds
     dS K into a float32 dQ with atomic adds; no dQ kernel), or None. Used by 16-bit calls that
     do not request determinism and need no bias gradient (ops.backward); a separate row because
-    it holds one more (BLOCK_M, BLOCK_D) float32 tile per program."""
+    it holds one more (BLOCK_M, BLOCK_D) float32 tile per program. ``atomic_by_default``: whether
+    ``PORTATTN_TRITON_DQ=auto`` uses it (the row was timed faster than the deterministic one)."""
 
     dkdv: KernelConfig
     dq: KernelConfig
     prep: KernelConfig = KernelConfig(64, 16, 4, 1)
     atomic: KernelConfig | None = None
+    atomic_by_default: bool = False
 
 
 def device_target(device: torch.device) -> Target:
@@ -196,6 +198,10 @@ _BWD_FUSED = {"hopper": {256: (32, 32, 4, 3)}}
 # M32 N128 w4 s3 904, w8 s3 16; D128 M64 N128 w8 s2 760, M32 N128 w8 s2 368; D256 split M16 N128 w8 s2
 # 344, M32 N128 680. Ampere and AMD: off (not timed there; the portability check compiles their
 # dK/dV rows with atomic dQ).
+#: the head dims (BLOCK_D) whose atomic row ``PORTATTN_TRITON_DQ=auto`` (the default) uses: only rows
+#: the H200 sweep timed faster than the deterministic backward. None yet: the rows above were not run
+#: on a GPU (the device was paused 2026-12-01); ``PORTATTN_TRITON_DQ=atomic`` turns every row on.
+_BWD_ATOMIC_BY_DEFAULT: dict = {"hopper": frozenset(), "ampere": frozenset(), "small": frozenset()}
 _BWD_ATOMIC_NVIDIA: dict = {
     "hopper": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (64, 128, 8, 2),
                256: (16, 128, 8, 2, True)},
@@ -271,13 +277,15 @@ def backward_configs(target: Target, block_d: int, elem_size: int) -> BackwardCo
         amd = {}
     m1, n1, s1 = _shrink(m1, n1, s1, elem_size, block_d)
     m2, n2, s2 = _shrink(m2, n2, s2, elem_size, block_d)
-    atomic = None
+    atomic, by_default = None, False
     if target.vendor == "nvidia" and elem_size <= 2:   # the atomic path is 16-bit only (ops.backward)
-        row = _BWD_ATOMIC_NVIDIA[_nvidia_family(int(target.arch))].get(block_d)
+        family = _nvidia_family(int(target.arch))
+        row = _BWD_ATOMIC_NVIDIA[family].get(block_d)
         if row is not None:
             atomic = KernelConfig(*row[:4], split=len(row) > 4 and bool(row[4]))
+            by_default = block_d in _BWD_ATOMIC_BY_DEFAULT[family]
     return BackwardConfigs(KernelConfig(m1, n1, w1, s1, split=split, **amd), KernelConfig(m2, n2, w2, s2, **amd),
-                           atomic=atomic)
+                           atomic=atomic, atomic_by_default=by_default)
 
 
 def atomic_dkdv_config(target: Target, block_d: int, elem_size: int) -> KernelConfig:

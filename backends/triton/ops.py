@@ -23,6 +23,8 @@ import functools
 import torch
 import triton
 
+from portattn import config
+
 from . import kernels, launcher
 from .configs import (
     ELEM_SIZES,
@@ -497,8 +499,13 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
 def atomic_config(spec, cfgs: BackwardConfigs, exact: bool, want_dbias: bool) -> KernelConfig | None:
     """The dK/dV config of the atomic-dQ backward for this call, or None for the deterministic
     two-kernel one: atomic only for 16-bit calls with residuals (not ``exact``) that do not request
-    determinism, need no bias gradient (the dQ kernel writes dBias) and whose table row has one."""
-    if exact or want_dbias or spec.deterministic:
+    determinism, need no bias gradient (the dQ kernel writes dBias) and whose table row has one —
+    under ``PORTATTN_TRITON_DQ=auto`` (the default) only a row timed faster than the deterministic
+    backward (``atomic_by_default``), under ``atomic`` every row, under ``kernel`` none."""
+    if exact or want_dbias or spec.deterministic or cfgs.atomic is None:
+        return None
+    mode = config.triton_dq()
+    if mode == "kernel" or (mode == "auto" and not cfgs.atomic_by_default):
         return None
     return cfgs.atomic
 
