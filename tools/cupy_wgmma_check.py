@@ -46,6 +46,8 @@ import sys
 import time
 import zlib
 
+import numpy as np
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -182,13 +184,19 @@ def probe_case(dtype_name: str, hd: int) -> dict:
     q = torch.randn(64, hd, generator=g, device="cuda").to(dtype)
     k = torch.randn(bn, hd, generator=g, device="cuda").to(dtype)
     v = torch.randn(bn, hd, generator=g, device="cuda").to(dtype)
-    s_out = torch.full((64, bn), float("nan"), device="cuda")
-    o_out = torch.full((64, hd), float("nan"), device="cuda")
     fn = runtime.get_function(cfg, "probe", torch.cuda.current_device())
-    with runtime._Launcher(q.device):
-        fn((1, 1, 1), (128, 1, 1), (runtime._ptr(q), runtime._ptr(k), runtime._ptr(v), runtime._ptr(s_out),
-                                    runtime._ptr(o_out)), shared_mem=cfg.smem_bytes("probe"))
-    torch.cuda.synchronize()
+
+    def launch(lbo, sbo):
+        s_out = torch.full((64, bn), float("nan"), device="cuda")
+        o_out = torch.full((64, hd), float("nan"), device="cuda")
+        with runtime._Launcher(q.device):
+            fn((1, 1, 1), (128, 1, 1), (runtime._ptr(q), runtime._ptr(k), runtime._ptr(v), runtime._ptr(s_out),
+                                        runtime._ptr(o_out), np.int32(lbo), np.int32(sbo)),
+               shared_mem=cfg.smem_bytes("probe"))
+        torch.cuda.synchronize()
+        return s_out, o_out
+
+    s_out, o_out = launch(bn * 128, 1024)   # the forward kernel's V descriptor offsets
     s_ref = q.double() @ k.double().T
     o_ref = s_out.to(dtype).double() @ v.double()   # from the kernel's own S: isolates the P V product
     s_err = (s_out.double() - s_ref).abs()
@@ -213,6 +221,11 @@ def probe_case(dtype_name: str, hd: int) -> dict:
         # is O right up to a permutation of V's rows inside 8-key groups (MN-major SBO/LBO slip)?
         o_vt = s_out.to(dtype).double() @ v.double()[torch.arange(bn, device="cuda").view(-1, 8).flip(1).reshape(-1)]
         row["o_matches_key_flip"] = bool((o_out.double() - o_vt).abs().max() <= o_tol)
+        # the same product with V's LBO / SBO swapped: right then = the two offsets are swapped in
+        # attn_sm90.cuh's wg_pv defaults
+        _, o_sw = launch(1024, bn * 128)
+        row["o_ok_with_lbo_sbo_swapped"] = bool(torch.isfinite(o_sw).all()) and bool(
+            (o_sw.double() - o_ref).abs().max() <= o_tol)
     row["passed"] = row["s_ok"] and row["o_ok"]
     return row
 
@@ -367,7 +380,7 @@ def report(res: dict) -> str:
                     f"O err {p['o_max_err']:.3g} (tol {p['o_tol']:.2g}, nan {p['o_nan']}) "
                     f"{'ok' if p['passed'] else 'FAIL'}"))
         for key in ("s_rows_best_match", "s_cols_best_match", "o_rows_best_match", "o_cols_best_match",
-                    "o_matches_key_flip", "s_block_err", "o_block_err"):
+                    "o_matches_key_flip", "o_ok_with_lbo_sbo_swapped", "s_block_err", "o_block_err"):
             if key in p:
                 L.append(f"    {key}: {json.dumps(p[key])[:1200]}")
     if res.get("checks"):

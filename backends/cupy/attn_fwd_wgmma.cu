@@ -22,7 +22,8 @@
 // attn_wgmma_probe<T, HD, BN>  one warpgroup, for tools/cupy_wgmma_check.py: S = Q K^T and
 //   O = T(S) V of one 64-row Q tile and one BN-key tile (contiguous inputs), written in float32,
 //   through the same load / descriptor / wgmma helpers; tells a K-major (S) from an MN-major or
-//   A-fragment (O) layout mistake.
+//   A-fragment (O) layout mistake; V's descriptor offsets (v_lbo, v_sbo) come from the caller
+//   (the kernel's: BN * 128 and 1024).
 
 template <typename T, int HD, int BN, int NWG>
 __global__ void __launch_bounds__(NWG * 128, 1)
@@ -175,7 +176,7 @@ attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_
 template <typename T, int HD, int BN>
 __global__ void __launch_bounds__(128, 1)
 attn_wgmma_probe(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                 float* __restrict__ s_out, float* __restrict__ o_out) {
+                 float* __restrict__ s_out, float* __restrict__ o_out, int v_lbo, int v_sbo) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const pa_u32 raw = smem_addr(smem_raw);
     const pa_u32 base = (raw + 1023u) & ~1023u;
@@ -203,7 +204,7 @@ attn_wgmma_probe(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         for (int e = 0; e < 4; ++e) s_out[(r0 + (e / 2) * 8) * BN + nb * 8 + 2 * t4 + (e % 2)] = sc[4 * nb + e];
     pa_u32 pa[BN / 16][4];
     acc_to_a_frags<T, BN>(pa, sc);
-    wg_pv<T, HD, BN>(acc, pa, sV);
+    wg_pv<T, HD, BN>(acc, pa, sV, (pa_u32)v_lbo, (pa_u32)v_sbo);
     wgmma_wait<0>();
     wgmma_fence_acc<HD>(acc);
 #pragma unroll

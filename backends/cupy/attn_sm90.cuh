@@ -71,12 +71,15 @@ __device__ __forceinline__ void wg_qk(float* s, pa_u32 sq, pa_u32 sk) {
 }
 
 // One warpgroup: o[64 x HD] += P[64 x BN] V (issued and committed). p: P as BN / 16 A fragments
-// (the m16n8k16 A layout per warp); sv: a SW128 tile of BN keys x HD columns.
+// (the m16n8k16 A layout per warp); sv: a SW128 tile of BN keys x HD columns; lbo / sbo: the
+// MN-major descriptor's offsets (the kernel's are the defaults; the probe passes them at run time
+// so that tools/cupy_wgmma_check.py can tell a swapped pair from other mistakes).
 template <typename T, int HD, int BN>
-__device__ __forceinline__ void wg_pv(float* o, const pa_u32 (*p)[4], pa_u32 sv) {
+__device__ __forceinline__ void wg_pv(float* o, const pa_u32 (*p)[4], pa_u32 sv, pa_u32 lbo = BN * 128,
+                                      pa_u32 sbo = 1024) {
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T, HD>(o, p[kk], sw128_desc(sv + kk * 2048, BN * 128, 1024), 1);
+    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T, HD>(o, p[kk], sw128_desc(sv + kk * 2048, lbo, sbo), 1);
     wgmma_commit();
 }
 

@@ -25,7 +25,8 @@ import threading
 OPTIONS = ("--std=c++17", "-ftz=true", "--ptxas-options=-v")
 
 _lock = threading.Lock()
-_FAILED: dict[str, str] = {}
+_FAILED: dict[tuple, str] = {}
+_OK: set = set()
 
 
 class Sm90aCompileError(RuntimeError):
@@ -147,11 +148,14 @@ def compile_cubin(source: str, names, arch: str = "sm_90a", with_log: bool = Fal
 def unavailable_reason(source: str, names, arch: str = "sm_90a") -> str | None:
     """None when the module compiles (and is now cached), else a one-line reason (remembered,
     so a failing compile is tried once per process)."""
-    key = hashlib.sha256(json.dumps([source, list(names), arch]).encode()).hexdigest()
+    key = (arch, tuple(names), len(source), hash(source))   # cheap: asked on every forward call
+    if key in _OK:
+        return None
     if key in _FAILED:
         return _FAILED[key]
     try:
         compile_cubin(source, names, arch)
+        _OK.add(key)
         return None
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
