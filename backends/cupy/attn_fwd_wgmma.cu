@@ -25,6 +25,91 @@
 //   A-fragment (O) layout mistake; V's descriptor offsets (v_lbo, v_sbo) come from the caller
 //   (the kernel's: BN * 128 and 1024).
 
+// Step 3 of a key tile for one thread of a consumer warpgroup: the S accumulator sc (rows row0,
+// row0 + 8; keys n0 + 8 nb + 2 t4 + {0, 1}) into base-2 logits, masked when need_mask (the tile
+// crosses a boundary); online softmax: new row max m_i, sum l_i (this thread's columns), acc
+// rescaled, sc overwritten by P.
+template <int BN, int HD>
+__device__ __forceinline__ void wg_softmax_tile(float* sc, float* acc, float* m_i, float* l_i, bool need_mask,
+                                                const SeqInfo& s, int row0, int n0, int t4, float scale_log2,
+                                                int win_left, int win_right) {
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float x = sc[4 * nb + e] * scale_log2;
+            if (need_mask) {
+                const int i = row0 + (e / 2) * 8, j = n0 + nb * 8 + 2 * t4 + (e % 2);
+                if (!is_visible(s, i, j, win_left, win_right)) x = PA_NEG_INF;
+            }
+            sc[4 * nb + e] = x;
+        }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = m_i[r];
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb) mx = fmaxf(mx, fmaxf(sc[4 * nb + 2 * r], sc[4 * nb + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_use = mx == PA_NEG_INF ? 0.f : mx;
+        const float alpha = fast_exp2(m_i[r] - m_use);
+        m_i[r] = mx;
+        float rowsum = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb) {
+            const float p0 = fast_exp2(sc[4 * nb + 2 * r] - m_use);
+            const float p1 = fast_exp2(sc[4 * nb + 2 * r + 1] - m_use);
+            sc[4 * nb + 2 * r] = p0;
+            sc[4 * nb + 2 * r + 1] = p1;
+            rowsum += p0 + p1;
+        }
+        l_i[r] = l_i[r] * alpha + rowsum;
+#pragma unroll
+        for (int nb = 0; nb < HD / 8; ++nb) {
+            acc[4 * nb + 2 * r] *= alpha;
+            acc[4 * nb + 2 * r + 1] *= alpha;
+        }
+    }
+}
+
+// The epilogue of one warp (rows lrow0 = 16 q + ... of the tile; this thread's rows lrow, lrow + 8):
+// O / l (0 for a row with no visible key), lse = (m + log2 l) ln 2 (-inf for such a row); the
+// output is staged through the warp's own rows of the SW128 Q tile (gq, BM rows; no other warp
+// reads them any more) and stored in 16-byte chunks.
+template <typename T, int HD, int BM>
+__device__ __forceinline__ void wg_epilogue(const float* acc, const float* m_i, const float* l_i,
+                                            unsigned char* gq, int lrow, int lrow_warp, int m0, int t4, int lane,
+                                            const SeqInfo& s, int b, int h, T* __restrict__ o, long long o_sb,
+                                            long long o_ss, long long o_sh, float* __restrict__ lse,
+                                            long long lse_sb, long long lse_sh, int head_dim_v) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_i[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int lr = lrow + 8 * r, i = m0 + lr;
+        if (t4 == 0 && i < s.sq) {
+            const float v_lse = (l > 0.f) ? (m_i[r] + fast_log2(l)) * PA_LN2 : PA_NEG_INF;
+            lse[row_index(b, h, lse_sb, lse_sh, s, i)] = v_lse;
+        }
+#pragma unroll
+        for (int nb = 0; nb < HD / 8; ++nb)
+            *reinterpret_cast<pa_u32*>(gq + sw128_offset<BM>(lr, nb * 8) + 4 * t4) =
+                Elem<T>::pack2(acc[4 * nb + 2 * r] * inv, acc[4 * nb + 2 * r + 1] * inv);
+    }
+    __syncwarp();
+    constexpr int CPR = HD / 8;
+    for (int c = lane; c < 16 * CPR; c += 32) {
+        const int rr = c / CPR, col = (c % CPR) * 8;
+        const int lr = lrow_warp + rr, i = m0 + lr;
+        if (i < s.sq && col < head_dim_v) {
+            T* dst = tok_ptr(o, b, o_sb, s.q0 + i, o_ss, h, o_sh) + col;
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(gq + sw128_offset<BM>(lr, col));
+        }
+    }
+}
+
 template <typename T, int HD, int BN, int NWG>
 __global__ void __launch_bounds__(NWG * 128, 1)
 attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss, long long o_sh,
@@ -33,8 +118,6 @@ attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_
     constexpr int NT = 128 * NWG;
     constexpr int Q_BYTES = BM * HD * 2;
     constexpr int KV_BYTES = BN * HD * 2;      // one K (or V) buffer
-    constexpr int NB_S = BN / 8;               // n8 blocks of S
-    constexpr int NB_O = HD / 8;               // n8 blocks of O
     static_assert(HD % 64 == 0 && HD <= 256, "HD: whole 64-column SW128 blocks, at most 256 (one wgmma N)");
     static_assert(BN % 64 == 0 && BN <= 256, "BN: whole 8-row groups, at most 256 (one wgmma N)");
     static_assert(sizeof(T) == 2, "16-bit elements");
@@ -96,43 +179,7 @@ attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_
 
         // 3. base-2 logits, masked where the tile crosses a boundary; online softmax.
         const bool need_mask = keys_need_mask(s, m0, BM, n0, BN, win_left, win_right);
-#pragma unroll
-        for (int nb = 0; nb < NB_S; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = sc[4 * nb + e] * scale_log2;
-                if (need_mask) {
-                    const int i = row0 + (e / 2) * 8, j = n0 + nb * 8 + 2 * t4 + (e % 2);
-                    if (!is_visible(s, i, j, win_left, win_right)) x = PA_NEG_INF;
-                }
-                sc[4 * nb + e] = x;
-            }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = m_i[r];
-#pragma unroll
-            for (int nb = 0; nb < NB_S; ++nb) mx = fmaxf(mx, fmaxf(sc[4 * nb + 2 * r], sc[4 * nb + 2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_use = mx == PA_NEG_INF ? 0.f : mx;
-            const float alpha = fast_exp2(m_i[r] - m_use);
-            m_i[r] = mx;
-            float rowsum = 0.f;
-#pragma unroll
-            for (int nb = 0; nb < NB_S; ++nb) {
-                const float p0 = fast_exp2(sc[4 * nb + 2 * r] - m_use);
-                const float p1 = fast_exp2(sc[4 * nb + 2 * r + 1] - m_use);
-                sc[4 * nb + 2 * r] = p0;
-                sc[4 * nb + 2 * r + 1] = p1;
-                rowsum += p0 + p1;
-            }
-            l_i[r] = l_i[r] * alpha + rowsum;
-#pragma unroll
-            for (int nb = 0; nb < NB_O; ++nb) {
-                acc[4 * nb + 2 * r] *= alpha;
-                acc[4 * nb + 2 * r + 1] *= alpha;
-            }
-        }
+        wg_softmax_tile<BN, HD>(sc, acc, m_i, l_i, need_mask, s, row0, n0, t4, scale_log2, win_left, win_right);
 
         // 4. O += P V
         pa_u32 pa[BN / 16][4];
@@ -145,32 +192,8 @@ attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_
     // Epilogue. A CTA whose rows see no key skips the loop with its Q copies possibly in flight.
     cp_async_wait_all();
     __syncthreads();
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_i[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        const int lr = lrow + 8 * r, i = m0 + lr;
-        if (t4 == 0 && i < s.sq) {
-            const float v_lse = (l > 0.f) ? (m_i[r] + fast_log2(l)) * PA_LN2 : PA_NEG_INF;
-            lse[row_index(b, h, lse_sb, lse_sh, s, i)] = v_lse;
-        }
-#pragma unroll
-        for (int nb = 0; nb < NB_O; ++nb)   // the warp's own Q rows stage its output (SW128 layout)
-            *reinterpret_cast<pa_u32*>(gbase + sw128_offset<BM>(lr, nb * 8) + 4 * t4) =
-                Elem<T>::pack2(acc[4 * nb + 2 * r] * inv, acc[4 * nb + 2 * r + 1] * inv);
-    }
-    __syncwarp();
-    constexpr int CPR = HD / 8;
-    for (int c = lane; c < 16 * CPR; c += 32) {
-        const int rr = c / CPR, col = (c % CPR) * 8;
-        const int lr = wg * 64 + wq * 16 + rr, i = m0 + lr;
-        if (i < s.sq && col < head_dim_v) {
-            T* dst = tok_ptr(o, b, o_sb, s.q0 + i, o_ss, h, o_sh) + col;
-            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(gbase + sw128_offset<BM>(lr, col));
-        }
-    }
+    wg_epilogue<T, HD, BM>(acc, m_i, l_i, gbase, lrow, wg * 64 + wq * 16, m0, t4, lane, s, b, h, o, o_sb, o_ss, o_sh,
+                           lse, lse_sb, lse_sh, head_dim_v);
 }
 
 template <typename T, int HD, int BN>
