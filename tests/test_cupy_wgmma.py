@@ -50,14 +50,15 @@ def test_forward_mode_env(monkeypatch):
         configs.forward_mode()
 
 
-@pytest.mark.parametrize("mode", ["auto", "mma", "wgmma"])
+@pytest.mark.parametrize("mode", ["auto", "mma", "wgmma", "wgmma_ws"])
 def test_forward_choice(mode):
     choose = lambda dt, d, dv, extras=False, cap=(9, 0): configs.forward_choice(  # noqa: E731
         dt, d, dv, extras=extras, capability=cap, mode=mode)[0]
-    wg = mode == "wgmma"
-    assert choose("bfloat16", 128, 128).family == ("fwd_wgmma" if wg else "fwd_mma")
-    assert choose("float16", 40, 64).family == ("fwd_wgmma" if wg else "fwd_mma")   # padded to 64
-    assert choose("bfloat16", 256, 200).family == ("fwd_wgmma" if wg else "fwd_mma")
+    wg = mode.startswith("wgmma")
+    fam = {"wgmma": "fwd_wgmma", "wgmma_ws": "fwd_wgmma_ws"}.get(mode, "fwd_mma")
+    assert choose("bfloat16", 128, 128).family == fam
+    assert choose("float16", 40, 64).family == fam   # padded to 64
+    assert choose("bfloat16", 256, 200).family == fam
     assert choose("bfloat16", 96, 96).family == "fwd_mma"           # no HD-96 instantiation
     assert choose("bfloat16", 128, 128, extras=True).family == "fwd_mma"
     assert choose("bfloat16", 128, 128, cap=(8, 0)).family == "fwd_mma"
@@ -75,7 +76,13 @@ def test_wgmma_config_geometry():
         if cfg.family == "fwd_wgmma":
             assert cfg.threads("plain") == 128 * nwg and cfg.block_rows("plain") == 64 * nwg
             assert cfg.kernel_names() == {"plain": f"attn_fwd_wgmma<{cfg.ctype}, {cfg.head_dim}, {bn}, {nwg}>"}
+        if cfg.family == "fwd_wgmma_ws":
+            assert cfg.threads("plain") == 384 and cfg.block_rows("plain") == 128
+            pp = "false" if cfg.tile is not None and not cfg.tile[2] else "true"
+            assert cfg.kernel_names() == {"plain": f"attn_fwd_wgmma_ws<{cfg.ctype}, {cfg.head_dim}, {bn}, {pp}>"}
         assert cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
+    names = [n for c in configs.wgmma_configs() for n in c.name_expressions()]
+    assert len(names) == len(set(names)) == 18
     assert configs.KernelConfig("fwd_mma", "bfloat16", 128).arch is None
 
 
@@ -123,6 +130,7 @@ def _cuobjdump():
 def test_sm90a_module_compiles_without_spills_and_uses_hgmma(tmp_path):
     names = [configs.KernelConfig("fwd_wgmma", "bfloat16", 128).kernel_names()["plain"],
              configs.KernelConfig("fwd_wgmma", "float16", 64).kernel_names()["plain"],
+             configs.KernelConfig("fwd_wgmma_ws", "bfloat16", 256).kernel_names()["plain"],
              configs.KernelConfig("wgmma_probe", "bfloat16", 256).kernel_names()["probe"]]
     cubin = str(tmp_path / "m.cubin")
     log, lowered = compile_check.compile_names(names, "90a", cubin_out=cubin)
@@ -132,6 +140,7 @@ def test_sm90a_module_compiles_without_spills_and_uses_hgmma(tmp_path):
         assert r.registers is not None and r.registers <= 255, r
         assert not r.spill_stores and not r.spill_loads and not r.stack, f"{r.name} spills"
     assert "serialized" not in log, log   # ptxas: "wgmma.mma_async instructions are serialized ..."
+    assert "C7508" not in log, log        # ptxas: setmaxnreg ignored
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump to read the SASS")
@@ -159,9 +168,10 @@ def _wgmma_cases():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", _wgmma_cases())
+@pytest.mark.parametrize("mode", ["wgmma", "wgmma_ws"])
 @pytest.mark.gpu
 @sm90_only
-def test_wgmma_forward_matches_reference(monkeypatch, case, dtype):
+def test_wgmma_forward_matches_reference(monkeypatch, mode, case, dtype):
     from portattn.backends.cupy import CupyBackend, runtime
     from test_cupy import _inputs
 
@@ -170,9 +180,9 @@ def test_wgmma_forward_matches_reference(monkeypatch, case, dtype):
 
     q, k, v, kw = _inputs(case, dtype, seed=5)
     spec = build_spec(q, k, v, **kw)
-    monkeypatch.setenv(configs.FORWARD_ENV, "wgmma")
+    monkeypatch.setenv(configs.FORWARD_ENV, mode)
     cfg, why = runtime.forward_choice(spec)
-    assert cfg.family == "fwd_wgmma", why
+    assert cfg.family == "fwd_" + mode, why
     out, lse = CupyBackend().forward(spec)
     out2, lse2 = CupyBackend().forward(spec)
     torch.cuda.synchronize()

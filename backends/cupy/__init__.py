@@ -94,6 +94,8 @@ class CupyBackend(Backend):
 _FAMILY_LABELS = {
     "fwd_mma": "tensor-core forward, fp16/bf16, mma.sync",
     "fwd_wgmma": "Hopper tensor-core forward, fp16/bf16, sm_90a wgmma (no softcap/ALiBi/bias)",
+    "fwd_wgmma_ws": "Hopper tensor-core forward, warp-specialized (producer warpgroup, mbarriers, pingpong), "
+                    "fp16/bf16, sm_90a wgmma (no softcap/ALiBi/bias)",
     "fwd_fma": "float32 FMA forward",
     "bwd_mma": "tensor-core backward, fp16/bf16",
     "bwd": "FMA backward: float32, and fp16/bf16 where PORTATTN_CUPY_BACKWARD or shared memory says so",

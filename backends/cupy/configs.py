@@ -30,7 +30,10 @@ NVRTC_OPTIONS = ("--std=c++17",)
 #: The Hopper forward (families "fwd_wgmma" and its layout probe "wgmma_probe"): a translation unit
 #: of its own, compiled for the sm_90a target only (wgmma needs the arch-specific target, which
 #: CuPy's RawModule cannot ask for: runtime.py compiles it with NVRTC directly).
-WGMMA_SOURCE_FILES = ("attn_common.cuh", "attn_wgmma_ops.cuh", "attn_sm90.cuh", "attn_fwd_wgmma.cu")
+WGMMA_SOURCE_FILES = ("attn_common.cuh", "attn_wgmma_ops.cuh", "attn_sm90.cuh", "attn_fwd_wgmma.cu",
+                      "attn_fwd_wgmma_ws.cu")
+#: The sm_90a families: the wgmma forward, its warp-specialized variant, the layout probe.
+WGMMA_FAMILIES = ("fwd_wgmma", "fwd_wgmma_ws", "wgmma_probe")
 WGMMA_ARCH = "sm_90a"
 #: Padded head dims the wgmma forward is instantiated for (the others run attn_fwd_mma).
 WGMMA_HEAD_DIMS = (64, 128, 256)
@@ -38,9 +41,11 @@ WGMMA_HEAD_DIMS = (64, 128, 256)
 #: (default, also unset/empty) = the mma.sync forward (until the H200 says the wgmma one is
 #: faster); ``mma`` = the mma.sync forward; ``wgmma`` = the sm_90a wgmma forward where it applies
 #: (compute capability 9.0, fp16/bf16, padded head dim 64/128/256, no softcap/ALiBi/bias), the
-#: mma.sync forward elsewhere.
+#: mma.sync forward elsewhere; ``wgmma_ws`` = the same with the warp-specialized wgmma forward
+#: (a producer warpgroup, mbarriers, consumer pingpong; experimental, timed by
+#: tools/cupy_wgmma_check.py).
 FORWARD_ENV = "PORTATTN_CUPY_FORWARD"
-FORWARD_MODES = ("auto", "mma", "wgmma")
+FORWARD_MODES = ("auto", "mma", "wgmma", "wgmma_ws")
 
 # Tile sizes of the backward and of the float32 forward (must match attn_bwd.cu / attn_fwd.cu).
 BWD_BLOCK_M, BWD_BLOCK_N, BWD_THREADS = 16, 32, 256
@@ -192,12 +197,12 @@ class KernelConfig:
 
     @property
     def source_files(self) -> tuple[str, ...]:
-        return WGMMA_SOURCE_FILES if self.family in ("fwd_wgmma", "wgmma_probe") else SOURCE_FILES
+        return WGMMA_SOURCE_FILES if self.family in WGMMA_FAMILIES else SOURCE_FILES
 
     @property
     def arch(self) -> str | None:
         """The NVRTC target this module needs (None: CuPy's choice for the device)."""
-        return WGMMA_ARCH if self.family in ("fwd_wgmma", "wgmma_probe") else None
+        return WGMMA_ARCH if self.family in WGMMA_FAMILIES else None
 
     def mma_shape(self, role: str = "plain") -> tuple[int, int, int]:
         return self.tile if self.tile is not None else mma_tile(self.head_dim, extras=role == "extras")
@@ -224,6 +229,9 @@ class KernelConfig:
         if self.family == "fwd_wgmma":
             bn, nwg = wgmma_tile(hd)
             return {"plain": f"attn_fwd_wgmma<{t}, {hd}, {bn}, {nwg}>"}
+        if self.family == "fwd_wgmma_ws":
+            bn, _, pingpong = self.tile if self.tile is not None else (*wgmma_tile(hd), 1)
+            return {"plain": f"attn_fwd_wgmma_ws<{t}, {hd}, {bn}, {'true' if pingpong else 'false'}>"}
         if self.family == "wgmma_probe":
             return {"probe": f"attn_wgmma_probe<{t}, {hd}, {wgmma_tile(hd)[0]}>"}
         if self.family == "bwd":
@@ -248,6 +256,8 @@ class KernelConfig:
     def threads(self, role: str) -> int:
         if self.family == "fwd_wgmma":
             return 128 * wgmma_tile(self.head_dim)[1]
+        if self.family == "fwd_wgmma_ws":
+            return 384   # a producer and two consumer warpgroups
         if self.family == "wgmma_probe":
             return 128
         if self.family == "fwd_mma":
@@ -262,6 +272,8 @@ class KernelConfig:
         """Rows (or keys, for dK/dV) one CTA covers along the grid's x axis."""
         if self.family == "fwd_wgmma":
             return 64 * wgmma_tile(self.head_dim)[1]
+        if self.family == "fwd_wgmma_ws":
+            return 128
         if self.family == "wgmma_probe":
             return 64
         if self.family == "fwd_mma":
@@ -277,10 +289,14 @@ class KernelConfig:
     def smem_bytes(self, role: str) -> int:
         """Dynamic shared memory of one CTA (mirrors the carve-up at the top of each kernel)."""
         hd = self.head_dim
-        if self.family in ("fwd_wgmma", "wgmma_probe"):
+        if self.family in WGMMA_FAMILIES:
             # 1 KB of slack: the kernel aligns its SW128 tiles to 1024 bytes; Q, then 2 x K, 2 x V
-            # (the probe: Q of 64 rows, one K and one V)
+            # (the probe: Q of 64 rows, one K and one V; the warp-specialized kernel: 128 Q rows,
+            # two K/V stages and 64 bytes of mbarriers)
             bn, nwg = wgmma_tile(hd)
+            if self.family == "fwd_wgmma_ws":
+                bn = self.tile[0] if self.tile is not None else bn
+                return 1024 + (128 + 4 * bn) * hd * 2 + 64
             rows = 64 * nwg + 4 * bn if self.family == "fwd_wgmma" else 64 + 2 * bn
             return 1024 + rows * hd * 2
         if self.family == "fwd_mma":
@@ -327,28 +343,30 @@ def forward_config(dtype: str, head_dim: int, head_dim_v: int, kv_stages: int | 
     return KernelConfig("fwd_mma", dtype, hd, kv_stages=stages)
 
 
-def wgmma_forward_config(dtype: str, head_dim: int, head_dim_v: int) -> KernelConfig | None:
-    """The sm_90a wgmma forward module for a problem's dtype and head dims, or None where it has
-    no instantiation (float32, padded head dims other than :data:`WGMMA_HEAD_DIMS`)."""
+def wgmma_forward_config(dtype: str, head_dim: int, head_dim_v: int, ws: bool = False) -> KernelConfig | None:
+    """The sm_90a wgmma forward module (``ws``: the warp-specialized one) for a problem's dtype
+    and head dims, or None where it has no instantiation (float32, padded head dims other than
+    :data:`WGMMA_HEAD_DIMS`)."""
     hd = padded_head_dim(head_dim, head_dim_v)
     if dtype not in TENSOR_CORE_DTYPES or hd not in WGMMA_HEAD_DIMS:
         return None
-    return KernelConfig("fwd_wgmma", dtype, hd)
+    return KernelConfig("fwd_wgmma_ws" if ws else "fwd_wgmma", dtype, hd)
 
 
 def forward_choice(dtype: str, head_dim: int, head_dim_v: int, *, extras: bool, capability: tuple | None,
                    mode: str | None = None, kv_stages: int | None = None) -> tuple[KernelConfig | None, str]:
     """(forward module, why) for a problem: the wgmma forward when ``mode`` (default:
-    :data:`FORWARD_ENV`) is ``wgmma`` and the problem is one it runs (``capability`` (9, 0),
+    :data:`FORWARD_ENV`) is ``wgmma`` (``wgmma_ws``: its warp-specialized variant) and the problem
+    is one it runs (``capability`` (9, 0),
     fp16/bf16, padded head dim in :data:`WGMMA_HEAD_DIMS`, ``extras`` False: no softcap, ALiBi or
     bias), else :func:`forward_config`'s module; ``why`` says which and why (one line)."""
     base = forward_config(dtype, head_dim, head_dim_v, kv_stages=kv_stages)
     mode = forward_mode() if mode is None else mode
     if base is None or base.family != "fwd_mma":
         return base, "float32 runs its FMA forward" if base is not None else "head dim over the largest bucket"
-    if mode != "wgmma":
+    if mode not in ("wgmma", "wgmma_ws"):
         return base, f"{FORWARD_ENV}={mode}: the mma.sync forward"
-    wg = wgmma_forward_config(dtype, head_dim, head_dim_v)
+    wg = wgmma_forward_config(dtype, head_dim, head_dim_v, ws=mode == "wgmma_ws")
     if capability is None or tuple(capability) != (9, 0):
         why = f"compute capability {capability} (the wgmma forward needs 9.0, sm_90a)"
     elif extras:
@@ -356,14 +374,18 @@ def forward_choice(dtype: str, head_dim: int, head_dim_v: int, *, extras: bool, 
     elif wg is None:
         why = f"padded head dim {base.head_dim} (the wgmma forward has {', '.join(map(str, WGMMA_HEAD_DIMS))})"
     else:
-        return wg, f"{FORWARD_ENV}=wgmma: the sm_90a wgmma forward"
-    return base, f"{FORWARD_ENV}=wgmma but {why}: the mma.sync forward"
+        return wg, f"{FORWARD_ENV}={mode}: the sm_90a {wg.family} forward"
+    return base, f"{FORWARD_ENV}={mode} but {why}: the mma.sync forward"
 
 
 def wgmma_configs(with_probe: bool = False) -> list[KernelConfig]:
     """Every sm_90a module (compiled for :data:`WGMMA_ARCH` only, apart from :func:`all_configs`)."""
-    fams = ("fwd_wgmma", "wgmma_probe") if with_probe else ("fwd_wgmma",)
-    return [KernelConfig(f, dt, hd) for f in fams for hd in WGMMA_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
+    fams = WGMMA_FAMILIES if with_probe else WGMMA_FAMILIES[:2]
+    out = [KernelConfig(f, dt, hd) for f in fams for hd in WGMMA_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
+    # the warp-specialized forward without the consumers' pingpong (timed against it)
+    out += [KernelConfig("fwd_wgmma_ws", dt, hd, tile=(wgmma_tile(hd)[0], 2, 0))
+            for hd in WGMMA_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
+    return out
 
 
 def backward_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: int | None = None,

@@ -220,11 +220,11 @@ def forward_choice(spec) -> tuple[configs.KernelConfig | None, str]:
     dtype = _DTYPE_NAMES[spec.dtype]
     cfg, why = configs.forward_choice(dtype, spec.head_dim, spec.head_dim_v, extras=_needs_extras(spec),
                                       capability=_capability(spec.device))
-    if cfg is not None and cfg.family == "fwd_wgmma":
+    if cfg is not None and cfg.arch is not None:
         bad = sm90a.unavailable_reason(configs.source(cfg.source_files), cfg.name_expressions(), cfg.arch)
         if bad:
             return configs.forward_config(dtype, spec.head_dim, spec.head_dim_v), \
-                f"{configs.FORWARD_ENV}=wgmma but {bad}: the mma.sync forward"
+                f"{configs.FORWARD_ENV}={configs.forward_mode()} but {bad}: the mma.sync forward"
     return cfg, why
 
 
@@ -235,7 +235,7 @@ def plan_forward(spec, cfg: configs.KernelConfig | None = None) -> Plan:
     shapes); by default :func:`forward_choice` picks it.
     """
     cfg = cfg or forward_choice(spec)[0]
-    tensor_cores = cfg.family in ("fwd_mma", "fwd_wgmma")
+    tensor_cores = cfg.family in ("fwd_mma", "fwd_wgmma", "fwd_wgmma_ws")
     lse = torch.empty(spec.lse_shape, dtype=torch.float32, device=spec.device)
     if spec.is_empty or spec.seqlen_q == 0:
         lse.fill_(float("-inf"))
@@ -248,8 +248,8 @@ def plan_forward(spec, cfg: configs.KernelConfig | None = None) -> Plan:
         lse.fill_(float("-inf"))
     args, keep = common_args(spec, q, k, v)
     args += [_ptr(out), *_strides3(out, spec.is_varlen), _ptr(lse)]
-    if cfg.family == "fwd_wgmma" and _needs_extras(spec):
-        raise ValueError("the wgmma forward has no softcap / ALiBi / bias (cfg=fwd_wgmma): use the fwd_mma config")
+    if cfg.family in ("fwd_wgmma", "fwd_wgmma_ws") and _needs_extras(spec):
+        raise ValueError(f"the wgmma forward has no softcap / ALiBi / bias (cfg={cfg.family}): use the fwd_mma config")
     role = "extras" if cfg.family == "fwd_mma" and _needs_extras(spec) else "plain"
     grid = (_cdiv(spec.seqlen_q, cfg.block_rows(role)), spec.num_heads_q, spec.batch)
     if dv_alloc != spec.head_dim_v:
