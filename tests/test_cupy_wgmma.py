@@ -5,7 +5,8 @@ the generated wgmma wrappers are up to date, the sm_90a module compiles with NVR
 and its SASS has HGMMA (when a cuobjdump is at hand), and sm_90a never leaks into the sm_80 /
 sm_90 source. GPU tests (sm_90 + cupy only): the wgmma forward against the float64 reference
 under the equivalence rule (docs/semantics.md) on tests/test_cupy.py's cases it covers, bit-
-identical repeats, and the switch really launching it.
+identical repeats, and the switch really launching it (the warp-specialized variant only with
+PORTATTN_TEST_WGMMA_WS=1: a barrier deadlock would hang the run, so the checker tries it first).
 """
 
 import os
@@ -180,6 +181,10 @@ def test_wgmma_forward_matches_reference(monkeypatch, mode, case, dtype):
 
     q, k, v, kw = _inputs(case, dtype, seed=5)
     spec = build_spec(q, k, v, **kw)
+    if mode == "wgmma_ws" and os.environ.get("PORTATTN_TEST_WGMMA_WS") != "1":
+        # a barrier deadlock there would hang the whole test run: tools/cupy_wgmma_check.py runs it
+        # in a child process with a timeout first
+        pytest.skip("set PORTATTN_TEST_WGMMA_WS=1 once tools/cupy_wgmma_check.py reports attn_fwd_wgmma_ws PASS")
     monkeypatch.setenv(configs.FORWARD_ENV, mode)
     cfg, why = runtime.forward_choice(spec)
     assert cfg.family == "fwd_" + mode, why
