@@ -3,8 +3,8 @@
 ``cupy.RawModule(code=...)`` appends its own ``-arch=sm_<cc>`` for the device (cupy/cuda/
 compiler.py, ``_get_arch_for_options_for_nvrtc``: the compute capability as a number, no
 arch-specific ``a`` suffix), and wgmma assembles only for the ``sm_90a`` target. So this module
-asks NVRTC itself (CuPy's own binding, ``cupy_backends.cuda.libs.nvrtc``; ``cuda.bindings.nvrtc``
-where that is missing) for a cubin of ``sm_90a``, keeps it in a file under CuPy's kernel cache
+asks NVRTC itself (``cuda.bindings.nvrtc`` where installed, else CuPy's own binding
+``cupy_backends.cuda.libs.nvrtc``) for a cubin of ``sm_90a``, keeps it in a file under CuPy's kernel cache
 directory (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``) keyed by the source, options,
 names and NVRTC version, and the caller loads it with ``cupy.RawModule(path=...)``, looking the
 kernels up by the lowered names NVRTC returned (saved beside the cubin).
@@ -39,6 +39,10 @@ def _cache_dir() -> str:
     return d
 
 
+def _wants_ptx(options) -> bool:
+    return any(o.startswith("--gpu-architecture=compute_") for o in options)
+
+
 class _CupyNvrtc:
     """CuPy's NVRTC binding (raises NVRTCError on failure; strings in, bytes out)."""
 
@@ -67,7 +71,7 @@ class _CupyNvrtc:
                 raise Sm90aCompileError(f"NVRTC failed ({' '.join(options)}): {exc}\n{log}") from exc
             log = n.getProgramLog(prog)
             lowered = {name: n.getLoweredName(prog, name) for name in names}
-            return n.getCUBIN(prog), lowered, log
+            return (n.getPTX(prog) if _wants_ptx(options) else n.getCUBIN(prog)), lowered, log
         finally:
             n.destroyProgram(prog)
 
@@ -98,9 +102,15 @@ class _BindingsNvrtc:
             log = buf.decode(errors="replace").rstrip("\x00 \n")
             if int(res[0]) != 0:
                 raise Sm90aCompileError(f"NVRTC failed ({' '.join(options)}):\n{log}")
-            size = n.nvrtcGetCUBINSize(prog)[1]
-            cubin = b" " * size
-            n.nvrtcGetCUBIN(prog, cubin)
+            if _wants_ptx(options):
+                size = n.nvrtcGetPTXSize(prog)[1]
+                cubin = b" " * size
+                n.nvrtcGetPTX(prog, cubin)
+                cubin = cubin.rstrip(b"\x00")
+            else:
+                size = n.nvrtcGetCUBINSize(prog)[1]
+                cubin = b" " * size
+                n.nvrtcGetCUBIN(prog, cubin)
             lowered = {}
             for name in names:
                 low = n.nvrtcGetLoweredName(prog, name.encode())[1]
@@ -111,9 +121,10 @@ class _BindingsNvrtc:
 
 
 def nvrtc_binding():
-    """CuPy's NVRTC binding, else cuda.bindings'; Sm90aCompileError when neither imports."""
+    """cuda.bindings' NVRTC (what the CPU compile check uses) where installed, else CuPy's own;
+    Sm90aCompileError when neither imports."""
     errors = []
-    for cls in (_CupyNvrtc, _BindingsNvrtc):
+    for cls in (_BindingsNvrtc, _CupyNvrtc):
         try:
             return cls()
         except Exception as exc:   # ImportError, or a binding that cannot load libnvrtc
@@ -123,8 +134,9 @@ def nvrtc_binding():
 
 def compile_cubin(source: str, names, arch: str = "sm_90a", with_log: bool = False):
     """(cubin path, {name expression: lowered name}) of ``source`` compiled for ``arch``, from
-    the cache when there (``with_log``: also the NVRTC log of the compile that made it). Raises
-    Sm90aCompileError."""
+    the cache when there (``with_log``: also the NVRTC log of the compile that made it). When
+    NVRTC cannot make a cubin for ``sm_<x>``, the PTX of ``compute_<x>`` instead (a ``.ptx``
+    path; the driver assembles it at load; its log starts with why). Raises Sm90aCompileError."""
     names = list(names)
     nv = nvrtc_binding()
     options = (*OPTIONS, f"--gpu-architecture={arch}")
@@ -132,12 +144,22 @@ def compile_cubin(source: str, names, arch: str = "sm_90a", with_log: bool = Fal
     d = _cache_dir()
     path, meta = os.path.join(d, f"portattn_{arch}_{key}.cubin"), os.path.join(d, f"portattn_{arch}_{key}.json")
     with _lock:
-        if os.path.exists(path) and os.path.exists(meta):
+        if os.path.exists(meta):
             with open(meta, encoding="utf-8") as f:
                 m = json.load(f)
-            return (path, m["lowered"], m["log"]) if with_log else (path, m["lowered"])
-        cubin, lowered, log = nv.compile(source, names, options)
-        for target, data, mode in ((path, cubin, "wb"), (meta, json.dumps({"lowered": lowered, "log": log}), "w")):
+            if os.path.exists(m.get("path", path)):
+                return (m.get("path", path), m["lowered"], m["log"]) if with_log else (m.get("path", path), m["lowered"])
+        try:
+            cubin, lowered, log = nv.compile(source, names, options)
+        except Sm90aCompileError as exc:
+            if not arch.startswith("sm_"):
+                raise
+            ptx_opts = (*[o for o in OPTIONS if not o.startswith("--ptxas")], f"--gpu-architecture=compute_{arch[3:]}")
+            cubin, lowered, log = nv.compile(source, names, ptx_opts)
+            log = f"[no cubin for {arch}, PTX for compute_{arch[3:]} instead: {str(exc)[:500]}]\n{log}"
+            path = path[:-len(".cubin")] + ".ptx"
+        for target, data, mode in ((path, cubin, "wb"),
+                                   (meta, json.dumps({"lowered": lowered, "log": log, "path": path}), "w")):
             fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
             with os.fdopen(fd, mode) as f:
                 f.write(data)
