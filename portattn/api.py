@@ -316,7 +316,8 @@ def attention(q, k, v, *, causal=False, causal_alignment="bottom_right", window=
             impl, stable = _choose_stable(spec, backend)
             if sig is not None and plan is None:
                 spec.signature = sig
-                callcache.remember(sig, spec, impl if stable else None)
+                callcache.remember(sig, spec, impl if stable else None,
+                                   until=stable if type(stable) is float else None)
         if spec.needs_grad:
             out, lse = _Attention.apply(impl, spec, spec.q, spec.k, spec.v, bias)
         else:

@@ -17,7 +17,10 @@ dense call, and everything the backend choice depends on, is a function of
 (:func:`portattn.spec.copy_with_tensors` puts the new tensors in) and, when the choice is stable
 (:func:`portattn.dispatch.select_stable`: every backend asked declares ``stable_reasons``; under
 the fastest policy, a remembered winner that declares them), the chosen backend. The results are those of the full
-path by construction: the same spec fields, the same backend, the same calls after that.
+path by construction: the same spec fields, the same backend, the same calls after that. A
+provisional winner of the fastest policy (a second look pending) is kept until the moment of its
+second look (one ``time.time()`` per call): the first call after it chooses again, which takes
+the look.
 
 Not cached (the full path runs): varlen (``cu_seqlens`` contents are validated on the host),
 ``alibi_slopes`` (converted per call), ``max_seqlen_*``, tensor subclasses, unhashable or
@@ -28,6 +31,7 @@ validation raises (errors are never remembered).
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -41,7 +45,8 @@ _det_warn = torch.is_deterministic_algorithms_warn_only_enabled
 _pinned = dispatch._pinned
 _tf32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (lambda: torch.backends.cuda.matmul.allow_tf32)
 
-#: signature -> (template spec, backend or None when it must be chosen per call)
+#: signature -> (template spec, bias shape, backend or None when it must be chosen per call,
+#: the time.time() until which the backend holds, or None: always)
 _plans: dict[tuple, tuple] = {}
 LIMIT = 2048
 _lock = threading.Lock()
@@ -77,7 +82,9 @@ def spec_for(sig, q, k, v, bias):
     plan = _plans.get(sig)
     if plan is None:
         return None
-    template, bias_shape, backend = plan
+    template, bias_shape, backend, until = plan
+    if until is not None and time.time() >= until:
+        backend = None   # a provisional choice's second look is due: the full choice takes it
     if template.layout == "bhsd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if bias is not None:
@@ -85,15 +92,16 @@ def spec_for(sig, q, k, v, bias):
     return copy_with_tensors(template, q, k, v, bias), backend
 
 
-def remember(sig, spec, backend) -> None:
+def remember(sig, spec, backend, until: float | None = None) -> None:
     """Keep ``spec`` (validated) as the template of ``sig``, without its tensors (a template must
-    not keep a call's activations alive), and ``backend`` (None: chosen per call)."""
+    not keep a call's activations alive), and ``backend`` (None: chosen per call; ``until``: a
+    ``time.time()`` from which it is chosen per call again)."""
     bias_shape = None if spec.attn_bias is None else spec.attn_bias.shape
     template = copy_with_tensors(spec, None, None, None, None)
     with _lock:
         if len(_plans) >= LIMIT:
             _plans.clear()
-        _plans[sig] = (template, bias_shape, backend)
+        _plans[sig] = (template, bias_shape, backend, until)
 
 
 def clear() -> None:

@@ -202,17 +202,19 @@ def select_stable(spec: AttentionSpec, backend: str | None = None) -> tuple[Back
     policy when every backend asked (the ones passed over and the one chosen) declares
     ``stable_reasons``; under the fastest policy when the class's remembered winner was chosen
     and declares them (the signature holds :func:`portattn.tuning.generation`, which changes
-    with any remembered winner), never for a choice that timed the candidates or is provisional
-    (a second look pending: :func:`portattn.tuning.recheck_due`)."""
+    with any remembered winner), never for a choice that timed the candidates. A provisional
+    winner (a second look pending: :func:`portattn.tuning.recheck_due`) gives ``stable`` as a
+    float instead: the ``time.time()`` until which the choice may be remembered (the second
+    look's moment, when the next call chooses again and takes it)."""
     names, _ = _requested(backend)
     fits = _fitting(spec, names)
     if names == (FASTEST,):
-        winner = tuning.lookup(spec, final=True)   # a class timed before: its winner, no timing, no sync
+        winner, until = tuning.held_winner(spec)   # a class timed before: its winner, no timing, no sync
         if winner is not None:
             for b in fits:
                 if b.name == winner:
                     if _runs(b, spec):
-                        return b, b.stable_reasons
+                        return b, (b.stable_reasons if until is None else b.stable_reasons and until)
                     break
         runnable = [b.name for b in fits if _runs(b, spec)]
         if runnable:

@@ -614,15 +614,24 @@ def _fallback(key: str, candidates: list[str], entry: dict | None) -> str:
         f"pin a backend (backend=...) or add 'reference' to the candidates", reasons)
 
 
-def lookup(spec: AttentionSpec, *, final: bool = False) -> str | None:
-    """The remembered winner of ``spec``'s class, or None — no timing, no device sync (the fast
-    path: dispatch may try it first and verify that the winner has no reasons); ``final``: None
-    also while the choice is provisional (a second look pending, :func:`recheck_due`). After
-    the first sight of a problem this is one dict hit on a tuple of the spec's attributes."""
+def lookup(spec: AttentionSpec) -> str | None:
+    """The remembered winner of ``spec``'s class (provisional or final), or None — no timing, no
+    device sync. After the first sight of a problem this is one dict hit on a tuple of the spec's
+    attributes."""
+    return _hot_get(spec)[1]
+
+
+def held_winner(spec: AttentionSpec) -> tuple[str | None, float | None]:
+    """``(winner, until)`` for the call path, in one dict hit: the remembered winner of ``spec``'s
+    class (None when never timed, or when a second look is pending and due), and ``until``:
+    None for a final choice, else the ``time.time()`` at which the provisional choice's second
+    look falls due (the call path may keep the winner until then, :mod:`portattn.callcache`).
+    No timing, no device sync."""
     entry, winner = _hot_get(spec)
-    if final and entry is not None and "recheck" in entry:
-        return None
-    return winner
+    if entry is None or "recheck" not in entry:
+        return winner, None
+    until = entry["recheck"]["at"]
+    return (winner, until) if time.time() < until else (None, None)
 
 
 def cached_choice(spec: AttentionSpec, candidates: list[str]) -> str | None:

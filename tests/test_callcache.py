@@ -162,9 +162,9 @@ def test_determinism_flags_are_part_of_the_signature(backends, monkeypatch):
     seen = []
     real = api.callcache.remember
 
-    def record(sig, spec, backend):
+    def record(sig, spec, backend, until=None):
         seen.append(spec.deterministic)
-        return real(sig, spec, backend)
+        return real(sig, spec, backend, until)
 
     monkeypatch.setattr(api.callcache, "remember", record)
     portattn.attention(q, k, v, backend="stable_counting")

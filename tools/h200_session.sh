@@ -32,6 +32,10 @@
 #       cases, the KV-cache catalogue and the GPU tests side by side, then alone: the cupy forward
 #       check (kernels after the prologue fold, the K/V double buffer), the fastest policy's
 #       re-checked cells and the D 256 training cells
+#   bash tools/h200_session.sh s5verify    # the checks the fourth session could not run: cupy's whole
+#       catalogue (kernels after the prologue fold), the moved graph-capture test and the tuning GPU
+#       tests beside the fastest grid's compiles, then alone: the fastest policy's full grid with the
+#       second look
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -478,4 +482,26 @@ if [[ $what == s4final ]]; then
       --out "$W" --tag h200-d256 --time-limit $(( ${BENCH_LIMIT:-90} - 15 )) --no-progress-bar > "$W/bench_d256_log.txt" 2>&1
   echo "== bench D256 rc=$? ($(( $(date +%s) - t3 ))s):"; tail -22 "$W/bench_d256_log.txt"
   tar czf "$OUT/s4final.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
+fi
+
+if [[ $what == s5verify ]]; then
+  t0=$(date +%s); rm -rf "$shards"; mkdir -p "$shards"
+  LIMIT=${CONF_LIMIT:-170}
+  run_shard c-core --backends cupy reference --cases 'core/*' &
+  run_shard c-large --backends cupy --cases 'large/*' &
+  run_shard c-var --backends cupy --cases 'varlen/*' 'headdim/*' &
+  run_shard c-rest --backends cupy --cases 'bias/*' 'window/*' 'nonfinite/*' 'values/*' 'softcap/*' 'gqa/*' \
+      'layout/*' 'alibi/*' 'masked/*' 'combo/*' &
+  timeout -s INT -k 10 "$LIMIT" $PY -m pytest -v --tb=short -p no:cacheprovider -n 2 tests/test_decode_variants_gpu.py \
+      tests/test_kvcache_gpu.py tests/test_tuning.py -rfEs > "$OUT/pytest_gpu.txt" 2>&1 &
+  for d in 64 128 256; do timeout "$LIMIT" $PY tools/warm_caches.py --d $d --dtype bf16 > /tmp/warm-$d.log 2>&1 & done
+  wait
+  merge_shards conformance-cupy-h200.json
+  echo "== GPU tests:"; grep -E "passed|failed|FAILED|ERROR" "$OUT/pytest_gpu.txt" | tail -8; tail -2 /tmp/warm-*.log
+  W=/tmp/portattn-fastest; rm -rf "$W"; mkdir -p "$W"
+  t1=$(date +%s)
+  timeout -s INT -k 10 "${FASTEST_LIMIT:-380}" $PY benchmarks/bench_fastest.py --full --out "$W" \
+      --time-limit "${FASTEST_TIME:-345}" > "$OUT/fastest.txt" 2>&1
+  echo "== fastest --full rc=$? ($(( $(date +%s) - t1 ))s):"; tail -62 "$OUT/fastest.txt"
+  tar czf "$OUT/fastest.tgz" -C "$W" . && ls -la "$W"; echo "total $(( $(date +%s) - t0 ))s"
 fi

@@ -232,6 +232,15 @@ def _id_rows(page, start_n, offs_n, page_size, stride_kp, stride_ks, stride_vp, 
 
 
 @triton.jit
+def _log2_pages(page_size):
+    """log2 of a power-of-two ``page_size`` (≤ 256) as int32: the shift from a key row to its page."""
+    shift = 0
+    for i in tl.static_range(8):
+        shift += (page_size > (1 << i)).to(tl.int32)
+    return shift
+
+
+@triton.jit
 def _decode_range(acc, l_i, m_i, q, BT, k_base, v_base, bt_base, lo, hi, end, offs_n, offs_d, qpos, apos, slope2,
                   page_size, num_pages, stride_kp, stride_ks, stride_vp, stride_vs,
                   qk_scale2, softcap_scale, softcap2, window_left, window_right,
@@ -249,9 +258,7 @@ def _decode_range(acc, l_i, m_i, q, BT, k_base, v_base, bt_base, lo, hi, end, of
     loads each tile's page ids in its own iteration, which the pipeliner then prefetches as
     cp.async copies (with about half the K/V stages: deep-stage configs only)."""
     if PAGE_FIT >= 8:   # PAGE_FIT_DIRECT: each tile's page ids loaded in its own iteration (no carry)
-        page_shift = 0
-        for i in tl.static_range(8):
-            page_shift += (page_size > (1 << i)).to(tl.int32)
+        page_shift = _log2_pages(page_size)
         for start_n in range(lo, hi, BLOCK_N):
             if PAGE_FIT == 9:
                 k_off, v_off = _page_base(BT, bt_base, start_n, end, page_size, num_pages, stride_kp, stride_ks,
@@ -284,9 +291,7 @@ def _decode_range(acc, l_i, m_i, q, BT, k_base, v_base, bt_base, lo, hi, end, of
                                          ALIBI, IEEE, RAW_SCORES)
             k_off, v_off = next_k, next_v
     elif PAGE_FIT >= 4:   # PAGE_FIT_IDS: carry the next tile's int32 page ids, offsets per iteration
-        page_shift = 0
-        for i in tl.static_range(8):
-            page_shift += (page_size > (1 << i)).to(tl.int32)
+        page_shift = _log2_pages(page_size)
         ids = _tile_ids(BT, bt_base, lo, end, offs_n, page_shift, page_size, num_pages, PAGE_FIT, BLOCK_N)
         for start_n in range(lo, hi, BLOCK_N):
             next_ids = _tile_ids(BT, bt_base, start_n + BLOCK_N, end, offs_n, page_shift, page_size, num_pages,
@@ -299,9 +304,7 @@ def _decode_range(acc, l_i, m_i, q, BT, k_base, v_base, bt_base, lo, hi, end, of
                                          ALIBI, IEEE, RAW_SCORES)
             ids = next_ids
     elif PAGED:
-        page_shift = 0           # PAGE_FIT_ROWS: log2(page_size) (a power of two <= BLOCK_N / 2 there)
-        for i in tl.static_range(8):
-            page_shift += (page_size > (1 << i)).to(tl.int32)
+        page_shift = _log2_pages(page_size)   # PAGE_FIT_ROWS: a power of two <= BLOCK_N / 2 there
         krow, vrow = _tile_rows(BT, bt_base, lo, end, offs_n, page_shift, page_size, num_pages, stride_kp, stride_ks,
                                 stride_vp, stride_vs, PAGE_FIT, BLOCK_N)
         for start_n in range(lo, hi, BLOCK_N):
