@@ -10,6 +10,7 @@ PORTATTN_TEST_WGMMA_WS=1: a barrier deadlock would hang the run, so the checker 
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -216,3 +217,36 @@ def test_wgmma_switch_falls_back_for_extras(monkeypatch):
     assert plan.launches[0].cfg.family == "fwd_mma" and plan.launches[0].role == "extras"
     monkeypatch.setenv(configs.FORWARD_ENV, "auto")
     assert runtime.plan_forward(build_spec(q, q, q)).launches[0].cfg.family == "fwd_mma"
+
+
+def _wgmma_param_count(kernel: str) -> int:
+    src = configs.source(configs.WGMMA_SOURCE_FILES)
+    n_common = re.search(r"#define PA_COMMON_PARAMS(.*?)\n\n", src, re.S).group(1).count(",") + 1
+    start = src.index(f"\n{kernel}(") + len(kernel) + 2
+    depth, i = 1, start
+    while depth:
+        depth += {"(": 1, ")": -1}.get(src[i], 0)
+        i += 1
+    return src[start:i - 1].count(",") + n_common
+
+
+@pytest.mark.parametrize("family", ["fwd_wgmma", "fwd_wgmma_ws"])
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window": (4, 2)}])
+def test_wgmma_plan_matches_signature(family, kw):
+    """plan_forward with a wgmma config (CPU tensors: nothing launches) passes the kernel's
+    argument list (attn_fwd_mma's), one CTA per 128 rows; softcap is refused with a reason."""
+    from portattn.backends.cupy import runtime
+
+    q = torch.randn(2, 300, 4, 40, dtype=torch.bfloat16)
+    k = torch.randn(2, 50, 2, 40, dtype=torch.bfloat16)
+    v = torch.randn(2, 50, 2, 24, dtype=torch.bfloat16)
+    spec = build_spec(q, k, v, **kw)
+    cfg = configs.wgmma_forward_config("bfloat16", 40, 24, ws=family == "fwd_wgmma_ws")
+    assert cfg.family == family and cfg.head_dim == 64
+    (launch,) = runtime.plan_forward(spec, cfg).launches
+    kernel = "attn_fwd_wgmma" if family == "fwd_wgmma" else "attn_fwd_wgmma_ws"
+    assert len(launch.args) == _wgmma_param_count(kernel)
+    assert launch.role == "plain" and launch.grid == (3, 4, 2)
+    assert cfg.threads("plain") == (256 if family == "fwd_wgmma" else 384)
+    with pytest.raises(ValueError, match="softcap"):
+        runtime.plan_forward(build_spec(q, k, v, softcap=2.0), cfg)
