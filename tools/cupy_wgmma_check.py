@@ -489,8 +489,13 @@ def _verdict(res):
         for fam in ("ws", "ws_nopp"):
             rows = [r for r in ws.get("checks", []) if r.get("family") == fam]
             bad = [r["case"] for r in rows if not r.get("passed")]
-            ok = rows and not bad and len(rows) == len(CHECK_CASES)
-            res[f"verdict_{fam}"] = "PASS" if ok else (f"FAIL {bad}" if rows else f"NOT RUN (rc={ws.get('rc')})")
+            if not rows:
+                res[f"verdict_{fam}"] = f"NOT RUN (rc={ws.get('rc')})"
+            elif bad:
+                res[f"verdict_{fam}"] = f"FAIL {bad}"
+            else:
+                res[f"verdict_{fam}"] = ("PASS" if len(rows) == len(CHECK_CASES)
+                                         else f"INCOMPLETE ({len(rows)}/{len(CHECK_CASES)} checks, rc={ws.get('rc')})")
 
 
 def child_ws(out_dir: str, time_limit: float) -> int:
