@@ -487,7 +487,8 @@ def _verdict(res):
     ws = res.get("ws")
     if ws is not None:   # the warp-specialized variants: reported, not part of the verdict
         for fam in ("ws", "ws_nopp"):
-            rows = [r for r in ws.get("checks", []) if r.get("family") == fam]
+            rows = [r for r in ws.get("checks", []) if r.get("family") == fam
+                    and not str(r.get("error", "")).startswith("skipped")]
             bad = [r["case"] for r in rows if not r.get("passed")]
             if not rows:
                 res[f"verdict_{fam}"] = f"NOT RUN (rc={ws.get('rc')})"
