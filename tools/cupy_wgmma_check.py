@@ -596,7 +596,7 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     res["checks"] = []
     for case in CHECK_CASES:
-        if left() < 60:
+        if left() < 20:
             res["checks"].append({"case": case[0], "family": "wgmma", "passed": False, "error": "skipped: time limit"})
             continue
         try:
