@@ -92,21 +92,31 @@ class CupyBackend(Backend):
 
 #: What each kernel family is, for reasons and docs (which path runs: configs.backward_config).
 _FAMILY_LABELS = {
-    "fwd_mma": "tensor-core forward, fp16/bf16",
+    "fwd_mma": "tensor-core forward, fp16/bf16, mma.sync",
+    "fwd_wgmma": "Hopper tensor-core forward, fp16/bf16, sm_90a wgmma (no softcap/ALiBi/bias)",
+    "fwd_wgmma_ws": "Hopper tensor-core forward, warp-specialized (producer warpgroup, mbarriers, pingpong), "
+                    "fp16/bf16, sm_90a wgmma (no softcap/ALiBi/bias)",
     "fwd_fma": "float32 FMA forward",
     "bwd_mma": "tensor-core backward, fp16/bf16",
     "bwd": "FMA backward: float32, and fp16/bf16 where PORTATTN_CUPY_BACKWARD or shared memory says so",
 }
 
 
-def kernel_families(spec, smem_limit: int | None = None) -> dict[str, str]:
+def kernel_families(spec, smem_limit: int | None = None, capability: tuple | None = None) -> dict[str, str]:
     """Which kernel family runs the forward and (when a gradient is needed) the backward;
-    ``smem_limit``: the device's opt-in shared memory per block (None: no limit)."""
+    ``smem_limit``: the device's opt-in shared memory per block (None: no limit); ``capability``:
+    the device's compute capability (None: the spec's CUDA device's, or none for a CPU spec).
+    The forward entry ends with why (``PORTATTN_CUPY_FORWARD``: the wgmma forward runs only on
+    sm_90, fp16/bf16, padded head dim 64/128/256, without softcap/ALiBi/bias)."""
     dtype = _dtype_name(spec.dtype)
-    fwd = configs.forward_config(dtype, spec.head_dim, spec.head_dim_v)
+    if capability is None and spec.device.type == "cuda":
+        idx = spec.device.index if spec.device.index is not None else torch.cuda.current_device()
+        capability = tuple(torch.cuda.get_device_capability(idx))
+    extras = spec.softcap is not None or spec.alibi_slopes is not None or spec.attn_bias is not None
+    fwd, why = configs.forward_choice(dtype, spec.head_dim, spec.head_dim_v, extras=extras, capability=capability)
     if fwd is None:
         return {}
-    out = {"forward": f"{fwd.family} ({_FAMILY_LABELS[fwd.family]}), padded head dim {fwd.head_dim}"}
+    out = {"forward": f"{fwd.family} ({_FAMILY_LABELS[fwd.family]}), padded head dim {fwd.head_dim}; {why}"}
     if spec.needs_grad:
         bwd = configs.backward_config(dtype, spec.head_dim, spec.head_dim_v, smem_limit=smem_limit)
         out["backward"] = f"{bwd.family} ({_FAMILY_LABELS[bwd.family]}), padded head dim {bwd.head_dim}"

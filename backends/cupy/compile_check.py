@@ -2,9 +2,14 @@
 
 Usage::
 
-    python -m portattn.backends.cupy.compile_check            # sm_80 and sm_90, all kernels
+    python -m portattn.backends.cupy.compile_check            # sm_80, sm_90 and sm_90a, all kernels
     python -m portattn.backends.cupy.compile_check --quick    # one head dim per family
     python -m portattn.backends.cupy.compile_check --arch 90 --head-dims 128
+    python -m portattn.backends.cupy.compile_check --arch 90a # the wgmma forward only
+
+``90a`` compiles the sm_90a translation unit (:data:`configs.WGMMA_SOURCE_FILES`: the wgmma
+forward of :func:`configs.wgmma_configs` and its layout probe) for the arch-specific target;
+``80`` / ``90`` compile everything else (:data:`configs.SOURCE_FILES`, :func:`configs.all_configs`).
 
 NVRTC comes from NVIDIA's PyPI wheels through ``cuda.bindings.nvrtc`` (``pip install
 portattn[nvrtc]``); no driver or device is needed. The source is the same text CuPy compiles
@@ -36,7 +41,7 @@ class CompileError(RuntimeError):
 @dataclass
 class KernelReport:
     name: str
-    arch: int
+    arch: int | str
     registers: int | None = None
     spill_stores: int | None = None
     spill_loads: int | None = None
@@ -61,11 +66,13 @@ def _check(result, what: str, log: str = ""):
 
 
 @contextlib.contextmanager
-def _program(names: list[str], options):
-    """An NVRTC program of the backend source instantiating ``names``, compiled with ``options``:
-    yields (nvrtc, program, log); raises CompileError when NVRTC fails; destroyed afterwards."""
+def _program(names: list[str], options, source_files=None):
+    """An NVRTC program of the backend source (``source_files``, default
+    :data:`configs.SOURCE_FILES`) instantiating ``names``, compiled with ``options``: yields
+    (nvrtc, program, log); raises CompileError when NVRTC fails; destroyed afterwards."""
     nvrtc = _nvrtc()
-    prog = _check(nvrtc.nvrtcCreateProgram(configs.source().encode(), b"portattn_cupy.cu", 0, [], []),
+    src = configs.source() if source_files is None else configs.source(tuple(source_files))
+    prog = _check(nvrtc.nvrtcCreateProgram(src.encode(), b"portattn_cupy.cu", 0, [], []),
                   "nvrtcCreateProgram")
     try:
         for n in names:
@@ -83,16 +90,28 @@ def _program(names: list[str], options):
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def compile_names(names: list[str], arch: int, extra_options=()) -> tuple[str, dict[str, str]]:
-    """Compile the backend source for ``sm_<arch>`` instantiating ``names``.
+def compile_names(names: list[str], arch, extra_options=(), source_files=None,
+                  cubin_out: str | None = None) -> tuple[str, dict[str, str]]:
+    """Compile the backend source for ``sm_<arch>`` (``arch`` 80, 90 or "90a") instantiating
+    ``names``; ``source_files`` default: :data:`configs.WGMMA_SOURCE_FILES` for "90a", else
+    :data:`configs.SOURCE_FILES`. ``cubin_out``: write the cubin there (for cuobjdump).
 
     Returns (NVRTC log, {name expression: lowered (mangled) name}). Raises CompileError.
     """
-    with _program(names, (f"--gpu-architecture=sm_{arch}", "--ptxas-options=-v", *extra_options)) as (nvrtc, prog, log):
+    if source_files is None and str(arch) == "90a":
+        source_files = configs.WGMMA_SOURCE_FILES
+    with _program(names, (f"--gpu-architecture=sm_{arch}", "--ptxas-options=-v", *extra_options),
+                  source_files) as (nvrtc, prog, log):
         lowered = {}
         for n in names:
             low = _check(nvrtc.nvrtcGetLoweredName(prog, n.encode()), f"nvrtcGetLoweredName({n})")
             lowered[n] = low.decode() if isinstance(low, bytes) else str(low)
+        if cubin_out:
+            size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+            buf = b" " * size
+            _check(nvrtc.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+            with open(cubin_out, "wb") as f:
+                f.write(buf)
         return log, lowered
 
 
@@ -134,12 +153,17 @@ def parse_ptxas_log(log: str, lowered: dict[str, str], arch: int) -> list[Kernel
     return list(by_mangled.values())
 
 
-def select_names(quick: bool = False, head_dims=None) -> list[str]:
-    """Name expressions to check: all, or one head dim per tile shape (``quick``)."""
+def _configs_for(arch) -> list:
+    return configs.wgmma_configs(with_probe=True) if str(arch) == "90a" else configs.all_configs()
+
+
+def select_names(quick: bool = False, head_dims=None, arch=90) -> list[str]:
+    """Name expressions to check: all, or one head dim per tile shape (``quick``); ``arch`` "90a":
+    the sm_90a module's (the wgmma forward and its probe)."""
     if head_dims is None and quick:
         head_dims = (64, 256)   # one per tensor-core tile shape and per float32 key-tile size
     names: dict[str, None] = {}
-    for cfg in configs.all_configs():
+    for cfg in _configs_for(arch):
         if head_dims is not None and cfg.head_dim not in head_dims:
             continue
         for n in cfg.name_expressions():
@@ -150,7 +174,7 @@ def select_names(quick: bool = False, head_dims=None) -> list[str]:
 def smem_by_name(head_dims=None) -> dict[str, int]:
     """Dynamic shared memory of every name expression (the largest, should two configs share one)."""
     out: dict[str, int] = {}
-    for cfg in configs.all_configs():
+    for cfg in configs.all_configs() + configs.wgmma_configs(with_probe=True):
         if head_dims is not None and cfg.head_dim not in head_dims:
             continue
         for role, name in cfg.kernel_names().items():
@@ -159,18 +183,24 @@ def smem_by_name(head_dims=None) -> dict[str, int]:
 
 
 def smem_violations(archs=(80, 90), head_dims=None) -> list[str]:
-    """Kernels whose dynamic shared memory exceeds an architecture's opt-in limit."""
+    """Kernels whose dynamic shared memory exceeds an architecture's opt-in limit (each
+    architecture's own kernels: "90a" the sm_90a module's, with sm_90's limit)."""
     smem = smem_by_name(head_dims)
-    return [f"{name} sm_{arch}: {n} bytes > {configs.SMEM_LIMITS[arch]}"
-            for arch in archs for name, n in smem.items()
-            if n > configs.SMEM_LIMITS.get(arch, min(configs.SMEM_LIMITS.values()))]
+    out = []
+    for arch in archs:
+        limit = configs.SMEM_LIMITS.get(int(str(arch).rstrip("a")), min(configs.SMEM_LIMITS.values()))
+        mine = set(select_names(head_dims=head_dims, arch=arch))
+        out += [f"{name} sm_{arch}: {n} bytes > {limit}" for name, n in smem.items() if name in mine and n > limit]
+    return out
 
 
-def run(archs=(80, 90), quick=False, head_dims=None, fail_on_spills=False, out=sys.stdout) -> int:
-    names = select_names(quick, head_dims)
+def run(archs=(80, 90, "90a"), quick=False, head_dims=None, fail_on_spills=False, out=sys.stdout) -> int:
     smem = smem_by_name(head_dims)
     reports: list[KernelReport] = []
     for arch in archs:
+        names = select_names(quick, head_dims, arch=arch)
+        if not names:
+            continue
         t0 = time.perf_counter()
         log, lowered = compile_names(names, arch)
         reports += parse_ptxas_log(log, lowered, arch)
@@ -179,7 +209,7 @@ def run(archs=(80, 90), quick=False, head_dims=None, fail_on_spills=False, out=s
     print(f"{'kernel':<52} {'arch':>5} {'regs':>5} {'spill st/ld':>12} {'stack':>6} {'smem':>7}", file=out)
     for r in reports:
         fmt = lambda x: "-" if x is None else str(x)  # noqa: E731
-        print(f"{r.name:<52} {'sm_' + str(r.arch):>5} {fmt(r.registers):>5} "
+        print(f"{r.name:<52} {'sm_' + str(r.arch):>6} {fmt(r.registers):>5} "
               f"{fmt(r.spill_stores) + '/' + fmt(r.spill_loads):>12} {fmt(r.stack):>6} {smem.get(r.name, 0):>7}",
               file=out)
     too_big = smem_violations(archs, head_dims)
@@ -196,13 +226,16 @@ def run(archs=(80, 90), quick=False, head_dims=None, fail_on_spills=False, out=s
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="SM versions (default: 80 90)")
+    p.add_argument("--arch", nargs="+", default=["80", "90", "90a"],
+                   help="SM versions: 80, 90 (every module but the wgmma one), 90a (the wgmma forward); "
+                        "default: all three")
     p.add_argument("--quick", action="store_true", help="one head dim per tile shape (64, 256)")
     p.add_argument("--head-dims", type=int, nargs="+", help="only these padded head dims")
     p.add_argument("--fail-on-spills", action="store_true", help="exit 1 when a kernel spills")
     args = p.parse_args(argv)
     try:
-        return run(args.arch, args.quick, args.head_dims, args.fail_on_spills)
+        archs = [a if a == "90a" else int(a) for a in args.arch]
+        return run(archs, args.quick, args.head_dims, args.fail_on_spills)
     except CompileError as exc:
         print(str(exc), file=sys.stderr)
         return 1

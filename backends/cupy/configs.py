@@ -27,6 +27,25 @@ TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 SOURCE_FILES = ("attn_common.cuh", "attn_fwd.cu", "attn_bwd.cu", "attn_bwd_mma.cu")
 #: NVRTC options (CuPy adds the architecture itself; the compile check adds it explicitly).
 NVRTC_OPTIONS = ("--std=c++17",)
+#: The Hopper forward (families "fwd_wgmma" and its layout probe "wgmma_probe"): a translation unit
+#: of its own, compiled for the sm_90a target only (wgmma needs the arch-specific target, which
+#: CuPy's RawModule cannot ask for: runtime.py compiles it with NVRTC directly).
+WGMMA_SOURCE_FILES = ("attn_common.cuh", "attn_wgmma_ops.cuh", "attn_sm90.cuh", "attn_fwd_wgmma.cu",
+                      "attn_fwd_wgmma_ws.cu")
+#: The sm_90a families: the wgmma forward, its warp-specialized variant, the layout probe.
+WGMMA_FAMILIES = ("fwd_wgmma", "fwd_wgmma_ws", "wgmma_probe")
+WGMMA_ARCH = "sm_90a"
+#: Padded head dims the wgmma forward is instantiated for (the others run attn_fwd_mma).
+WGMMA_HEAD_DIMS = (64, 128, 256)
+#: Environment switch of the 16-bit forward (read at call time by :func:`forward_mode`): ``auto``
+#: (default, also unset/empty) = the mma.sync forward (until the H200 says the wgmma one is
+#: faster); ``mma`` = the mma.sync forward; ``wgmma`` = the sm_90a wgmma forward where it applies
+#: (compute capability 9.0, fp16/bf16, padded head dim 64/128/256, no softcap/ALiBi/bias), the
+#: mma.sync forward elsewhere; ``wgmma_ws`` = the same with the warp-specialized wgmma forward
+#: (a producer warpgroup, mbarriers, consumer pingpong; experimental, timed by
+#: tools/cupy_wgmma_check.py).
+FORWARD_ENV = "PORTATTN_CUPY_FORWARD"
+FORWARD_MODES = ("auto", "mma", "wgmma", "wgmma_ws")
 
 # Tile sizes of the backward and of the float32 forward (must match attn_bwd.cu / attn_fwd.cu).
 BWD_BLOCK_M, BWD_BLOCK_N, BWD_THREADS = 16, 32, 256
@@ -85,6 +104,16 @@ def mma_tile(hd: int, extras: bool = False) -> tuple[int, int, int]:
     return (4, 32, 1)
 
 
+def wgmma_tile(hd: int) -> tuple[int, int]:
+    """(BLOCK_N, consumer warpgroups) of the wgmma forward; BLOCK_M = 64 * warpgroups.
+
+    Two warpgroups (128 query rows) against 128-key tiles up to HD 128 (S and O accumulators:
+    64 + 64 floats per thread at HD 128; Q + 2 x (K + V) = 160 KB at HD 128, one CTA per SM) and
+    64-key tiles at HD 256 (O: 128 floats; 192 KB). Chosen from registers and shared memory, not
+    yet by measurement (tools/cupy_wgmma_check.py times it)."""
+    return (64, 2) if hd > 128 else (128, 2)
+
+
 def bwd_mma_tile(hd: int, role: str) -> tuple[int, int, int]:
     """(warps, tile, split) of the tensor-core backward kernels (attn_bwd_mma.cu).
 
@@ -123,6 +152,15 @@ def backward_mode() -> str:
     return raw
 
 
+def forward_mode() -> str:
+    """The value of :data:`FORWARD_ENV` (``auto`` when unset); ValueError names the choices."""
+    raw = os.environ.get(FORWARD_ENV, "").strip().lower() or "auto"
+    if raw not in FORWARD_MODES:
+        raise ValueError(f"{FORWARD_ENV}={raw!r}: expected one of {', '.join(FORWARD_MODES)} "
+                         f"(auto = the mma.sync forward; wgmma = the sm_90a forward where it applies)")
+    return raw
+
+
 def forward_kv_stages() -> int:
     """The value of :data:`FORWARD_KV_STAGES_ENV` (1 when unset); ValueError names the choices."""
     raw = os.environ.get(FORWARD_KV_STAGES_ENV, "").strip() or "1"
@@ -140,7 +178,9 @@ def fma_block_n(hd: int) -> int:
 class KernelConfig:
     """One compiled module: a kernel family at one element type and padded head dim.
 
-    ``family`` is ``"fwd_mma"`` (fp16/bf16 tensor cores), ``"fwd_fma"`` (float32), ``"bwd"``
+    ``family`` is ``"fwd_mma"`` (fp16/bf16 tensor cores, mma.sync), ``"fwd_wgmma"`` (fp16/bf16,
+    sm_90a wgmma, padded head dims :data:`WGMMA_HEAD_DIMS`, no score extras; ``"wgmma_probe"``
+    is its layout probe for tools/cupy_wgmma_check.py), ``"fwd_fma"`` (float32), ``"bwd"``
     (FMA backward: preprocess or stats, dK/dV and dQ; every dtype) or ``"bwd_mma"`` (tensor-core
     backward for fp16/bf16 at every padded head dim: preprocess, dK/dV and dQ, each of the
     latter two plain and with the score extras softcap / ALiBi / bias compiled in). The cache key of the compiled module is the config itself
@@ -154,6 +194,15 @@ class KernelConfig:
     tile: tuple[int, int, int] | None = None
     #: K/V buffers of the tensor-core forward (1 or 2, see :data:`FORWARD_KV_STAGES_ENV`); 1 elsewhere
     kv_stages: int = 1
+
+    @property
+    def source_files(self) -> tuple[str, ...]:
+        return WGMMA_SOURCE_FILES if self.family in WGMMA_FAMILIES else SOURCE_FILES
+
+    @property
+    def arch(self) -> str | None:
+        """The NVRTC target this module needs (None: CuPy's choice for the device)."""
+        return WGMMA_ARCH if self.family in WGMMA_FAMILIES else None
 
     def mma_shape(self, role: str = "plain") -> tuple[int, int, int]:
         return self.tile if self.tile is not None else mma_tile(self.head_dim, extras=role == "extras")
@@ -177,6 +226,14 @@ class KernelConfig:
                     "extras": f"attn_fwd_mma<{t}, {hd}, {w1}, {n1}, {m1}, {st}, true>"}
         if self.family == "fwd_fma":
             return {"plain": f"attn_fwd_fma<{t}, {hd}>"}
+        if self.family == "fwd_wgmma":
+            bn, nwg = wgmma_tile(hd)
+            return {"plain": f"attn_fwd_wgmma<{t}, {hd}, {bn}, {nwg}>"}
+        if self.family == "fwd_wgmma_ws":
+            bn, _, pingpong = self.tile if self.tile is not None else (*wgmma_tile(hd), 1)
+            return {"plain": f"attn_fwd_wgmma_ws<{t}, {hd}, {bn}, {'true' if pingpong else 'false'}>"}
+        if self.family == "wgmma_probe":
+            return {"probe": f"attn_wgmma_probe<{t}, {hd}, {wgmma_tile(hd)[0]}>"}
         if self.family == "bwd":
             # float32: exact row statistics (attn_bwd_stats) instead of delta = dO . O
             first = ({"stats": f"attn_bwd_stats<{t}, {hd}>"} if self.exact_stats
@@ -197,6 +254,12 @@ class KernelConfig:
 
     # ----- launch geometry ---------------------------------------------------------------
     def threads(self, role: str) -> int:
+        if self.family == "fwd_wgmma":
+            return 128 * wgmma_tile(self.head_dim)[1]
+        if self.family == "fwd_wgmma_ws":
+            return 384   # a producer and two consumer warpgroups
+        if self.family == "wgmma_probe":
+            return 128
         if self.family == "fwd_mma":
             return 32 * self.mma_shape(role)[0]
         if self.family == "fwd_fma":
@@ -207,6 +270,12 @@ class KernelConfig:
 
     def block_rows(self, role: str) -> int:
         """Rows (or keys, for dK/dV) one CTA covers along the grid's x axis."""
+        if self.family == "fwd_wgmma":
+            return 64 * wgmma_tile(self.head_dim)[1]
+        if self.family == "fwd_wgmma_ws":
+            return 128
+        if self.family == "wgmma_probe":
+            return 64
         if self.family == "fwd_mma":
             warps, _, mt = self.mma_shape(role)
             return 16 * mt * warps
@@ -220,6 +289,16 @@ class KernelConfig:
     def smem_bytes(self, role: str) -> int:
         """Dynamic shared memory of one CTA (mirrors the carve-up at the top of each kernel)."""
         hd = self.head_dim
+        if self.family in WGMMA_FAMILIES:
+            # 1 KB of slack: the kernel aligns its SW128 tiles to 1024 bytes; Q, then 2 x K, 2 x V
+            # (the probe: Q of 64 rows, one K and one V; the warp-specialized kernel: 128 Q rows,
+            # two K/V stages and 64 bytes of mbarriers)
+            bn, nwg = wgmma_tile(hd)
+            if self.family == "fwd_wgmma_ws":
+                bn = self.tile[0] if self.tile is not None else bn
+                return 1024 + (128 + 4 * bn) * hd * 2 + 64
+            rows = 64 * nwg + 4 * bn if self.family == "fwd_wgmma" else 64 + 2 * bn
+            return 1024 + rows * hd * 2
         if self.family == "fwd_mma":
             warps, bn, mt = self.mma_shape(role)
             return (16 * mt * warps + 2 * bn * self.kv_stages) * (hd + 8) * CTYPES[self.dtype][1]
@@ -262,6 +341,51 @@ def forward_config(dtype: str, head_dim: int, head_dim_v: int, kv_stages: int | 
     if stages not in FORWARD_KV_STAGES:
         raise ValueError(f"kv_stages={stages!r}: expected one of {FORWARD_KV_STAGES}")
     return KernelConfig("fwd_mma", dtype, hd, kv_stages=stages)
+
+
+def wgmma_forward_config(dtype: str, head_dim: int, head_dim_v: int, ws: bool = False) -> KernelConfig | None:
+    """The sm_90a wgmma forward module (``ws``: the warp-specialized one) for a problem's dtype
+    and head dims, or None where it has no instantiation (float32, padded head dims other than
+    :data:`WGMMA_HEAD_DIMS`)."""
+    hd = padded_head_dim(head_dim, head_dim_v)
+    if dtype not in TENSOR_CORE_DTYPES or hd not in WGMMA_HEAD_DIMS:
+        return None
+    return KernelConfig("fwd_wgmma_ws" if ws else "fwd_wgmma", dtype, hd)
+
+
+def forward_choice(dtype: str, head_dim: int, head_dim_v: int, *, extras: bool, capability: tuple | None,
+                   mode: str | None = None, kv_stages: int | None = None) -> tuple[KernelConfig | None, str]:
+    """(forward module, why) for a problem: the wgmma forward when ``mode`` (default:
+    :data:`FORWARD_ENV`) is ``wgmma`` (``wgmma_ws``: its warp-specialized variant) and the problem
+    is one it runs (``capability`` (9, 0),
+    fp16/bf16, padded head dim in :data:`WGMMA_HEAD_DIMS`, ``extras`` False: no softcap, ALiBi or
+    bias), else :func:`forward_config`'s module; ``why`` says which and why (one line)."""
+    base = forward_config(dtype, head_dim, head_dim_v, kv_stages=kv_stages)
+    mode = forward_mode() if mode is None else mode
+    if base is None or base.family != "fwd_mma":
+        return base, "float32 runs its FMA forward" if base is not None else "head dim over the largest bucket"
+    if mode not in ("wgmma", "wgmma_ws"):
+        return base, f"{FORWARD_ENV}={mode}: the mma.sync forward"
+    wg = wgmma_forward_config(dtype, head_dim, head_dim_v, ws=mode == "wgmma_ws")
+    if capability is None or tuple(capability) != (9, 0):
+        why = f"compute capability {capability} (the wgmma forward needs 9.0, sm_90a)"
+    elif extras:
+        why = "softcap / ALiBi / bias run the mma.sync EXTRAS kernel"
+    elif wg is None:
+        why = f"padded head dim {base.head_dim} (the wgmma forward has {', '.join(map(str, WGMMA_HEAD_DIMS))})"
+    else:
+        return wg, f"{FORWARD_ENV}={mode}: the sm_90a {wg.family} forward"
+    return base, f"{FORWARD_ENV}={mode} but {why}: the mma.sync forward"
+
+
+def wgmma_configs(with_probe: bool = False) -> list[KernelConfig]:
+    """Every sm_90a module (compiled for :data:`WGMMA_ARCH` only, apart from :func:`all_configs`)."""
+    fams = WGMMA_FAMILIES if with_probe else WGMMA_FAMILIES[:2]
+    out = [KernelConfig(f, dt, hd) for f in fams for hd in WGMMA_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
+    # the warp-specialized forward without the consumers' pingpong (timed against it)
+    out += [KernelConfig("fwd_wgmma_ws", dt, hd, tile=(wgmma_tile(hd)[0], 2, 0))
+            for hd in WGMMA_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
+    return out
 
 
 def backward_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: int | None = None,
@@ -317,12 +441,13 @@ def all_name_expressions() -> list[str]:
     return list(seen)
 
 
-@lru_cache(maxsize=1)
-def source() -> str:
-    """The CUDA C++ source: the .cu/.cuh files of this package, concatenated."""
+@lru_cache(maxsize=4)
+def source(files: tuple[str, ...] = SOURCE_FILES) -> str:
+    """The CUDA C++ source: the .cu/.cuh files of this package (default :data:`SOURCE_FILES`;
+    :data:`WGMMA_SOURCE_FILES` for the sm_90a module), concatenated."""
     here = os.path.dirname(os.path.abspath(__file__))
     parts = []
-    for name in SOURCE_FILES:
+    for name in files:
         with open(os.path.join(here, name), encoding="utf-8") as f:
             parts.append(f"// ===== {name} =====\n" + f.read())
     return "\n".join(parts)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import configs
+from . import configs, sm90a
 
 UNBOUNDED = 1 << 30            # window side with no limit
 _BIAS_KINDS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.bool: 4}
@@ -42,11 +42,18 @@ def get_function(cfg: configs.KernelConfig, role: str, device_index: int):
             mod = _MODULES.get(key)
             if mod is None:
                 with cupy.cuda.Device(device_index):
-                    mod = cupy.RawModule(code=configs.source(), options=configs.NVRTC_OPTIONS,
-                                         name_expressions=cfg.name_expressions())
+                    if cfg.arch is not None:   # sm_90a: NVRTC directly, then a cubin module
+                        path, lowered = sm90a.compile_cubin(configs.source(cfg.source_files), cfg.name_expressions(),
+                                                            cfg.arch)
+                        raw = cupy.RawModule(path=path)
+                        get = lambda name: raw.get_function(lowered[name])  # noqa: E731
+                    else:
+                        raw = cupy.RawModule(code=configs.source(), options=configs.NVRTC_OPTIONS,
+                                             name_expressions=cfg.name_expressions())
+                        get = raw.get_function
                     funcs = {}
                     for r, name in cfg.kernel_names().items():
-                        fn = mod.get_function(name)
+                        fn = get(name)
                         smem = cfg.smem_bytes(r)
                         if smem > 48 * 1024:
                             fn.max_dynamic_shared_size_bytes = smem
@@ -199,14 +206,36 @@ class Plan:
     keep_alive: tuple = ()    # inputs (possibly padded copies) the launches point into
 
 
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return tuple(torch.cuda.get_device_capability(idx))
+
+
+def forward_choice(spec) -> tuple[configs.KernelConfig | None, str]:
+    """(forward module, why): :func:`configs.forward_choice` for this problem and its device
+    (``PORTATTN_CUPY_FORWARD``, read now), falling back to the mma.sync forward, with the reason,
+    when the sm_90a module cannot be compiled here (:func:`sm90a.unavailable_reason`)."""
+    dtype = _DTYPE_NAMES[spec.dtype]
+    cfg, why = configs.forward_choice(dtype, spec.head_dim, spec.head_dim_v, extras=_needs_extras(spec),
+                                      capability=_capability(spec.device))
+    if cfg is not None and cfg.arch is not None:
+        bad = sm90a.unavailable_reason(configs.source(cfg.source_files), cfg.name_expressions(), cfg.arch)
+        if bad:
+            return configs.forward_config(dtype, spec.head_dim, spec.head_dim_v), \
+                f"{configs.FORWARD_ENV}={configs.forward_mode()} but {bad}: the mma.sync forward"
+    return cfg, why
+
+
 def plan_forward(spec, cfg: configs.KernelConfig | None = None) -> Plan:
     """Allocate ``(out, lse)`` and describe the forward launch (no device work yet).
 
-    ``cfg`` overrides the configuration choice (benchmarks of other tile shapes only).
+    ``cfg`` overrides the configuration choice (tests, benchmarks of other kernels and tile
+    shapes); by default :func:`forward_choice` picks it.
     """
-    dtype = _DTYPE_NAMES[spec.dtype]
-    cfg = cfg or configs.forward_config(dtype, spec.head_dim, spec.head_dim_v)
-    tensor_cores = cfg.family == "fwd_mma"
+    cfg = cfg or forward_choice(spec)[0]
+    tensor_cores = cfg.family in ("fwd_mma", "fwd_wgmma", "fwd_wgmma_ws")
     lse = torch.empty(spec.lse_shape, dtype=torch.float32, device=spec.device)
     if spec.is_empty or spec.seqlen_q == 0:
         lse.fill_(float("-inf"))
@@ -219,7 +248,9 @@ def plan_forward(spec, cfg: configs.KernelConfig | None = None) -> Plan:
         lse.fill_(float("-inf"))
     args, keep = common_args(spec, q, k, v)
     args += [_ptr(out), *_strides3(out, spec.is_varlen), _ptr(lse)]
-    role = "extras" if tensor_cores and _needs_extras(spec) else "plain"
+    if cfg.family in ("fwd_wgmma", "fwd_wgmma_ws") and _needs_extras(spec):
+        raise ValueError(f"the wgmma forward has no softcap / ALiBi / bias (cfg={cfg.family}): use the fwd_mma config")
+    role = "extras" if cfg.family == "fwd_mma" and _needs_extras(spec) else "plain"
     grid = (_cdiv(spec.seqlen_q, cfg.block_rows(role)), spec.num_heads_q, spec.batch)
     if dv_alloc != spec.head_dim_v:
         out = out[..., : spec.head_dim_v]

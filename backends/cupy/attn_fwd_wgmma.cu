@@ -1,0 +1,237 @@
+// portattn CuPy backend: the Hopper (sm_90a) tensor-core forward, wgmma through inline PTX.
+//
+// attn_fwd_wgmma<T, HD, BN, NWG>  fp16/bf16, padded head dim HD in {64, 128, 256}, no score
+//   extras (softcap / ALiBi / bias run attn_fwd_mma); causal (both alignments), window, GQA,
+//   varlen, Sq != Sk and Dv != D as attn_fwd_mma, with the same arguments, output and lse layout.
+//   One CTA of NWG consumer warpgroups per (tile of 64 NWG query rows, query head, batch);
+//   warpgroup w owns rows 64w ... 64w + 63 (warp q of it rows 16q ... 16q + 15, so a row's
+//   statistics stay in the 4 lanes of a quad, as in attn_fwd_mma). Q and double-buffered K/V
+//   tiles of BN keys sit in shared memory in the SW128 layout (attn_sm90.cuh), filled with
+//   cp.async 16-byte copies (zero-filled); per key tile:
+//     1. wait for tile n, fence.proxy.async (cp.async writes are generic-proxy writes that
+//        wgmma reads), barrier; issue tile n+1 into the other buffer;
+//     2. S = Q K^T: HD / 16 wgmma.m64nBNk16 with both operands from shared-memory descriptors;
+//     3. scale into base 2, mask only on tiles that cross the causal / window diagonal or the
+//        sequence end; online softmax on the accumulator fragment (quad shuffles);
+//     4. O += P V: BN / 16 wgmma.m64nHDk16, P re-packed from the S accumulators into A register
+//        fragments, V an MN-major descriptor (trans-b).
+//   The epilogue is attn_fwd_mma's: O / l (0 for a row with no visible key), lse = (m + log2 l)
+//   ln 2 (-inf for such a row), output staged through the warpgroup's own Q rows and stored in
+//   16-byte chunks.
+//
+// attn_wgmma_probe<T, HD, BN>  one warpgroup, for tools/cupy_wgmma_check.py: S = Q K^T and
+//   O = T(S) V of one 64-row Q tile and one BN-key tile (contiguous inputs), written in float32,
+//   through the same load / descriptor / wgmma helpers; tells a K-major (S) from an MN-major or
+//   A-fragment (O) layout mistake; V's descriptor offsets (v_lbo, v_sbo) come from the caller
+//   (the kernel's: BN * 128 and 1024).
+
+// Step 3 of a key tile for one thread of a consumer warpgroup: the S accumulator sc (rows row0,
+// row0 + 8; keys n0 + 8 nb + 2 t4 + {0, 1}) into base-2 logits, masked when need_mask (the tile
+// crosses a boundary); online softmax: new row max m_i, sum l_i (this thread's columns), acc
+// rescaled, sc overwritten by P.
+template <int BN, int HD>
+__device__ __forceinline__ void wg_softmax_tile(float* sc, float* acc, float* m_i, float* l_i, bool need_mask,
+                                                const SeqInfo& s, int row0, int n0, int t4, float scale_log2,
+                                                int win_left, int win_right) {
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float x = sc[4 * nb + e] * scale_log2;
+            if (need_mask) {
+                const int i = row0 + (e / 2) * 8, j = n0 + nb * 8 + 2 * t4 + (e % 2);
+                if (!is_visible(s, i, j, win_left, win_right)) x = PA_NEG_INF;
+            }
+            sc[4 * nb + e] = x;
+        }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = m_i[r];
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb) mx = fmaxf(mx, fmaxf(sc[4 * nb + 2 * r], sc[4 * nb + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_use = mx == PA_NEG_INF ? 0.f : mx;
+        const float alpha = fast_exp2(m_i[r] - m_use);
+        m_i[r] = mx;
+        float rowsum = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb) {
+            const float p0 = fast_exp2(sc[4 * nb + 2 * r] - m_use);
+            const float p1 = fast_exp2(sc[4 * nb + 2 * r + 1] - m_use);
+            sc[4 * nb + 2 * r] = p0;
+            sc[4 * nb + 2 * r + 1] = p1;
+            rowsum += p0 + p1;
+        }
+        l_i[r] = l_i[r] * alpha + rowsum;
+#pragma unroll
+        for (int nb = 0; nb < HD / 8; ++nb) {
+            acc[4 * nb + 2 * r] *= alpha;
+            acc[4 * nb + 2 * r + 1] *= alpha;
+        }
+    }
+}
+
+// The epilogue of one warp (rows lrow0 = 16 q + ... of the tile; this thread's rows lrow, lrow + 8):
+// O / l (0 for a row with no visible key), lse = (m + log2 l) ln 2 (-inf for such a row); the
+// output is staged through the warp's own rows of the SW128 Q tile (gq, BM rows; no other warp
+// reads them any more) and stored in 16-byte chunks.
+template <typename T, int HD, int BM>
+__device__ __forceinline__ void wg_epilogue(const float* acc, const float* m_i, const float* l_i,
+                                            unsigned char* gq, int lrow, int lrow_warp, int m0, int t4, int lane,
+                                            const SeqInfo& s, int b, int h, T* __restrict__ o, long long o_sb,
+                                            long long o_ss, long long o_sh, float* __restrict__ lse,
+                                            long long lse_sb, long long lse_sh, int head_dim_v) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_i[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int lr = lrow + 8 * r, i = m0 + lr;
+        if (t4 == 0 && i < s.sq) {
+            const float v_lse = (l > 0.f) ? (m_i[r] + fast_log2(l)) * PA_LN2 : PA_NEG_INF;
+            lse[row_index(b, h, lse_sb, lse_sh, s, i)] = v_lse;
+        }
+#pragma unroll
+        for (int nb = 0; nb < HD / 8; ++nb)
+            *reinterpret_cast<pa_u32*>(gq + sw128_offset<BM>(lr, nb * 8) + 4 * t4) =
+                Elem<T>::pack2(acc[4 * nb + 2 * r] * inv, acc[4 * nb + 2 * r + 1] * inv);
+    }
+    __syncwarp();
+    constexpr int CPR = HD / 8;
+    for (int c = lane; c < 16 * CPR; c += 32) {
+        const int rr = c / CPR, col = (c % CPR) * 8;
+        const int lr = lrow_warp + rr, i = m0 + lr;
+        if (i < s.sq && col < head_dim_v) {
+            T* dst = tok_ptr(o, b, o_sb, s.q0 + i, o_ss, h, o_sh) + col;
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(gq + sw128_offset<BM>(lr, col));
+        }
+    }
+}
+
+template <typename T, int HD, int BN, int NWG>
+__global__ void __launch_bounds__(NWG * 128, 1)
+attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss, long long o_sh,
+               float* __restrict__ lse) {
+    constexpr int BM = 64 * NWG;
+    constexpr int NT = 128 * NWG;
+    constexpr int Q_BYTES = BM * HD * 2;
+    constexpr int KV_BYTES = BN * HD * 2;      // one K (or V) buffer
+    static_assert(HD % 64 == 0 && HD <= 256, "HD: whole 64-column SW128 blocks, at most 256 (one wgmma N)");
+    static_assert(BN % 64 == 0 && BN <= 256, "BN: whole 8-row groups, at most 256 (one wgmma N)");
+    static_assert(sizeof(T) == 2, "16-bit elements");
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // SW128 tiles need 1024-byte aligned bases (configs.KernelConfig.smem_bytes adds the slack)
+    const pa_u32 raw = smem_addr(smem_raw);
+    const pa_u32 base = (raw + 1023u) & ~1023u;
+    unsigned char* gbase = smem_raw + (base - raw);
+    const pa_u32 sQ = base;
+    const pa_u32 sK = base + Q_BYTES;          // [2][BN x HD]
+    const pa_u32 sV = sK + 2 * KV_BYTES;       // [2][BN x HD]
+
+    const int tid = threadIdx.x, wg = tid / 128, wq = (tid / 32) % 4, lane = tid % 32;
+    const int g = lane / 4, t4 = lane % 4;
+    const RowCta<T> cta = PA_ROW_CTA(BM);
+    if (cta.empty()) return;
+    const SeqInfo& s = cta.s;
+    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi, n_first = cta.n_first(BN);
+    const float scale_log2 = scale * PA_LOG2E;
+
+    load_tile_sw128<T, BM, HD, NT>(sQ, PA_Q_ROW(s, b, h, m0), q_ss, s.sq - m0, head_dim, tid);
+    if (n_first < n_hi) {
+        load_tile_sw128<T, BN, HD, NT>(sK, cta.k_seq + n_first * k_ss, k_ss, s.sk - n_first, head_dim, tid);
+        load_tile_sw128<T, BN, HD, NT>(sV, cta.v_seq + n_first * v_ss, v_ss, s.sk - n_first, head_dim_v, tid);
+    }
+    cp_async_commit();
+
+    float acc[HD / 2];                         // O: n8 block i at 4i + {0,1} (row g), 4i + {2,3} (row g + 8)
+    float sc[BN / 2];                          // S, then P, same layout
+#pragma unroll
+    for (int x = 0; x < HD / 2; ++x) acc[x] = 0.f;
+#pragma unroll
+    for (int x = 0; x < BN / 2; ++x) sc[x] = 0.f;
+    float m_i[2] = {PA_NEG_INF, PA_NEG_INF}, l_i[2] = {0.f, 0.f};
+    const int lrow = wg * 64 + wq * 16 + g;    // this thread's rows in the tile: lrow, lrow + 8
+    const int row0 = m0 + lrow;
+    const pa_u32 sQw = sQ + wg * 64 * 128;     // the warpgroup's 64 rows (8-row groups are 1024 B)
+
+    for (int n0 = n_first, it = 0; n0 < n_hi; n0 += BN, ++it) {
+        const int buf = it & 1;
+        // 1. tile n landed (this thread's copies), visible to the async proxy, every thread's
+        //    copies done and every warpgroup finished with the other buffer (tile n-1).
+        cp_async_wait_all();
+        fence_proxy_async();
+        __syncthreads();
+        if (n0 + BN < n_hi) {
+            const int n1 = n0 + BN;
+            load_tile_sw128<T, BN, HD, NT>(sK + (buf ^ 1) * KV_BYTES, cta.k_seq + n1 * k_ss, k_ss, s.sk - n1,
+                                           head_dim, tid);
+            load_tile_sw128<T, BN, HD, NT>(sV + (buf ^ 1) * KV_BYTES, cta.v_seq + n1 * v_ss, v_ss, s.sk - n1,
+                                           head_dim_v, tid);
+            cp_async_commit();
+        }
+
+        // 2. S = Q K^T
+        wg_qk<T, HD, BM, BN>(sc, sQw, sK + buf * KV_BYTES);
+        wgmma_wait<0>();
+        wgmma_fence_acc<BN>(sc);
+
+        // 3. base-2 logits, masked where the tile crosses a boundary; online softmax.
+        const bool need_mask = keys_need_mask(s, m0, BM, n0, BN, win_left, win_right);
+        wg_softmax_tile<BN, HD>(sc, acc, m_i, l_i, need_mask, s, row0, n0, t4, scale_log2, win_left, win_right);
+
+        // 4. O += P V
+        pa_u32 pa[BN / 16][4];
+        acc_to_a_frags<T, BN>(pa, sc);
+        wg_pv<T, HD, BN>(acc, pa, sV + buf * KV_BYTES);
+        wgmma_wait<0>();
+        wgmma_fence_acc<HD>(acc);
+    }
+
+    // Epilogue. A CTA whose rows see no key skips the loop with its Q copies possibly in flight.
+    cp_async_wait_all();
+    __syncthreads();
+    wg_epilogue<T, HD, BM>(acc, m_i, l_i, gbase, lrow, wg * 64 + wq * 16, m0, t4, lane, s, b, h, o, o_sb, o_ss, o_sh,
+                           lse, lse_sb, lse_sh, head_dim_v);
+}
+
+template <typename T, int HD, int BN>
+__global__ void __launch_bounds__(128, 1)
+attn_wgmma_probe(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                 float* __restrict__ s_out, float* __restrict__ o_out, int v_lbo, int v_sbo) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const pa_u32 raw = smem_addr(smem_raw);
+    const pa_u32 base = (raw + 1023u) & ~1023u;
+    const pa_u32 sQ = base, sK = base + 64 * HD * 2, sV = sK + BN * HD * 2;
+    const int tid = threadIdx.x, wq = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+    load_tile_sw128<T, 64, HD, 128>(sQ, q, HD, 64, HD, tid);
+    load_tile_sw128<T, BN, HD, 128>(sK, k, HD, BN, HD, tid);
+    load_tile_sw128<T, BN, HD, 128>(sV, v, HD, BN, HD, tid);
+    cp_async_commit();
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();
+    float sc[BN / 2], acc[HD / 2];
+#pragma unroll
+    for (int x = 0; x < BN / 2; ++x) sc[x] = 0.f;
+#pragma unroll
+    for (int x = 0; x < HD / 2; ++x) acc[x] = 0.f;
+    wg_qk<T, HD, 64, BN>(sc, sQ, sK);
+    wgmma_wait<0>();
+    wgmma_fence_acc<BN>(sc);
+    const int r0 = wq * 16 + g;
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s_out[(r0 + (e / 2) * 8) * BN + nb * 8 + 2 * t4 + (e % 2)] = sc[4 * nb + e];
+    pa_u32 pa[BN / 16][4];
+    acc_to_a_frags<T, BN>(pa, sc);
+    wg_pv<T, HD, BN>(acc, pa, sV, (pa_u32)v_lbo, (pa_u32)v_sbo);
+    wgmma_wait<0>();
+    wgmma_fence_acc<HD>(acc);
+#pragma unroll
+    for (int nb = 0; nb < HD / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o_out[(r0 + (e / 2) * 8) * HD + nb * 8 + 2 * t4 + (e % 2)] = acc[4 * nb + e];
+}

@@ -1,0 +1,136 @@
+// portattn CuPy backend: sm_90a helpers of the wgmma forward (attn_fwd_wgmma.cu).
+//
+// Shared-memory tile layout "SW128" (what a wgmma matrix descriptor with 128-byte swizzling
+// reads): a [ROWS x HD] tile of 16-bit elements is stored as HD / 64 column blocks of
+// ROWS x 64 elements (ROWS * 128 bytes each); row r of a block starts at byte 128 r and its
+// 16-byte chunk c (elements 8c ... 8c + 7 of the block) sits at chunk position c ^ (r % 8).
+// The tile base must be 1024-byte aligned: the hardware applies the XOR to address bits
+// [4, 7) from bits [7, 10) of the absolute shared address.
+//  * K-major operand (Q and K in S = Q K^T: rows = M or N, the 64 columns = K): SBO = 1024
+//    (the next 8 rows), LBO unused (1); the k16 step kk inside a block adds 32 kk bytes to the
+//    start address, the next 64-column block adds ROWS * 128.
+//  * MN-major operand (V in O += P V: rows = K = keys, columns = N = head dim; trans-b = 1):
+//    LBO = ROWS * 128 (the next 64 head-dim columns), SBO = 1024 (the next 8 keys); the k16 step
+//    kk adds 16 kk rows = 2048 kk bytes.
+
+// Byte offset of (row r, column col) in a SW128 tile of ROWS rows; col a multiple of 8.
+template <int ROWS>
+__device__ __forceinline__ pa_u32 sw128_offset(int r, int col) {
+    return (pa_u32)((col / 64) * (ROWS * 128) + r * 128 + ((((col % 64) / 8) ^ (r % 8)) * 16));
+}
+
+// 16-byte asynchronous copy global -> shared (32-bit shared address); zero-filled past src_bytes.
+__device__ __forceinline__ void cp_async16_s(pa_u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// Global -> shared SW128 copy of a [ROWS x HD] tile (rows row_stride elements apart), zero-filling
+// rows >= rows_valid and columns >= cols_valid (a multiple of 8); NT threads.
+template <typename T, int ROWS, int HD, int NT>
+__device__ __forceinline__ void load_tile_sw128(pa_u32 sbase, const T* g, long long row_stride, int rows_valid,
+                                                int cols_valid, int tid) {
+    constexpr int CPR = HD / 8;   // 16-byte chunks per row
+#pragma unroll 4
+    for (int c = tid; c < ROWS * CPR; c += NT) {
+        const int r = c / CPR, col = (c % CPR) * 8;
+        const bool ok = r < rows_valid && col < cols_valid;
+        const T* src = ok ? g + (long long)r * row_stride + col : g;
+        cp_async16_s(sbase + sw128_offset<ROWS>(r, col), src, ok ? 16 : 0);
+    }
+}
+
+// wgmma shared-memory matrix descriptor, 128-byte swizzle (PTX ISA "Matrix Descriptor"): start
+// address, leading and stride byte offsets in 16-byte units, base offset 0 (1024-aligned atoms),
+// layout type 1 (128B) in bits 62-63.
+__device__ __forceinline__ unsigned long long sw128_desc(pa_u32 saddr, pa_u32 lbo, pa_u32 sbo) {
+    return (unsigned long long)((saddr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
+           ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Ordinary (generic-proxy) shared-memory writes, cp.async included, made visible to wgmma.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// One warpgroup: s[64 x BN] = Q_wg[64 x HD] K^T (issued and committed, not waited for). sq: the
+// warpgroup's first Q row inside a SW128 tile of BM rows; sk: a SW128 tile of BN keys.
+template <typename T, int HD, int BM, int BN>
+__device__ __forceinline__ void wg_qk(float* s, pa_u32 sq, pa_u32 sk) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        const pa_u32 oq = (kk / 4) * (BM * 128) + (kk % 4) * 32;
+        const pa_u32 ok = (kk / 4) * (BN * 128) + (kk % 4) * 32;
+        wgmma_ss<T, BN>(s, sw128_desc(sq + oq, 16, 1024), sw128_desc(sk + ok, 16, 1024), kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+}
+
+// One warpgroup: o[64 x HD] += P[64 x BN] V (issued and committed). p: P as BN / 16 A fragments
+// (the m16n8k16 A layout per warp); sv: a SW128 tile of BN keys x HD columns; lbo / sbo: the
+// MN-major descriptor's offsets (the kernel's are the defaults; the probe passes them at run time
+// so that tools/cupy_wgmma_check.py can tell a swapped pair from other mistakes).
+template <typename T, int HD, int BN>
+__device__ __forceinline__ void wg_pv(float* o, const pa_u32 (*p)[4], pa_u32 sv, pa_u32 lbo = BN * 128,
+                                      pa_u32 sbo = 1024) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T, HD>(o, p[kk], sw128_desc(sv + kk * 2048, lbo, sbo), 1);
+    wgmma_commit();
+}
+
+// The S accumulator (BN / 2 floats: n8 block i holds rows g, g + 8 at 4i + {0, 1}, 4i + {2, 3})
+// as BN / 16 A fragments of 16-bit P (the accumulator layout is the A layout, element for element).
+template <typename T, int BN>
+__device__ __forceinline__ void acc_to_a_frags(pa_u32 (*p)[4], const float* s) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        p[kk][0] = Elem<T>::pack2(s[8 * kk + 0], s[8 * kk + 1]);
+        p[kk][1] = Elem<T>::pack2(s[8 * kk + 2], s[8 * kk + 3]);
+        p[kk][2] = Elem<T>::pack2(s[8 * kk + 4], s[8 * kk + 5]);
+        p[kk][3] = Elem<T>::pack2(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
+// ----- mbarriers, named barriers, register reallocation (the warp-specialized forward) -------
+__device__ __forceinline__ void mbar_init(pa_u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(pa_u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Block until the phase with parity `parity` of the mbarrier has completed.
+__device__ __forceinline__ void mbar_wait(pa_u32 bar, int parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// Named barriers 1... (0 is __syncthreads): `count` threads in all, syncing or arriving.
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
