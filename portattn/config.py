@@ -30,6 +30,9 @@ VARIABLES = {
     "PORTATTN_CUPY_BACKWARD": "cupy's fp16/bf16 backward: auto (default: tensor cores at every head dim), mma128 "
                               "(FMA above padded head dim 128, the earlier kernels) or fma (FMA always); read on "
                               "every call by backends/cupy/configs.py",
+    "PORTATTN_CUPY_FORWARD": "cupy's fp16/bf16 forward: auto (default: the mma.sync kernel), mma, wgmma (the sm_90a "
+                             "kernel on Hopper, not yet run on a GPU) or wgmma_ws (its warp-specialised variant); "
+                             "read on every call by backends/cupy/configs.py",
     "PORTATTN_TRITON_DQ": "triton's fp16/bf16 backward when determinism is not requested: auto (default: "
                           "atomic dQ only at the head dims whose atomic rows were timed faster on the GPU, "
                           "backends/triton/configs.py; none yet), atomic (every atomic row) or kernel (the "
