@@ -16,6 +16,7 @@ PTX = """//
 	.loc	1 345 0
 	ld.param.u64 	%rd1, [decode_split_param_0];   // the cache
 	@%p1 bra 	$L__BB0_2;
+$L__tmp7:
 	add.s32 	%r1, %r2, %r3;
 }
 	.file	1 "/tmp/tree/backends/triton/decode.py"
@@ -36,6 +37,7 @@ decode_split:
 	.file	1 "/tmp/tree/backends/triton" "decode.py"
 	.loc	1 345 0 prologue_end            ; decode.py:345:0
 	s_load_dwordx2 s[0:1], s[0:1], 0x0      ; the cache
+.Ltmp3:
 	v_add_u32_e32 v1, v2, v3
 	.section	.debug_info,"",@progbits
 	.short	386                             ; DW_AT_call_line
@@ -44,8 +46,8 @@ decode_split:
 
 def _moved(text: str) -> str:
     """The same code compiled from a source whose lines moved and which lives elsewhere."""
-    return (text.replace("345", "348").replace("386", "389").replace("/tmp/tree", "/work/main")
-            .replace("// the cache", "// moved").replace("; the cache", "; moved"))
+    return (text.replace("345", "348").replace("$L__tmp7:", "$L__tmp8:\n$L__tmp9:").replace("386", "389").replace("/tmp/tree", "/work/main")
+            .replace("// the cache", "// moved").replace("; the cache", "; moved").replace(".Ltmp3:", ".Ltmp4:"))
 
 
 def test_line_numbers_paths_and_comments_do_not_count():

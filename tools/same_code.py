@@ -54,8 +54,8 @@ print(json.dumps(out))
 
 def normalized(asm: str) -> list[str]:
     """The instructions and directives of a PTX or AMDGCN text, without what moves with the source:
-    the debug sections (DWARF, holding line numbers and paths), ``.loc``/``.file`` lines and
-    comments."""
+    the debug sections (DWARF, holding line numbers and paths), ``.loc``/``.file`` lines, the labels
+    only they refer to, and comments."""
     kept, debug = [], False
     for line in asm.splitlines():
         s = line.strip()
@@ -66,8 +66,8 @@ def normalized(asm: str) -> list[str]:
         if s in (".text", ".data"):
             debug = False
             continue
-        if debug or not s or s.startswith(("//", ";", ".loc", ".file")):
-            continue
+        if debug or not s or s.startswith(("//", ";", ".loc", ".file")) or re.fullmatch(r"(\$L__tmp|\.Ltmp)\d+:", s):
+            continue   # (the $L__tmp / .Ltmp labels mark inlined helpers' bounds for the debug ranges)
         kept.append(re.sub(r"\s*(//|;).*$", "", line).rstrip())
     return kept
 
