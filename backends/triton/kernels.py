@@ -368,6 +368,19 @@ def _fwd_band(acc, l_i, m_i, q, k_src, v_src, bias_ptrs, lo, hi, offs_m, offs_n,
 _SIZES = ("seqlen_q", "seqlen_k", "total_q", "total_k", "stride_lb", "stride_lh")
 
 
+@triton.jit
+def _store_o(dst, o_offs, x, m0, offs_m, sq, offs_d, stride_os, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """Store the (BLOCK_M, BLOCK_D) tile ``x`` of an output laid out like O at rows ``m0 …``:
+    with ``TMA`` through a tensor descriptor of the ``(sq, HEAD_DV)`` slab at ``dst + o_offs``
+    (the (sequence, head)'s int64 offset), else at the element offsets ``o_offs``; both clip to
+    the slab."""
+    if TMA:
+        tl.make_tensor_descriptor(dst + o_offs, [sq, HEAD_DV], [stride_os, 1], [BLOCK_M, BLOCK_D]).store([m0, 0], x)
+    else:
+        _store_tile(dst + o_offs, x, offs_m, sq, offs_d, HEAD_DV, BLOCK_D)
+
+
 @triton.jit(do_not_specialize=_SIZES)
 def attn_fwd(
     Q, K, V, O, ORES, LSE, BIAS, SLOPES, CU_Q, CU_K,
@@ -454,22 +467,15 @@ def attn_fwd(
     if RAW_SCORES:
         m_i = m_i * qk_scale2
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-    if TMA:
-        o_base = b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
-        out16 = _round_to(out, O.dtype.element_ty)
-        tl.make_tensor_descriptor(O + o_base, [sq, HEAD_DV], [stride_os, 1], [BLOCK_M, BLOCK_D]).store([m0, 0], out16)
-        if RESIDUAL:
-            res = _round_to(out - out16.to(tl.float32), O.dtype.element_ty)
-            tl.make_tensor_descriptor(ORES + o_base, [sq, HEAD_DV], [stride_os, 1],
-                                      [BLOCK_M, BLOCK_D]).store([m0, 0], res)
-    else:
-        o_offs = (b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
-                  + offs_m[:, None] * stride_os + offs_d[None, :])
-        out16 = _round_to(out, O.dtype.element_ty)
-        _store_tile(O + o_offs, out16, offs_m, sq, offs_d, HEAD_DV, BLOCK_D)
-        if RESIDUAL:
-            res = _round_to(out - out16.to(tl.float32), O.dtype.element_ty)
-            _store_tile(ORES + o_offs, res, offs_m, sq, offs_d, HEAD_DV, BLOCK_D)
+    # O and its residual share one layout: the (sequence, head)'s offset (TMA), or every element's
+    o_offs = b64 * stride_ob + q_start.to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
+    if not TMA:
+        o_offs = o_offs + offs_m[:, None] * stride_os + offs_d[None, :]
+    out16 = _round_to(out, O.dtype.element_ty)
+    _store_o(O, o_offs, out16, m0, offs_m, sq, offs_d, stride_os, HEAD_DV, BLOCK_M, BLOCK_D, TMA)
+    if RESIDUAL:   # O_f32 - round(O_f32), for the backward's delta of the unrounded output
+        res = _round_to(out - out16.to(tl.float32), O.dtype.element_ty)
+        _store_o(ORES, o_offs, res, m0, offs_m, sq, offs_d, stride_os, HEAD_DV, BLOCK_M, BLOCK_D, TMA)
     l_ptrs = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + offs_m
     tl.store(l_ptrs, lse, mask=offs_m < sq)
 
