@@ -160,8 +160,16 @@ _FWD_NVIDIA = {
     "ampere": {16: (128, 64, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (128, 32, 8, 2)},
     "small":  {16: (128, 64, 4, 2), 32: (128, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 1)},
 }
-#: the pointer rows that a table's TMA rows stand for where TMA does not apply (float32 inputs)
-_FWD_POINTER = {"hopper": {256: (128, 32, 8, 3)}}
+#: the plain rows that a table's rows with 16-bit Hopper flags stand for where the flags do not apply
+#: (float32 inputs; sm_8x): the forward's TMA rows (the pointer row) and the backward's split dK/dV
+#: rows (the fused row): kernel -> family -> BLOCK_D -> row
+_PLAIN_ROWS = {"fwd": {"hopper": {256: (128, 32, 8, 3)}}, "dkdv": {"hopper": {256: (32, 32, 4, 3)}}}
+
+
+def _plain_row(kernel: str, family: str, block_d: int, row: tuple) -> tuple:
+    """The row ``row`` replaced, for a problem its flags do not apply to (``_PLAIN_ROWS``), else ``row``."""
+    return _PLAIN_ROWS[kernel].get(family, {}).get(block_d, row)
+
 # bwd tables: BLOCK_D -> (dK/dV (BLOCK_M streamed queries, BLOCK_N resident keys, warps, stages[, split]),
 #                         dQ (BLOCK_M resident queries, BLOCK_N streamed keys, warps, stages)), 2-byte inputs.
 # ``split`` (KernelConfig.split, 16-bit only): dK/dV as a dV launch and a dK launch; tools/triton_sweep.py
@@ -185,8 +193,6 @@ _BWD_NVIDIA = {
                64: ((32, 64, 4, 2), (64, 32, 4, 2)), 128: ((32, 64, 4, 1), (64, 32, 4, 1)),
                256: ((16, 32, 4, 1), (32, 16, 4, 1))},
 }
-#: the fused dK/dV rows that a table's split rows stand for where the split does not apply (float32)
-_BWD_FUSED = {"hopper": {256: (32, 32, 4, 3)}}
 # atomic-dQ dK/dV rows (BackwardConfigs.atomic): BLOCK_D -> (BLOCK_M, BLOCK_N, warps, stages[, split]),
 # 16-bit only, for calls that do not request determinism; a missing entry keeps the two-kernel
 # backward. Not yet timed on a GPU (2026-12-01); tools/triton_sweep.py --bwd-variants times them
@@ -249,7 +255,7 @@ def forward_config(target: Target, block_d: int, elem_size: int) -> KernelConfig
     hopper = int(target.arch) >= 90 and elem_size <= 2   # TMA / warp specialisation: sm_90+, 16-bit only
     row = _FWD_NVIDIA[family][block_d]
     if not hopper and len(row) > 4:   # a TMA row: float32 (and sm_8x) keep the pointer row
-        row = _FWD_POINTER.get(family, {}).get(block_d, row)
+        row = _plain_row("fwd", family, block_d, row)
     m, n, w, s, *flags = row
     m, n, s = _shrink(m, n, s, elem_size, block_d)
     tma, ws = (tuple(flags) + (False, False))[:2]
@@ -272,7 +278,7 @@ def backward_configs(target: Target, block_d: int, elem_size: int) -> BackwardCo
         dkdv, dq = _BWD_NVIDIA[family][block_d]
         split = len(dkdv) > 4 and bool(dkdv[4]) and elem_size <= 2
         if len(dkdv) > 4 and not split:   # a split row: float32 keeps the fused row it replaced
-            dkdv = _BWD_FUSED.get(family, {}).get(block_d, dkdv)
+            dkdv = _plain_row("dkdv", family, block_d, dkdv)
         (m1, n1, w1, s1), (m2, n2, w2, s2) = dkdv[:4], dq
         amd = {}
     m1, n1, s1 = _shrink(m1, n1, s1, elem_size, block_d)
