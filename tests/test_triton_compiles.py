@@ -50,6 +50,7 @@ _CODE = textwrap.dedent(r"""
     launcher.fast = Recorder
 
     import os
+    os.environ["PORTATTN_TRITON_DQ"] = "atomic"   # the table's atomic rows (off by default until timed)
     for deterministic in ("1", "0"):   # the two-kernel backward, then atomic dQ (the sm_90 D128 atomic row)
         os.environ["PORTATTN_DETERMINISTIC"] = deterministic
         for causal in (False, True):
