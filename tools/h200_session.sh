@@ -39,6 +39,9 @@
 #   bash tools/h200_session.sh s5atomic    # triton's atomic dQ: its GPU tests and catalogue cases (16-bit
 #       core, features, varlen), the decode GPU tests, cupy's six large cases side by side; then alone:
 #       the atomic-dQ backward sweep and the fastest policy's re-checked cells with the host overhead
+#   bash tools/h200_session.sh s5wgmma     # cupy's sm_90a wgmma forward: tools/cupy_wgmma_check.py (compile
+#       and SASS report, layout probe, numerics against float64, its GPU tests, the warp-specialised
+#       variant in a child process, timings beside mma.sync, FA2 and cuDNN)
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -533,4 +536,12 @@ if [[ $what == s5atomic ]]; then
       'decode Sq1 B1 Sk8k fwd' 'decode Sq1 B8 Sk8k fwd' 'D128 S1k causal fwd' 'D256 S1k causal fwd+bwd' > "$W/fastest_cells.txt" 2>&1
   echo "== fastest cells rc=$? ($(( $(date +%s) - t1 ))s):"; tail -16 "$W/fastest_cells.txt"
   tar czf "$OUT/s5atomic.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
+fi
+
+if [[ $what == s5wgmma ]]; then
+  t0=$(date +%s)
+  W=/tmp/portattn-wgmma; rm -rf "$W"; mkdir -p "$W"
+  timeout -s INT -k 10 170 $PY tools/cupy_wgmma_check.py --out "$W" --time-limit 150 > "$W/wgmma_log.txt" 2>&1
+  echo "== wgmma check rc=$? ($(( $(date +%s) - t0 ))s):"; tail -60 "$W/wgmma_check.txt" 2>/dev/null || tail -60 "$W/wgmma_log.txt"
+  tar czf "$OUT/s5wgmma.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
 fi
