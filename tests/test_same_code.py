@@ -64,3 +64,18 @@ def test_an_instruction_or_predicate_that_changed_counts():
         assert same.normalized(PTX.replace(old, new)) != kept, (old, new)
     assert same.normalized(AMDGCN.replace("v_add_u32", "v_sub_u32")) != same.normalized(AMDGCN)
     assert same._fingerprints({"k": ["error", "x"]}) == {"k": ["error", "x"]}
+
+
+def test_ignore_params_compares_the_code_of_a_kernel_that_gained_an_argument():
+    """A kernel with one parameter more, unused on this path: every later parameter moves (PTX
+    numbers, AMDGCN kernarg offsets); with ``ignore_params`` the code compares equal."""
+    ptx = ".visible .entry k(\n\t.param .u64 k_param_0,\n\t.param .u32 k_param_1\n)\n{\n\tld.param.b32 \t%r1, [k_param_1];\n}\n"
+    grown = ptx.replace("\t.param .u32 k_param_1\n", "\t.param .u64 k_param_1,\n\t.param .u32 k_param_2\n").replace(
+        "[k_param_1]", "[k_param_2]")
+    assert same.normalized(grown) != same.normalized(ptx)
+    assert same.normalized(grown, ignore_params=True) == same.normalized(ptx, ignore_params=True)
+    assert same.normalized(grown.replace("ld.param.b32", "ld.param.b64"), True) != same.normalized(ptx, True)
+    amd = "\ts_load_dword s12, s[0:1], 0xcc\n\t.amdhsa_kernarg_size 200\n.amdgpu_metadata\n  .offset: 8\n.end_amdgpu_metadata\n"
+    moved = amd.replace("0xcc", "0xe0").replace("200", "208").replace(".offset: 8", ".offset: 16")
+    assert same.normalized(moved) != same.normalized(amd)
+    assert same.normalized(moved, ignore_params=True) == same.normalized(amd, ignore_params=True)
