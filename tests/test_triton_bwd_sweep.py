@@ -40,6 +40,14 @@ def _pasted(text) -> dict:
     return ast.literal_eval("{" + lines[at + 1].strip() + "}")
 
 
+def _on_by_default(text) -> set:
+    """The head dims the report marks for _BWD_ATOMIC_BY_DEFAULT['hopper']."""
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("# and _BWD_ATOMIC_BY_DEFAULT['hopper']"))
+    inside = lines[at + 1].strip().removeprefix("frozenset(").removesuffix(")")
+    return set(ast.literal_eval(inside)) if inside else set()
+
+
 def test_labels_name_the_rows_that_run():
     assert sweep.label(DET) == "det dkdv M64 N128 w8 s2 / dq M64 N32 w4 s3"
     assert sweep.label(VARIANT) == "atomic dkdv M32 N128 w8 s2"
@@ -56,14 +64,15 @@ def test_report_picks_the_fastest_atomic_row_and_prints_it_to_paste():
     assert "S4096 FA2 1.18" in best[0] and "S4096c FA2 1.00" in best[0], best[0]
     speed = [line for line in text.splitlines() if line.startswith("D128: speed-up of the best atomic row")]
     assert speed and "S4096 1.29" in speed[0], text   # det 2.2 ms / variant 1.7 ms
-    assert _pasted(text) == {128: (32, 128, 8, 2)}
+    assert _pasted(text) == {128: (32, 128, 8, 2)} and _on_by_default(text) == {128}
 
 
-def test_report_prints_none_where_the_deterministic_backward_wins():
+def test_report_keeps_atomic_off_by_default_where_the_deterministic_backward_wins():
     cells = [_cell(4096, False, 2.0, 1.0, 1.5, 1.8, 1.9), _cell(16384, True, 4.0, 2.0, 3.0, 3.3, 3.6)]
     text = sweep.report(cells, CANDS, NAMES, {128: DET})
     assert "D128: the deterministic backward was faster" in text
-    assert _pasted(text) == {128: None}
+    assert _pasted(text) == {128: (64, 128, 8, 2)}          # the best atomic row, for PORTATTN_TRITON_DQ=atomic
+    assert _on_by_default(text) == set()
 
 
 def test_report_d64_row_is_pasted_for_d16_and_d32_and_split_rows_keep_the_flag():

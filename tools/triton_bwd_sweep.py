@@ -294,7 +294,7 @@ def report(cells, cands, names, table) -> str:
              " ratio = other's time / triton's (> 1: triton faster)", f"# targets: {TARGETS}", ""]
     lines += [_cell_line(c) for c in cells]
     lines.append("")
-    rows = {}
+    rows, wins = {}, set()
     for d in sorted({c["d"] for c in cells}):
         dc = [c for c in cells if c["d"] == d and c["triton"]]
         full = dict(zip(names[d], (label(t) for t in cands[d])))
@@ -313,8 +313,10 @@ def report(cells, cands, names, table) -> str:
                               for c in dc if DET in c["triton"])
             lines.append(f"D{d}: speed-up of the best atomic row {pretty(top)} over {pretty(DET)}: {speed or 'n/a'}")
             if best == DET:
-                lines.append(f"D{d}: the deterministic backward was faster: no atomic row")
-            rows[d] = cands[d][scores[best][1]][2]
+                lines.append(f"D{d}: the deterministic backward was faster: atomic dQ stays off by default there")
+            else:
+                wins.add(d)
+            rows[d] = cands[d][scores[top][1]][2]   # the best atomic row, for PORTATTN_TRITON_DQ=atomic
         elif DET in scores:
             lines.append(f"D{d}: no atomic candidate timed in every cell: keep the table's atomic row (untimed)")
     paste = []
@@ -322,9 +324,12 @@ def report(cells, cands, names, table) -> str:
         src = 64 if d < 64 else d
         if src in rows:
             paste.append(f"{d}: {_row(rows[src])}")
+    on = sorted(d for d in (16, 32, 64, 128, 256) if (64 if d < 64 else d) in wins)
     lines += ["", "# rows for _BWD_ATOMIC_NVIDIA['hopper'] in backends/triton/configs.py (BLOCK_D: (dK/dV M, N, warps,"
-              " stages[, True = split]); None: no atomic row, the deterministic backward was faster; D 16/32 take D 64's):",
-              "    " + (", ".join(paste) if paste else "(none measured)")]
+              " stages[, True = split]): each head dim's best atomic row; D 16/32 take D 64's):",
+              "    " + (", ".join(paste) if paste else "(none measured)"),
+              "# and _BWD_ATOMIC_BY_DEFAULT['hopper'] (the head dims where atomic dQ beat the deterministic backward):",
+              f"    frozenset({{{', '.join(map(str, on))}}})" if on else "    frozenset()"]
     return "\n".join(lines)
 
 
