@@ -152,6 +152,25 @@ def test_sm90a_module_compiles_without_spills_and_uses_hgmma(tmp_path):
         assert block.count("HGMMA") >= 8, f"{low}: no HGMMA in the SASS"
 
 
+def test_nvrtc_binding_skips_a_binding_that_cannot_load_nvrtc(monkeypatch):
+    """A cuda.bindings whose libnvrtc does not load (it opens the library on its first call, not
+    at import) must not be chosen over CuPy's binding: the sm_90a compile would fail where CuPy's
+    NVRTC works."""
+    from portattn.backends.cupy import sm90a
+
+    def broken(self):
+        raise RuntimeError("Failed to dlopen libnvrtc.so")
+
+    monkeypatch.setattr(sm90a._BindingsNvrtc, "__init__", lambda self: None)
+    monkeypatch.setattr(sm90a._BindingsNvrtc, "version", broken)
+    monkeypatch.setattr(sm90a._CupyNvrtc, "__init__", lambda self: None)
+    monkeypatch.setattr(sm90a._CupyNvrtc, "version", lambda self: (13, 0))
+    assert isinstance(sm90a.nvrtc_binding(), sm90a._CupyNvrtc)
+    monkeypatch.setattr(sm90a._CupyNvrtc, "version", broken)
+    with pytest.raises(sm90a.Sm90aCompileError, match="dlopen"):
+        sm90a.nvrtc_binding()
+
+
 def _wgmma_register_hazards(ptx: str) -> list[str]:
     """Instructions of one PTX entry that touch a register of a wgmma chain between the chain's
     wgmma.fence and its wgmma.wait_group (PTX ISA 9.7.15.7.1: an ordinary access to an
