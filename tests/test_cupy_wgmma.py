@@ -152,6 +152,87 @@ def test_sm90a_module_compiles_without_spills_and_uses_hgmma(tmp_path):
         assert block.count("HGMMA") >= 8, f"{low}: no HGMMA in the SASS"
 
 
+def test_nvrtc_binding_skips_a_binding_that_cannot_load_nvrtc(monkeypatch):
+    """A cuda.bindings whose libnvrtc does not load (it opens the library on its first call, not
+    at import) must not be chosen over CuPy's binding: the sm_90a compile would fail where CuPy's
+    NVRTC works."""
+    from portattn.backends.cupy import sm90a
+
+    def broken(self):
+        raise RuntimeError("Failed to dlopen libnvrtc.so")
+
+    monkeypatch.setattr(sm90a._BindingsNvrtc, "__init__", lambda self: None)
+    monkeypatch.setattr(sm90a._BindingsNvrtc, "version", broken)
+    monkeypatch.setattr(sm90a._CupyNvrtc, "__init__", lambda self: None)
+    monkeypatch.setattr(sm90a._CupyNvrtc, "version", lambda self: (13, 0))
+    assert isinstance(sm90a.nvrtc_binding(), sm90a._CupyNvrtc)
+    monkeypatch.setattr(sm90a._CupyNvrtc, "version", broken)
+    with pytest.raises(sm90a.Sm90aCompileError, match="dlopen"):
+        sm90a.nvrtc_binding()
+
+
+def _wgmma_register_hazards(ptx: str) -> list[str]:
+    """Instructions of one PTX entry that touch a register of a wgmma chain between the chain's
+    wgmma.fence and its wgmma.wait_group (PTX ISA 9.7.15.7.1: an ordinary access to an
+    accumulator or A-fragment register must come before the wgmma.fence; the accumulators may be
+    read only after wgmma.wait_group)."""
+    lines = [ln.split("//")[0].strip() for ln in ptx.splitlines()]
+    bad, i = [], 0
+    while i < len(lines):
+        if not lines[i].startswith("wgmma.fence"):
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and not lines[j].startswith("wgmma.wait_group"):
+            j += 1
+        chain = [ln for ln in lines[i:j] if ln.startswith("wgmma.mma_async")]
+        regs = {r for ln in chain for grp in re.findall(r"\{([^}]*)\}", ln) for r in re.findall(r"%\w+", grp)}
+        assert chain and regs, f"a wgmma.fence at PTX line {i} without a chain"
+        for ln in lines[i + 1:j]:
+            if ln and not ln.startswith("wgmma.") and regs.intersection(re.findall(r"%\w+", ln)):
+                bad.append(f"line {i}: {ln}")
+        i = j
+    return bad
+
+
+def test_register_hazard_check_sees_a_late_write():
+    """The checker below flags an accumulator write moved past the wgmma.fence (it can fail)."""
+    ok = ("wgmma.fence.sync.aligned;\nadd.s32 %r9, %r9, 1;\n"
+          "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%f1, %f2}, {%r1, %r2, %r3, %r4}, %rd1, p, 1, 1, 1;\n"
+          "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\nmul.f32 %f1, %f1, %f3;\n")
+    assert _wgmma_register_hazards(ok) == []
+    late = ok.replace("add.s32 %r9, %r9, 1;", "mul.f32 %f2, %f2, %f7;")
+    assert len(_wgmma_register_hazards(late)) == 1
+    early_read = ok.replace("wgmma.wait_group.sync.aligned 0;\nmul.f32", "mul.f32 %f5, %r3, %f3;\nwgmma.wait_group.sync.aligned 0;\nmul.f32")
+    assert len(_wgmma_register_hazards(early_read)) == 1
+
+
+def test_sm90a_ptx_keeps_wgmma_registers_behind_the_fences():
+    """In the PTX NVRTC makes of the forward, its warp-specialized variant and the probe, no
+    ordinary instruction touches a wgmma accumulator or A-fragment register between a chain's
+    wgmma.fence and its wgmma.wait_group (the operand fences in attn_sm90.cuh's wg_qk / wg_pv
+    make that an order of the source, not of the compiler's scheduling). Uses the NVRTC the
+    backend would (sm90a.nvrtc_binding: CuPy's where cuda.bindings is missing, as on a GPU host)."""
+    from portattn.backends.cupy import sm90a
+
+    try:
+        nv = sm90a.nvrtc_binding()
+    except sm90a.Sm90aCompileError as exc:
+        pytest.skip(str(exc))
+    names = [configs.KernelConfig("fwd_wgmma", "bfloat16", 128).kernel_names()["plain"],
+             configs.KernelConfig("fwd_wgmma_ws", "float16", 64).kernel_names()["plain"],
+             configs.KernelConfig("wgmma_probe", "bfloat16", 256).kernel_names()["probe"]]
+    opts = (*[o for o in sm90a.OPTIONS if not o.startswith("--ptxas")], "--gpu-architecture=compute_90a")
+    ptx, lowered, _ = nv.compile(configs.source(configs.WGMMA_SOURCE_FILES), names, opts)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    entries = re.split(r"\n(?=\.(?:weak|visible) \.entry )", ptx)
+    for name, low in lowered.items():
+        body = [e for e in entries if e.split("(", 1)[0].endswith(low)]
+        assert len(body) == 1, name
+        assert body[0].count("wgmma.fence") >= 2, name
+        assert _wgmma_register_hazards(body[0]) == [], name
+
+
 # ----- GPU ---------------------------------------------------------------------------------------
 def _wgmma_cases():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -143,3 +143,47 @@ def test_accumulator_repack_is_the_a_fragment():
                     for half, src in ((0, lo), (1, hi)):
                         row, kcol = _a_coords(warp, lane, int(reg), half)
                         assert regs[8 * kk + int(src)] == s[row, 16 * kk + kcol]
+
+
+def _desc(saddr, lbo, sbo):
+    """attn_sm90.cuh's sw128_desc, evaluated from the source."""
+    body = re.search(r"sw128_desc\(pa_u32 saddr, pa_u32 lbo, pa_u32 sbo\) \{\s*return (.*?);\n", SRC, re.S).group(1)
+    expr = " ".join(body.split()).replace("(unsigned long long)", "").replace("1ull", "1")
+    return eval(expr, {}, {"saddr": saddr, "lbo": lbo, "sbo": sbo})
+
+
+@pytest.mark.parametrize("hd", configs.WGMMA_HEAD_DIMS)
+def test_descriptor_bit_fields(hd):
+    """PTX ISA 9.7.15.5.1.1 (matrix descriptor): start address >> 4 in bits 0-13, LBO >> 4 in
+    16-29, SBO >> 4 in 32-45, base offset in 49-51 (0: every swizzle atom starts on a 1024-byte
+    boundary), swizzle mode in 62-63 (1 = 128-byte); the other bits 0. Every descriptor the
+    forward builds (Q, K, V tiles at the kernel's shared-memory offsets, each k16 step) fits its
+    field exactly, and every tile base is 1024-byte aligned."""
+    bn, nwg = configs.wgmma_tile(hd)
+    bm = 64 * nwg
+    q_bytes, kv_bytes = bm * hd * 2, bn * hd * 2
+    smem = configs.KernelConfig("fwd_wgmma", "bfloat16", hd).smem_bytes("plain")
+    base = 1024 * 3   # any 1024-aligned base the kernel's realignment can produce
+    sk, sv = base + q_bytes, base + q_bytes + 2 * kv_bytes
+    assert sv + 2 * kv_bytes - base <= smem - 1024 and sv + 2 * kv_bytes < 1 << 18   # fits the 18-bit window
+    tiles = [base + wg * 64 * 128 for wg in range(nwg)] + [sk + b * kv_bytes for b in (0, 1)] + \
+        [sv + b * kv_bytes for b in (0, 1)]
+    assert all(t % 1024 == 0 for t in tiles)
+    lbo_q, sbo_q, _, _ = _qk_descs()
+    descs = []
+    for kk in range(hd // 16):
+        oq, ok = _qk_offsets(kk, bm, bn)
+        descs += [(t + oq, lbo_q, sbo_q) for t in tiles[:nwg]] + [(t + ok, lbo_q, sbo_q) for t in tiles[nwg:nwg + 2]]
+    for kk in range(bn // 16):
+        start, lbo, sbo = _pv_desc(kk, bn)
+        descs += [(t + start, lbo, sbo) for t in tiles[nwg + 2:]]
+    for addr, lbo, sbo in descs:
+        d = _desc(addr, lbo, sbo)
+        assert d & 0x3FFF == addr >> 4 and addr % 16 == 0
+        assert (d >> 16) & 0x3FFF == lbo >> 4 and lbo % 16 == 0
+        assert (d >> 32) & 0x3FFF == sbo >> 4 and sbo % 16 == 0
+        # base offset 0: the start lies in the first 128-byte row of its atom (a K-major k16 step
+        # adds 32 bytes inside that row, an MN-major one whole 1024-byte atoms)
+        assert (d >> 49) & 7 == 0 and addr % 1024 < 128
+        assert d >> 62 == 1
+        assert d & ~((0x3FFF) | (0x3FFF << 16) | (0x3FFF << 32) | (7 << 49) | (3 << 62)) == 0

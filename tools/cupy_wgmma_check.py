@@ -146,6 +146,13 @@ def compile_phase(workers: int) -> dict:
     mma = [(c.family, c.dtype, c.head_dim, c.tile, c.kv_stages)
            for c in (configs.forward_config("bfloat16", d, d, kv_stages=1) for d in (64, 128, 256))]
     res = {"errors": [], "modules": {}, "sass": {}}
+    try:   # which NVRTC builds the sm_90a modules here (cuda.bindings or CuPy's; its version)
+        from portattn.backends.cupy import sm90a
+
+        nv = sm90a.nvrtc_binding()
+        res["nvrtc"] = f"{type(nv).__name__.strip('_')} {'.'.join(map(str, nv.version()))}"
+    except Exception as exc:
+        res["nvrtc"] = f"none: {type(exc).__name__}: {exc}"[:300]
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
         futs = [pool.submit(_compile_sm90a, c) for c in wg] + [pool.submit(_compile_one, c) for c in mma]
         for f in futs:
@@ -381,7 +388,7 @@ def report(res: dict) -> str:
     L = [f"{res.get('device', '?')} torch {res.get('torch', '?')} {res.get('date', '')}; phases (s): "
          f"{json.dumps({k: round(v, 1) for k, v in res.get('seconds', {}).items()})}"]
     c = res.get("compile", {})
-    L.append(f"compile errors: {len(c.get('errors', []))}")
+    L.append(f"compile errors: {len(c.get('errors', []))}; NVRTC {c.get('nvrtc', '?')}")
     L += ["  " + e[:1500] for e in c.get("errors", [])[:3]]
     for key, m in c.get("modules", {}).items():
         for kname, k in m.get("kernels", {}).items():

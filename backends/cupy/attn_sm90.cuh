@@ -53,6 +53,19 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// PTX ISA 9.7.15.7.1 (wgmma.fence): a register that a wgmma.mma_async reads or writes (accumulator
+// or A fragment) must be accessed by ordinary instructions only before the wgmma.fence that precedes
+// it. The compiler knows nothing of that fence, so an empty asm that "modifies" each register sits in
+// front of it (CUTLASS's warpgroup_fence_operand): every earlier write or read of the register is
+// ordered before the asm, and the asm (volatile) before the fence. wgmma_fence_acc<N> does this for
+// accumulators (attn_wgmma_ops.cuh), fence_a_frags for the A fragments of P.
+template <int NK>
+__device__ __forceinline__ void fence_a_frags(pa_u32 (*p)[4]) {
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(p[kk][j])::"memory");
+}
 // Ordinary (generic-proxy) shared-memory writes, cp.async included, made visible to wgmma.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -60,6 +73,7 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // warpgroup's first Q row inside a SW128 tile of BM rows; sk: a SW128 tile of BN keys.
 template <typename T, int HD, int BM, int BN>
 __device__ __forceinline__ void wg_qk(float* s, pa_u32 sq, pa_u32 sk) {
+    wgmma_fence_acc<BN>(s);   // every earlier access to s (P's repack) stays before the wgmma.fence
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
@@ -75,8 +89,10 @@ __device__ __forceinline__ void wg_qk(float* s, pa_u32 sq, pa_u32 sk) {
 // MN-major descriptor's offsets (the kernel's are the defaults; the probe passes them at run time
 // so that tools/cupy_wgmma_check.py can tell a swapped pair from other mistakes).
 template <typename T, int HD, int BN>
-__device__ __forceinline__ void wg_pv(float* o, const pa_u32 (*p)[4], pa_u32 sv, pa_u32 lbo = BN * 128,
+__device__ __forceinline__ void wg_pv(float* o, pa_u32 (*p)[4], pa_u32 sv, pa_u32 lbo = BN * 128,
                                       pa_u32 sbo = 1024) {
+    wgmma_fence_acc<HD>(o);   // the rescaled accumulators and P are written before the wgmma.fence
+    fence_a_frags<BN / 16>(p);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T, HD>(o, p[kk], sw128_desc(sv + kk * 2048, lbo, sbo), 1);

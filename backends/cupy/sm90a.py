@@ -121,12 +121,14 @@ class _BindingsNvrtc:
 
 
 def nvrtc_binding():
-    """cuda.bindings' NVRTC (what the CPU compile check uses) where installed, else CuPy's own;
-    Sm90aCompileError when neither imports."""
+    """cuda.bindings' NVRTC (what the CPU compile check uses) where installed and able to load
+    libnvrtc, else CuPy's own; Sm90aCompileError when neither works."""
     errors = []
     for cls in (_BindingsNvrtc, _CupyNvrtc):
         try:
-            return cls()
+            nv = cls()
+            nv.version()   # cuda.bindings opens libnvrtc on its first call, not at import
+            return nv
         except Exception as exc:   # ImportError, or a binding that cannot load libnvrtc
             errors.append(f"{cls.__doc__.split(' (')[0]}: {type(exc).__name__}: {exc}")
     raise Sm90aCompileError("no NVRTC binding: " + "; ".join(errors))
