@@ -153,14 +153,7 @@ def test_forward_backward(case, dtype):
     assert be.supports(spec), be.not_supported_reasons(spec)
     out, lse = be.forward(spec)
     torch.cuda.synchronize()
-    ref_out, ref_lse = reference_forward(build_spec(q.double(), k.double(), v.double(), **kw))
-    naive_out, _ = naive_forward(spec)
-    results = [compare("out", out, ref_out, naive_out), compare_lse(lse, ref_lse)]
-    # rows with no visible key: exactly 0
-    empty = torch.isneginf(ref_lse)
-    if bool(empty.any()):
-        rows = empty.transpose(0, 1) if spec.is_varlen else empty.transpose(1, 2)
-        assert bool((out[rows] == 0).all()), "fully-masked rows must output exactly 0"
+    results = forward_results(spec, q, k, v, kw, out, lse)
 
     # gradients (the kernels' own out/lse feed the backward, as autograd would)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -177,6 +170,19 @@ def test_forward_backward(case, dtype):
         results.append(compare(name, mine, r, n, factor=3, zero_ref_scale=_grad_scale(spec, dout, k, v)))
     bad = [str(r) for r in results if not r.passed]
     assert not bad, f"{case} {dtype}: " + "; ".join(bad)
+
+
+def forward_results(spec, q, k, v, kw, out, lse) -> list:
+    """out and lse against the float64 reference (docs/semantics.md's rule, against the naive
+    math in the input dtype); asserts that rows with no visible key are exactly 0 with lse -inf."""
+    ref_out, ref_lse = reference_forward(build_spec(q.double(), k.double(), v.double(), **kw))
+    naive_out, _ = naive_forward(spec)
+    empty = torch.isneginf(ref_lse)
+    if bool(empty.any()):
+        rows = empty.transpose(0, 1) if spec.is_varlen else empty.transpose(1, 2)
+        assert bool((out[rows] == 0).all()), "fully-masked rows must output exactly 0"
+        assert bool(torch.isneginf(lse[empty]).all()), "fully-masked rows must have lse -inf"
+    return [compare("out", out, ref_out, naive_out), compare_lse(lse, ref_lse)]
 
 
 MMA_VS_FMA_CASES = ["basic", "odd_sizes", "causal_br", "causal_tl", "window", "gqa_causal", "bias_dv", "bool_mask",

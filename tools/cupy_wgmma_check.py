@@ -376,12 +376,9 @@ def time_cell(seqlen, d, causal, with_cudnn: bool, families=("wgmma", "mma"), wi
 
 
 # ----- report -------------------------------------------------------------------------------------
-def _r(row, a, b):
-    return row[a] / row[b] if a in row and b in row and row[b] > 0 else None
-
-
-def _f(x, w=6, p=2):
-    return f"{x:>{w}.{p}f}" if isinstance(x, (int, float)) and x is not None and math.isfinite(x) else f"{'-':>{w}}"
+sys.path.insert(0, HERE)
+from cupy_fwd_check import _fmt as _f  # noqa: E402  (the forward check's table helpers)
+from cupy_fwd_check import _ratio as _r  # noqa: E402
 
 
 def report(res: dict) -> str:
