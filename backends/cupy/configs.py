@@ -143,22 +143,24 @@ def bwd_mma_tile(hd: int, role: str) -> tuple[int, int, int]:
     return (4, 32, 1) if hd <= 192 else (4, 16, 1)
 
 
+def _env_mode(name: str, modes: tuple, meaning: str) -> str:
+    """The value of the switch ``name`` (``auto`` when unset), one of ``modes``; a ValueError names
+    the choices and ``meaning``."""
+    raw = os.environ.get(name, "").strip().lower() or "auto"
+    if raw not in modes:
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(modes)} ({meaning})")
+    return raw
+
+
 def backward_mode() -> str:
     """The value of :data:`BACKWARD_ENV` (``auto`` when unset); ValueError names the choices."""
-    raw = os.environ.get(BACKWARD_ENV, "").strip().lower() or "auto"
-    if raw not in BACKWARD_MODES:
-        raise ValueError(f"{BACKWARD_ENV}={raw!r}: expected one of {', '.join(BACKWARD_MODES)} "
-                         f"(auto = tensor-core backward for fp16/bf16 at every head dim)")
-    return raw
+    return _env_mode(BACKWARD_ENV, BACKWARD_MODES, "auto = tensor-core backward for fp16/bf16 at every head dim")
 
 
 def forward_mode() -> str:
     """The value of :data:`FORWARD_ENV` (``auto`` when unset); ValueError names the choices."""
-    raw = os.environ.get(FORWARD_ENV, "").strip().lower() or "auto"
-    if raw not in FORWARD_MODES:
-        raise ValueError(f"{FORWARD_ENV}={raw!r}: expected one of {', '.join(FORWARD_MODES)} "
-                         f"(auto = the mma.sync forward; wgmma = the sm_90a forward where it applies)")
-    return raw
+    return _env_mode(FORWARD_ENV, FORWARD_MODES, "auto = the mma.sync forward; wgmma = the sm_90a forward where "
+                                                 "it applies")
 
 
 def forward_kv_stages() -> int:
