@@ -6,12 +6,16 @@ running process. docs/env.md documents each one.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
 import torch
 
 _TRUE = {"1", "true", "yes", "on"}
+#: set inside :func:`deterministic_scope` (per thread / task)
+_DETERMINISTIC_SCOPE: contextvars.ContextVar[bool] = contextvars.ContextVar("portattn_deterministic", default=False)
 _FALSE = {"", "0", "false", "no", "off"}
 
 #: name -> one-line description (docs/env.md and ``portattn info`` print this table).
@@ -30,13 +34,15 @@ VARIABLES = {
     "PORTATTN_CUPY_BACKWARD": "cupy's fp16/bf16 backward: auto (default: tensor cores at every head dim), mma128 "
                               "(FMA above padded head dim 128, the earlier kernels) or fma (FMA always); read on "
                               "every call by backends/cupy/configs.py",
-    "PORTATTN_CUPY_FORWARD": "cupy's fp16/bf16 forward: auto (default: the mma.sync kernel), mma, wgmma (the sm_90a "
-                             "kernel on Hopper, not yet run on a GPU) or wgmma_ws (its warp-specialised variant); "
-                             "read on every call by backends/cupy/configs.py",
+    "PORTATTN_CUPY_FORWARD": "cupy's fp16/bf16 forward: auto (default: the sm_90a wgmma kernel at padded head dims "
+                             "128/256 on Hopper, where the H200 timed it faster; the mma.sync kernel elsewhere), "
+                             "mma, wgmma (the wgmma kernel wherever it applies) or wgmma_ws (its warp-specialised "
+                             "variant); read on every call by backends/cupy/configs.py",
     "PORTATTN_TRITON_DQ": "triton's fp16/bf16 backward when determinism is not requested: auto (default: "
-                          "atomic dQ only at the head dims whose atomic rows were timed faster on the GPU, "
-                          "backends/triton/configs.py; none yet), atomic (every atomic row) or kernel (the "
-                          "deterministic dQ kernel always); read on every backward",
+                          "FlashAttention-2's atomic dQ at the head dims whose atomic rows the H200 timed faster, "
+                          "Hopper D 128 and 256; the deterministic dQ kernel elsewhere), atomic (every atomic row) "
+                          "or kernel (the deterministic dQ kernel always); never for a head dim narrower than its "
+                          "padded block; read on every backward",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
 }
@@ -77,10 +83,11 @@ _CALL_PATH_BYTES = tuple(map(os.fsencode, _CALL_PATH))
 
 
 def state() -> tuple:
-    """The raw values of every variable the call path reads (a change is a new tuple)."""
+    """The raw values of every variable the call path reads, and whether a
+    :func:`deterministic_scope` is open (a change is a new tuple)."""
     if _ENV_BYTES is None:
-        return tuple(map(os.environ.get, _CALL_PATH))
-    return tuple(map(_ENV_BYTES.get, _CALL_PATH_BYTES))
+        return (*map(os.environ.get, _CALL_PATH), _DETERMINISTIC_SCOPE.get())
+    return (*map(_ENV_BYTES.get, _CALL_PATH_BYTES), _DETERMINISTIC_SCOPE.get())
 
 
 def _parsed(name: str, parse, default):
@@ -122,8 +129,25 @@ def policy() -> str:
     return _parsed("PORTATTN_POLICY", lambda _, text: text.strip().lower() or "priority", "priority")
 
 
+@contextlib.contextmanager
+def deterministic_scope():
+    """Request determinism for the calls made inside (as ``PORTATTN_DETERMINISTIC=1`` does, for
+    this thread or task only): their specs carry ``deterministic``, so the dispatch takes only
+    backends with a deterministic mode and triton runs its two-kernel backward (no atomic dQ) when
+    those calls' gradients are computed later. Outside ``torch.compile`` tracing only (there, use
+    ``torch.use_deterministic_algorithms(True)``)."""
+    token = _DETERMINISTIC_SCOPE.set(True)
+    try:
+        yield
+    finally:
+        _DETERMINISTIC_SCOPE.reset(token)
+
+
 def deterministic() -> bool:
-    return _flag("PORTATTN_DETERMINISTIC")
+    """``PORTATTN_DETERMINISTIC``, or inside :func:`deterministic_scope` (eager calls)."""
+    if _flag("PORTATTN_DETERMINISTIC"):
+        return True
+    return not torch.compiler.is_compiling() and _DETERMINISTIC_SCOPE.get()
 
 
 def allow_tf32() -> bool:

@@ -117,18 +117,19 @@ def _assert_ok(results):
     assert not bad, "\n".join(map(str, results))
 
 
-# name -> (B, Sq, Sk, Hq, Hkv, D, Dv, dtype, kwargs): ragged tiles of 32 everywhere
+# name -> (B, Sq, Sk, Hq, Hkv, D, Dv, dtype, kwargs): ragged tiles of 32 everywhere; D equal to its
+# padded block (atomic dQ is off for narrower head dims: ops.atomic_config)
 CASES = {
-    "causal_bottom_right_bf16": (1, 70, 80, 2, 2, 40, 40, torch.bfloat16, {"causal": True}),
-    "causal_top_left_gqa2_fp16": (1, 90, 50, 4, 2, 24, 24, torch.float16,
+    "causal_bottom_right_bf16": (1, 70, 80, 2, 2, 64, 64, torch.bfloat16, {"causal": True}),
+    "causal_top_left_gqa2_fp16": (1, 90, 50, 4, 2, 32, 32, torch.float16,
                                   {"causal": True, "causal_alignment": "top_left"}),
     "window_bf16": (2, 64, 70, 2, 2, 32, 32, torch.bfloat16, {"window": (9, 4)}),
-    "softcap_window_fp16": (1, 65, 65, 2, 1, 40, 40, torch.float16, {"softcap": 3.0, "window": (20, 0)}),
-    "alibi_causal_gqa2": (2, 40, 40, 4, 2, 24, 24, torch.bfloat16, {"alibi": True, "causal": True}),
-    "gqa4_plain": (1, 33, 50, 4, 1, 24, 24, torch.float16, {}),
-    "dv_ne_d": (1, 17, 80, 2, 2, 40, 96, torch.float16, {}),
-    "bias_no_grad_bf16": (1, 40, 50, 2, 2, 24, 24, torch.bfloat16, {"bias": True}),
-    "bool_mask_empty_rows": (2, 33, 40, 2, 1, 24, 24, torch.float16, {"mask": True}),
+    "softcap_window_fp16": (1, 65, 65, 2, 1, 64, 64, torch.float16, {"softcap": 3.0, "window": (20, 0)}),
+    "alibi_causal_gqa2": (2, 40, 40, 4, 2, 32, 32, torch.bfloat16, {"alibi": True, "causal": True}),
+    "gqa4_plain": (1, 33, 50, 4, 1, 16, 16, torch.float16, {}),
+    "dv_ne_d": (1, 17, 80, 2, 2, 64, 40, torch.float16, {}),
+    "bias_no_grad_bf16": (1, 40, 50, 2, 2, 32, 32, torch.bfloat16, {"bias": True}),
+    "bool_mask_empty_rows": (2, 33, 40, 2, 1, 32, 32, torch.float16, {"mask": True}),
 }
 
 
@@ -202,7 +203,7 @@ def test_atomic_dq_d256_split_matches_reference(atomic_row, launches):
 def test_atomic_dq_varlen(atomic_row, launches):
     g = torch.Generator().manual_seed(3)
     lens_q, lens_k = [17, 1, 0, 40], [30, 5, 3, 40]
-    hq, hkv, d = 4, 2, 40
+    hq, hkv, d = 4, 2, 64
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q = _randn(sum(lens_q), hq, d, dtype=torch.bfloat16, gen=g)
@@ -214,9 +215,9 @@ def test_atomic_dq_varlen(atomic_row, launches):
 def test_atomic_dq_lse_gradient(atomic_row, launches):
     """A gradient reaching lse too (folded into delta by the prep kernel, so into every dS)."""
     g = torch.Generator().manual_seed(4)
-    q = _randn(1, 50, 2, 24, dtype=torch.bfloat16, gen=g)
-    k = _randn(1, 60, 2, 24, dtype=torch.bfloat16, gen=g)
-    v = _randn(1, 60, 2, 24, dtype=torch.bfloat16, gen=g)
+    q = _randn(1, 50, 2, 32, dtype=torch.bfloat16, gen=g)
+    k = _randn(1, 60, 2, 32, dtype=torch.bfloat16, gen=g)
+    v = _randn(1, 60, 2, 32, dtype=torch.bfloat16, gen=g)
     launches.clear()
     check_lse_grads("triton", q, k, v, causal=True)
     assert launches.atomic, launches.names
@@ -224,9 +225,9 @@ def test_atomic_dq_lse_gradient(atomic_row, launches):
 
 def test_atomic_dq_is_exactly_zero_for_fully_masked_rows(atomic_row, launches):
     g = torch.Generator().manual_seed(5)
-    q = _randn(1, 45, 2, 24, dtype=torch.float16, gen=g).requires_grad_(True)
-    k = _randn(1, 20, 2, 24, dtype=torch.float16, gen=g).requires_grad_(True)
-    v = _randn(1, 20, 2, 24, dtype=torch.float16, gen=g).requires_grad_(True)
+    q = _randn(1, 45, 2, 32, dtype=torch.float16, gen=g).requires_grad_(True)
+    k = _randn(1, 20, 2, 32, dtype=torch.float16, gen=g).requires_grad_(True)
+    v = _randn(1, 20, 2, 32, dtype=torch.float16, gen=g).requires_grad_(True)
     launches.clear()
     # bottom-right causal with Sq > Sk: the first Sq - Sk = 25 rows see nothing
     out = portattn.attention(q, k, v, causal=True, backend="triton")
@@ -277,7 +278,7 @@ def test_determinism_requested_runs_the_two_kernel_path_bit_identically(atomic_r
 
 def test_bias_gradient_float32_and_no_row_keep_the_two_kernel_path(atomic_row, launches):
     g = torch.Generator().manual_seed(7)
-    q, k, v = (_randn(1, 33, 2, 24, dtype=torch.float16, gen=g) for _ in range(3))
+    q, k, v = (_randn(1, 33, 2, 32, dtype=torch.float16, gen=g) for _ in range(3))
     bias = _randn(1, 2, 33, 33, dtype=torch.float16, gen=g)
     launches.clear()
     _assert_ok(check_backend("triton", q, k, v, grad=True, attn_bias=bias))   # dBias wanted
@@ -407,3 +408,40 @@ def test_gpu_determinism_requested_is_bit_identical_with_atomic_rows(monkeypatch
         else:
             for a, b in zip(first, grads):
                 assert torch.equal(a, b)
+
+
+def test_flash_attn_deterministic_flag_runs_the_two_kernel_path(atomic_row, launches, monkeypatch):
+    """flash_attn_func(deterministic=True) requests determinism for its call (config.deterministic_scope):
+    the backward then runs the two-kernel path, bit-identically; without the flag, atomic dQ."""
+    from portattn.compat import flash_attn as fa
+
+    monkeypatch.setenv("PORTATTN_BACKEND", "triton")
+    g = torch.Generator().manual_seed(8)
+    q, k, v, dout = (_randn(1, 70, 2, 32, dtype=torch.bfloat16, gen=g) for _ in range(4))
+
+    def grads(**kw):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        launches.clear()
+        out = fa.flash_attn_func(*leaves, causal=True, **kw)
+        return torch.autograd.grad(out, leaves, dout)
+
+    first = grads(deterministic=True)
+    assert launches.deterministic, launches.names
+    again = grads(deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not portattn.config.deterministic()        # the scope ended with the call
+    grads()
+    assert launches.atomic, launches.names
+
+
+@pytest.mark.parametrize("d, dv", [(40, 40), (24, 32), (64, 128)], ids=["d40", "d24-dv32", "d64-dv128"])
+def test_a_head_dim_narrower_than_its_block_keeps_the_two_kernel_path(d, dv, atomic_row, launches):
+    """Even under PORTATTN_TRITON_DQ=atomic: the atomic dQ with a masked head-dim column gave wrong
+    dQ (D 200) and an illegal address (D 40) on the H200 (ops.atomic_config); the call is still right."""
+    g = torch.Generator().manual_seed(9)
+    q = _randn(1, 70, 2, d, dtype=torch.bfloat16, gen=g)
+    k = _randn(1, 80, 2, d, dtype=torch.bfloat16, gen=g)
+    v = _randn(1, 80, 2, dv, dtype=torch.bfloat16, gen=g)
+    launches.clear()
+    _assert_ok(check_backend("triton", q, k, v, grad=True, causal=True))
+    assert launches.deterministic, launches.names

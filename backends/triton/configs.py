@@ -195,22 +195,22 @@ _BWD_NVIDIA = {
 }
 # atomic-dQ dK/dV rows (BackwardConfigs.atomic): BLOCK_D -> (BLOCK_M, BLOCK_N, warps, stages[, split]),
 # 16-bit only, for calls that do not request determinism; a missing entry keeps the two-kernel
-# backward. Not yet timed on a GPU (2026-12-01); tools/triton_sweep.py --bwd-variants times them
-# against the deterministic rows and prints the rows to paste. D 64 and 128 take the table's dK/dV
-# tiles (which the deterministic sweeps preferred over M32 N128 w8; FA2's D 128 backward uses
-# M64 N128 w8 too). D 256 splits and keeps 16 streamed queries: the table's M32 split row with atomic
-# dQ needs 229632 B of shared memory for sm_90 (triton 3.9 cross-compile; limit 232448), M16 180352.
-# sm_90 bf16 cross-compiles (triton 3.9, registers/stack bytes, every row at 255 registers): D64
-# M32 N128 w4 s3 904, w8 s3 16; D128 M64 N128 w8 s2 760, M32 N128 w8 s2 368; D256 split M16 N128 w8 s2
-# 344, M32 N128 680. Ampere and AMD: off (not timed there; the portability check compiles their
-# dK/dV rows with atomic dQ).
-#: the head dims (BLOCK_D) whose atomic row ``PORTATTN_TRITON_DQ=auto`` (the default) uses: only rows
-#: the H200 sweep timed faster than the deterministic backward. None yet: the rows above were not run
-#: on a GPU (the device was paused 2026-12-01); ``PORTATTN_TRITON_DQ=atomic`` turns every row on.
-_BWD_ATOMIC_BY_DEFAULT: dict = {"hopper": frozenset(), "ampere": frozenset(), "small": frozenset()}
+# backward. Timed on the H200 (2026-12-02, tools/triton_sweep.py --bwd-variants, bf16, 16k tokens,
+# hidden 2048, S 1k/4k/16k, causal and not, backward alone; benchmarks/results/triton-bwd-sweep-h200.*;
+# each candidate checked against float64 at ragged S 200/333 first). Mean time relative to each
+# cell's best: D64 the deterministic row 1.000, atomic (64,64,4,3) 1.10, (64,128,8,2) 1.12,
+# (32,128,4,3) 1.26; D128 atomic (64,128,8,2) 1.014, (64,128,8,3) 1.02, deterministic 1.03,
+# (32,128,8,2) 1.07; D256 atomic (32,128,8,2,split) 1.000, (16,128,8,3,split) 1.15, deterministic
+# 1.22, (16,128,8,2,split) 1.34. Speed-up of the best atomic row over the deterministic backward:
+# D64 0.86-0.96, D128 0.95-1.07 (1.02-1.07 at S >= 4k), D256 1.15-1.25 (0.86-1.02 x FA2).
+# Ampere and AMD: off (not timed there; the portability check compiles their dK/dV rows with atomic dQ).
+#: the head dims (BLOCK_D) whose atomic row ``PORTATTN_TRITON_DQ=auto`` (the default) uses: those
+#: the H200 sweep timed faster than the deterministic backward; ``PORTATTN_TRITON_DQ=atomic``
+#: turns every row on.
+_BWD_ATOMIC_BY_DEFAULT: dict = {"hopper": frozenset({128, 256}), "ampere": frozenset(), "small": frozenset()}
 _BWD_ATOMIC_NVIDIA: dict = {
-    "hopper": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (64, 128, 8, 2),
-               256: (16, 128, 8, 2, True)},
+    "hopper": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 128, 8, 2),
+               256: (32, 128, 8, 2, True)},
     "ampere": {},
     "small": {},
 }

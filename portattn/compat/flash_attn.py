@@ -34,25 +34,26 @@ Differences from flash-attn (see docs/integrations.md):
   ``flash_attn_with_kvcache``;
 * a row with no visible key has ``softmax_lse = -inf`` (its log-sum-exp over nothing), where
   flash-attn's kernels write ``+inf``; the output is 0 in both;
-* ``deterministic=True`` restricts the dispatch to backends whose backward is deterministic for
-  this problem (portattn's own kernels are deterministic anyway). Under ``torch.compile`` the
-  backend is chosen when the graph runs, so there use ``PORTATTN_DETERMINISTIC=1`` or
-  ``torch.use_deterministic_algorithms(True)`` instead;
+* ``deterministic=True`` requests determinism for the call (``portattn.config.deterministic_scope``):
+  the dispatch takes only backends with a deterministic backward, and triton runs its two-kernel
+  backward instead of the atomic dQ it uses by default on Hopper at head dims 128/256. Under
+  ``torch.compile`` use ``PORTATTN_DETERMINISTIC=1`` or ``torch.use_deterministic_algorithms(True)``
+  instead;
 * inputs need not be CUDA tensors, have head dims that are multiples of 8, or be fp16/bf16:
   any dtype and device some portattn backend supports works.
 """
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 
 import torch
 
-from .. import dispatch
+from .. import config
 from ..api import attention
 from ..errors import describe
 from ..kvcache import flash_attn_with_kvcache
-from ..spec import build_spec
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
@@ -96,18 +97,6 @@ def _softcap(softcap) -> float | None:
     return float(softcap) if softcap > 0 else None
 
 
-def _deterministic_backend(kwargs: dict) -> str | None:
-    """The backend portattn would choose with determinism requested, or None to leave the choice
-    to the dispatch (determinism already on globally, or under torch.compile)."""
-    if torch.compiler.is_compiling():
-        return None
-    spec = build_spec(**kwargs)
-    if spec.deterministic:
-        return None          # PORTATTN_DETERMINISTIC / torch.use_deterministic_algorithms already apply
-    object.__setattr__(spec, "deterministic", True)
-    return dispatch.select(spec).name
-
-
 def _run(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
          return_attn_probs, **varlen):
     _check_dropout(dropout_p)
@@ -115,10 +104,13 @@ def _run(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap, ali
         raise TypeError(f"causal must be a bool, got {causal!r}")
     kwargs = dict(q=q, k=k, v=v, causal=causal, window=_window(window_size, causal), scale=softmax_scale,
                   softcap=_softcap(softcap), alibi_slopes=alibi_slopes, **varlen)
-    backend = _deterministic_backend(kwargs) if deterministic else None
-    if not return_attn_probs:
-        return attention(**kwargs, backend=backend)
-    out, lse = attention(**kwargs, return_lse=True, backend=backend)
+    # deterministic=True: the call's spec carries it, so the dispatch takes a deterministic backend
+    # and its backward runs deterministically (triton: no atomic dQ); eager calls only
+    scope = config.deterministic_scope() if deterministic else contextlib.nullcontext()
+    with scope:
+        if not return_attn_probs:
+            return attention(**kwargs)
+        out, lse = attention(**kwargs, return_lse=True)
     return out, lse, None
 
 
