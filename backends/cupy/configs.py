@@ -37,13 +37,17 @@ WGMMA_FAMILIES = ("fwd_wgmma", "fwd_wgmma_ws", "wgmma_probe")
 WGMMA_ARCH = "sm_90a"
 #: Padded head dims the wgmma forward is instantiated for (the others run attn_fwd_mma).
 WGMMA_HEAD_DIMS = (64, 128, 256)
+#: Padded head dims where ``auto`` takes the wgmma forward: the H200 check (2026-12-02,
+#: benchmarks/results/cupy-wgmma-check-h200.txt, bf16, S 1k/4k/16k, causal and not) timed it
+#: 1.05-1.65 x the mma.sync forward at HD 128 and 256 and 0.96-0.98 x at HD 64.
+WGMMA_AUTO_HEAD_DIMS = (128, 256)
 #: Environment switch of the 16-bit forward (read at call time by :func:`forward_mode`): ``auto``
-#: (default, also unset/empty) = the mma.sync forward (until the H200 says the wgmma one is
-#: faster); ``mma`` = the mma.sync forward; ``wgmma`` = the sm_90a wgmma forward where it applies
-#: (compute capability 9.0, fp16/bf16, padded head dim 64/128/256, no softcap/ALiBi/bias), the
-#: mma.sync forward elsewhere; ``wgmma_ws`` = the same with the warp-specialized wgmma forward
-#: (a producer warpgroup, mbarriers, consumer pingpong; experimental, timed by
-#: tools/cupy_wgmma_check.py).
+#: (default, also unset/empty) = the sm_90a wgmma forward where it applies and was timed faster
+#: (:data:`WGMMA_AUTO_HEAD_DIMS`), the mma.sync forward elsewhere; ``mma`` = the mma.sync forward;
+#: ``wgmma`` = the wgmma forward wherever it applies (compute capability 9.0, fp16/bf16, padded
+#: head dim 64/128/256, no softcap/ALiBi/bias), the mma.sync forward elsewhere; ``wgmma_ws`` = the
+#: same with the warp-specialized wgmma forward (a producer warpgroup, mbarriers, consumer
+#: pingpong; 0.85 x the plain wgmma forward on the H200, so never the default).
 FORWARD_ENV = "PORTATTN_CUPY_FORWARD"
 FORWARD_MODES = ("auto", "mma", "wgmma", "wgmma_ws")
 
@@ -159,8 +163,9 @@ def backward_mode() -> str:
 
 def forward_mode() -> str:
     """The value of :data:`FORWARD_ENV` (``auto`` when unset); ValueError names the choices."""
-    return _env_mode(FORWARD_ENV, FORWARD_MODES, "auto = the mma.sync forward; wgmma = the sm_90a forward where "
-                                                 "it applies")
+    return _env_mode(FORWARD_ENV, FORWARD_MODES, "auto = the sm_90a wgmma forward at padded head dims "
+                                                 "128/256 on 9.0, mma.sync elsewhere; wgmma = the sm_90a "
+                                                 "forward wherever it applies")
 
 
 def forward_kv_stages() -> int:
@@ -358,16 +363,19 @@ def wgmma_forward_config(dtype: str, head_dim: int, head_dim_v: int, ws: bool = 
 def forward_choice(dtype: str, head_dim: int, head_dim_v: int, *, extras: bool, capability: tuple | None,
                    mode: str | None = None, kv_stages: int | None = None) -> tuple[KernelConfig | None, str]:
     """(forward module, why) for a problem: the wgmma forward when ``mode`` (default:
-    :data:`FORWARD_ENV`) is ``wgmma`` (``wgmma_ws``: its warp-specialized variant) and the problem
-    is one it runs (``capability`` (9, 0),
-    fp16/bf16, padded head dim in :data:`WGMMA_HEAD_DIMS`, ``extras`` False: no softcap, ALiBi or
-    bias), else :func:`forward_config`'s module; ``why`` says which and why (one line)."""
+    :data:`FORWARD_ENV`) is ``wgmma`` (``wgmma_ws``: its warp-specialized variant), or ``auto`` at a
+    padded head dim in :data:`WGMMA_AUTO_HEAD_DIMS`, and the problem is one it runs (``capability``
+    (9, 0), fp16/bf16, padded head dim in :data:`WGMMA_HEAD_DIMS`, ``extras`` False: no softcap,
+    ALiBi or bias), else :func:`forward_config`'s module; ``why`` says which and why (one line)."""
     base = forward_config(dtype, head_dim, head_dim_v, kv_stages=kv_stages)
     mode = forward_mode() if mode is None else mode
     if base is None or base.family != "fwd_mma":
         return base, "float32 runs its FMA forward" if base is not None else "head dim over the largest bucket"
-    if mode not in ("wgmma", "wgmma_ws"):
-        return base, f"{FORWARD_ENV}={mode}: the mma.sync forward"
+    if mode == "mma":
+        return base, f"{FORWARD_ENV}=mma: the mma.sync forward"
+    if mode == "auto" and base.head_dim not in WGMMA_AUTO_HEAD_DIMS:
+        return base, (f"{FORWARD_ENV}=auto: the mma.sync forward at padded head dim {base.head_dim} (timed "
+                      f"faster than wgmma there on the H200)")
     wg = wgmma_forward_config(dtype, head_dim, head_dim_v, ws=mode == "wgmma_ws")
     if capability is None or tuple(capability) != (9, 0):
         why = f"compute capability {capability} (the wgmma forward needs 9.0, sm_90a)"
