@@ -61,8 +61,14 @@ NOT_TIMED = frozenset({"reference", "sdpa_math"})
 #: the policy's timing (portattn.timing.compare): warm-up calls, interleaved rounds (at least
 #: MIN_ROUNDS, ROUNDS while the class's TUNE_BUDGET_S lasts, up to MAX_ROUNDS while the order of the
 #: fastest and a close candidate is unsettled), ~ROUND_MS of calls per candidate per round in
-#: SAMPLES_PER_ROUND samples; a candidate whose estimate is over PRUNE x the best cannot win
-WARMUP, ROUNDS, MIN_ROUNDS, MAX_ROUNDS, ROUND_MS, SAMPLES_PER_ROUND = 2, 5, 3, 15, 10.0, 3
+#: SAMPLES_PER_ROUND samples; a candidate whose estimate is over PRUNE x the best cannot win.
+#: A sample starts from an idle device, so each costs one start-up (the host enqueuing the first
+#: kernels while the GPU waits) over its back-to-back calls: on the H200 (2026-12-02, D64 S4k causal
+#: fwd+bwd, ~3.5 ms a call) torch SDPA's cuDNN path measured 3.75 ms per call in samples of one
+#: call (ROUND_MS 10) and 3.40 ms in samples of five (the benchmark's), triton 3.62 and 3.51 ms, so
+#: the policy chose triton where cuDNN was 3.5 % faster. Samples of ~20 ms (ROUND_MS 60, the
+#: benchmark's longest) keep that start-up under ~2 % of a sample.
+WARMUP, ROUNDS, MIN_ROUNDS, MAX_ROUNDS, ROUND_MS, SAMPLES_PER_ROUND = 2, 5, 3, 15, 60.0, 3
 #: wall time each candidate keeps being called (each call waited for) after WARMUP calls
 WARMUP_MS = 30.0
 #: (1.5 pruned cuDNN on an estimate taken before WARMUP_MS existed: 1.83 x, at its true 0.94 x)
