@@ -426,7 +426,11 @@ def _git_commit() -> str | None:
         here = os.path.dirname(os.path.abspath(__file__))
         res = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              timeout=10)
-        return res.stdout.strip() or None
+        rev = res.stdout.strip() or None
+        # a tree with uncommitted changes to tracked files is not that commit: say so
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return f"{rev}+dirty" if rev and dirty else rev
     except Exception:
         return None
 

@@ -42,6 +42,11 @@
 #   bash tools/h200_session.sh s5wgmma     # cupy's sm_90a wgmma forward: tools/cupy_wgmma_check.py (compile
 #       and SASS report, layout probe, numerics against float64, its GPU tests, the warp-specialised
 #       variant in a child process, timings beside mma.sync, FA2 and cuDNN)
+#   bash tools/h200_session.sh s6apply     # the sweep's atomic-dQ defaults (D 128/256) and cupy's wgmma
+#       forward under auto: triton's and cupy's catalogue shards, the atomic-dQ fault diagnosis
+#       (tools/triton_atomic_diag.py), the atomic GPU tests alone and the other GPU tests, the
+#       compile warm-up side by side; then alone: the fastest policy's full grid
+#   bash tools/h200_session.sh s6bench     # the training grid (portattn bench) after the warm-up
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -544,4 +549,47 @@ if [[ $what == s5wgmma ]]; then
   timeout -s INT -k 10 170 $PY tools/cupy_wgmma_check.py --out "$W" --time-limit 150 > "$W/wgmma_log.txt" 2>&1
   echo "== wgmma check rc=$? ($(( $(date +%s) - t0 ))s):"; tail -60 "$W/wgmma_check.txt" 2>/dev/null || tail -60 "$W/wgmma_log.txt"
   tar czf "$OUT/s5wgmma.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
+fi
+
+if [[ $what == s6apply ]]; then
+  t0=$(date +%s); rm -rf "$shards"; mkdir -p "$shards"
+  LIMIT=${CONF_LIMIT:-175}
+  W=/tmp/portattn-s6; rm -rf "$W"; mkdir -p "$W"
+  run_shard t-fp16 --backends triton --cases 'core/fp16/*' &
+  run_shard t-bf16 --backends triton --cases 'core/bf16/*' 'headdim/*' &
+  run_shard t-feat --backends triton --cases 'gqa/*' 'window/*' 'softcap/*' 'alibi/*' &
+  run_shard t-var --backends triton --cases 'varlen/*' 'masked/*' 'combo/*' &
+  run_shard c-core --backends cupy --cases 'core/*' &
+  run_shard c-hd --backends cupy --cases 'headdim/*' 'gqa/*' 'window/*' 'varlen/*' 'large/headdim/*' &
+  timeout -s INT -k 10 "$LIMIT" $PY tools/triton_atomic_diag.py --quick --jobs 4 --out "$W" > "$W/atomic_diag.txt" 2>&1 &
+  timeout -s INT -k 10 "$LIMIT" $PY -m pytest -v --tb=short -p no:cacheprovider tests/test_triton_atomic_dq.py -rfEs \
+      > "$W/pytest_atomic.txt" 2>&1 &
+  timeout -s INT -k 10 "$LIMIT" $PY -m pytest -v --tb=short -p no:cacheprovider -n 2 tests/test_cupy_wgmma.py \
+      tests/test_decode_variants_gpu.py tests/test_kvcache_gpu.py tests/test_compat_flash_attn.py \
+      "tests/test_triton.py::test_gpu_prepared_launch_is_bit_identical_to_the_full_path" \
+      "tests/test_triton.py::test_gpu_deterministic_20_runs" -rfEs > "$OUT/pytest_gpu.txt" 2>&1 &
+  for d in 64 128 256; do timeout "$LIMIT" $PY tools/warm_caches.py --d $d --dtype bf16 > /tmp/warm-$d.log 2>&1 & done
+  wait
+  merge_shards conformance-s6apply.json
+  echo "== atomic diag:"; tail -8 "$W/atomic_diag.txt"
+  echo "== atomic GPU tests:"; grep -E "(FAILED|ERROR) tests|passed|failed" "$W/pytest_atomic.txt" | tail -12
+  echo "== GPU tests:"; grep -E "(FAILED|ERROR) tests|passed|failed" "$OUT/pytest_gpu.txt" | tail -12
+  t1=$(date +%s)
+  timeout -s INT -k 10 "${FASTEST_LIMIT:-370}" $PY benchmarks/bench_fastest.py --full --out "$W" \
+      --time-limit "${FASTEST_TIME:-335}" > "$W/fastest.txt" 2>&1
+  echo "== fastest --full rc=$? ($(( $(date +%s) - t1 ))s):"; tail -40 "$W/fastest.txt"
+  tar czf "$OUT/s6apply.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
+fi
+
+if [[ $what == s6bench ]]; then
+  t0=$(date +%s)
+  W=/tmp/portattn-s6b; rm -rf "$W"; mkdir -p "$W"
+  for d in 64 128 256; do for t in bf16 fp16; do
+    timeout 120 $PY tools/warm_caches.py --d $d --dtype $t > /tmp/warm-$d-$t.log 2>&1 & done; done; wait
+  echo "== warm-up ($(( $(date +%s) - t0 ))s)"; tail -q -n1 /tmp/warm-*.log
+  t1=$(date +%s)
+  timeout -s INT -k 10 "${BENCH_LIMIT:-330}" $PY -m portattn.cli bench --out "$W" --time-limit $(( ${BENCH_LIMIT:-330} - 20 )) \
+      --no-progress-bar > "$W/bench_log.txt" 2>&1
+  echo "== bench rc=$? ($(( $(date +%s) - t1 ))s):"; tail -50 "$W/bench_log.txt"
+  tar czf "$OUT/s6bench.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
 fi
