@@ -70,7 +70,12 @@ def test_forward_choice(mode):
     assert choose("bfloat16", 128, 128, cap=None).family == "fwd_mma"
     assert choose("float32", 128, 128).family == "fwd_fma"
     cfg, why = configs.forward_choice("bfloat16", 128, 128, extras=True, capability=(9, 0), mode=mode)
-    assert configs.FORWARD_ENV in why and (("softcap" in why) if wg else True)
+    assert configs.FORWARD_ENV in why and (("softcap" in why) if wg or mode == "auto" else True)
+    # two K/V stages are the mma.sync forward's knob: auto keeps that kernel; wgmma ignores the knob
+    cfg, why = configs.forward_choice("bfloat16", 128, 128, extras=False, capability=(9, 0), mode=mode, kv_stages=2)
+    assert cfg.family == ("fwd_mma" if mode in ("auto", "mma") else fam), why
+    if mode == "auto":
+        assert "K/V stages" in why
 
 
 def test_wgmma_config_geometry():

@@ -376,6 +376,8 @@ def forward_choice(dtype: str, head_dim: int, head_dim_v: int, *, extras: bool, 
     if mode == "auto" and base.head_dim not in WGMMA_AUTO_HEAD_DIMS:
         return base, (f"{FORWARD_ENV}=auto: the mma.sync forward at padded head dim {base.head_dim} (timed "
                       f"faster than wgmma there on the H200)")
+    if mode == "auto" and base.kv_stages != 1:
+        return base, f"{FORWARD_ENV}=auto with {base.kv_stages} K/V stages (a knob of the mma.sync forward): mma.sync"
     wg = wgmma_forward_config(dtype, head_dim, head_dim_v, ws=mode == "wgmma_ws")
     if capability is None or tuple(capability) != (9, 0):
         why = f"compute capability {capability} (the wgmma forward needs 9.0, sm_90a)"
