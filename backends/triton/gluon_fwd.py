@@ -1,0 +1,346 @@
+"""An FA3-style attention forward for NVIDIA Hopper (sm_90) in Gluon (experimental, opt-in).
+
+Gluon (``triton.experimental.gluon``, triton >= 3.6) is triton's lower-level language: explicit
+layouts, shared memory, mbarriers, TMA, asynchronous ``wgmma`` and warp specialisation. This
+module writes FlashAttention-3's forward schedule with it (Shah et al., 2024), because triton's
+own ``tl.range(warp_specialize=True)`` leaves the portable kernel's loop unspecialised at 8 warps
+(docs/triton.md). One CTA owns 128 query rows of one (batch, head) and runs three partitions:
+
+* **producer** (1 warp, few registers): TMA loads of the two 64-row Q tiles, then of every K and
+  V tile of the band into a ``STAGES``-deep shared ring; ``k_ready``/``v_ready`` mbarriers carry
+  the byte counts, ``k_empty``/``v_empty`` (count 2: both consumers) give a slot back;
+* **two consumer warpgroups** (4 warps each, most registers), one per 64 query rows, issuing
+  asynchronous ``wgmma``: S = Q Kᵀ from shared memory, O += P V with P in registers (the
+  accumulator layout of S *is* the A-operand layout of P V, no shuffle). They share the ring but
+  run independently, so the hardware overlaps one warpgroup's softmax with the other's products
+  (FA3's inter-warpgroup overlap, without its explicit ping-pong barriers); inside a warpgroup
+  the next tile's Q Kᵀ and the previous tile's P V are in flight while it does a tile's softmax
+  (FA3's intra-warpgroup overlap).
+
+Semantics are the portable forward's (``kernels.attn_fwd``, docs/semantics.md): scores in base 2
+with ``qk_scale2 = scale·log2(e)`` and ``exp2``; bottom-right or top-left causal alignment on the
+aligned row ``i + off``; key tiles in three phases (masked / unmasked / masked, only the band's
+edge tiles pay for the element mask); GQA by the head index; a row with no visible key outputs 0
+and ``lse = -inf``. Out ``(B, Sq, Hq, Dv)`` and lse ``(B, Hq, Sq)`` are written through their
+strides; Q/K/V/O go through device-side tensor descriptors of each (sequence, head)'s ``(S, D)``
+slab, whose bounds zero-fill ragged tiles and clip the O store. Dense inputs only; float16 and
+bfloat16; ``D == Dv`` in {64, 128, 256}; no softcap, ALiBi, bias or sliding window
+(:func:`gluon_reasons` says which problems it cannot run).
+
+The module imports without triton's Gluon (``GLUON_ERROR`` then says why, and every problem is
+refused); the names differ between triton 3.6 and 3.9 only in the TMA copy
+(``async_copy_global_to_shared`` / ``async_load``), resolved once below.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:   # Gluon and its Hopper pieces: triton >= 3.6
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    GLUON_ERROR = ""
+except Exception as exc:   # an older triton, or a build without Gluon
+    gluon = gl = None
+    GLUON_ERROR = f"triton has no Gluon Hopper API ({type(exc).__name__}: {exc})"
+
+#: the environment switch of the triton backend's forward (read by :func:`forward_choice`)
+ENV_SWITCH = "PORTATTN_TRITON_FORWARD"
+#: the head dims the kernel is written for (``D == Dv``); each has its tile table row below
+HEAD_DIMS = (64, 128, 256)
+#: stands for an unbounded window side (as ops.UNBOUNDED)
+_UNBOUNDED = 1 << 30
+#: query rows per consumer warpgroup (wgmma's M is 64 per warpgroup); a CTA holds two
+WG_M = 64
+
+
+@functools.lru_cache(maxsize=8)
+def tile_config(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_N, STAGES) for head dim ``head_dim``: shared memory is 2 Q tiles of (64, D) plus
+    ``STAGES`` K and V tiles of (BLOCK_N, D), 2 bytes each: D 64 -> 16 + 96 KiB, D 128 -> 32 +
+    128 KiB, D 256 -> 64 + 128 KiB (the H200 allows 227 KiB a block). FA3 uses the same N for
+    D 64/128; D 256 halves it to keep the accumulator (64 x 256 fp32, 128 registers) in budget."""
+    return {64: (128, 3), 128: (128, 2), 256: (64, 2)}[head_dim]
+
+
+# ----- the kernel ---------------------------------------------------------------------------
+
+if gl is not None:
+    # triton 3.9 renamed the TMA copies (the 3.6 names raise there)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _LOG2E = gl.constexpr(1.4426950408889634)
+    _LN2 = gl.constexpr(0.6931471805599453)
+    _WG_M = gl.constexpr(WG_M)
+
+    @gluon.jit
+    def _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """(lo, full_lo, full_hi, hi) of the key tiles for the query rows ``m0 … m0+BLOCK_M-1``:
+        tiles in [lo, full_lo) and [full_hi, hi) need the element mask, [full_lo, full_hi) are
+        visible to every row (kernels._key_phases, the same arithmetic)."""
+        r0 = m0 + off
+        r1 = gl.minimum(m0 + BLOCK_M, sq) - 1 + off
+        lo = gl.maximum(r0 - window_left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        hi = gl.minimum(r1 + window_right + 1, sk)
+        full_lo = gl.maximum(r1 - window_left, 0)
+        full_lo = ((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        full_lo = gl.minimum(gl.maximum(full_lo, lo), gl.maximum(hi, lo))
+        full_hi = (gl.maximum(r0 + window_right + 1, 0) // BLOCK_N) * BLOCK_N
+        full_hi = gl.minimum(full_hi, (sk // BLOCK_N) * BLOCK_N)
+        full_hi = gl.maximum(full_hi, full_lo)
+        return lo, full_lo, full_hi, hi
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                  m0, lo, hi, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        """The load warp: both Q tiles, then K and V of every key tile in [lo, hi) into the ring.
+        A slot is refilled once both consumers released it (``*_empty``, waited on the parity
+        before the current round's: a fresh barrier passes at once)."""
+        tile_bytes: gl.constexpr = _WG_M * HEAD_D * 2
+        for wg in gl.static_range(2):
+            mbarrier.expect(q_bar.index(wg), tile_bytes)
+            _tma_load(q_desc, [m0 + wg * _WG_M, 0], q_bar.index(wg), q_smem.index(wg))
+        kv_bytes: gl.constexpr = BLOCK_N * HEAD_D * 2
+        i = 0
+        for n in range(lo, hi, BLOCK_N):
+            st = i % STAGES
+            ph = (i // STAGES) & 1
+            mbarrier.wait(k_empty.index(st), ph ^ 1)
+            mbarrier.expect(k_ready.index(st), kv_bytes)
+            _tma_load(k_desc, [n, 0], k_ready.index(st), k_smem.index(st))
+            mbarrier.wait(v_empty.index(st), ph ^ 1)
+            mbarrier.expect(v_ready.index(st), kv_bytes)
+            _tma_load(v_desc, [n, 0], v_ready.index(st), v_smem.index(st))
+            i += 1
+
+    @gluon.jit
+    def _masked(s, rows, cols, sk, off, window_left, window_right):
+        """Scores of the keys a row cannot see set to -inf (keys >= Sk, outside the band)."""
+        aligned = rows[:, None] + off
+        c = cols[None, :]
+        visible = (c < sk) & (c >= aligned - window_left) & (c <= aligned + window_right)
+        return gl.where(visible, s, float("-inf"))
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, qk_scale2):
+        """One tile of the online softmax on raw scores ``s`` (natural units of Q Kᵀ): the new
+        max, the rescale ``alpha`` of what was summed before, the tile's ``p`` and the new sum.
+        A row with nothing visible yet keeps m = -inf and subtracts 0 (no -inf - -inf)."""
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2((m_i - m_safe) * qk_scale2)
+        p = gl.exp2(s * qk_scale2 - (m_safe * qk_scale2)[:, None])
+        l_new = l_i * alpha + gl.sum(p, 1)
+        return m_new, alpha, p, l_new
+
+    @gluon.jit
+    def _band(acc, m_i, l_i, p_prev, i, start, stop, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+              rows, cols0, sk, off, window_left, window_right, qk_scale2,
+              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
+        """Key tiles [start, stop) of one phase. ``i`` counts the tiles this warpgroup has taken
+        from the ring; ``p_prev`` is tile i-1's P, whose P V is still to be added. Each step
+        issues S_i = Q K_iᵀ and acc += P_{i-1} V_{i-1} (both async), waits for S_i only, does its
+        softmax while P V runs, then waits for P V and rescales acc by this tile's alpha."""
+        for n in range(start, stop, BLOCK_N):
+            st = i % STAGES
+            pst = (i - 1) % STAGES
+            mbarrier.wait(k_ready.index(st), (i // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), gl.zeros([_WG_M, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(pst), ((i - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_prev, v_smem.index(pst), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))        # S_i done; P_{i-1} V_{i-1} may still run
+            mbarrier.arrive(k_empty.index(st), count=1)
+            if MASKED:
+                s = _masked(s, rows, n + cols0, sk, off, window_left, window_right)
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, qk_scale2)
+            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+            mbarrier.arrive(v_empty.index(pst), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_prev = gl.convert_layout(p.to(q.dtype), p_layout)
+            i += 1
+        return acc, m_i, l_i, p_prev, i
+
+    @gluon.jit
+    def _consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                  LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2,
+                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        """One consumer warpgroup: the 64 query rows ``m0 + WG·64 …``; writes their O and lse."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row0 = m0 + WG * _WG_M
+        rows = row0 + gl.arange(0, _WG_M, layout=gl.SliceLayout(1, s_layout))
+        cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([_WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([_WG_M], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([_WG_M, HEAD_D], gl.float32, o_layout)
+        q = q_smem.index(WG)
+        mbarrier.wait(q_bar.index(WG), 0)   # also before the O store reuses the tile
+        if lo < hi:
+            # the band's first tile (always masked: it may be an edge tile) starts the pipeline
+            mbarrier.wait(k_ready.index(0), 0)
+            s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([_WG_M, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            mbarrier.arrive(k_empty.index(0), count=1)
+            s = _masked(s, rows, lo + cols0, sk, off, window_left, window_right)
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, qk_scale2)
+            p_prev = gl.convert_layout(p.to(q.dtype), p_layout)
+            i = lo * 0 + 1
+            nxt = lo + BLOCK_N
+            acc, m_i, l_i, p_prev, i = _band(acc, m_i, l_i, p_prev, i, nxt, gl.maximum(full_lo, nxt), q, k_smem,
+                                             v_smem, k_ready, v_ready, k_empty, v_empty, rows, cols0, sk, off,
+                                             window_left, window_right, qk_scale2, s_layout, o_layout, p_layout,
+                                             BLOCK_N, STAGES, True)
+            acc, m_i, l_i, p_prev, i = _band(acc, m_i, l_i, p_prev, i, gl.maximum(full_lo, nxt),
+                                             gl.maximum(full_hi, nxt), q, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                             v_empty, rows, cols0, sk, off, window_left, window_right, qk_scale2,
+                                             s_layout, o_layout, p_layout, BLOCK_N, STAGES, False)
+            acc, m_i, l_i, p_prev, i = _band(acc, m_i, l_i, p_prev, i, gl.maximum(full_hi, nxt), hi, q, k_smem,
+                                             v_smem, k_ready, v_ready, k_empty, v_empty, rows, cols0, sk, off,
+                                             window_left, window_right, qk_scale2, s_layout, o_layout, p_layout,
+                                             BLOCK_N, STAGES, True)
+            # the last tile's P V
+            pst = (i - 1) % STAGES
+            mbarrier.wait(v_ready.index(pst), ((i - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_prev, v_smem.index(pst), acc, is_async=True)
+            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+            mbarrier.arrive(v_empty.index(pst), count=1)
+        # normalise once; rows with no visible key output 0 and lse = -inf
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+        lse = gl.where(empty, float("-inf"), (m_i * qk_scale2 + gl.log2(l_safe)) * _LN2)
+        gl.store(LSE + lse_off + rows, lse, mask=rows < sq)
+        q.store(out.to(q.dtype))            # Q's last reader (a wgmma) has completed
+        fence_async_shared()
+        _tma_store(o_desc, [row0, 0], q)    # the descriptor clips rows >= Sq
+        tma.store_wait(0)
+
+    @gluon.jit(do_not_specialize=("seqlen_q", "seqlen_k", "stride_lb", "stride_lh"))
+    def attn_fwd_gluon(Q, K, V, O, LSE,
+                       stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                       stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+                       stride_lb, stride_lh,
+                       num_heads_q, gqa_ratio, seqlen_q, seqlen_k, qk_scale2, window_left, window_right,
+                       HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+        """O = softmax(scale·QKᵀ)V for 128 query rows of one (batch, head): grid
+        (cdiv(Sq, 128), B·Hq), 4 warps (consumer 0) + a 4-warp consumer + a 1-warp producer."""
+        BLOCK_M: gl.constexpr = 2 * _WG_M
+        pid = gl.program_id(0)
+        if LONGEST_FIRST:   # causal: the last query tiles see the most keys, start them first
+            pid = gl.num_programs(0) - 1 - pid
+        pid_bh = gl.program_id(1)
+        b = pid_bh // num_heads_q
+        h = pid_bh % num_heads_q
+        h_kv = h // gqa_ratio
+        sq = seqlen_q
+        sk = seqlen_k
+        m0 = pid * BLOCK_M
+        if BOTTOM_RIGHT:
+            off = sk - sq
+        else:
+            off = sk * 0
+        lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
+
+        b64 = b.to(gl.int64)
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h.to(gl.int64) * stride_qh, [sq, HEAD_D],
+                                            [stride_qs, 1], [_WG_M, HEAD_D], smem_layout)
+        k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + h_kv.to(gl.int64) * stride_kh, [sk, HEAD_D],
+                                            [stride_ks, 1], [BLOCK_N, HEAD_D], smem_layout)
+        v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + h_kv.to(gl.int64) * stride_vh, [sk, HEAD_D],
+                                            [stride_vs, 1], [BLOCK_N, HEAD_D], smem_layout)
+        o_desc = tma.make_tensor_descriptor(O + b64 * stride_ob + h.to(gl.int64) * stride_oh, [sq, HEAD_D],
+                                            [stride_os, 1], [_WG_M, HEAD_D], smem_layout)
+        lse_off = b64 * stride_lb + h.to(gl.int64) * stride_lh
+
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_smem = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], smem_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        for j in gl.static_range(2):
+            mbarrier.init(q_bar.index(j), count=1)
+        for j in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(j), count=1)
+            mbarrier.init(v_ready.index(j), count=1)
+            mbarrier.init(k_empty.index(j), count=2)   # one arrival per consumer warpgroup
+            mbarrier.init(v_empty.index(j), count=2)
+
+        gl.warp_specialize([
+            (_consumer, (0, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, LSE, lse_off,
+                         m0, sq, sk, off, lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2,
+                         BLOCK_N, HEAD_D, STAGES)),
+            (_consumer, (1, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, LSE, lse_off,
+                         m0, sq, sk, off, lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2,
+                         BLOCK_N, HEAD_D, STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                         v_empty, m0, lo, hi, BLOCK_N, HEAD_D, STAGES)),
+        ], [4, 1], [240, 24])
+
+
+# ----- cross-compilation (no GPU needed) ----------------------------------------------------
+
+_INT_ARGS = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh",
+             "stride_vb", "stride_vs", "stride_vh", "stride_ob", "stride_os", "stride_oh",
+             "stride_lb", "stride_lh", "num_heads_q", "gqa_ratio", "seqlen_q", "seqlen_k",
+             "window_left", "window_right")
+
+
+def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True) -> dict:
+    """The constexprs of one launch (also what :func:`compile_for` specialises on)."""
+    block_n, stages = tile_config(head_dim)
+    return dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=stages, BOTTOM_RIGHT=bottom_right, LONGEST_FIRST=causal)
+
+
+#: launch options: 4 warps run the default partition (consumer 0); the workers add 5 warps
+LAUNCH_OPTIONS = dict(num_warps=4, num_stages=1)
+
+
+def compile_for(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
+                arch: int = 90):
+    """``triton.compile`` of :func:`attn_fwd_gluon` for ``GPUTarget("cuda", arch, 32)`` without a GPU;
+    returns the compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
+    if GLUON_ERROR:
+        raise RuntimeError(GLUON_ERROR)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    consts = launch_constexprs(head_dim, causal)
+    sig = {}
+    for name in attn_fwd_gluon.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ("Q", "K", "V", "O"):
+            sig[name] = ptr
+        elif name == "LSE":
+            sig[name] = "*fp32"
+        elif name == "qk_scale2":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    src = GluonASTSource(attn_fwd_gluon, sig, consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(LAUNCH_OPTIONS))
