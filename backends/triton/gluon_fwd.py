@@ -344,3 +344,167 @@ def compile_for(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal
             sig[name] = "i32"
     src = GluonASTSource(attn_fwd_gluon, sig, consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(LAUNCH_OPTIONS))
+
+
+
+def _cubin_facts(cubin: bytes) -> dict:
+    """Registers and stack (spills) from ``cuobjdump -res-usage``, and the SASS counts of HGMMA,
+    UTMALDG/UTMASTG (TMA), USETMAXREG and local-memory spills (LDL/STL); {} without cuobjdump."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = tool if os.path.exists(tool) else shutil.which("cuobjdump")
+    if not tool:
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        try:
+            res = subprocess.run([tool, "-res-usage", fh.name], capture_output=True, text=True, timeout=120).stdout
+            sass = subprocess.run([tool, "-sass", fh.name], capture_output=True, text=True, timeout=120).stdout
+        except (OSError, subprocess.SubprocessError):
+            return {}
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    facts = dict(regs=int(regs.group(1)) if regs else None, stack=int(stack.group(1)) if stack else None)
+    for name, pat in (("HGMMA", r"\bHGMMA\b"), ("UTMALDG", r"\bUTMALDG\b"), ("UTMASTG", r"\bUTMASTG\b"),
+                      ("USETMAXREG", r"\bUSETMAXREG\b"), ("LDL/STL", r"\b(?:LDL|STL)\b")):
+        facts[name] = len(re.findall(pat, sass))
+    return facts
+
+
+def compile_report(head_dim: int = 128, causal: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Cross-compile one variant for sm_90 and describe it: shared bytes, PTX counts of
+    ``wgmma.mma_async`` / ``cp.async.bulk.tensor`` (TMA) / ``setmaxnreg`` and its values, and
+    :func:`_cubin_facts`."""
+    import re
+    import time
+    start = time.perf_counter()
+    c = compile_for(head_dim, dtype, causal)
+    ptx = c.asm["ptx"]
+    row = dict(head_dim=head_dim, causal=causal, dtype=str(dtype).replace("torch.", ""),
+               shared=int(c.metadata.shared), num_warps=int(c.metadata.num_warps),
+               wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor"),
+               setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}))
+    row.update(_cubin_facts(c.asm["cubin"]))
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def main(argv=None) -> int:
+    """``python -m portattn.backends.triton.gluon_fwd [--json]``: cross-compile every head dim,
+    causal and not, for sm_90 and print what each compiled to (exit 1 on a compile error)."""
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--json", action="store_true", help="one JSON list instead of the table")
+    ap.add_argument("--dims", default=",".join(map(str, HEAD_DIMS)))
+    args = ap.parse_args(argv)
+    if GLUON_ERROR:
+        print(GLUON_ERROR)
+        return 1
+    rows, failed = [], False
+    for d in (int(x) for x in args.dims.split(",")):
+        for causal in (False, True):
+            try:
+                rows.append(compile_report(d, causal))
+            except Exception as exc:   # a compile error is a failed row, reported with its message
+                failed = True
+                rows.append(dict(head_dim=d, causal=causal, error=f"{type(exc).__name__}: {exc}"[-600:]))
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        for r in rows:
+            print(" ".join(f"{k}={v}" for k, v in r.items()))
+    return 1 if failed else 0
+
+# ----- host side ----------------------------------------------------------------------------
+
+def _tma_aligned(t: torch.Tensor) -> bool:
+    """A tensor descriptor needs a 16-byte aligned base and row strides (last stride 1)."""
+    e = t.element_size()
+    st = t.stride()
+    return t.data_ptr() % 16 == 0 and st[-1] == 1 and all((x * e) % 16 == 0 for x in st[:-1])
+
+
+def gluon_reasons(spec) -> list[str]:
+    """Why :func:`gluon_forward` cannot run ``spec`` (empty when it can), one sentence each."""
+    reasons = []
+    if GLUON_ERROR:
+        reasons.append(GLUON_ERROR)
+    dev = spec.q.device
+    if dev.type != "cuda" or getattr(torch.version, "hip", None):
+        reasons.append(f"needs an NVIDIA CUDA device (sm_90), got {dev.type}"
+                       + (" (ROCm)" if dev.type == "cuda" else ""))
+    elif torch.cuda.get_device_capability(dev) != (9, 0):
+        major, minor = torch.cuda.get_device_capability(dev)
+        reasons.append(f"written for Hopper sm_90 (wgmma, TMA, setmaxnreg), got sm_{major}{minor}")
+    if spec.q.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"dtype {spec.q.dtype}: only float16 and bfloat16")
+    if spec.head_dim != spec.head_dim_v or spec.head_dim not in HEAD_DIMS:
+        reasons.append(f"head dims D={spec.head_dim}, Dv={spec.head_dim_v}: needs D == Dv in {HEAD_DIMS}")
+    for name, present in (("varlen (cu_seqlens)", spec.is_varlen), ("softcap", spec.softcap is not None),
+                          ("ALiBi", spec.alibi_slopes is not None), ("attn_bias / mask", spec.attn_bias is not None),
+                          ("a sliding window", spec.has_window)):
+        if present:
+            reasons.append(f"{name} is not implemented in the Gluon forward")
+    if not spec.is_varlen and dev.type == "cuda":
+        bad = [n for n, t in (("q", spec.q), ("k", spec.k), ("v", spec.v)) if not _tma_aligned(t)]
+        if bad:
+            reasons.append(f"{', '.join(bad)} not TMA-compatible (16-byte aligned base and strides, unit last stride)")
+    return reasons
+
+
+def forward_choice(spec) -> str:
+    """``"gluon"`` when ``PORTATTN_TRITON_FORWARD=gluon`` and :func:`gluon_reasons` is empty, else
+    ``"triton"`` (the portable kernel; also for ``auto`` or an unset variable)."""
+    value = os.environ.get(ENV_SWITCH, "auto").strip().lower() or "auto"
+    if value not in ("auto", "gluon"):
+        raise ValueError(f"{ENV_SWITCH}={value!r}: expected 'auto' (the portable kernel) or 'gluon'")
+    return "gluon" if value == "gluon" and not gluon_reasons(spec) else "triton"
+
+
+def _ensure_allocator() -> None:
+    """Device-side tensor descriptors live in triton's per-launch global scratch (ops installs a
+    torch-backed allocator for its own TMA kernels; the same one serves here)."""
+    from . import ops
+    ops._ensure_allocator()
+
+
+def gluon_forward(spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of ``spec`` by :func:`attn_fwd_gluon`: out ``(B, Sq, Hq, Dv)`` in q's dtype,
+    lse ``(B, Hq, Sq)`` float32 natural log, as ``ops.forward`` returns them. Raises ValueError
+    with :func:`gluon_reasons` when the kernel cannot run the problem."""
+    reasons = gluon_reasons(spec)
+    if reasons:
+        raise ValueError("the Gluon forward cannot run this problem: " + "; ".join(reasons))
+    dev = spec.q.device
+    if spec.is_empty:
+        return (torch.zeros(spec.out_shape, dtype=spec.dtype, device=dev),
+                torch.full(spec.lse_shape, float("-inf"), dtype=torch.float32, device=dev))
+    q, k, v = spec.q, spec.k, spec.v
+    out = torch.empty(spec.out_shape, dtype=spec.dtype, device=dev)
+    lse = torch.empty(spec.lse_shape, dtype=torch.float32, device=dev)
+    window_left = _UNBOUNDED if spec.window_left is None else spec.window_left
+    window_right = _UNBOUNDED if spec.window_right is None else spec.window_right
+    if spec.causal:
+        window_right = 0
+    causal_like = window_right != _UNBOUNDED
+    _ensure_allocator()
+    grid = (-(-spec.seqlen_q // (2 * WG_M)), spec.batch * spec.num_heads_q)
+    attn_fwd_gluon[grid](q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+                         *lse.stride()[:2], spec.num_heads_q, spec.num_heads_q // spec.num_heads_kv,
+                         spec.seqlen_q, spec.seqlen_k, float(spec.scale) * 1.4426950408889634,
+                         window_left, window_right,
+                         **launch_constexprs(spec.head_dim, causal_like, spec.alignment == "bottom_right"),
+                         **LAUNCH_OPTIONS)
+    return out, lse
+
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
