@@ -1,0 +1,264 @@
+"""The experimental Gluon forward for Hopper (``backends/triton/gluon_fwd.py``, docs/triton.md).
+
+Without a GPU: :func:`gluon_reasons` refuses what the kernel cannot run with a clear sentence, the
+``PORTATTN_TRITON_FORWARD`` switch keeps today's kernel unless asked, the kernel cross-compiles for
+sm_90 under whichever triton is installed (skipped, with the reason, where Gluon's Hopper API is
+missing) into async wgmma + TMA + setmaxnreg code without spills, and a float64 emulation of the
+kernel's tile schedule (band phases, the first tile peeled, P V one tile behind) matches the
+reference. On an sm_90 GPU the kernel itself is compared with the float64 reference (§3 rule).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from portattn.numerics import compare, compare_lse
+from portattn.reference import naive_forward, reference_forward
+from portattn.spec import build_spec
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+from portattn.backends.triton import gluon_fwd  # noqa: E402
+
+ON_SM90 = torch.cuda.is_available() and not getattr(torch.version, "hip", None) \
+    and torch.cuda.get_device_capability() == (9, 0)
+requires_sm90 = pytest.mark.skipif(not ON_SM90, reason="needs an NVIDIA sm_90 GPU (run on the H200)")
+needs_gluon = pytest.mark.skipif(bool(gluon_fwd.GLUON_ERROR), reason=gluon_fwd.GLUON_ERROR or "-")
+
+
+def _qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, generator=gen).to(device=device, dtype=dtype)
+               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    return q, k, v
+
+
+# ----- reasons and the switch (CPU) ---------------------------------------------------------
+
+def test_reasons_name_what_is_missing():
+    q, k, v = _qkv(1, 8, 8, 2, 2, 64)
+    reasons = gluon_fwd.gluon_reasons(build_spec(q, k, v))
+    assert any("NVIDIA CUDA device" in r and "cpu" in r for r in reasons), reasons
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    assert any("float32" in r for r in gluon_fwd.gluon_reasons(build_spec(q32, k32, v32)))
+    q96, k96, v96 = _qkv(1, 8, 8, 2, 2, 96)
+    assert any("D=96" in r for r in gluon_fwd.gluon_reasons(build_spec(q96, k96, v96)))
+    vdv = torch.randn(1, 8, 2, 128).to(torch.bfloat16)
+    assert any("Dv=128" in r for r in gluon_fwd.gluon_reasons(build_spec(q, k, vdv)))
+    for kw, word in ((dict(softcap=5.0), "softcap"), (dict(window=(4, 0)), "window"),
+                     (dict(alibi_slopes=torch.ones(2)), "ALiBi"),
+                     (dict(attn_bias=torch.zeros(1, 2, 8, 8, dtype=torch.bfloat16)), "attn_bias")):
+        assert any(word in r for r in gluon_fwd.gluon_reasons(build_spec(q, k, v, **kw))), kw
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    spec = build_spec(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=8, max_seqlen_k=8)
+    assert any("varlen" in r for r in gluon_fwd.gluon_reasons(spec))
+    # causal (bottom-right or top-left), GQA and Sq != Sk are not reasons
+    q2, k2, v2 = _qkv(1, 8, 24, 4, 1, 128)
+    for spec in (build_spec(q2, k2, v2, causal=True), build_spec(q2, k2, v2, causal=True, causal_alignment="top_left")):
+        assert not [r for r in gluon_fwd.gluon_reasons(spec) if "device" not in r], gluon_fwd.gluon_reasons(spec)
+
+
+def test_gluon_forward_refuses_with_the_reasons():
+    q, k, v = _qkv(1, 8, 8, 2, 2, 64)
+    with pytest.raises(ValueError, match="NVIDIA CUDA device"):
+        gluon_fwd.gluon_forward(build_spec(q, k, v))
+
+
+def test_switch_defaults_to_todays_kernel(monkeypatch):
+    q, k, v = _qkv(1, 8, 8, 2, 2, 64)
+    spec = build_spec(q, k, v)
+    monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+    assert gluon_fwd.forward_choice(spec) == "triton"
+    monkeypatch.setenv(gluon_fwd.ENV_SWITCH, "gluon")      # asked, but a CPU problem: refused
+    assert gluon_fwd.forward_choice(spec) == "triton"
+    monkeypatch.setenv(gluon_fwd.ENV_SWITCH, "fast")
+    with pytest.raises(ValueError, match="PORTATTN_TRITON_FORWARD"):
+        gluon_fwd.forward_choice(spec)
+
+
+def test_tile_table_fits_hopper_shared_memory():
+    for d in gluon_fwd.HEAD_DIMS:
+        block_n, stages = gluon_fwd.tile_config(d)
+        smem = 2 * gluon_fwd.WG_M * d * 2 + 2 * stages * block_n * d * 2
+        assert smem + 1024 <= 232448, (d, smem)   # sm_90's 227 KiB per block, barriers aside
+
+
+# ----- cross-compilation for sm_90 (CPU; a subprocess: the test process has the interpreter on) ----
+
+@pytest.fixture(scope="module")
+def compiled_rows():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-m", "portattn.backends.triton.gluon_fwd", "--json"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+    assert lines, f"no report (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+@needs_gluon
+def test_cross_compiles_for_sm90_into_wgmma_and_tma(compiled_rows):
+    assert {(r["head_dim"], r["causal"]) for r in compiled_rows} == {(d, c) for d in gluon_fwd.HEAD_DIMS
+                                                                      for c in (False, True)}
+    for r in compiled_rows:
+        assert "error" not in r, r
+        assert r["shared"] <= 232448, r
+        assert r["wgmma"] > 0 and r["tma"] > 0, r          # async wgmma, TMA bulk tensor copies
+        assert r["num_warps"] == 12, r                     # 4 + 4 consumers, 1 producer padded to a warpgroup
+        # FA3's register split: consumers grow to 240, the producer shrinks to 24
+        assert 240 in r["setmaxnreg"] and 24 in r["setmaxnreg"], r
+        if r.get("regs") is not None:                      # cuobjdump found: SASS facts
+            assert r["HGMMA"] > 0 and r["UTMALDG"] > 0 and r["USETMAXREG"] > 0, r
+            # no spills: at every head dim with the H200's triton 3.6; triton 3.9's code spills a
+            # few registers at D 64/256 (2026-12-02, any producer/consumer split), never at D 128
+            if triton.__version__.startswith("3.6") or r["head_dim"] == 128:
+                assert r["stack"] == 0 and r["LDL/STL"] == 0, r
+
+
+# ----- the tile schedule, emulated in float64 (CPU) -------------------------------------------
+
+def _key_phases(m0, sq, sk, off, wl, wr, bm, bn):
+    """kernels._key_phases / gluon_fwd._key_phases in Python."""
+    r0, r1 = m0 + off, min(m0 + bm, sq) - 1 + off
+    lo = max(r0 - wl, 0) // bn * bn
+    hi = min(r1 + wr + 1, sk)
+    full_lo = -(-max(r1 - wl, 0) // bn) * bn
+    full_lo = min(max(full_lo, lo), max(hi, lo))
+    full_hi = min(max(r0 + wr + 1, 0) // bn * bn, sk // bn * bn)
+    return lo, full_lo, max(full_hi, full_lo), hi
+
+
+def _kv_tile(t, n, block_n):
+    """Rows n … n+block_n-1 of ``t`` (S, D), zero past its end (the TMA zero fill)."""
+    tile = torch.zeros(block_n, t.shape[-1], dtype=t.dtype)
+    part = t[n:n + block_n]
+    tile[:part.shape[0]] = part
+    return tile
+
+
+def _emulate_rows(qt, rows, k, v, lo, full_lo, full_hi, hi, sk, off, wl, wr, c, block_n):
+    """One consumer warpgroup of attn_fwd_gluon in float64: the first band tile masked and peeled,
+    then the three phases from ``lo + BLOCK_N`` (the element mask only in the masked ones), P V one
+    tile behind the scores, m_safe for rows with nothing visible yet. Returns (out, lse) rows."""
+    m = torch.full((qt.shape[0],), -math.inf, dtype=torch.float64)
+    lsum = torch.zeros_like(m)
+    acc = torch.zeros(qt.shape[0], v.shape[-1], dtype=torch.float64)
+    prev = None   # (P, key tile start) whose P V is still to be added
+
+    def step(n, masked, m, lsum, acc, prev):
+        s = qt @ _kv_tile(k, n, block_n).T
+        if masked:
+            cols = torch.arange(n, n + block_n)[None, :]
+            al = rows[:, None] + off
+            s = torch.where((cols < sk) & (cols >= al - wl) & (cols <= al + wr), s, -math.inf)
+        m_new = torch.maximum(m, s.max(1).values)
+        m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
+        alpha = torch.exp2((m - m_safe) * c)
+        p = torch.exp2(s * c - (m_safe * c)[:, None])
+        if prev is not None:
+            acc = acc + prev[0] @ _kv_tile(v, prev[1], block_n)
+        return m_new, lsum * alpha + p.sum(1), acc * alpha[:, None], (p, n)
+
+    if lo < hi:
+        m, lsum, acc, prev = step(lo, True, m, lsum, acc, None)
+        nxt = lo + block_n
+        for start, stop, masked in ((nxt, max(full_lo, nxt), True), (max(full_lo, nxt), max(full_hi, nxt), False),
+                                    (max(full_hi, nxt), hi, True)):
+            for n in range(start, stop, block_n):
+                m, lsum, acc, prev = step(n, masked, m, lsum, acc, prev)
+        acc = acc + prev[0] @ _kv_tile(v, prev[1], block_n)
+    empty = lsum == 0
+    ls = torch.where(empty, 1.0, lsum)
+    return acc / ls[:, None], torch.where(empty, -math.inf, (m * c + torch.log2(ls)) * math.log(2))
+
+
+def _emulate(spec, block_n):
+    """attn_fwd_gluon's grid in float64: 128-row CTAs of two 64-row warpgroups over every (b, h)."""
+    q, k, v = (t.double() for t in (spec.q, spec.k, spec.v))
+    nb, sq, hq, d = q.shape
+    sk = k.shape[1]
+    c = spec.scale * math.log2(math.e)
+    wl = 1 << 30 if spec.window_left is None else spec.window_left
+    wr = 1 << 30 if spec.window_right is None else spec.window_right
+    off = sk - sq if spec.alignment == "bottom_right" else 0
+    out = torch.zeros(nb, sq, hq, v.shape[-1], dtype=torch.float64)
+    lse = torch.empty(nb, hq, sq, dtype=torch.float64)
+    r = hq // k.shape[2]
+    for b in range(nb):
+        for h in range(hq):
+            for m0 in range(0, sq, 128):
+                phases = _key_phases(m0, sq, sk, off, wl, wr, 128, block_n)
+                for wg in range(2):
+                    rows = torch.arange(m0 + 64 * wg, m0 + 64 * wg + 64)
+                    qt = _kv_tile(q[b, :, h], m0 + 64 * wg, 64)
+                    o, lrow = _emulate_rows(qt, rows, k[b, :, h // r], v[b, :, h // r], *phases, sk, off, wl, wr,
+                                            c, block_n)
+                    keep = rows < sq
+                    out[b, rows[keep], h] = o[keep]
+                    lse[b, h, rows[keep]] = lrow[keep]
+    return out, lse.float()
+
+
+EMULATED = {
+    "plain_ragged": ((1, 200, 200, 2, 2, 16), {}),
+    "causal_sq_lt_sk": ((1, 70, 300, 2, 2, 16), {"causal": True}),
+    "causal_sq_gt_sk": ((1, 300, 70, 2, 1, 16), {"causal": True}),          # fully-masked first rows, GQA
+    "causal_top_left": ((1, 150, 260, 2, 2, 16), {"causal": True, "causal_alignment": "top_left"}),
+    "single_key": ((1, 130, 1, 1, 1, 16), {"causal": True}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMULATED))
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_emulated_schedule_matches_reference(name, block_n):
+    shape, kw = EMULATED[name]
+    q, k, v = _qkv(*shape, dtype=torch.float32, seed=3)
+    spec = build_spec(q, k, v, **kw)
+    out, lse = _emulate(spec, block_n)
+    ref, ref_lse = reference_forward(spec)
+    assert compare("out", out.float(), ref, naive_forward(spec)[0]).passed
+    assert compare_lse(lse, ref_lse).passed
+
+
+# ----- the kernel on the H200 ------------------------------------------------------------------
+
+GPU_CASES = {
+    "plain_d128": ((2, 256, 256, 4, 4, 128), {}),
+    "plain_d64_fp16": ((1, 384, 384, 2, 2, 64), {"dtype": torch.float16}),
+    "d256": ((1, 192, 192, 2, 2, 256), {}),
+    "ragged_d128": ((1, 200, 333, 3, 3, 128), {}),                          # S not a multiple of the tiles
+    "causal_sq_lt_sk": ((1, 130, 517, 4, 4, 128), {"causal": True}),
+    "causal_sq_gt_sk": ((1, 517, 130, 4, 2, 128), {"causal": True}),        # fully-masked rows, GQA 2
+    "causal_top_left": ((1, 300, 450, 2, 2, 64), {"causal": True, "causal_alignment": "top_left"}),
+    "gqa8_d64": ((2, 128, 1000, 8, 1, 64), {}),
+    "causal_d256": ((1, 333, 333, 2, 2, 256), {"causal": True}),
+    "sq1": ((3, 1, 77, 2, 2, 128), {}),
+}
+
+
+@requires_sm90
+@needs_gluon
+@pytest.mark.parametrize("name", sorted(GPU_CASES))
+def test_gpu_matches_reference(name):
+    shape, kw = GPU_CASES[name]
+    kw = dict(kw)
+    dtype = kw.pop("dtype", torch.bfloat16)
+    q, k, v = _qkv(*shape, dtype=dtype, device="cuda", seed=7)
+    spec = build_spec(q, k, v, **kw)
+    assert not gluon_fwd.gluon_reasons(spec), gluon_fwd.gluon_reasons(spec)
+    out, lse = gluon_fwd.gluon_forward(spec)
+    torch.cuda.synchronize()
+    ref, ref_lse = reference_forward(spec)
+    assert out.shape == spec.out_shape and lse.shape == spec.lse_shape
+    res = compare("out", out, ref, naive_forward(spec)[0])
+    assert res.passed, res
+    res = compare_lse(lse, ref_lse)
+    assert res.passed, res
