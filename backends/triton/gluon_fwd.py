@@ -475,20 +475,32 @@ def _ensure_allocator() -> None:
     ops._ensure_allocator()
 
 
-def gluon_forward(spec) -> tuple[torch.Tensor, torch.Tensor]:
+def _buffer(given, shape, dtype, device, name: str) -> torch.Tensor:
+    if given is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(given.shape) != tuple(shape) or given.dtype != dtype or given.device != device or given.stride(-1) != 1:
+        raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)} on {device} with unit last stride; got "
+                         f"{given.dtype} {tuple(given.shape)} on {given.device}, strides {given.stride()}")
+    return given
+
+
+def gluon_forward(spec, *, out: torch.Tensor | None = None,
+                  lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``spec`` by :func:`attn_fwd_gluon`: out ``(B, Sq, Hq, Dv)`` in q's dtype,
-    lse ``(B, Hq, Sq)`` float32 natural log, as ``ops.forward`` returns them. Raises ValueError
-    with :func:`gluon_reasons` when the kernel cannot run the problem."""
+    lse ``(B, Hq, Sq)`` float32 natural log, as ``ops.forward`` returns them (written into ``out``
+    / ``lse`` when given: views with a unit last stride, O's row stride 16-byte aligned). Raises
+    ValueError with :func:`gluon_reasons` when the kernel cannot run the problem."""
     reasons = gluon_reasons(spec)
     if reasons:
         raise ValueError("the Gluon forward cannot run this problem: " + "; ".join(reasons))
     dev = spec.q.device
+    out = _buffer(out, spec.out_shape, spec.dtype, dev, "out")
+    lse = _buffer(lse, spec.lse_shape, torch.float32, dev, "lse")
     if spec.is_empty:
-        return (torch.zeros(spec.out_shape, dtype=spec.dtype, device=dev),
-                torch.full(spec.lse_shape, float("-inf"), dtype=torch.float32, device=dev))
+        return out.zero_(), lse.fill_(float("-inf"))
+    if not _tma_aligned(out):
+        raise ValueError(f"out (strides {out.stride()}) is not TMA-compatible: 16-byte aligned base and row strides")
     q, k, v = spec.q, spec.k, spec.v
-    out = torch.empty(spec.out_shape, dtype=spec.dtype, device=dev)
-    lse = torch.empty(spec.lse_shape, dtype=torch.float32, device=dev)
     window_left = _UNBOUNDED if spec.window_left is None else spec.window_left
     window_right = _UNBOUNDED if spec.window_right is None else spec.window_right
     if spec.causal:

@@ -1,0 +1,315 @@
+"""One H200 run for the experimental Gluon forward (``backends/triton/gluon_fwd.py``): compile
+report, numerics against float64 and timings beside portattn's triton forward, SDPA flash and
+cuDNN, inside a hard time limit.
+
+    PYTHONPATH=. timeout 600 python tools/triton_gluon_check.py --out $OUT --time-limit 540
+
+Phases (each writes its results before the next starts, so a run cut short still reports):
+
+1. compile: the kernel for sm_90 at D 64 / 128 / 256, causal and not (shared memory, registers,
+   spills, setmaxnreg values, the PTX's wgmma / TMA counts and SASS HGMMA / UTMALDG);
+2. checks, in a child process with a timeout (a barrier deadlock there cannot hang this run):
+   every case against float64 with ``portattn.numerics.compare`` / ``compare_lse``, outputs
+   poisoned with NaN first (an element the kernel does not write shows as NaN), fully-masked
+   rows exactly 0 with lse -inf, two runs bit-identical; then one launch at every timing shape;
+3. timings (bf16, B·S = 16k tokens, hidden 2048: H = 2048 / D; S 1k / 4k / 16k, D 64 / 128,
+   causal and not): the Gluon forward (only if phase 2 passed), the triton backend's forward
+   (``ops.forward``, PORTATTN_TRITON_FORWARD unset), SDPA flash and cuDNN; medians of
+   ``triton.testing.do_bench`` (L2 flushed before each run); TFLOP/s = 4·B·H·S²·D / t (halved
+   for causal) and the ratios gluon / cuDNN, gluon / triton. No new cell starts after
+   ``--time-limit`` seconds; a watchdog ends the process 60 s after it.
+
+Writes ``gluon_check.json`` and ``gluon_check.txt`` to ``--out``. Verdict PASS = compiled with
+HGMMA and UTMALDG in the SASS and every check passed; timings decide nothing. Exit 0 on PASS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+os.environ.pop("PORTATTN_TRITON_FORWARD", None)   # phase 3's "triton" column is today's kernel
+
+#: (name, B, Sq, Sk, Hq, Hkv, D, dtype name, build_spec kwargs)
+CHECK_CASES = [
+    ("plain_d128", 2, 256, 256, 4, 4, 128, "bfloat16", {}),
+    ("plain_d64_fp16", 1, 384, 384, 2, 2, 64, "float16", {}),
+    ("plain_d256", 1, 192, 192, 2, 2, 256, "bfloat16", {}),
+    ("ragged_d128", 1, 200, 333, 3, 3, 128, "bfloat16", {}),
+    ("ragged_d64", 2, 77, 130, 2, 2, 64, "float16", {}),
+    ("causal_sq<sk", 1, 130, 517, 4, 4, 128, "bfloat16", {"causal": True}),
+    ("causal_sq>sk_gqa2", 1, 517, 130, 4, 2, 128, "bfloat16", {"causal": True}),   # fully-masked rows
+    ("causal_top_left", 1, 300, 450, 2, 2, 64, "bfloat16", {"causal": True, "causal_alignment": "top_left"}),
+    ("causal_tl_sq>sk", 1, 450, 300, 2, 2, 128, "float16", {"causal": True, "causal_alignment": "top_left"}),
+    ("gqa8_d64", 2, 128, 1000, 8, 1, 64, "bfloat16", {}),
+    ("causal_d256", 1, 333, 333, 2, 2, 256, "bfloat16", {"causal": True}),
+    ("sq1", 3, 1, 77, 2, 2, 128, "bfloat16", {}),
+    ("sk1_causal", 1, 129, 1, 2, 2, 128, "bfloat16", {"causal": True}),
+    ("long_causal_d128", 1, 4096, 4096, 2, 2, 128, "bfloat16", {"causal": True}),
+]
+
+#: (S, D, causal) of the timing table
+TIMING_CELLS = [(s, d, c) for d in (128, 64) for s in (1024, 4096, 16384) for c in (False, True)]
+
+
+def _shape(seqlen: int, d: int) -> tuple[int, int]:
+    """(batch, heads) at 16k tokens and hidden 2048."""
+    return max(1, 16384 // seqlen), 2048 // d
+
+
+# ----- phase 2: the child ---------------------------------------------------------------------
+
+def _check_case(case) -> dict:
+    import torch
+    from portattn.backends.triton import gluon_fwd
+
+    from portattn.numerics import compare, compare_lse
+    from portattn.reference import naive_forward, reference_forward
+    from portattn.spec import build_spec
+    name, b, sq, sk, hq, hkv, d, dt, kw = case
+    dtype = getattr(torch, dt)
+    g = torch.Generator(device="cuda").manual_seed(zlib_crc(name))
+    q = torch.randn(b, sq, hq, d, generator=g, device="cuda").to(dtype)
+    k = torch.randn(b, sk, hkv, d, generator=g, device="cuda").to(dtype)
+    v = torch.randn(b, sk, hkv, d, generator=g, device="cuda").to(dtype)
+    spec = build_spec(q, k, v, **kw)
+    row = {"case": name, "dtype": dt, "reasons": gluon_fwd.gluon_reasons(spec)}
+    if row["reasons"]:
+        row["passed"] = False
+        return row
+    out = torch.full(spec.out_shape, float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full(spec.lse_shape, float("nan"), dtype=torch.float32, device="cuda")
+    gluon_fwd.gluon_forward(spec, out=out, lse=lse)
+    out2, lse2 = gluon_fwd.gluon_forward(spec)
+    torch.cuda.synchronize()
+    ref, ref_lse = reference_forward(spec)
+    c_out = compare("out", out, ref, naive_forward(spec)[0])
+    c_lse = compare_lse(lse, ref_lse)
+    empty = torch.isneginf(ref_lse)                       # (B, Hq, Sq) rows with no visible key
+    empty_ok = bool((out.transpose(1, 2)[empty] == 0).all()) if bool(empty.any()) else True
+    row.update(out=str(c_out), lse=str(c_lse), unwritten=int(torch.isnan(out).sum()) + int(torch.isnan(lse).sum()),
+               empty_rows=int(empty.sum()), empty_rows_zero=empty_ok,
+               repeatable=bool(torch.equal(out, out2) and torch.equal(lse, lse2)))
+    row["passed"] = bool(c_out.passed and c_lse.passed and row["unwritten"] == 0 and empty_ok and row["repeatable"])
+    return row
+
+
+def zlib_crc(name: str) -> int:
+    import zlib
+    return zlib.crc32(name.encode())
+
+
+def child_main() -> int:
+    """Run the checks and one launch per timing shape; print one JSON line per result."""
+    import torch
+    from portattn.backends.triton import gluon_fwd
+
+    from portattn.spec import build_spec
+    for case in CHECK_CASES:
+        try:
+            row = _check_case(case)
+        except Exception as exc:   # a launch or compile error is a failed check, with its message
+            row = {"case": case[0], "passed": False, "error": f"{type(exc).__name__}: {str(exc)[-800:]}"}
+        print("CHECK " + json.dumps(row), flush=True)
+    for s, d, causal in TIMING_CELLS:
+        b, h = _shape(s, d)
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        t0 = time.perf_counter()
+        try:
+            out, _ = gluon_fwd.gluon_forward(build_spec(q, k, v, causal=causal))
+            torch.cuda.synchronize()
+            row = {"S": s, "D": d, "causal": causal, "finite": bool(torch.isfinite(out).all()),
+                   "seconds": round(time.perf_counter() - t0, 2)}
+        except Exception as exc:
+            row = {"S": s, "D": d, "causal": causal, "error": f"{type(exc).__name__}: {str(exc)[-400:]}"}
+        print("LAUNCH " + json.dumps(row), flush=True)
+    return 0
+
+
+def run_child(timeout: float) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], capture_output=True, text=True,
+                              env=env, timeout=timeout, cwd=ROOT)
+        stdout, stderr, rc, hung = proc.stdout, proc.stderr, proc.returncode, False
+    except subprocess.TimeoutExpired as exc:   # subprocess.run kills the child on timeout
+        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        rc, hung = None, True
+    checks = [json.loads(ln[6:]) for ln in stdout.splitlines() if ln.startswith("CHECK ")]
+    launches = [json.loads(ln[7:]) for ln in stdout.splitlines() if ln.startswith("LAUNCH ")]
+    ok = (not hung and rc == 0 and len(checks) == len(CHECK_CASES) and all(c.get("passed") for c in checks)
+          and len(launches) == len(TIMING_CELLS) and all(x.get("finite") for x in launches))
+    return {"rc": rc, "hung": hung, "passed": ok, "seconds": round(time.perf_counter() - t0, 1),
+            "checks": checks, "launches": launches, "stderr_tail": stderr[-3000:]}
+
+
+# ----- phase 3: timings ---------------------------------------------------------------------------
+
+def _median_ms(fn) -> float:
+    from triton.testing import do_bench
+    return float(do_bench(fn, warmup=25, rep=150, return_mode="median"))
+
+
+def time_cell(s: int, d: int, causal: bool, with_gluon: bool) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from portattn.backends.triton import gluon_fwd, ops
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from portattn.spec import build_spec
+    b, h = _shape(s, d)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+    spec = build_spec(q, k, v, causal=causal)
+    flops = 4 * b * h * s * s * d / (2 if causal else 1)
+    row = {"S": s, "B": b, "H": h, "D": d, "causal": causal}
+    impls = [("triton", lambda: ops.forward(spec))]
+    if with_gluon:
+        impls.insert(0, ("gluon", lambda: gluon_fwd.gluon_forward(spec)))
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def sdpa(be=be):
+            with sdpa_kernel(be):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        impls.append((name, sdpa))
+    for name, fn in impls:
+        try:
+            fn()
+            torch.cuda.synchronize()
+            row[name] = flops / _median_ms(fn) * 1e-9
+        except Exception as exc:   # e.g. a backend that does not take this shape
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return row
+
+
+# ----- report ----------------------------------------------------------------------------------------
+
+def _fmt(x, w=7, p=1):
+    return f"{x:>{w}.{p}f}" if isinstance(x, (int, float)) and math.isfinite(x) else f"{'-':>{w}}"
+
+
+def report(res: dict) -> str:
+    lines = [f"{res.get('device', '?')} torch {res.get('torch', '?')} triton {res.get('triton', '?')} "
+             f"{res.get('date', '')}; phases (s): {json.dumps(res.get('seconds', {}))}", "", "compile (sm_90):"]
+    for r in res.get("compile", []):
+        lines.append("  " + " ".join(f"{k}={v}" for k, v in r.items()))
+    ch = res.get("child")
+    if ch:
+        lines += ["", f"checks (child process, {ch['seconds']} s): {'PASS' if ch['passed'] else 'FAIL'}"
+                  f"{' (HUNG: killed at the timeout)' if ch['hung'] else ''} rc={ch['rc']}"]
+        for c in ch["checks"]:
+            lines.append(f"  {'ok  ' if c.get('passed') else 'FAIL'} {c['case']:<20} "
+                         + " ".join(f"{k}={c[k]}" for k in ("dtype", "unwritten", "empty_rows", "empty_rows_zero",
+                                                            "repeatable", "reasons", "error") if k in c))
+            if not c.get("passed"):
+                lines += [f"       {c.get('out', '')}", f"       {c.get('lse', '')}"]
+        for x in ch["launches"]:
+            lines.append(f"  launch S={x['S']} D={x['D']} causal={x['causal']}: "
+                         + (f"finite={x['finite']} {x['seconds']} s" if "finite" in x else x.get("error", "?")))
+        if not ch["passed"] and ch["stderr_tail"]:
+            lines += ["  child stderr (tail):"] + ["    " + ln for ln in ch["stderr_tail"].splitlines()[-15:]]
+    cells = res.get("timings", [])
+    if cells:
+        lines += ["", "forward TFLOP/s (bf16, 16k tokens, hidden 2048; do_bench medians, L2 flushed)",
+                  f"{'S':>6} {'D':>4} {'causal':>6} {'gluon':>7} {'triton':>7} {'flash':>7} {'cudnn':>7} "
+                  f"{'g/cudnn':>8} {'g/triton':>8}"]
+        for r in cells:
+            gc = r["gluon"] / r["cudnn"] if "gluon" in r and r.get("cudnn") else None
+            gt = r["gluon"] / r["triton"] if "gluon" in r and r.get("triton") else None
+            lines.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {_fmt(r.get('gluon'))} {_fmt(r.get('triton'))} "
+                         f"{_fmt(r.get('flash'))} {_fmt(r.get('cudnn'))} {_fmt(gc, 8, 2)} {_fmt(gt, 8, 2)}")
+            errs = {k: v for k, v in r.items() if k.endswith("_error")}
+            if errs:
+                lines.append("       " + json.dumps(errs))
+    if res.get("skipped"):
+        lines.append(f"skipped at the time limit: {res['skipped']}")
+    lines += ["", f"VERDICT: {res.get('verdict', '?')}"]
+    return "\n".join(lines)
+
+
+def _write(out_dir: str, res: dict) -> str:
+    text = report(res)
+    with open(os.path.join(out_dir, "gluon_check.json"), "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    with open(os.path.join(out_dir, "gluon_check.txt"), "w") as fh:
+        fh.write(text + "\n")
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="directory for gluon_check.json / .txt")
+    ap.add_argument("--time-limit", type=float, default=540.0, help="no new phase or cell starts after this (s)")
+    ap.add_argument("--child-timeout", type=float, default=300.0, help="phase 2's child process limit (s)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        return child_main()
+    if not a.out:
+        ap.error("--out DIR is required")
+    os.makedirs(a.out, exist_ok=True)
+    start = time.perf_counter()
+    faulthandler.dump_traceback_later(a.time_limit + 60, exit=True)   # never hang past the limit
+    sys.path.insert(0, ROOT)
+    import torch
+    import triton
+    from portattn.backends.triton import gluon_fwd
+    res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU",
+           "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "seconds": {}, "compile": [], "timings": [], "skipped": []}
+
+    t0 = time.perf_counter()
+    compiled_ok = not gluon_fwd.GLUON_ERROR
+    if gluon_fwd.GLUON_ERROR:
+        res["compile"].append({"error": gluon_fwd.GLUON_ERROR})
+    else:
+        for d in gluon_fwd.HEAD_DIMS:
+            for causal in (False, True):
+                try:
+                    r = gluon_fwd.compile_report(d, causal)
+                    compiled_ok &= r.get("HGMMA", 1) > 0 and r.get("UTMALDG", 1) > 0
+                except Exception as exc:
+                    r = {"head_dim": d, "causal": causal, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"}
+                    compiled_ok = False
+                res["compile"].append(r)
+                print(json.dumps(r), flush=True)
+    res["seconds"]["compile"] = round(time.perf_counter() - t0, 1)
+    _write(a.out, res)
+
+    child_ok = False
+    if compiled_ok and torch.cuda.is_available():
+        limit = max(30.0, min(a.child_timeout, a.time_limit - (time.perf_counter() - start)))
+        res["child"] = run_child(limit)
+        child_ok = res["child"]["passed"]
+        res["seconds"]["checks"] = res["child"]["seconds"]
+        print(report({"child": res["child"]}), flush=True)
+        _write(a.out, res)
+
+    t0 = time.perf_counter()
+    if torch.cuda.is_available():
+        for s, d, causal in TIMING_CELLS:
+            if time.perf_counter() - start > a.time_limit:
+                res["skipped"].append(f"S={s} D={d} causal={causal}")
+                continue
+            row = time_cell(s, d, causal, with_gluon=child_ok)
+            res["timings"].append(row)
+            print(json.dumps(row), flush=True)
+            _write(a.out, res)
+    res["seconds"]["timings"] = round(time.perf_counter() - t0, 1)
+    res["verdict"] = "PASS" if compiled_ok and child_ok else "FAIL"
+    print(_write(a.out, res), flush=True)
+    return 0 if res["verdict"] == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
