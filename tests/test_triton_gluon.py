@@ -108,6 +108,7 @@ def compiled_rows():
 def test_cross_compiles_for_sm90_into_wgmma_and_tma(compiled_rows):
     assert {(r["head_dim"], r["causal"]) for r in compiled_rows} == {(d, c) for d in gluon_fwd.HEAD_DIMS
                                                                       for c in (False, True)}
+    assert {r["pingpong"] for r in compiled_rows} == {False, True}
     for r in compiled_rows:
         assert "error" not in r, r
         assert r["shared"] <= 232448, r
@@ -121,6 +122,22 @@ def test_cross_compiles_for_sm90_into_wgmma_and_tma(compiled_rows):
             # few registers at D 64/256 (2026-12-02, any producer/consumer split), never at D 128
             if triton.__version__.startswith("3.6") or r["head_dim"] == 128:
                 assert r["stack"] == 0 and r["LDL/STL"] == 0, r
+
+
+def test_check_tool_report_renders():
+    """tools/triton_gluon_check.py's report on a made-up result (the H200 run must not die there)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import triton_gluon_check as tool
+    child = {"rc": 0, "hung": False, "passed": False, "seconds": 1.0, "timed_variants": [False],
+             "checks": [{"case": "plain_d128", "pingpong": True, "passed": False, "out": "out FAIL", "lse": "lse ok"}],
+             "launches": [{"S": 1024, "D": 128, "causal": False, "pingpong": True, "error": "boom"}],
+             "stderr_tail": "Traceback"}
+    timings = [{"S": 1024, "B": 16, "H": 16, "D": 128, "causal": False, "gluon_nopp": 500.0, "triton": 400.0,
+                "flash": 450.0, "cudnn": 400.0, "gluon_pp_error": "x"}]
+    text = tool.report({"compile": [{"head_dim": 128}], "child": child, "timings": timings, "verdict": "FAIL"})
+    assert "FAIL plain_d128" in text and "boom" in text and "VERDICT: FAIL" in text
+    row = next(ln for ln in text.splitlines() if ln.lstrip().startswith("1024"))
+    assert "1.25" in row and "500.0" in row, row   # best Gluon / cuDNN and / triton
 
 
 # ----- the tile schedule, emulated in float64 (CPU) -------------------------------------------
@@ -246,15 +263,18 @@ GPU_CASES = {
 
 @requires_sm90
 @needs_gluon
+@pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("name", sorted(GPU_CASES))
-def test_gpu_matches_reference(name):
+def test_gpu_matches_reference(name, pingpong):
     shape, kw = GPU_CASES[name]
     kw = dict(kw)
     dtype = kw.pop("dtype", torch.bfloat16)
     q, k, v = _qkv(*shape, dtype=dtype, device="cuda", seed=7)
     spec = build_spec(q, k, v, **kw)
     assert not gluon_fwd.gluon_reasons(spec), gluon_fwd.gluon_reasons(spec)
-    out, lse = gluon_fwd.gluon_forward(spec)
+    out = torch.full(spec.out_shape, float("nan"), dtype=dtype, device="cuda")   # unwritten -> NaN -> fails
+    lse = torch.full(spec.lse_shape, float("nan"), device="cuda")
+    gluon_fwd.gluon_forward(spec, out=out, lse=lse, pingpong=pingpong)
     torch.cuda.synchronize()
     ref, ref_lse = reference_forward(spec)
     assert out.shape == spec.out_shape and lse.shape == spec.lse_shape

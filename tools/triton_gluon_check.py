@@ -12,11 +12,13 @@ Phases (each writes its results before the next starts, so a run cut short still
    every case against float64 with ``portattn.numerics.compare`` / ``compare_lse``, outputs
    poisoned with NaN first (an element the kernel does not write shows as NaN), fully-masked
    rows exactly 0 with lse -inf, two runs bit-identical; then one launch at every timing shape;
+   all of it for the kernel with and without the consumers' ping-pong (``PINGPONG``);
 3. timings (bf16, B·S = 16k tokens, hidden 2048: H = 2048 / D; S 1k / 4k / 16k, D 64 / 128,
-   causal and not): the Gluon forward (only if phase 2 passed), the triton backend's forward
+   causal and not): the Gluon forward with and without ping-pong (each only if its phase-2
+   checks and launches passed), the triton backend's forward
    (``ops.forward``, PORTATTN_TRITON_FORWARD unset), SDPA flash and cuDNN; medians of
    ``triton.testing.do_bench`` (L2 flushed before each run); TFLOP/s = 4·B·H·S²·D / t (halved
-   for causal) and the ratios gluon / cuDNN, gluon / triton. No new cell starts after
+   for causal) and the ratios of the faster Gluon variant to cuDNN and to triton. No new cell starts after
    ``--time-limit`` seconds; a watchdog ends the process 60 s after it.
 
 Writes ``gluon_check.json`` and ``gluon_check.txt`` to ``--out``. Verdict PASS = compiled with
@@ -56,6 +58,9 @@ CHECK_CASES = [
     ("long_causal_d128", 1, 4096, 4096, 2, 2, 128, "bfloat16", {"causal": True}),
 ]
 
+#: the consumers' ping-pong off and on (gluon_fwd._turn_wait): both are checked and timed
+PINGPONGS = (False, True)
+
 #: (S, D, causal) of the timing table
 TIMING_CELLS = [(s, d, c) for d in (128, 64) for s in (1024, 4096, 16384) for c in (False, True)]
 
@@ -67,7 +72,7 @@ def _shape(seqlen: int, d: int) -> tuple[int, int]:
 
 # ----- phase 2: the child ---------------------------------------------------------------------
 
-def _check_case(case) -> dict:
+def _check_case(case, pingpong: bool) -> dict:
     import torch
     from portattn.backends.triton import gluon_fwd
 
@@ -81,14 +86,14 @@ def _check_case(case) -> dict:
     k = torch.randn(b, sk, hkv, d, generator=g, device="cuda").to(dtype)
     v = torch.randn(b, sk, hkv, d, generator=g, device="cuda").to(dtype)
     spec = build_spec(q, k, v, **kw)
-    row = {"case": name, "dtype": dt, "reasons": gluon_fwd.gluon_reasons(spec)}
+    row = {"case": name, "pingpong": pingpong, "dtype": dt, "reasons": gluon_fwd.gluon_reasons(spec)}
     if row["reasons"]:
         row["passed"] = False
         return row
     out = torch.full(spec.out_shape, float("nan"), dtype=dtype, device="cuda")
     lse = torch.full(spec.lse_shape, float("nan"), dtype=torch.float32, device="cuda")
-    gluon_fwd.gluon_forward(spec, out=out, lse=lse)
-    out2, lse2 = gluon_fwd.gluon_forward(spec)
+    gluon_fwd.gluon_forward(spec, out=out, lse=lse, pingpong=pingpong)
+    out2, lse2 = gluon_fwd.gluon_forward(spec, pingpong=pingpong)
     torch.cuda.synchronize()
     ref, ref_lse = reference_forward(spec)
     c_out = compare("out", out, ref, naive_forward(spec)[0])
@@ -113,24 +118,27 @@ def child_main() -> int:
     from portattn.backends.triton import gluon_fwd
 
     from portattn.spec import build_spec
-    for case in CHECK_CASES:
-        try:
-            row = _check_case(case)
-        except Exception as exc:   # a launch or compile error is a failed check, with its message
-            row = {"case": case[0], "passed": False, "error": f"{type(exc).__name__}: {str(exc)[-800:]}"}
-        print("CHECK " + json.dumps(row), flush=True)
-    for s, d, causal in TIMING_CELLS:
-        b, h = _shape(s, d)
-        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        t0 = time.perf_counter()
-        try:
-            out, _ = gluon_fwd.gluon_forward(build_spec(q, k, v, causal=causal))
-            torch.cuda.synchronize()
-            row = {"S": s, "D": d, "causal": causal, "finite": bool(torch.isfinite(out).all()),
-                   "seconds": round(time.perf_counter() - t0, 2)}
-        except Exception as exc:
-            row = {"S": s, "D": d, "causal": causal, "error": f"{type(exc).__name__}: {str(exc)[-400:]}"}
-        print("LAUNCH " + json.dumps(row), flush=True)
+    for pingpong in PINGPONGS:
+        for case in CHECK_CASES:
+            try:
+                row = _check_case(case, pingpong)
+            except Exception as exc:   # a launch or compile error is a failed check, with its message
+                row = {"case": case[0], "pingpong": pingpong, "passed": False,
+                       "error": f"{type(exc).__name__}: {str(exc)[-800:]}"}
+            print("CHECK " + json.dumps(row), flush=True)
+    for pingpong in PINGPONGS:
+        for s, d, causal in TIMING_CELLS:
+            b, h = _shape(s, d)
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            t0 = time.perf_counter()
+            row = {"S": s, "D": d, "causal": causal, "pingpong": pingpong}
+            try:
+                out, _ = gluon_fwd.gluon_forward(build_spec(q, k, v, causal=causal), pingpong=pingpong)
+                torch.cuda.synchronize()
+                row.update(finite=bool(torch.isfinite(out).all()), seconds=round(time.perf_counter() - t0, 2))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
+            print("LAUNCH " + json.dumps(row), flush=True)
     return 0
 
 
@@ -147,9 +155,16 @@ def run_child(timeout: float) -> dict:
         rc, hung = None, True
     checks = [json.loads(ln[6:]) for ln in stdout.splitlines() if ln.startswith("CHECK ")]
     launches = [json.loads(ln[7:]) for ln in stdout.splitlines() if ln.startswith("LAUNCH ")]
-    ok = (not hung and rc == 0 and len(checks) == len(CHECK_CASES) and all(c.get("passed") for c in checks)
-          and len(launches) == len(TIMING_CELLS) and all(x.get("finite") for x in launches))
-    return {"rc": rc, "hung": hung, "passed": ok, "seconds": round(time.perf_counter() - t0, 1),
+    n = len(PINGPONGS)
+    ok = (not hung and rc == 0 and len(checks) == n * len(CHECK_CASES) and all(c.get("passed") for c in checks)
+          and len(launches) == n * len(TIMING_CELLS) and all(x.get("finite") for x in launches))
+    # a variant whose checks and launches all passed may be timed even if the other failed
+    good = [pp for pp in PINGPONGS
+            if any(c.get("pingpong") == pp for c in checks) and len(checks) >= n * len(CHECK_CASES)
+            and all(c.get("passed") for c in checks if c.get("pingpong") == pp)
+            and sum(x.get("pingpong") == pp for x in launches) == len(TIMING_CELLS)
+            and all(x.get("finite") for x in launches if x.get("pingpong") == pp)]
+    return {"rc": rc, "hung": hung, "passed": ok, "timed_variants": good, "seconds": round(time.perf_counter() - t0, 1),
             "checks": checks, "launches": launches, "stderr_tail": stderr[-3000:]}
 
 
@@ -160,7 +175,7 @@ def _median_ms(fn) -> float:
     return float(do_bench(fn, warmup=25, rep=150, return_mode="median"))
 
 
-def time_cell(s: int, d: int, causal: bool, with_gluon: bool) -> dict:
+def time_cell(s: int, d: int, causal: bool, variants: list) -> dict:
     import torch
     import torch.nn.functional as F
     from portattn.backends.triton import gluon_fwd, ops
@@ -173,9 +188,9 @@ def time_cell(s: int, d: int, causal: bool, with_gluon: bool) -> dict:
     spec = build_spec(q, k, v, causal=causal)
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
     row = {"S": s, "B": b, "H": h, "D": d, "causal": causal}
-    impls = [("triton", lambda: ops.forward(spec))]
-    if with_gluon:
-        impls.insert(0, ("gluon", lambda: gluon_fwd.gluon_forward(spec)))
+    impls = [(f"gluon_{'pp' if pp else 'nopp'}", lambda pp=pp: gluon_fwd.gluon_forward(spec, pingpong=pp))
+             for pp in variants]
+    impls.append(("triton", lambda: ops.forward(spec)))
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         def sdpa(be=be):
@@ -209,25 +224,28 @@ def report(res: dict) -> str:
                   f"{' (HUNG: killed at the timeout)' if ch['hung'] else ''} rc={ch['rc']}"]
         for c in ch["checks"]:
             lines.append(f"  {'ok  ' if c.get('passed') else 'FAIL'} {c['case']:<20} "
-                         + " ".join(f"{k}={c[k]}" for k in ("dtype", "unwritten", "empty_rows", "empty_rows_zero",
+                         + " ".join(f"{k}={c[k]}" for k in ("pingpong", "dtype", "unwritten", "empty_rows", "empty_rows_zero",
                                                             "repeatable", "reasons", "error") if k in c))
             if not c.get("passed"):
                 lines += [f"       {c.get('out', '')}", f"       {c.get('lse', '')}"]
         for x in ch["launches"]:
-            lines.append(f"  launch S={x['S']} D={x['D']} causal={x['causal']}: "
+            lines.append(f"  launch S={x['S']} D={x['D']} causal={x['causal']} pingpong={x['pingpong']}: "
                          + (f"finite={x['finite']} {x['seconds']} s" if "finite" in x else x.get("error", "?")))
         if not ch["passed"] and ch["stderr_tail"]:
             lines += ["  child stderr (tail):"] + ["    " + ln for ln in ch["stderr_tail"].splitlines()[-15:]]
     cells = res.get("timings", [])
     if cells:
         lines += ["", "forward TFLOP/s (bf16, 16k tokens, hidden 2048; do_bench medians, L2 flushed)",
-                  f"{'S':>6} {'D':>4} {'causal':>6} {'gluon':>7} {'triton':>7} {'flash':>7} {'cudnn':>7} "
-                  f"{'g/cudnn':>8} {'g/triton':>8}"]
+                  f"{'S':>6} {'D':>4} {'causal':>6} {'g_pp':>7} {'g_nopp':>7} {'triton':>7} {'flash':>7} "
+                  f"{'cudnn':>7} {'best/cudnn':>10} {'best/triton':>11}",
+                  "  (g_pp / g_nopp: the Gluon forward with / without the consumers' ping-pong; best = the faster)"]
         for r in cells:
-            gc = r["gluon"] / r["cudnn"] if "gluon" in r and r.get("cudnn") else None
-            gt = r["gluon"] / r["triton"] if "gluon" in r and r.get("triton") else None
-            lines.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {_fmt(r.get('gluon'))} {_fmt(r.get('triton'))} "
-                         f"{_fmt(r.get('flash'))} {_fmt(r.get('cudnn'))} {_fmt(gc, 8, 2)} {_fmt(gt, 8, 2)}")
+            best = max((r[k] for k in ("gluon_pp", "gluon_nopp") if k in r), default=None)
+            gc = best / r["cudnn"] if best and r.get("cudnn") else None
+            gt = best / r["triton"] if best and r.get("triton") else None
+            lines.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {_fmt(r.get('gluon_pp'))} "
+                         f"{_fmt(r.get('gluon_nopp'))} {_fmt(r.get('triton'))} {_fmt(r.get('flash'))} "
+                         f"{_fmt(r.get('cudnn'))} {_fmt(gc, 10, 2)} {_fmt(gt, 11, 2)}")
             errs = {k: v for k, v in r.items() if k.endswith("_error")}
             if errs:
                 lines.append("       " + json.dumps(errs))
@@ -274,23 +292,24 @@ def main(argv=None) -> int:
         res["compile"].append({"error": gluon_fwd.GLUON_ERROR})
     else:
         for d in gluon_fwd.HEAD_DIMS:
-            for causal in (False, True):
+            for pp in PINGPONGS:
                 try:
-                    r = gluon_fwd.compile_report(d, causal)
+                    r = gluon_fwd.compile_report(d, False, pingpong=pp)
                     compiled_ok &= r.get("HGMMA", 1) > 0 and r.get("UTMALDG", 1) > 0
                 except Exception as exc:
-                    r = {"head_dim": d, "causal": causal, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"}
+                    r = {"head_dim": d, "pingpong": pp, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"}
                     compiled_ok = False
                 res["compile"].append(r)
                 print(json.dumps(r), flush=True)
     res["seconds"]["compile"] = round(time.perf_counter() - t0, 1)
     _write(a.out, res)
 
-    child_ok = False
+    child_ok, variants = False, []
     if compiled_ok and torch.cuda.is_available():
         limit = max(30.0, min(a.child_timeout, a.time_limit - (time.perf_counter() - start)))
         res["child"] = run_child(limit)
         child_ok = res["child"]["passed"]
+        variants = res["child"]["timed_variants"]
         res["seconds"]["checks"] = res["child"]["seconds"]
         print(report({"child": res["child"]}), flush=True)
         _write(a.out, res)
@@ -301,7 +320,7 @@ def main(argv=None) -> int:
             if time.perf_counter() - start > a.time_limit:
                 res["skipped"].append(f"S={s} D={d} causal={causal}")
                 continue
-            row = time_cell(s, d, causal, with_gluon=child_ok)
+            row = time_cell(s, d, causal, variants)
             res["timings"].append(row)
             print(json.dumps(row), flush=True)
             _write(a.out, res)

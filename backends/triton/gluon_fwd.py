@@ -145,22 +145,41 @@ if gl is not None:
         return m_new, alpha, p, l_new
 
     @gluon.jit
-    def _band(acc, m_i, l_i, p_prev, i, start, stop, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-              rows, cols0, sk, off, window_left, window_right, qk_scale2,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
-        """Key tiles [start, stop) of one phase. ``i`` counts the tiles this warpgroup has taken
-        from the ring; ``p_prev`` is tile i-1's P, whose P V is still to be added. Each step
-        issues S_i = Q K_iᵀ and acc += P_{i-1} V_{i-1} (both async), waits for S_i only, does its
+    def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """FA3's warpgroup ping-pong (``PINGPONG``): the two consumers take turns to issue their
+        products, WG 0 its k-th after WG 1's (k-1)-th, WG 1 its k-th after WG 0's k-th, so that one
+        warpgroup's softmax runs while the other's products do. ``turn[w]`` is the barrier WG w
+        waits on (:func:`_turn_pass` arrives on the other's); WG 0's first wait passes on the fresh
+        barrier (parity 1), and both issue at the same count of points, so the turns pair up."""
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
+
+    @gluon.jit
+    def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+
+    @gluon.jit
+    def _band(acc, m_i, l_i, p_prev, i, start, stop, q, ring, rows, cols0, sk, off, window_left, window_right,
+              qk_scale2, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
+              MASKED: gl.constexpr):
+        """Key tiles [start, stop) of one phase. ``ring`` = (K tiles, V tiles, k_ready, v_ready,
+        k_empty, v_empty, turn); ``i`` counts the tiles this warpgroup has taken from it and
+        ``p_prev`` is tile i-1's P, whose P V is still to be added. Each step issues
+        S_i = Q K_iᵀ and acc += P_{i-1} V_{i-1} (both async), waits for S_i only, does its
         softmax while P V runs, then waits for P V and rescales acc by this tile's alpha."""
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn = ring
         for n in range(start, stop, BLOCK_N):
             st = i % STAGES
             pst = (i - 1) % STAGES
             mbarrier.wait(k_ready.index(st), (i // STAGES) & 1)
+            mbarrier.wait(v_ready.index(pst), ((i - 1) // STAGES) & 1)
+            _turn_wait(turn, i, WG, PINGPONG)
             s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), gl.zeros([_WG_M, BLOCK_N], gl.float32, s_layout),
                               use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(pst), ((i - 1) // STAGES) & 1)
             acc = warpgroup_mma(p_prev, v_smem.index(pst), acc, is_async=True)
+            _turn_pass(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(1, deps=(s,))        # S_i done; P_{i-1} V_{i-1} may still run
             mbarrier.arrive(k_empty.index(st), count=1)
             if MASKED:
@@ -174,15 +193,18 @@ if gl is not None:
         return acc, m_i, l_i, p_prev, i
 
     @gluon.jit
-    def _consumer(WG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                  LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2,
-                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-        """One consumer warpgroup: the 64 query rows ``m0 + WG·64 …``; writes their O and lse."""
+    def _consumer(WG: gl.constexpr, o_desc, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off,
+                  lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2,
+                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+        """One consumer warpgroup: the 64 query rows ``m0 + WG·64 …``; writes their O and lse.
+        Every warpgroup issues products at the same points (the first tile's S, one step per
+        further tile, the last P V), so the ping-pong turns pair up."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn = ring
         row0 = m0 + WG * _WG_M
         rows = row0 + gl.arange(0, _WG_M, layout=gl.SliceLayout(1, s_layout))
         cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -194,8 +216,10 @@ if gl is not None:
         if lo < hi:
             # the band's first tile (always masked: it may be an edge tile) starts the pipeline
             mbarrier.wait(k_ready.index(0), 0)
+            _turn_wait(turn, 0, WG, PINGPONG)
             s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([_WG_M, BLOCK_N], gl.float32, s_layout),
                               use_acc=False, is_async=True)
+            _turn_pass(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(0), count=1)
             s = _masked(s, rows, lo + cols0, sk, off, window_left, window_right)
@@ -203,22 +227,25 @@ if gl is not None:
             p_prev = gl.convert_layout(p.to(q.dtype), p_layout)
             i = lo * 0 + 1
             nxt = lo + BLOCK_N
-            acc, m_i, l_i, p_prev, i = _band(acc, m_i, l_i, p_prev, i, nxt, gl.maximum(full_lo, nxt), q, k_smem,
-                                             v_smem, k_ready, v_ready, k_empty, v_empty, rows, cols0, sk, off,
-                                             window_left, window_right, qk_scale2, s_layout, o_layout, p_layout,
-                                             BLOCK_N, STAGES, True)
-            acc, m_i, l_i, p_prev, i = _band(acc, m_i, l_i, p_prev, i, gl.maximum(full_lo, nxt),
-                                             gl.maximum(full_hi, nxt), q, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                             v_empty, rows, cols0, sk, off, window_left, window_right, qk_scale2,
-                                             s_layout, o_layout, p_layout, BLOCK_N, STAGES, False)
-            acc, m_i, l_i, p_prev, i = _band(acc, m_i, l_i, p_prev, i, gl.maximum(full_hi, nxt), hi, q, k_smem,
-                                             v_smem, k_ready, v_ready, k_empty, v_empty, rows, cols0, sk, off,
-                                             window_left, window_right, qk_scale2, s_layout, o_layout, p_layout,
-                                             BLOCK_N, STAGES, True)
+            for phase in gl.static_range(3):   # masked / unmasked / masked, as kernels._phase_range
+                if phase == 0:
+                    start = nxt
+                    stop = gl.maximum(full_lo, nxt)
+                elif phase == 1:
+                    start = gl.maximum(full_lo, nxt)
+                    stop = gl.maximum(full_hi, nxt)
+                else:
+                    start = gl.maximum(full_hi, nxt)
+                    stop = hi
+                acc, m_i, l_i, p_prev, i = _band(acc, m_i, l_i, p_prev, i, start, stop, q, ring, rows, cols0, sk,
+                                                 off, window_left, window_right, qk_scale2, s_layout, o_layout,
+                                                 p_layout, BLOCK_N, STAGES, WG, PINGPONG, phase != 1)
             # the last tile's P V
             pst = (i - 1) % STAGES
             mbarrier.wait(v_ready.index(pst), ((i - 1) // STAGES) & 1)
+            _turn_wait(turn, i, WG, PINGPONG)
             acc = warpgroup_mma(p_prev, v_smem.index(pst), acc, is_async=True)
+            _turn_pass(turn, WG, PINGPONG)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
             mbarrier.arrive(v_empty.index(pst), count=1)
         # normalise once; rows with no visible key output 0 and lse = -inf
@@ -239,7 +266,7 @@ if gl is not None:
                        stride_lb, stride_lh,
                        num_heads_q, gqa_ratio, seqlen_q, seqlen_k, qk_scale2, window_left, window_right,
                        HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+                       BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr):
         """O = softmax(scale·QKᵀ)V for 128 query rows of one (batch, head): grid
         (cdiv(Sq, 128), B·Hq), 4 warps (consumer 0) + a 4-warp consumer + a 1-warp producer."""
         BLOCK_M: gl.constexpr = 2 * _WG_M
@@ -289,13 +316,15 @@ if gl is not None:
             mbarrier.init(k_empty.index(j), count=2)   # one arrival per consumer warpgroup
             mbarrier.init(v_empty.index(j), count=2)
 
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        for j in gl.static_range(2):
+            mbarrier.init(turn.index(j), count=1)
+        ring = (k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn)
         gl.warp_specialize([
-            (_consumer, (0, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, LSE, lse_off,
-                         m0, sq, sk, off, lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2,
-                         BLOCK_N, HEAD_D, STAGES)),
-            (_consumer, (1, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, LSE, lse_off,
-                         m0, sq, sk, off, lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2,
-                         BLOCK_N, HEAD_D, STAGES)),
+            (_consumer, (0, o_desc, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi,
+                         window_left, window_right, qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
+            (_consumer, (1, o_desc, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi,
+                         window_left, window_right, qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                          v_empty, m0, lo, hi, BLOCK_N, HEAD_D, STAGES)),
         ], [4, 1], [240, 24])
@@ -303,16 +332,16 @@ if gl is not None:
 
 # ----- cross-compilation (no GPU needed) ----------------------------------------------------
 
-_INT_ARGS = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh",
-             "stride_vb", "stride_vs", "stride_vh", "stride_ob", "stride_os", "stride_oh",
-             "stride_lb", "stride_lh", "num_heads_q", "gqa_ratio", "seqlen_q", "seqlen_k",
-             "window_left", "window_right")
+#: FA3's ping-pong between the consumer warpgroups (:func:`_turn_wait`) unless
+#: ``PORTATTN_GLUON_PINGPONG=0``; the check tool times both
+PINGPONG = os.environ.get("PORTATTN_GLUON_PINGPONG", "1").strip() != "0"
 
 
-def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True) -> dict:
+def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pingpong: bool | None = None) -> dict:
     """The constexprs of one launch (also what :func:`compile_for` specialises on)."""
     block_n, stages = tile_config(head_dim)
-    return dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=stages, BOTTOM_RIGHT=bottom_right, LONGEST_FIRST=causal)
+    return dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=stages, BOTTOM_RIGHT=bottom_right, LONGEST_FIRST=causal,
+                PINGPONG=PINGPONG if pingpong is None else pingpong)
 
 
 #: launch options: 4 warps run the default partition (consumer 0); the workers add 5 warps
@@ -320,7 +349,7 @@ LAUNCH_OPTIONS = dict(num_warps=4, num_stages=1)
 
 
 def compile_for(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                arch: int = 90):
+                arch: int = 90, pingpong: bool | None = None):
     """``triton.compile`` of :func:`attn_fwd_gluon` for ``GPUTarget("cuda", arch, 32)`` without a GPU;
     returns the compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
     if GLUON_ERROR:
@@ -329,7 +358,7 @@ def compile_for(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
-    consts = launch_constexprs(head_dim, causal)
+    consts = launch_constexprs(head_dim, causal, pingpong=pingpong)
     sig = {}
     for name in attn_fwd_gluon.arg_names:
         if name in consts:
@@ -377,16 +406,18 @@ def _cubin_facts(cubin: bytes) -> dict:
     return facts
 
 
-def compile_report(head_dim: int = 128, causal: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict:
+def compile_report(head_dim: int = 128, causal: bool = False, dtype: torch.dtype = torch.bfloat16,
+                   pingpong: bool | None = None) -> dict:
     """Cross-compile one variant for sm_90 and describe it: shared bytes, PTX counts of
     ``wgmma.mma_async`` / ``cp.async.bulk.tensor`` (TMA) / ``setmaxnreg`` and its values, and
     :func:`_cubin_facts`."""
     import re
     import time
     start = time.perf_counter()
-    c = compile_for(head_dim, dtype, causal)
+    pingpong = PINGPONG if pingpong is None else pingpong
+    c = compile_for(head_dim, dtype, causal, pingpong=pingpong)
     ptx = c.asm["ptx"]
-    row = dict(head_dim=head_dim, causal=causal, dtype=str(dtype).replace("torch.", ""),
+    row = dict(head_dim=head_dim, causal=causal, pingpong=pingpong, dtype=str(dtype).replace("torch.", ""),
                shared=int(c.metadata.shared), num_warps=int(c.metadata.num_warps),
                wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor"),
                setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}))
@@ -403,18 +434,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--json", action="store_true", help="one JSON list instead of the table")
     ap.add_argument("--dims", default=",".join(map(str, HEAD_DIMS)))
+    ap.add_argument("--pingpong", choices=("on", "off", "both"), default="both")
     args = ap.parse_args(argv)
     if GLUON_ERROR:
         print(GLUON_ERROR)
         return 1
     rows, failed = [], False
+    pingpongs = {"on": (True,), "off": (False,), "both": (False, True)}[args.pingpong]
     for d in (int(x) for x in args.dims.split(",")):
         for causal in (False, True):
-            try:
-                rows.append(compile_report(d, causal))
-            except Exception as exc:   # a compile error is a failed row, reported with its message
-                failed = True
-                rows.append(dict(head_dim=d, causal=causal, error=f"{type(exc).__name__}: {exc}"[-600:]))
+            for pp in pingpongs:
+                try:
+                    rows.append(compile_report(d, causal, pingpong=pp))
+                except Exception as exc:   # a compile error is a failed row, reported with its message
+                    failed = True
+                    rows.append(dict(head_dim=d, causal=causal, pingpong=pp, error=f"{type(exc).__name__}: {exc}"[-600:]))
     if args.json:
         print(json.dumps(rows))
     else:
@@ -484,12 +518,13 @@ def _buffer(given, shape, dtype, device, name: str) -> torch.Tensor:
     return given
 
 
-def gluon_forward(spec, *, out: torch.Tensor | None = None,
-                  lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                  pingpong: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``spec`` by :func:`attn_fwd_gluon`: out ``(B, Sq, Hq, Dv)`` in q's dtype,
     lse ``(B, Hq, Sq)`` float32 natural log, as ``ops.forward`` returns them (written into ``out``
     / ``lse`` when given: views with a unit last stride, O's row stride 16-byte aligned). Raises
-    ValueError with :func:`gluon_reasons` when the kernel cannot run the problem."""
+    ValueError with :func:`gluon_reasons` when the kernel cannot run the problem. ``pingpong``:
+    the consumers' ping-pong on or off (None: :data:`PINGPONG`)."""
     reasons = gluon_reasons(spec)
     if reasons:
         raise ValueError("the Gluon forward cannot run this problem: " + "; ".join(reasons))
@@ -512,7 +547,7 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None,
                          *lse.stride()[:2], spec.num_heads_q, spec.num_heads_q // spec.num_heads_kv,
                          spec.seqlen_q, spec.seqlen_k, float(spec.scale) * 1.4426950408889634,
                          window_left, window_right,
-                         **launch_constexprs(spec.head_dim, causal_like, spec.alignment == "bottom_right"),
+                         **launch_constexprs(spec.head_dim, causal_like, spec.alignment == "bottom_right", pingpong),
                          **LAUNCH_OPTIONS)
     return out, lse
 
