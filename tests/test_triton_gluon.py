@@ -261,8 +261,34 @@ GPU_CASES = {
 }
 
 
+_SMOKE = """
+import torch
+from portattn.backends.triton import gluon_fwd
+from portattn.spec import build_spec
+for pp in (False, True):
+    for sq, sk, causal in ((200, 333, False), (517, 130, True), (1000, 1000, True)):
+        q, k, v = (torch.randn(1, s, 2, 128, device="cuda", dtype=torch.bfloat16) for s in (sq, sk, sk))
+        gluon_fwd.gluon_forward(build_spec(q, k, v, causal=causal), pingpong=pp)
+        torch.cuda.synchronize()
+print("SMOKE OK")
+"""
+
+
+@pytest.fixture(scope="module")
+def no_deadlock():
+    """First launches in a child with a timeout: a barrier deadlock fails the GPU tests instead
+    of hanging the test run."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _SMOKE], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        pytest.fail("the Gluon forward hung in its first launches (killed after 300 s): a barrier deadlock")
+    assert "SMOKE OK" in proc.stdout, proc.stderr[-3000:]
+
+
 @requires_sm90
 @needs_gluon
+@pytest.mark.usefixtures("no_deadlock")
 @pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("name", sorted(GPU_CASES))
 def test_gpu_matches_reference(name, pingpong):
