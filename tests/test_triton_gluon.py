@@ -84,6 +84,30 @@ def test_switch_defaults_to_todays_kernel(monkeypatch):
         gluon_fwd.forward_choice(spec)
 
 
+_OPS_SWITCH = """
+import torch
+from portattn.backends.triton import ops
+from portattn.spec import build_spec
+q = torch.randn(1, 8, 2, 32)
+try:
+    out, lse = ops.forward(build_spec(q, q, q, causal=True))
+    print("RAN", tuple(out.shape), bool(torch.isfinite(out).all()))
+except ValueError as exc:
+    print("REFUSED", exc)
+"""
+
+
+@pytest.mark.parametrize("value, expect", [("gluon", "RAN (1, 8, 2, 32) True"), ("fast", "REFUSED")])
+def test_ops_forward_switch(value, expect):
+    """``PORTATTN_TRITON_FORWARD`` in ops.forward: ``gluon`` falls back to today's kernel where the
+    Gluon one cannot run (here: CPU tensors, the interpreter); an unknown value is an error."""
+    env = dict(os.environ, PORTATTN_TRITON_FORWARD=value, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _OPS_SWITCH], capture_output=True, text=True, env=env, timeout=300)
+    assert expect in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    if value == "fast":
+        assert "PORTATTN_TRITON_FORWARD" in proc.stdout
+
+
 def test_tile_table_fits_hopper_shared_memory():
     for d in gluon_fwd.HEAD_DIMS:
         block_n, stages = gluon_fwd.tile_config(d)
