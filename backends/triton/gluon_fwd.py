@@ -333,8 +333,8 @@ if gl is not None:
 # ----- cross-compilation (no GPU needed) ----------------------------------------------------
 
 #: FA3's ping-pong between the consumer warpgroups (:func:`_turn_wait`) unless
-#: ``PORTATTN_GLUON_PINGPONG=0``; the check tool times both
-PINGPONG = os.environ.get("PORTATTN_GLUON_PINGPONG", "1").strip() != "0"
+#: ``PORTATTN_TRITON_GLUON_PINGPONG=0``; the check tool times both
+PINGPONG = os.environ.get("PORTATTN_TRITON_GLUON_PINGPONG", "1").strip() != "0"
 
 
 def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pingpong: bool | None = None) -> dict:
