@@ -2,7 +2,7 @@
 report, numerics against float64 and timings beside portattn's triton forward, SDPA flash and
 cuDNN, inside a hard time limit.
 
-    PYTHONPATH=. timeout 600 python tools/triton_gluon_check.py --out $OUT --time-limit 540
+    PYTHONPATH=. timeout 600 python tools/triton_gluon_check.py --out $OUT --time-limit 500
 
 Phases (each writes its results before the next starts, so a run cut short still reports):
 
@@ -267,7 +267,7 @@ def _write(out_dir: str, res: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="directory for gluon_check.json / .txt")
-    ap.add_argument("--time-limit", type=float, default=540.0, help="no new phase or cell starts after this (s)")
+    ap.add_argument("--time-limit", type=float, default=500.0, help="no new phase or cell starts after this (s)")
     ap.add_argument("--child-timeout", type=float, default=300.0, help="phase 2's child process limit (s)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
