@@ -117,23 +117,20 @@ def test_tile_table_fits_hopper_shared_memory():
 
 # ----- cross-compilation for sm_90 (CPU; a subprocess: the test process has the interpreter on) ----
 
-@pytest.fixture(scope="module")
-def compiled_rows():
+def _compile_rows(dims: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "portattn.backends.triton.gluon_fwd", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "portattn.backends.triton.gluon_fwd", "--json", "--dims", dims],
                           capture_output=True, text=True, env=env, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
     assert lines, f"no report (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1])
 
 
-@needs_gluon
-def test_cross_compiles_for_sm90_into_wgmma_and_tma(compiled_rows):
-    assert {(r["head_dim"], r["causal"]) for r in compiled_rows} == {(d, c) for d in gluon_fwd.HEAD_DIMS
-                                                                      for c in (False, True)}
-    assert {r["pingpong"] for r in compiled_rows} == {False, True}
-    for r in compiled_rows:
+def _check_compiled(rows, dims):
+    assert {(r["head_dim"], r["causal"], r["pingpong"]) for r in rows} == {
+        (d, c, p) for d in dims for c in (False, True) for p in (False, True)}
+    for r in rows:
         assert "error" not in r, r
         assert r["shared"] <= 232448, r
         assert r["wgmma"] > 0 and r["tma"] > 0, r          # async wgmma, TMA bulk tensor copies
@@ -146,6 +143,21 @@ def test_cross_compiles_for_sm90_into_wgmma_and_tma(compiled_rows):
             # few registers at D 64/256 (2026-12-02, any producer/consumer split), never at D 128
             if triton.__version__.startswith("3.6") or r["head_dim"] == 128:
                 assert r["stack"] == 0 and r["LDL/STL"] == 0, r
+
+
+@needs_gluon
+def test_cross_compiles_for_sm90_into_wgmma_and_tma():
+    """D 128, causal or not, ping-pong or not (4 compiles, ~30 s on a busy CPU)."""
+    _check_compiled(_compile_rows("128"), (128,))
+
+
+@needs_gluon
+@pytest.mark.slow
+def test_cross_compiles_every_head_dim(request):
+    """12 compiles (~2 min on 2 cores): only with ``-m slow``."""
+    if "slow" not in (request.config.getoption("-m") or ""):
+        pytest.skip("every head dim: run with -m slow, or python -m portattn.backends.triton.gluon_fwd")
+    _check_compiled(_compile_rows("64,128,256"), gluon_fwd.HEAD_DIMS)
 
 
 def test_check_tool_report_renders():
