@@ -97,6 +97,7 @@ except ValueError as exc:
 """
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU tensors), as test_triton.py's cpu_only")
 @pytest.mark.parametrize("value, expect", [("gluon", "RAN (1, 8, 2, 32) True"), ("fast", "REFUSED")])
 def test_ops_forward_switch(value, expect):
     """``PORTATTN_TRITON_FORWARD`` in ops.forward: ``gluon`` falls back to today's kernel where the
