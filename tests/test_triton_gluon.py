@@ -60,6 +60,8 @@ def test_reasons_name_what_is_missing():
     cu = torch.tensor([0, 8], dtype=torch.int32)
     spec = build_spec(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=8, max_seqlen_k=8)
     assert any("varlen" in r for r in gluon_fwd.gluon_reasons(spec))
+    big = torch.empty(65536, 1, 1, 64, dtype=torch.bfloat16, device="meta")
+    assert any("65535" in r for r in gluon_fwd.gluon_reasons(build_spec(big, big, big)))
     # causal (bottom-right or top-left), GQA and Sq != Sk are not reasons
     q2, k2, v2 = _qkv(1, 8, 24, 4, 1, 128)
     for spec in (build_spec(q2, k2, v2, causal=True), build_spec(q2, k2, v2, causal=True, causal_alignment="top_left")):

@@ -486,6 +486,8 @@ def gluon_reasons(spec) -> list[str]:
                           ("a sliding window", spec.has_window)):
         if present:
             reasons.append(f"{name} is not implemented in the Gluon forward")
+    if spec.batch * spec.num_heads_q > 65535:
+        reasons.append(f"batch × heads = {spec.batch * spec.num_heads_q} > 65535 (the grid's second dimension)")
     if not spec.is_varlen and dev.type == "cuda":
         bad = [n for n, t in (("q", spec.q), ("k", spec.k), ("v", spec.v)) if not _tma_aligned(t)]
         if bad:
