@@ -11,10 +11,11 @@ own ``tl.range(warp_specialize=True)`` leaves the portable kernel's loop unspeci
   the byte counts, ``k_empty``/``v_empty`` (count 2: both consumers) give a slot back;
 * **two consumer warpgroups** (4 warps each, most registers), one per 64 query rows, issuing
   asynchronous ``wgmma``: S = Q Kᵀ from shared memory, O += P V with P in registers (the
-  accumulator layout of S *is* the A-operand layout of P V, no shuffle). They share the ring but
-  run independently, so the hardware overlaps one warpgroup's softmax with the other's products
-  (FA3's inter-warpgroup overlap, without its explicit ping-pong barriers); inside a warpgroup
-  the next tile's Q Kᵀ and the previous tile's P V are in flight while it does a tile's softmax
+  accumulator layout of S *is* the A-operand layout of P V, no shuffle). They share the ring;
+  with ``PINGPONG`` they take turns to issue their products (two more mbarriers), so one
+  warpgroup's softmax overlaps the other's matrix products (FA3's inter-warpgroup ping-pong;
+  without it they run independently and the hardware interleaves them); inside a warpgroup the
+  next tile's Q Kᵀ and the previous tile's P V are in flight while it does a tile's softmax
   (FA3's intra-warpgroup overlap).
 
 Semantics are the portable forward's (``kernels.attn_fwd``, docs/semantics.md): scores in base 2
@@ -28,8 +29,10 @@ bfloat16; ``D == Dv`` in {64, 128, 256}; no softcap, ALiBi, bias or sliding wind
 (:func:`gluon_reasons` says which problems it cannot run).
 
 The module imports without triton's Gluon (``GLUON_ERROR`` then says why, and every problem is
-refused); the names differ between triton 3.6 and 3.9 only in the TMA copy
-(``async_copy_global_to_shared`` / ``async_load``), resolved once below.
+refused). Between triton 3.6 (the H200's) and 3.9 the pieces used here keep their signatures
+but for the TMA copies, renamed in 3.9 (``async_copy_global_to_shared`` / ``_shared_to_global``
+-> ``async_load`` / ``async_store``; the old names raise there), resolved once below;
+``gl.warp_specialize``'s register list is required in 3.6 and optional in 3.9 (always given).
 """
 
 from __future__ import annotations
