@@ -322,6 +322,7 @@ if gl is not None:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         for j in gl.static_range(2):
             mbarrier.init(turn.index(j), count=1)
+        fence_async_shared()   # the inits (generic proxy) before the TMA engine (async proxy) signals them
         ring = (k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn)
         gl.warp_specialize([
             (_consumer, (0, o_desc, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi,
