@@ -120,6 +120,7 @@ def child_main() -> int:
     from portattn.spec import build_spec
     for pingpong in PINGPONGS:
         for case in CHECK_CASES:
+            print(f"BEGIN check {case[0]} pingpong={pingpong}", flush=True)
             try:
                 row = _check_case(case, pingpong)
             except Exception as exc:   # a launch or compile error is a failed check, with its message
@@ -132,6 +133,7 @@ def child_main() -> int:
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             t0 = time.perf_counter()
             row = {"S": s, "D": d, "causal": causal, "pingpong": pingpong}
+            print(f"BEGIN launch S={s} D={d} causal={causal} pingpong={pingpong}", flush=True)
             try:
                 out, _ = gluon_fwd.gluon_forward(build_spec(q, k, v, causal=causal), pingpong=pingpong)
                 torch.cuda.synchronize()
@@ -154,6 +156,7 @@ def run_child(timeout: float) -> dict:
         stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
         rc, hung = None, True
     checks = [json.loads(ln[6:]) for ln in stdout.splitlines() if ln.startswith("CHECK ")]
+    begun = [ln[6:] for ln in stdout.splitlines() if ln.startswith("BEGIN ")]
     launches = [json.loads(ln[7:]) for ln in stdout.splitlines() if ln.startswith("LAUNCH ")]
     n = len(PINGPONGS)
     ok = (not hung and rc == 0 and len(checks) == n * len(CHECK_CASES) and all(c.get("passed") for c in checks)
@@ -164,7 +167,7 @@ def run_child(timeout: float) -> dict:
             and all(c.get("passed") for c in checks if c.get("pingpong") == pp)
             and sum(x.get("pingpong") == pp for x in launches) == len(TIMING_CELLS)
             and all(x.get("finite") for x in launches if x.get("pingpong") == pp)]
-    return {"rc": rc, "hung": hung, "passed": ok, "timed_variants": good, "seconds": round(time.perf_counter() - t0, 1),
+    return {"rc": rc, "hung": hung, "last_begun": begun[-1] if begun else None, "passed": ok, "timed_variants": good, "seconds": round(time.perf_counter() - t0, 1),
             "checks": checks, "launches": launches, "stderr_tail": stderr[-3000:]}
 
 
@@ -221,7 +224,8 @@ def report(res: dict) -> str:
     ch = res.get("child")
     if ch:
         lines += ["", f"checks (child process, {ch['seconds']} s): {'PASS' if ch['passed'] else 'FAIL'}"
-                  f"{' (HUNG: killed at the timeout)' if ch['hung'] else ''} rc={ch['rc']}"]
+                  f"{' (HUNG: killed at the timeout, in ' + str(ch.get('last_begun')) + ')' if ch['hung'] else ''}"
+                  f" rc={ch['rc']}"]
         for c in ch["checks"]:
             lines.append(f"  {'ok  ' if c.get('passed') else 'FAIL'} {c['case']:<20} "
                          + " ".join(f"{k}={c[k]}" for k in ("pingpong", "dtype", "unwritten", "empty_rows", "empty_rows_zero",
