@@ -49,7 +49,7 @@
 #   bash tools/h200_session.sh s6bench     # the training grid (portattn bench) after the warm-up
 #   bash tools/h200_session.sh s7verify    # what the sixth session could not run with its defaults (atomic dQ
 #       at D 128/256, cupy's wgmma forward): the rest of triton's and cupy's catalogue, tests/test_cupy.py's
-#       and the atomic-dQ GPU tests, the atomic diagnosis, the compile warm-up, side by side
+#       and the atomic-dQ GPU tests, the atomic diagnosis with --narrow (the padded accumulator), side by side
 #   bash tools/h200_session.sh s7fastest   # the fastest policy's full grid with ~20 ms samples (alone, ~450 s)
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
@@ -610,7 +610,7 @@ if [[ $what == s7verify ]]; then
   run_shard c-rest --backends cupy --cases 'bias/*' 'values/*' 'layout/*' 'nonfinite/*' 'softcap/*' 'alibi/*' \
       'masked/*' 'combo/*' 'large/*' &
   run_shard c-feat --backends cupy --cases 'gqa/*' 'window/*' 'varlen/*' &
-  timeout -s INT -k 10 "$LIMIT" $PY tools/triton_atomic_diag.py --jobs 3 --out "$W" > "$W/atomic_diag.txt" 2>&1 &
+  timeout -s INT -k 10 "$LIMIT" $PY tools/triton_atomic_diag.py --narrow --jobs 3 --out "$W" > "$W/atomic_diag.txt" 2>&1 &
   timeout -s INT -k 10 "$LIMIT" $PY -m pytest -v --tb=short -p no:cacheprovider tests/test_triton_atomic_dq.py -rfEs \
       > "$W/pytest_atomic.txt" 2>&1 &
   timeout -s INT -k 10 "$LIMIT" $PY -m pytest -v --tb=short -p no:cacheprovider -n 2 tests/test_cupy.py tests/test_cupy_wgmma.py \
