@@ -445,3 +445,15 @@ def test_a_head_dim_narrower_than_its_block_keeps_the_two_kernel_path(d, dv, ato
     launches.clear()
     _assert_ok(check_backend("triton", q, k, v, grad=True, causal=True))
     assert launches.deterministic, launches.names
+
+
+@pytest.mark.parametrize("d, dv", [(40, 40), (24, 32), (64, 128)], ids=["d40", "d24-dv32", "d64-dv128"])
+def test_narrow_head_dims_with_the_padded_accumulator(d, dv, atomic_row, launches, monkeypatch):
+    """With ops.ATOMIC_NARROW_HEAD (off until the H200 check passes), a narrower head dim takes atomic
+    dQ into the BLOCK_D-wide accumulator (no head-dim mask on the add) and matches the reference."""
+    monkeypatch.setattr(ops, "ATOMIC_NARROW_HEAD", True)
+    g = torch.Generator().manual_seed(10)
+    q = _randn(1, 70, 2, d, dtype=torch.bfloat16, gen=g)
+    k = _randn(1, 80, 2, d, dtype=torch.bfloat16, gen=g)
+    v = _randn(1, 80, 2, dv, dtype=torch.bfloat16, gen=g)
+    _check(q, k, v, {"causal": True}, launches)

@@ -105,19 +105,23 @@ def test_check_passes_both_paths_and_catches_a_wrong_path(monkeypatch):
     environment's PORTATTN_DETERMINISTIC is cleared); a candidate whose path the backward would
     not take is reported."""
     real = sweep._inputs
-    monkeypatch.setattr(sweep, "_inputs", lambda b, s, h, d, seed, device="cuda": real(1, 40 + seed * 9, 2, 24,
+    # head dim 32 (= its block: atomic dQ never runs for a narrower one, ops.atomic_config)
+    monkeypatch.setattr(sweep, "_inputs", lambda b, s, h, d, seed, device="cuda": real(1, 40 + seed * 9, 2, 32,
                                                                                      seed, device))
     monkeypatch.setenv("PORTATTN_DETERMINISTIC", "1")
     monkeypatch.setenv("PORTATTN_TRITON_DQ", "auto")   # the sweep sets atomic: restored after the test
     tiles = (32, 32, 4, 1, False)
     det, atomic = (tiles, tiles[:4], None), (tiles, tiles[:4], tiles)
     for t in (det, atomic):
-        assert sweep.check(24, True, t, device="cpu") == "", t
+        assert sweep.check(32, True, t, device="cpu") == "", t
     assert "PORTATTN_DETERMINISTIC" not in os.environ
     # an atomic config the table would not use (float32 inputs never take it): reported, not timed
     monkeypatch.setattr(sweep, "_inputs", lambda b, s, h, d, seed, device="cuda": tuple(
-        x.float() for x in real(1, 40, 2, 24, seed, device)))
-    assert "would not run" in sweep.check(24, False, atomic, device="cpu")
+        x.float() for x in real(1, 40, 2, 32, seed, device)))
+    assert "would not run" in sweep.check(32, False, atomic, device="cpu")
+    # a head dim narrower than its block: the backward keeps the two-kernel path, reported too
+    monkeypatch.setattr(sweep, "_inputs", lambda b, s, h, d, seed, device="cuda": real(1, 40, 2, 24, seed, device))
+    assert "would not run" in sweep.check(24, True, atomic, device="cpu")
 
 
 def test_the_run_glue_without_a_gpu(monkeypatch, tmp_path, capsys):

@@ -47,6 +47,10 @@
 #       (tools/triton_atomic_diag.py), the atomic GPU tests alone and the other GPU tests, the
 #       compile warm-up side by side; then alone: the fastest policy's full grid
 #   bash tools/h200_session.sh s6bench     # the training grid (portattn bench) after the warm-up
+#   bash tools/h200_session.sh s7verify    # what the sixth session could not run with its defaults (atomic dQ
+#       at D 128/256, cupy's wgmma forward): the rest of triton's and cupy's catalogue, tests/test_cupy.py's
+#       and the atomic-dQ GPU tests, the atomic diagnosis with --narrow (the padded accumulator), side by side
+#   bash tools/h200_session.sh s7fastest   # the fastest policy's full grid with ~20 ms samples (alone, ~450 s)
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -592,4 +596,41 @@ if [[ $what == s6bench ]]; then
       --no-progress-bar > "$W/bench_log.txt" 2>&1
   echo "== bench rc=$? ($(( $(date +%s) - t1 ))s):"; tail -50 "$W/bench_log.txt"
   tar czf "$OUT/s6bench.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
+fi
+
+if [[ $what == s7verify ]]; then
+  t0=$(date +%s); rm -rf "$shards"; mkdir -p "$shards"
+  LIMIT=${CONF_LIMIT:-400}
+  W=/tmp/portattn-s7; rm -rf "$W"; mkdir -p "$W"
+  run_shard t-c32 --backends triton --cases 'core/fp32/*' &
+  run_shard t-large --backends triton --cases 'large/*' &
+  run_shard t-bias --backends triton --cases 'bias/*' 'values/*' 'layout/*' 'nonfinite/*' &
+  run_shard t-feat --backends triton --cases 'gqa/*' 'window/*' 'softcap/*' 'alibi/*' 'masked/*' 'combo/*' &
+  run_shard t-var --backends triton --cases 'varlen/*' 'headdim/*' &
+  run_shard c-rest --backends cupy --cases 'bias/*' 'values/*' 'layout/*' 'nonfinite/*' 'softcap/*' 'alibi/*' \
+      'masked/*' 'combo/*' 'large/*' &
+  run_shard c-feat --backends cupy --cases 'gqa/*' 'window/*' 'varlen/*' &
+  timeout -s INT -k 10 "$LIMIT" $PY tools/triton_atomic_diag.py --narrow --jobs 3 --out "$W" > "$W/atomic_diag.txt" 2>&1 &
+  timeout -s INT -k 10 "$LIMIT" $PY -m pytest -v --tb=short -p no:cacheprovider tests/test_triton_atomic_dq.py -rfEs \
+      > "$W/pytest_atomic.txt" 2>&1 &
+  timeout -s INT -k 10 "$LIMIT" $PY -m pytest -v --tb=short -p no:cacheprovider -n 2 tests/test_cupy.py tests/test_cupy_wgmma.py \
+      -rfEs > "$OUT/pytest_gpu.txt" 2>&1 &
+  wait
+  merge_shards conformance-s7verify.json
+  echo "== atomic diag:"; tail -8 "$W/atomic_diag.txt"
+  echo "== atomic GPU tests:"; grep -E "(FAILED|ERROR) tests|passed|failed" "$W/pytest_atomic.txt" | tail -12
+  echo "== cupy GPU tests:"; grep -E "(FAILED|ERROR) tests|passed|failed" "$OUT/pytest_gpu.txt" | tail -12
+  tar czf "$OUT/s7verify.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
+fi
+
+if [[ $what == s7fastest ]]; then
+  t0=$(date +%s)
+  W=/tmp/portattn-s7f; rm -rf "$W"; mkdir -p "$W"
+  for d in 64 128 256; do timeout 90 $PY tools/warm_caches.py --d $d --dtype bf16 > /tmp/warm-$d.log 2>&1 & done; wait
+  echo "== warm-up ($(( $(date +%s) - t0 ))s)"
+  t1=$(date +%s)
+  timeout -s INT -k 10 "${FASTEST_LIMIT:-480}" $PY benchmarks/bench_fastest.py --full --out "$W" \
+      --time-limit "${FASTEST_TIME:-440}" > "$W/fastest.txt" 2>&1
+  echo "== fastest --full rc=$? ($(( $(date +%s) - t1 ))s):"; tail -40 "$W/fastest.txt"
+  tar czf "$OUT/s7fastest.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
 fi

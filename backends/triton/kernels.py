@@ -835,7 +835,9 @@ def _dkdv_band(dk, dv, k, v, qt_ptrs, do_ptrs, dqt_ptrs, ROWMAX, ROWINV, DELTA, 
                 # query tile's dQ, scaled, added into the float32 accumulator (its M dimension is BLOCK_D,
                 # not BLOCK_M: a wgmma on sm_90 even for 16- or 32-row query tiles)
                 dqt = _mm(tl.trans(k), dst, None, IEEE) * sm_scale                          # dQᵀ += Kᵀ dSᵀ
-                _atomic_add_tile_t(dqt_ptrs + start_m * stride_dqs, dqt, offs_m, sq, offs_d, HEAD_D, BLOCK_D, MASKED)
+                # the accumulator is BLOCK_D wide (ops.backward): no head-dim mask on the add; its
+                # columns >= HEAD_D receive Kᵀ's zero-filled rows, i.e. exact zeros
+                _atomic_add_tile_t(dqt_ptrs + start_m * stride_dqs, dqt, offs_m, sq, offs_d, BLOCK_D, BLOCK_D, MASKED)
     return dk, dv
 
 
@@ -864,6 +866,7 @@ def attn_bwd_dkdv(
 
     ``DQ_ATOMIC`` (16-bit, determinism not requested; ops.backward): the parts that form dSᵀ (0
     and 2) also add scale · dS K into ``DQ_ACC``, a zero-initialised float32 tensor of q's shape
+    with the head dim padded to ``BLOCK_D``
     (strides ``stride_dq*``), with atomic adds, masked at rows >= Sq and columns >= HEAD_D: the
     whole of dQ, so the dQ kernel is not launched.
 

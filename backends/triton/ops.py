@@ -487,8 +487,9 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
                              LONGEST_FIRST=_causal_like(spec)),
         )
     else:
-        # atomic dQ: accumulated in float32 by the dK/dV kernel below (rows no key reaches stay 0)
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=spec.device)
+        # atomic dQ: accumulated in float32 by the dK/dV kernel below (rows no key reaches stay 0),
+        # the head dim padded to BLOCK_D so that the atomic add needs no head-dim mask
+        dq_acc = torch.zeros((*q.shape[:-1], consts["BLOCK_D"]), dtype=torch.float32, device=spec.device)
         dq_acc_strides = _seq3(dq_acc.stride(), varlen)
     # 2. dK, dV (reads the row statistics): one program per (key tile, batch·kv head)
     #    (a ``split`` config: a dV launch, then a dK launch, each program with one accumulator;
@@ -503,8 +504,15 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
                              PART=part, DQ_ATOMIC=dq_acc is not delta),
         )
     if dq_acc is not delta:
-        dq.copy_(dq_acc)
+        dq.copy_(dq_acc[..., :spec.head_dim])
     return dq, dk, dv, dbias
+
+
+#: atomic dQ for a head dim narrower than its padded block. Off: with a head-dim mask on the atomic
+#: add, triton 3.6 gave wrong dQ / an illegal address on the H200 (atomic_config). The accumulator
+#: is now BLOCK_D wide, so the add needs no such mask; tools/triton_atomic_diag.py --narrow sets
+#: this in its child processes to check that on the GPU before it is turned on.
+ATOMIC_NARROW_HEAD = False
 
 
 def atomic_config(spec, cfgs: BackwardConfigs, exact: bool, want_dbias: bool) -> KernelConfig | None:
@@ -521,7 +529,7 @@ def atomic_config(spec, cfgs: BackwardConfigs, exact: bool, want_dbias: bool) ->
     block passed. Until that is understood, such calls keep the two-kernel backward."""
     if exact or want_dbias or spec.deterministic or cfgs.atomic is None:
         return None
-    if spec.head_dim != _block_d(spec):
+    if spec.head_dim != _block_d(spec) and not ATOMIC_NARROW_HEAD:
         return None
     mode = config.triton_dq()
     if mode == "kernel" or (mode == "auto" and not cfgs.atomic_by_default):
