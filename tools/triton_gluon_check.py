@@ -6,8 +6,8 @@ cuDNN, inside a hard time limit.
 
 Phases (each writes its results before the next starts, so a run cut short still reports):
 
-1. compile: the kernel for sm_90 at D 64 / 128 / 256, causal and not (shared memory, registers,
-   spills, setmaxnreg values, the PTX's wgmma / TMA counts and SASS HGMMA / UTMALDG);
+1. compile: the kernel for sm_90 at D 64 / 128 / 256, with and without ping-pong (shared memory,
+   registers, spills, setmaxnreg values, the PTX's wgmma / TMA counts, SASS HGMMA / UTMALDG);
 2. checks, in a child process with a timeout (a barrier deadlock there cannot hang this run):
    every case against float64 with ``portattn.numerics.compare`` / ``compare_lse``, outputs
    poisoned with NaN first (an element the kernel does not write shows as NaN), fully-masked
