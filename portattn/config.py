@@ -43,6 +43,11 @@ VARIABLES = {
                           "Hopper D 128 and 256; the deterministic dQ kernel elsewhere), atomic (every atomic row) "
                           "or kernel (the deterministic dQ kernel always); never for a head dim narrower than its "
                           "padded block; read on every backward",
+    "PORTATTN_TRITON_FORWARD": "triton's forward: auto (default: the portable kernel) or gluon (the experimental "
+                               "Hopper Gluon kernel, backends/triton/gluon_fwd.py, where gluon_reasons is empty; not "
+                               "yet run on a GPU); read on every forward",
+    "PORTATTN_TRITON_GLUON_PINGPONG": "0 = the Gluon forward's consumer warpgroups do not take turns issuing their "
+                                      "matrix products (FA3's ping-pong off; default 1)",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
 }
@@ -152,6 +157,28 @@ def deterministic() -> bool:
 
 def allow_tf32() -> bool:
     return _flag("PORTATTN_ALLOW_TF32")
+
+
+TRITON_FORWARD_MODES = ("auto", "gluon")
+
+
+def _parse_triton_forward(name: str, text: str) -> str:
+    mode = text.strip().lower() or "auto"
+    if mode not in TRITON_FORWARD_MODES:
+        raise ValueError(f"{name}={text!r}: expected 'auto' (the portable kernel) or 'gluon'")
+    return mode
+
+
+def triton_forward() -> str:
+    """``PORTATTN_TRITON_FORWARD`` (default ``"auto"``): which kernel triton's forward runs
+    (``backends/triton/gluon_fwd.forward_choice``)."""
+    return _parsed("PORTATTN_TRITON_FORWARD", _parse_triton_forward, "auto")
+
+
+def triton_gluon_pingpong() -> bool:
+    """``PORTATTN_TRITON_GLUON_PINGPONG`` (default on)."""
+    raw = _raw("PORTATTN_TRITON_GLUON_PINGPONG")
+    return raw is None or (os.fsdecode(raw) if isinstance(raw, bytes) else raw).strip() != "0"
 
 
 TRITON_DQ_MODES = ("auto", "atomic", "kernel")

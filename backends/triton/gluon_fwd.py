@@ -336,16 +336,18 @@ if gl is not None:
 
 # ----- cross-compilation (no GPU needed) ----------------------------------------------------
 
-#: FA3's ping-pong between the consumer warpgroups (:func:`_turn_wait`) unless
-#: ``PORTATTN_TRITON_GLUON_PINGPONG=0``; the check tool times both
-PINGPONG = os.environ.get("PORTATTN_TRITON_GLUON_PINGPONG", "1").strip() != "0"
+def _default_pingpong() -> bool:
+    """FA3's ping-pong between the consumer warpgroups (:func:`_turn_wait`) unless
+    ``PORTATTN_TRITON_GLUON_PINGPONG=0`` (read per call); the check tool times both."""
+    from portattn import config
+    return config.triton_gluon_pingpong()
 
 
 def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pingpong: bool | None = None) -> dict:
     """The constexprs of one launch (also what :func:`compile_for` specialises on)."""
     block_n, stages = tile_config(head_dim)
     return dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=stages, BOTTOM_RIGHT=bottom_right, LONGEST_FIRST=causal,
-                PINGPONG=PINGPONG if pingpong is None else pingpong)
+                PINGPONG=_default_pingpong() if pingpong is None else pingpong)
 
 
 #: launch options: 4 warps run the default partition (consumer 0); the workers add 5 warps
@@ -418,7 +420,7 @@ def compile_report(head_dim: int = 128, causal: bool = False, dtype: torch.dtype
     import re
     import time
     start = time.perf_counter()
-    pingpong = PINGPONG if pingpong is None else pingpong
+    pingpong = _default_pingpong() if pingpong is None else pingpong
     c = compile_for(head_dim, dtype, causal, pingpong=pingpong)
     ptx = c.asm["ptx"]
     row = dict(head_dim=head_dim, causal=causal, pingpong=pingpong, dtype=str(dtype).replace("torch.", ""),
@@ -502,10 +504,8 @@ def gluon_reasons(spec) -> list[str]:
 def forward_choice(spec) -> str:
     """``"gluon"`` when ``PORTATTN_TRITON_FORWARD=gluon`` and :func:`gluon_reasons` is empty, else
     ``"triton"`` (the portable kernel; also for ``auto`` or an unset variable)."""
-    value = os.environ.get(ENV_SWITCH, "auto").strip().lower() or "auto"
-    if value not in ("auto", "gluon"):
-        raise ValueError(f"{ENV_SWITCH}={value!r}: expected 'auto' (the portable kernel) or 'gluon'")
-    return "gluon" if value == "gluon" and not gluon_reasons(spec) else "triton"
+    from portattn import config
+    return "gluon" if config.triton_forward() == "gluon" and not gluon_reasons(spec) else "triton"
 
 
 def _ensure_allocator() -> None:

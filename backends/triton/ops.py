@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import triton
@@ -237,16 +236,10 @@ def _empty_result(spec):
     return out, lse
 
 
-#: ``PORTATTN_TRITON_FORWARD`` (read once, at import): anything but ``auto`` (the default) sends
-#: :func:`forward` calls without output buffers through ``gluon_fwd.forward_choice``, which takes
-#: the experimental Gluon kernel for ``gluon`` where it can run the problem (docs/triton.md)
-_FORWARD_OPT_IN = os.environ.get("PORTATTN_TRITON_FORWARD", "auto").strip().lower() not in ("", "auto")
-
-
 def forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel: ``(out, lse)`` in the canonical layout (see the backend), written
     into ``out``/``lse`` when given (views are fine: the kernel uses their strides)."""
-    if _FORWARD_OPT_IN and out is None and lse is None:
+    if out is None and lse is None and config.triton_forward() != "auto":   # PORTATTN_TRITON_FORWARD
         from . import gluon_fwd
         if gluon_fwd.forward_choice(spec) == "gluon":
             return gluon_fwd.gluon_forward(spec)
