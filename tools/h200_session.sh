@@ -51,6 +51,8 @@
 #       at D 128/256, cupy's wgmma forward): the rest of triton's and cupy's catalogue, tests/test_cupy.py's
 #       and the atomic-dQ GPU tests, the atomic diagnosis with --narrow (the padded accumulator), side by side
 #   bash tools/h200_session.sh s7fastest   # the fastest policy's full grid with ~20 ms samples (alone, ~450 s)
+#   bash tools/h200_session.sh s7gluon     # the experimental Gluon forward (issue #14): its GPU tests, then
+#       tools/triton_gluon_check.py (compile report, numerics in a child with a timeout, timings)
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
 set -uo pipefail
@@ -633,4 +635,16 @@ if [[ $what == s7fastest ]]; then
       --time-limit "${FASTEST_TIME:-440}" > "$W/fastest.txt" 2>&1
   echo "== fastest --full rc=$? ($(( $(date +%s) - t1 ))s):"; tail -40 "$W/fastest.txt"
   tar czf "$OUT/s7fastest.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
+fi
+
+if [[ $what == s7gluon ]]; then
+  t0=$(date +%s)
+  W=/tmp/portattn-s7g; rm -rf "$W"; mkdir -p "$W"
+  timeout -s INT -k 10 120 $PY -m pytest -v --tb=short -p no:cacheprovider tests/test_triton_gluon.py -rfEs \
+      > "$W/pytest_gluon.txt" 2>&1
+  echo "== gluon GPU tests rc=$? ($(( $(date +%s) - t0 ))s):"; grep -E "(FAILED|ERROR) tests|passed|failed" "$W/pytest_gluon.txt" | tail -12
+  timeout -s INT -k 10 "${GLUON_LIMIT:-440}" $PY tools/triton_gluon_check.py --out "$W" --time-limit $(( ${GLUON_LIMIT:-440} - 40 )) \
+      > "$W/gluon_log.txt" 2>&1
+  echo "== gluon check rc=$? ($(( $(date +%s) - t0 ))s):"; tail -40 "$W/gluon_check.txt" 2>/dev/null || tail -40 "$W/gluon_log.txt"
+  tar czf "$OUT/s7gluon.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
 fi
