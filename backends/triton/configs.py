@@ -196,7 +196,7 @@ _BWD_NVIDIA = {
 # atomic-dQ dK/dV rows (BackwardConfigs.atomic): BLOCK_D -> (BLOCK_M, BLOCK_N, warps, stages[, split]),
 # 16-bit only, for calls that do not request determinism; a missing entry keeps the two-kernel
 # backward. Timed on the H200 (2026-12-02, tools/triton_sweep.py --bwd-variants, bf16, 16k tokens,
-# hidden 2048, S 1k/4k/16k, causal and not, backward alone; benchmarks/results/triton-bwd-sweep-h200.*;
+# hidden 2048, S 1k/4k/16k, causal and not, backward alone; benchmarks/results/triton-bwd-atomic-h200.*;
 # each candidate checked against float64 at ragged S 200/333 first). Mean time relative to each
 # cell's best: D64 the deterministic row 1.000, atomic (64,64,4,3) 1.10, (64,128,8,2) 1.12,
 # (32,128,4,3) 1.26; D128 atomic (64,128,8,2) 1.014, (64,128,8,3) 1.02, deterministic 1.03,

@@ -867,8 +867,8 @@ def attn_bwd_dkdv(
     ``DQ_ATOMIC`` (16-bit, determinism not requested; ops.backward): the parts that form dSᵀ (0
     and 2) also add scale · dS K into ``DQ_ACC``, a zero-initialised float32 tensor of q's shape
     with the head dim padded to ``BLOCK_D``
-    (strides ``stride_dq*``), with atomic adds, masked at rows >= Sq and columns >= HEAD_D: the
-    whole of dQ, so the dQ kernel is not launched.
+    (strides ``stride_dq*``), with atomic adds, masked at rows >= Sq only (columns >= HEAD_D get
+    exact zeros): the whole of dQ, so the dQ kernel is not launched.
 
     ``PART`` (a config's ``split``, :class:`configs.KernelConfig`): 0 computes both; 1 only dV
     (K resident, V never read, one float32 accumulator) and 2 only dK (K and V resident), as two

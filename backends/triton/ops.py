@@ -519,7 +519,8 @@ def atomic_config(spec, cfgs: BackwardConfigs, exact: bool, want_dbias: bool) ->
     3.6, 2026-12-02, ``tools/triton_atomic_diag.py``) the atomic dQ with a masked head-dim column
     and 32-row query tiles gave wrong dQ at D 200 (relative error 1.6-4.8 against the
     deterministic backward) and an illegal address at D 40; every case with D equal to its
-    block passed. Until that is understood, such calls keep the two-kernel backward."""
+    block passed. Such calls keep the two-kernel backward until the BLOCK_D-wide accumulator
+    (no head-dim mask on the add) passes that check (:data:`ATOMIC_NARROW_HEAD`)."""
     if exact or want_dbias or spec.deterministic or cfgs.atomic is None:
         return None
     if spec.head_dim != _block_d(spec) and not ATOMIC_NARROW_HEAD:
