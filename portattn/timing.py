@@ -292,6 +292,45 @@ def _compare(fns, clock, *, warmup, warmup_ms, rounds, min_rounds, max_rounds, r
     return {n: out[n] for n in fns}
 
 
+def paired_ratios(fa: Callable, fb: Callable, clock, *, ms_a: float, ms_b: float, pairs: int = 24,
+                  sample_ms: float = 10.0, max_reps: int = 10_000, deadline: float | None = None,
+                  names: tuple[str, str] = ("a", "b")) -> list[float]:
+    """``a``'s time per call over ``b``'s, one ratio per *pair* of samples taken back to back:
+    pair ``i`` samples ``a`` then ``b`` (``b`` then ``a`` on odd ``i``, so neither always goes
+    first), each sample ``~sample_ms`` of back-to-back calls sized from the per-call estimates
+    ``ms_a`` / ``ms_b`` (at least one call). Two samples ~``sample_ms`` apart see the same state of
+    the machine, where two rounds of :func:`compare` (each callable's samples one after another,
+    every callable in turn) can be a second apart: on the H200 (2026-12-02) host-bound decode
+    calls moved by up to 50 % between rounds for every backend alike, which paired rounds cancel
+    only partly. The median of the returned ratios is the judged ratio. Stops after two pairs
+    once ``deadline`` (``clock.now()`` units) has passed; ``names`` label the two callables'
+    samples for the clock; the garbage collector is paused."""
+    if not (ms_a > 0 and ms_b > 0):
+        raise ValueError(f"paired_ratios needs positive per-call estimates, got ms_a={ms_a!r}, ms_b={ms_b!r}")
+    reps_a = max(1, min(max_reps, math.ceil(sample_ms / ms_a)))
+    reps_b = max(1, min(max_reps, math.ceil(sample_ms / ms_b)))
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    out: list[float] = []
+    try:
+        for i in range(max(1, pairs)):
+            if i >= 2 and deadline is not None and clock.now() > deadline:
+                break
+            if i % 2 == 0:
+                a = clock.sample(names[0], fa, reps_a)
+                b = clock.sample(names[1], fb, reps_b)
+            else:
+                b = clock.sample(names[1], fb, reps_b)
+                a = clock.sample(names[0], fa, reps_a)
+            if b > 0:
+                out.append(a / b)
+    finally:
+        if enabled:
+            gc.enable()
+    return out
+
+
 def tie_tolerance(a: Timing, b: Timing) -> float:
     """The relative difference below which ``a`` and ``b`` count as equally fast: half the larger
     spread of their rounds, clamped to [TIE_MIN, TIE_MAX]."""

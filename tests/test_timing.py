@@ -197,3 +197,44 @@ def test_warmup_by_wall_time_keeps_a_slow_starter_from_being_pruned():
         assert res["b"].pruned is pruned
         assert timing.pick(res, ["a", "b"])[0] == ("a" if pruned else "b")
     assert calls["a"] > 200 and res["a"].calls >= calls["a"] - 3 * 3   # the warm-up calls are counted
+
+
+def test_paired_ratios_alternate_the_order_and_size_samples_from_the_estimates():
+    clock = Clock(cost={"a": 0.2, "b": 0.1})
+    fns, calls = _fns(["a", "b"])
+    ratios = timing.paired_ratios(fns["a"], fns["b"], clock, ms_a=0.2, ms_b=0.1, pairs=4, sample_ms=2.0)
+    assert ratios == [pytest.approx(2.0)] * 4
+    assert clock.log == [("a", 10), ("b", 20), ("b", 20), ("a", 10), ("a", 10), ("b", 20), ("b", 20), ("a", 10)]
+
+
+def test_paired_ratios_cancel_a_drift_that_rounds_do_not():
+    """The machine flips between two speeds every few samples for both callables alike: each pair
+    sees one speed, so every ratio is the true 1.01, whatever the speed."""
+    speed = [1.0, 1.0, 1.6, 1.6, 1.6, 1.6, 1.0, 1.0, 1.6, 1.6, 1.0, 1.0]
+
+    class Drift:
+        def __init__(self):
+            self.n = 0
+
+        def sync(self):
+            pass
+
+        def now(self):
+            return 0.0
+
+        def sample(self, name, fn, reps):
+            f = speed[self.n % len(speed)]
+            self.n += 1
+            return (1.01 if name == "a" else 1.0) * f
+
+    fns, _ = _fns(["a", "b"])
+    ratios = timing.paired_ratios(fns["a"], fns["b"], Drift(), ms_a=1.0, ms_b=1.0, pairs=6)
+    assert ratios == [pytest.approx(1.01)] * 6
+
+
+def test_paired_ratios_stop_at_the_deadline_and_refuse_bad_estimates():
+    clock = Clock(cost={"a": 1.0, "b": 1.0})
+    fns, _ = _fns(["a", "b"])
+    assert len(timing.paired_ratios(fns["a"], fns["b"], clock, ms_a=1.0, ms_b=1.0, pairs=10, deadline=-1.0)) == 2
+    with pytest.raises(ValueError, match="ms_b"):
+        timing.paired_ratios(fns["a"], fns["b"], clock, ms_a=1.0, ms_b=0.0)

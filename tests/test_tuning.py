@@ -776,7 +776,7 @@ def test_bench_summary_ratios_and_totals_on_the_same_cells():
     assert s["totals"]["b"]["cells"] == 2 and s["totals"]["b"]["total_ms"] == 3.0   # c3 failed its check
     assert s["below_every_backend_total"] is True and s["tuning_s_total"] == pytest.approx(1.5)
     text = bench.table(rows, ["a", "b"], s)
-    assert "| c2 | fwd | 3.000 | 1.000 | 1.100~ | a | 1.100 ! | 1.059-1.120 | 3.6/2.0 | 0.50 |" in text
+    assert "| c2 | fwd | 3.000 | 1.000 | 1.100~ | a | 1.100 ! | - | 1.100 | 1.059-1.120 | 3.6/2.0 | 0.50 |" in text
     assert "x 0.100" in text and "| b | 2 | 3.00 |" in text and "within 1.03 x the best single backend: 2 of 3" in text
 
 
@@ -794,6 +794,35 @@ def test_bench_ratio_is_the_median_of_the_paired_rounds():
     assert cell["ratio"] == pytest.approx(1.01) and cell["within"]
 
 
+def test_bench_ratio_is_the_judges_when_it_judged_the_best():
+    """The judge's back-to-back pairs decide fastest / best; the rounds' median stays beside it; a
+    judge of another backend than the rounds' best is not used."""
+    bench = _bench()
+    rounds = {"a": [1.0, 1.5, 1.0], "fastest": [1.5, 1.0, 1.6]}   # rounds that saw different speeds
+    row = {"case": "c", "mode": "fwd", "policy_choice": "a",
+           "results": {n: {"ms": sorted(r)[1], "check": "ok", "ms_rounds": r} for n, r in rounds.items()},
+           "judge": {"best": "a", "ratios": [1.01, 1.0, 1.02, 1.01, 0.99], "median": 1.01, "q1": 1.0, "q3": 1.015}}
+    cell = bench.summarize([row], ["a"])["cells"][0]
+    assert cell["ratio"] == pytest.approx(1.01) and cell["within"] and cell["judge_pairs"] == 5
+    assert cell["ratio_of_rounds"] == pytest.approx(1.5) and cell["ratio_pairs"] == [1.0, 1.015]
+    assert "| 1.010 | 1.000-1.015 | 1.500 |" in bench.table([row], ["a"], bench.summarize([row], ["a"]))
+    row["judge"]["best"] = "b"
+    assert bench.summarize([row], ["a"])["cells"][0]["ratio"] == pytest.approx(1.5)
+
+
+def test_bench_judge_times_the_policy_against_the_rounds_best():
+    bench = _bench()
+    clock = FakeClock(cost={"sdpa": 2.0, "fastest": 2.02})
+    fns = {n: (lambda: None) for n in ("sdpa", "reference", "fastest")}
+    row = {"results": {"sdpa": {"ms": 2.0, "check": "ok"}, "reference": {"ms": 9.0, "check": "ok"},
+                       "fastest": {"ms": 2.02, "check": "ok"}}}
+    judge = bench.judge_cell(row, fns, clock)
+    assert judge["best"] == "sdpa" and judge["median"] == pytest.approx(1.01) and len(judge["ratios"]) >= 8
+    assert {n for n, _ in clock.log} == {"fastest", "sdpa"}
+    row["results"]["fastest"] = {"error": "x"}
+    assert bench.judge_cell(row, fns, clock) is None
+
+
 def test_bench_cell_times_every_implementation_in_interleaved_rounds(tmp_path, monkeypatch):
     """bench_cell on the CPU with a fake clock: the policy tunes, every implementation is checked
     and then timed in the same interleaved rounds (the rows hold the rounds and spreads)."""
@@ -808,11 +837,14 @@ def test_bench_cell_times_every_implementation_in_interleaved_rounds(tmp_path, m
                            deadline=time.time() + 1.0)
     assert row["policy_choice"] == "sdpa" and set(row["policy_tied"]) == {"sdpa"}
     assert all(row["results"][n]["check"] == "ok" for n in ("sdpa", "reference", "fastest"))
-    rounds = [n for n, _ in clock.log][-bench.ROUNDS * bench.SAMPLES * 3:]
+    judged = 2 * len(row["judge"]["ratios"])            # the judge's pairs come last: policy and best only
+    assert {n for n, _ in clock.log[-judged:]} == {"fastest", "sdpa"} and row["judge"]["best"] == "sdpa"
+    rounds = [n for n, _ in clock.log][-bench.ROUNDS * bench.SAMPLES * 3 - judged:-judged]
     assert {n for n in rounds[:bench.SAMPLES * 3]} == {"sdpa", "reference", "fastest"}
     assert len(row["results"]["fastest"]["ms_rounds"]) == bench.ROUNDS
     s = bench.summarize([row], ["sdpa", "reference"])
     assert s["cells"][0]["best"] == "sdpa" and s["cells"][0]["ratio"] == pytest.approx(1.01)
+    assert s["cells"][0]["judge_pairs"] == len(row["judge"]["ratios"])
     tuning.clear()
 
 
