@@ -476,7 +476,8 @@ def table(rows: list[dict], impls: list[str], summary: dict) -> str:
 
 
 def plot(summary: dict, path: str, title: str) -> bool:
-    """fastest / best per cell with the per-round range, and the 1.03 line; False without matplotlib."""
+    """fastest / best per cell with its error bar (the judge's quartiles where it judged, else the
+    per-round range; never below zero length), and the 1.03 line; False without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -488,8 +489,9 @@ def plot(summary: dict, path: str, title: str) -> bool:
         return False
     labels = [f"{c['case']} {c['mode']}" for c in cells]
     ratios = [c["ratio"] for c in cells]
-    lo = [c["ratio"] - c.get("ratio_rounds", [c["ratio"]] * 2)[0] for c in cells]
-    hi = [c.get("ratio_rounds", [c["ratio"]] * 2)[1] - c["ratio"] for c in cells]
+    bars = [c.get("ratio_pairs") or c.get("ratio_rounds") or [c["ratio"]] * 2 for c in cells]
+    lo = [max(0.0, c["ratio"] - b[0]) for c, b in zip(cells, bars)]
+    hi = [max(0.0, b[1] - c["ratio"]) for c, b in zip(cells, bars)]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(cells) + 2), 4.5))
     colors = ["tab:green" if r <= TARGET_CELL else "tab:red" for r in ratios]
     ax.bar(range(len(cells)), [r - 1 for r in ratios], bottom=1, color=colors, yerr=[lo, hi], capsize=3)

@@ -43,9 +43,10 @@ VARIABLES = {
                           "Hopper D 128 and 256; the deterministic dQ kernel elsewhere), atomic (every atomic row) "
                           "or kernel (the deterministic dQ kernel always); never for a head dim narrower than its "
                           "padded block; read on every backward",
-    "PORTATTN_TRITON_FORWARD": "triton's forward: auto (default: the portable kernel) or gluon (the experimental "
-                               "Hopper Gluon kernel, backends/triton/gluon_fwd.py, where gluon_reasons is empty; not "
-                               "yet run on a GPU); read on every forward",
+    "PORTATTN_TRITON_FORWARD": "triton's forward: auto (default: the Hopper Gluon kernel, "
+                               "backends/triton/gluon_fwd.py, where the H200 timed it faster - D 128 from 1k queries, "
+                               "2k when causal - and gluon_reasons is empty; the portable kernel elsewhere), gluon "
+                               "(wherever gluon_reasons is empty) or portable (never Gluon); read on every forward",
     "PORTATTN_TRITON_GLUON_PINGPONG": "0 = the Gluon forward's consumer warpgroups do not take turns issuing their "
                                       "matrix products (FA3's ping-pong off; default 1)",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
@@ -159,13 +160,14 @@ def allow_tf32() -> bool:
     return _flag("PORTATTN_ALLOW_TF32")
 
 
-TRITON_FORWARD_MODES = ("auto", "gluon")
+TRITON_FORWARD_MODES = ("auto", "gluon", "portable")
 
 
 def _parse_triton_forward(name: str, text: str) -> str:
     mode = text.strip().lower() or "auto"
     if mode not in TRITON_FORWARD_MODES:
-        raise ValueError(f"{name}={text!r}: expected 'auto' (the portable kernel) or 'gluon'")
+        raise ValueError(f"{name}={text!r}: expected 'auto' (the Gluon kernel where the H200 timed it faster, "
+                         f"the portable kernel elsewhere), 'gluon' (wherever it can run) or 'portable'")
     return mode
 
 

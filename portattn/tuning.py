@@ -526,11 +526,13 @@ def _clock(device: torch.device):
     return timing.clock_for(device)
 
 
-def _measure(names: list[str], spec: AttentionSpec, *, on_error=None) -> dict[str, timing.Timing]:
+def _measure(names: list[str], spec: AttentionSpec, *, on_error=None,
+             prune: float | None = PRUNE) -> dict[str, timing.Timing]:
     """Time backends ``names`` against each other on ``spec``'s inputs (forward, + backward when
     a gradient is needed) with :func:`portattn.timing.compare`: warm-up, a ~1 ms estimate,
-    candidates over ``PRUNE`` × the best estimate left out, then ``ROUNDS`` interleaved rounds of
-    ~``ROUND_MS`` per candidate (the median of per-round medians), within ``TUNE_BUDGET_S``."""
+    candidates over ``prune`` × the best estimate left out (None: none), then ``ROUNDS``
+    interleaved rounds of ~``ROUND_MS`` per candidate (the median of per-round medians), within
+    ``TUNE_BUDGET_S``."""
     from .registry import get_backend
     fns = {}
     errors = {}
@@ -542,7 +544,7 @@ def _measure(names: list[str], spec: AttentionSpec, *, on_error=None) -> dict[st
     clock = _clock(spec.device)
     out = timing.compare(fns, clock, warmup=WARMUP, warmup_ms=WARMUP_MS, rounds=ROUNDS, min_rounds=MIN_ROUNDS,
                          max_rounds=MAX_ROUNDS, round_ms=ROUND_MS, samples_per_round=SAMPLES_PER_ROUND,
-                         prune=PRUNE, deadline=clock.now() + TUNE_BUDGET_S, on_error=on_error)
+                         prune=prune, deadline=clock.now() + TUNE_BUDGET_S, on_error=on_error)
     return {n: errors.get(n) or out[n] for n in names}
 
 
@@ -800,7 +802,11 @@ def recheck(spec: AttentionSpec, candidates: list[str] | None = None, *, force: 
         _busy.active = True
         try:
             if len(among) > 1:
-                for name, t in _measure(among, spec).items():
+                # no pruning here: every candidate of the look was within RECHECK_WITHIN x the winner,
+                # and a one-sample estimate can catch a backend in a slow moment (on the H200,
+                # 2026-12-03, D128 S1k causal fwd: sdpa's estimate 0.70 ms at a steady 0.20 ms
+                # pruned it and the look kept triton at 0.25 ms), so each gets the full rounds
+                for name, t in _measure(among, spec, prune=None).items():
                     results[name] = t.as_dict()
         finally:
             _busy.active = False

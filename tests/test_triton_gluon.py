@@ -74,7 +74,7 @@ def test_gluon_forward_refuses_with_the_reasons():
         gluon_fwd.gluon_forward(build_spec(q, k, v))
 
 
-def test_switch_defaults_to_todays_kernel(monkeypatch):
+def test_switch_falls_back_where_gluon_cannot_run(monkeypatch):
     q, k, v = _qkv(1, 8, 8, 2, 2, 64)
     spec = build_spec(q, k, v)
     monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
@@ -84,6 +84,32 @@ def test_switch_defaults_to_todays_kernel(monkeypatch):
     monkeypatch.setenv(gluon_fwd.ENV_SWITCH, "fast")
     with pytest.raises(ValueError, match="PORTATTN_TRITON_FORWARD"):
         gluon_fwd.forward_choice(spec)
+
+
+def _meta_spec(s, d, causal):
+    x = torch.empty(1, s, 2, d, dtype=torch.bfloat16, device="meta")
+    return build_spec(x, x, x, causal=causal)
+
+
+@pytest.mark.parametrize("s, d, causal, auto", [
+    (1024, 128, False, "gluon"), (1024, 128, True, "triton"), (2048, 128, True, "gluon"),
+    (16384, 128, False, "gluon"), (512, 128, False, "triton"),    # D 128: where the H200 timed it faster
+    (16384, 64, False, "triton"), (4096, 256, True, "triton"),    # D 64 slower at short S, D 256 untimed
+])
+def test_auto_takes_gluon_where_the_h200_timed_it_faster(monkeypatch, s, d, causal, auto):
+    """``auto`` (the default) follows AUTO_MIN_SEQLEN_Q wherever gluon_reasons is empty (here
+    replaced: a CPU has no sm_90); ``gluon`` takes it wherever it can run; ``portable`` never."""
+    monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
+    spec = _meta_spec(s, d, causal)
+    monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+    assert gluon_fwd.forward_choice(spec) == auto and gluon_fwd.auto_takes(spec) == (auto == "gluon")
+    monkeypatch.setenv(gluon_fwd.ENV_SWITCH, "gluon")
+    assert gluon_fwd.forward_choice(spec) == "gluon"
+    monkeypatch.setenv(gluon_fwd.ENV_SWITCH, "portable")
+    assert gluon_fwd.forward_choice(spec) == "triton"
+    monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: ["no sm_90"])
+    monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+    assert gluon_fwd.forward_choice(spec) == "triton"
 
 
 _OPS_SWITCH = """
@@ -100,7 +126,8 @@ except ValueError as exc:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU tensors), as test_triton.py's cpu_only")
-@pytest.mark.parametrize("value, expect", [("gluon", "RAN (1, 8, 2, 32) True"), ("fast", "REFUSED")])
+@pytest.mark.parametrize("value, expect", [("gluon", "RAN (1, 8, 2, 32) True"), ("portable", "RAN (1, 8, 2, 32) True"),
+                                           ("fast", "REFUSED")])
 def test_ops_forward_switch(value, expect):
     """``PORTATTN_TRITON_FORWARD`` in ops.forward: ``gluon`` falls back to today's kernel where the
     Gluon one cannot run (here: CPU tensors, the interpreter); an unknown value is an error."""

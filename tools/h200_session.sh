@@ -628,7 +628,7 @@ fi
 if [[ $what == s7fastest ]]; then
   t0=$(date +%s)
   W=/tmp/portattn-s7f; rm -rf "$W"; mkdir -p "$W"
-  for d in 64 128 256; do timeout 90 $PY tools/warm_caches.py --d $d --dtype bf16 > /tmp/warm-$d.log 2>&1 & done; wait
+  for d in 64 128 256; do timeout "${WARM_LIMIT:-90}" $PY tools/warm_caches.py --d $d --dtype bf16 > /tmp/warm-$d.log 2>&1 & done; wait
   echo "== warm-up ($(( $(date +%s) - t0 ))s)"
   t1=$(date +%s)
   timeout -s INT -k 10 "${FASTEST_LIMIT:-480}" $PY benchmarks/bench_fastest.py --full --out "$W" \

@@ -16,7 +16,7 @@ Phases (each writes its results before the next starts, so a run cut short still
 3. timings (bf16, B·S = 16k tokens, hidden 2048: H = 2048 / D; S 1k / 4k / 16k, D 64 / 128,
    causal and not): the Gluon forward with and without ping-pong (each only if its phase-2
    checks and launches passed), the triton backend's forward
-   (``ops.forward``, PORTATTN_TRITON_FORWARD unset), SDPA flash and cuDNN; medians of
+   (``ops.forward``, PORTATTN_TRITON_FORWARD=portable), SDPA flash and cuDNN; medians of
    ``triton.testing.do_bench`` (L2 flushed before each run); TFLOP/s = 4·B·H·S²·D / t (halved
    for causal) and the ratios of the faster Gluon variant to cuDNN and to triton. No new cell starts after
    ``--time-limit`` seconds; a watchdog ends the process 60 s after it.
@@ -38,7 +38,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-os.environ.pop("PORTATTN_TRITON_FORWARD", None)   # phase 3's "triton" column is today's kernel
+os.environ["PORTATTN_TRITON_FORWARD"] = "portable"   # phase 3's "triton" column is the portable kernel
 
 #: (name, B, Sq, Sk, Hq, Hkv, D, dtype name, build_spec kwargs)
 CHECK_CASES = [

@@ -501,11 +501,30 @@ def gluon_reasons(spec) -> list[str]:
     return reasons
 
 
+#: where ``auto`` takes the Gluon forward: (head dim, causal) -> the fewest query rows at which the
+#: H200 timed it faster than the portable kernel (2026-12-03, tools/triton_gluon_check.py,
+#: benchmarks/results/triton-gluon-check-h200.txt, bf16, S = 1k/4k/16k with B·S = 16k tokens): D 128
+#: 1.10-1.26 x from S 1k, but 0.95 x at S 1k causal; D 64 0.60-1.07 x (faster only at S 16k) stays
+#: portable; D 256 was not timed.
+AUTO_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048}
+
+
+def auto_takes(spec) -> bool:
+    """Whether ``auto`` would take the Gluon forward for ``spec``'s shape (before
+    :func:`gluon_reasons`): a row of :data:`AUTO_MIN_SEQLEN_Q` and at least its query rows."""
+    need = AUTO_MIN_SEQLEN_Q.get((spec.head_dim, bool(spec.causal)))
+    return need is not None and spec.head_dim_v == spec.head_dim and spec.seqlen_q >= need
+
+
 def forward_choice(spec) -> str:
-    """``"gluon"`` when ``PORTATTN_TRITON_FORWARD=gluon`` and :func:`gluon_reasons` is empty, else
-    ``"triton"`` (the portable kernel; also for ``auto`` or an unset variable)."""
+    """``"gluon"`` or ``"triton"`` (the portable kernel) by ``PORTATTN_TRITON_FORWARD``: ``gluon``
+    where :func:`gluon_reasons` is empty; ``auto`` (the default) also only where :func:`auto_takes`;
+    ``portable`` never."""
     from portattn import config
-    return "gluon" if config.triton_forward() == "gluon" and not gluon_reasons(spec) else "triton"
+    mode = config.triton_forward()
+    if mode == "portable" or (mode == "auto" and not auto_takes(spec)):
+        return "triton"
+    return "gluon" if not gluon_reasons(spec) else "triton"
 
 
 def _ensure_allocator() -> None:

@@ -239,7 +239,8 @@ def _empty_result(spec):
 def forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel: ``(out, lse)`` in the canonical layout (see the backend), written
     into ``out``/``lse`` when given (views are fine: the kernel uses their strides)."""
-    if out is None and lse is None and config.triton_forward() != "auto":   # PORTATTN_TRITON_FORWARD
+    if out is None and lse is None and config.triton_forward() != "portable" and spec.q.is_cuda:
+        # PORTATTN_TRITON_FORWARD (an unknown value raises here, on any device): gluon_fwd.forward_choice
         from . import gluon_fwd
         if gluon_fwd.forward_choice(spec) == "gluon":
             return gluon_fwd.gluon_forward(spec)
