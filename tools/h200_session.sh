@@ -640,7 +640,7 @@ fi
 if [[ $what == s7gluon ]]; then
   t0=$(date +%s)
   W=/tmp/portattn-s7g; rm -rf "$W"; mkdir -p "$W"
-  timeout -s INT -k 10 120 $PY -m pytest -v --tb=short -p no:cacheprovider tests/test_triton_gluon.py -rfEs \
+  timeout -s INT -k 10 "${GLUON_TEST_LIMIT:-240}" $PY -m pytest -v --tb=short -p no:cacheprovider tests/test_triton_gluon.py -rfEs \
       > "$W/pytest_gluon.txt" 2>&1
   echo "== gluon GPU tests rc=$? ($(( $(date +%s) - t0 ))s):"; grep -E "(FAILED|ERROR) tests|passed|failed" "$W/pytest_gluon.txt" | tail -12
   timeout -s INT -k 10 "${GLUON_LIMIT:-440}" $PY tools/triton_gluon_check.py --out "$W" --time-limit $(( ${GLUON_LIMIT:-440} - 40 )) \
