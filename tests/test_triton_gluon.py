@@ -374,3 +374,24 @@ def test_gpu_matches_reference(name, pingpong):
     assert res.passed, res
     res = compare_lse(lse, ref_lse)
     assert res.passed, res
+
+
+@requires_sm90
+@needs_gluon
+@pytest.mark.usefixtures("no_deadlock")
+@pytest.mark.parametrize("sq, causal, kernel", [(2048, True, "gluon"), (1024, False, "gluon"), (1024, True, "triton")])
+def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal, kernel):
+    """``portattn.attention`` on the triton backend with the default switch: the Gluon kernel runs
+    where AUTO_MIN_SEQLEN_Q has the shape (the launch is seen), the portable one elsewhere; both
+    against float64."""
+    monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+    import portattn
+    ran = []
+    real = gluon_fwd.gluon_forward
+    monkeypatch.setattr(gluon_fwd, "gluon_forward", lambda spec, **kw: ran.append(spec) or real(spec, **kw))
+    q, k, v = _qkv(1, sq, sq, 4, 2, 128, device="cuda", seed=11)
+    out = portattn.attention(q, k, v, causal=causal, backend="triton")
+    torch.cuda.synchronize()
+    assert bool(ran) == (kernel == "gluon")
+    spec = build_spec(q, k, v, causal=causal)
+    assert compare("out", out, reference_forward(spec)[0], naive_forward(spec)[0]).passed

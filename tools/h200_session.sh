@@ -51,7 +51,9 @@
 #       at D 128/256, cupy's wgmma forward): the rest of triton's and cupy's catalogue, tests/test_cupy.py's
 #       and the atomic-dQ GPU tests, the atomic diagnosis with --narrow (the padded accumulator), side by side
 #   bash tools/h200_session.sh s7fastest   # the fastest policy's full grid with ~20 ms samples (alone, ~450 s)
-#   bash tools/h200_session.sh s7gluon     # the experimental Gluon forward (issue #14): its GPU tests, then
+#   bash tools/h200_session.sh s8final     # the Gluon GPU tests (default path too), the atomic diagnosis --narrow,
+#       then alone the fastest policy on the D 128 forward cells and the two D 256 S16k fwd+bwd cells
+#   bash tools/h200_session.sh s7gluon     # the Gluon forward (issue #14): its GPU tests, then
 #       tools/triton_gluon_check.py (compile report, numerics in a child with a timeout, timings)
 # Runs from the source tree (PYTHONPATH, no install). Everything lands under $OUT in few files
 # (the device tool brings back at most 8); the last lines printed are the summaries.
@@ -647,4 +649,28 @@ if [[ $what == s7gluon ]]; then
       > "$W/gluon_log.txt" 2>&1
   echo "== gluon check rc=$? ($(( $(date +%s) - t0 ))s):"; tail -40 "$W/gluon_check.txt" 2>/dev/null || tail -40 "$W/gluon_log.txt"
   tar czf "$OUT/s7gluon.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
+fi
+
+if [[ $what == s8final ]]; then
+  # after the Gluon default (D 128) and the no-prune second look: the Gluon GPU tests (the default
+  # path included), the atomic diagnosis with --narrow and the compile warm-up side by side; then
+  # alone: the fastest policy on the cells those changes touch and the two the full grid skipped
+  t0=$(date +%s)
+  W=/tmp/portattn-s8; rm -rf "$W"; mkdir -p "$W"
+  LIMIT=${CONF_LIMIT:-150}
+  timeout -s INT -k 10 "$LIMIT" $PY -m pytest -v --tb=short -p no:cacheprovider tests/test_triton_gluon.py -rfEs \
+      > "$W/pytest_gluon.txt" 2>&1 &
+  timeout -s INT -k 10 "$LIMIT" $PY tools/triton_atomic_diag.py --quick --narrow --jobs 3 --out "$W" \
+      > "$W/atomic_diag.txt" 2>&1 &
+  for d in 128 256; do timeout "$LIMIT" $PY tools/warm_caches.py --d $d --dtype bf16 > /tmp/warm-$d.log 2>&1 & done
+  wait
+  echo "== gluon GPU tests ($(( $(date +%s) - t0 ))s):"; grep -E "(FAILED|ERROR) tests|passed|failed" "$W/pytest_gluon.txt" | tail -8
+  echo "== atomic diag:"; tail -6 "$W/atomic_diag.txt"
+  t1=$(date +%s)
+  timeout -s INT -k 10 "${FASTEST_LIMIT:-230}" $PY benchmarks/bench_fastest.py --out "$W" --tag h200-cells \
+      --time-limit $(( ${FASTEST_LIMIT:-230} - 15 )) --cells 'D128 S1k fwd' 'D128 S1k causal fwd' 'D128 S4k fwd' \
+      'D128 S4k causal fwd' 'D128 S16k fwd' 'D128 S16k causal fwd' 'D256 S16k fwd+bwd' 'D256 S16k causal fwd+bwd' \
+      > "$W/fastest_cells.txt" 2>&1
+  echo "== fastest cells rc=$? ($(( $(date +%s) - t1 ))s):"; tail -22 "$W/fastest_cells.txt"
+  tar czf "$OUT/s8final.tgz" -C "$W" . ; echo "total $(( $(date +%s) - t0 ))s"
 fi
