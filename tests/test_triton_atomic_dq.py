@@ -434,10 +434,11 @@ def test_flash_attn_deterministic_flag_runs_the_two_kernel_path(atomic_row, laun
     assert launches.atomic, launches.names
 
 
-@pytest.mark.parametrize("d, dv", [(40, 40), (24, 32), (64, 128)], ids=["d40", "d24-dv32", "d64-dv128"])
+@pytest.mark.parametrize("d, dv", [(200, 200), (24, 32), (64, 128)], ids=["d200", "d24-dv32", "d64-dv128"])
 def test_a_head_dim_narrower_than_its_block_keeps_the_two_kernel_path(d, dv, atomic_row, launches):
-    """Even under PORTATTN_TRITON_DQ=atomic: the atomic dQ with a masked head-dim column gave wrong
-    dQ (D 200) and an illegal address (D 40) on the H200 (ops.atomic_config); the call is still right."""
+    """Even under PORTATTN_TRITON_DQ=atomic: block 256 (D 200 gave wrong dQ and an illegal address
+    on the H200, ops.atomic_config) and narrow head dims with Dv != D (not checked there) keep the
+    deterministic backward; the call is still right."""
     g = torch.Generator().manual_seed(9)
     q = _randn(1, 70, 2, d, dtype=torch.bfloat16, gen=g)
     k = _randn(1, 80, 2, d, dtype=torch.bfloat16, gen=g)
@@ -447,9 +448,21 @@ def test_a_head_dim_narrower_than_its_block_keeps_the_two_kernel_path(d, dv, ato
     assert launches.deterministic, launches.names
 
 
-@pytest.mark.parametrize("d, dv", [(40, 40), (24, 32), (64, 128)], ids=["d40", "d24-dv32", "d64-dv128"])
+@pytest.mark.parametrize("d, dv", [(40, 40), (24, 24), (96, 96)], ids=["d40", "d24", "d96"])
+def test_narrow_head_dims_take_atomic_dq_in_the_checked_blocks(d, dv, atomic_row, launches):
+    """D == Dv narrower than a block of ops.ATOMIC_NARROW_BLOCKS (32, 64, 128: passed on the H200)
+    takes atomic dQ into the BLOCK_D-wide accumulator (no head-dim mask on the add) and matches
+    the reference."""
+    g = torch.Generator().manual_seed(10)
+    q = _randn(1, 70, 2, d, dtype=torch.bfloat16, gen=g)
+    k = _randn(1, 80, 2, d, dtype=torch.bfloat16, gen=g)
+    v = _randn(1, 80, 2, dv, dtype=torch.bfloat16, gen=g)
+    _check(q, k, v, {"causal": True}, launches)
+
+
+@pytest.mark.parametrize("d, dv", [(24, 32), (64, 128)], ids=["d24-dv32", "d64-dv128"])
 def test_narrow_head_dims_with_the_padded_accumulator(d, dv, atomic_row, launches, monkeypatch):
-    """With ops.ATOMIC_NARROW_HEAD (off until the H200 check passes), a narrower head dim takes atomic
+    """With ops.ATOMIC_NARROW_HEAD (the diagnosis tool's override), any narrower head dim takes atomic
     dQ into the BLOCK_D-wide accumulator (no head-dim mask on the add) and matches the reference."""
     monkeypatch.setattr(ops, "ATOMIC_NARROW_HEAD", True)
     g = torch.Generator().manual_seed(10)

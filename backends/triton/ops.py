@@ -502,10 +502,13 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
     return dq, dk, dv, dbias
 
 
-#: atomic dQ for a head dim narrower than its padded block. Off: with a head-dim mask on the atomic
-#: add, triton 3.6 gave wrong dQ / an illegal address on the H200 (atomic_config). The accumulator
-#: is now BLOCK_D wide, so the add needs no such mask; tools/triton_atomic_diag.py --narrow sets
-#: this in its child processes to check that on the GPU before it is turned on.
+#: padded blocks (BLOCK_D) in which a narrower head dim (D == Dv) may take atomic dQ into the
+#: BLOCK_D-wide float32 accumulator: the H200 check of 2026-12-03 (tools/triton_atomic_diag.py
+#: --narrow, benchmarks/results/triton-atomic-diag-h200.*) passed D 24, 40 and 96 (blocks 32, 64,
+#: 128; 12 of 12 cases) and failed D 200 in block 256 (4 of 4: dQ off by 1.6-3.3 x its magnitude or
+#: an illegal address), as with the masked add before, so 256 stays out
+ATOMIC_NARROW_BLOCKS = frozenset({32, 64, 128})
+#: every block (tools/triton_atomic_diag.py --narrow sets it in its child processes, to check them)
 ATOMIC_NARROW_HEAD = False
 
 
@@ -516,15 +519,17 @@ def atomic_config(spec, cfgs: BackwardConfigs, exact: bool, want_dbias: bool) ->
     under ``PORTATTN_TRITON_DQ=auto`` (the default) only a row timed faster than the deterministic
     backward (``atomic_by_default``), under ``atomic`` every row, under ``kernel`` none.
 
-    Never when the head dim is narrower than its padded block (``BLOCK_D``): on the H200 (triton
-    3.6, 2026-12-02, ``tools/triton_atomic_diag.py``) the atomic dQ with a masked head-dim column
-    and 32-row query tiles gave wrong dQ at D 200 (relative error 1.6-4.8 against the
-    deterministic backward) and an illegal address at D 40; every case with D equal to its
-    block passed. Such calls keep the two-kernel backward until the BLOCK_D-wide accumulator
-    (no head-dim mask on the add) passes that check (:data:`ATOMIC_NARROW_HEAD`)."""
+    A head dim narrower than its padded block (``BLOCK_D``) takes it only with ``D == Dv`` in the
+    blocks of :data:`ATOMIC_NARROW_BLOCKS`: on the H200 (triton 3.6, ``tools/triton_atomic_diag.py``)
+    D 200 in block 256 gave wrong dQ (relative error 1.6-4.8 against the deterministic backward)
+    or an illegal address, with the masked atomic add (2026-12-02) and with the BLOCK_D-wide
+    accumulator (2026-12-03) alike; D 24, 40 and 96 passed with the latter. Every other such
+    call keeps the two-kernel backward."""
     if exact or want_dbias or spec.deterministic or cfgs.atomic is None:
         return None
-    if spec.head_dim != _block_d(spec) and not ATOMIC_NARROW_HEAD:
+    block = _block_d(spec)
+    if spec.head_dim != block and not ATOMIC_NARROW_HEAD and not (
+            block in ATOMIC_NARROW_BLOCKS and spec.head_dim_v == spec.head_dim):
         return None
     mode = config.triton_dq()
     if mode == "kernel" or (mode == "auto" and not cfgs.atomic_by_default):
