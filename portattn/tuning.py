@@ -21,6 +21,14 @@ every candidate is
 3. ranked with the tie rule of :func:`portattn.timing.pick`: within the measured noise of the
    fastest (0.3-1 %), the first in priority order wins (the entry's ``tied``).
 
+A class where another candidate came within ``RECHECK_WITHIN`` × the winner's time is
+*provisional*: at its first call ``RECHECK_AFTER_S`` later, a **second look** (:func:`recheck`)
+times those candidates again in full rounds (no pruning), ranks them, and then lets every
+candidate within ``DUEL_WITHIN`` of the winner **duel** it (:func:`_duel`): back-to-back pairs
+of samples (:func:`portattn.timing.paired_ratios`, how ``benchmarks/bench_fastest.py`` judges
+the policy), the challenger taking the class when the pairs' median puts it more than
+``DUEL_MARGIN`` faster. Then the choice is final.
+
 The winner and every timing are kept in memory and in a JSON file per device and software
 versions (:func:`cache_path`) under ``config.cache_dir()`` (``$PORTATTN_CACHE_DIR``), written
 atomically (temporary file + ``os.replace``) under a ``filelock`` lock so that several processes
@@ -45,6 +53,7 @@ import json
 import math
 import os
 import re
+import statistics
 import tempfile
 import threading
 import time
@@ -81,6 +90,14 @@ TUNE_BUDGET_S = 2.0
 #: than a benchmark measured it seconds later); until then the choice is provisional
 RECHECK_WITHIN = 2.0
 RECHECK_AFTER_S = 2.0
+#: the second look's duel: each candidate whose rounds put it within DUEL_WITHIN of the winner's
+#: time is timed against the winner in DUEL_PAIRS back-to-back pairs of ~DUEL_SAMPLE_MS samples
+#: (portattn.timing.paired_ratios, the benchmark's judge) and takes the class when the pairs'
+#: median puts it more than DUEL_MARGIN faster. Rounds of several candidates span seconds, and in
+#: power-bound cells the H200 ran every backend at two speeds by round order (2026-12-03, D128
+#: S16k fwd: rounds spread 15 %, the policy's rounds put triton 2.4 % ahead of sdpa, the pairs
+#: 5.6 % behind)
+DUEL_WITHIN, DUEL_PAIRS, DUEL_SAMPLE_MS, DUEL_MARGIN = 0.10, 16, 10.0, 0.01
 
 _lock = threading.RLock()
 _busy = threading.local()
@@ -696,6 +713,9 @@ def format_timings(info: dict | None) -> str:
             rel = f" ({r['ms'] / best:.3f}x)" if best else ""
             how = " estimate only (cannot win)" if r.get("pruned") else (
                 f" ±{100 * r['spread'] / 2:.1f}% over {len(r.get('ms_rounds', ()))} rounds" if "spread" in r else "")
+            duel = r.get("paired") or {}
+            if "ratio" in duel:
+                how += f"; {duel['ratio']:.3f}x {duel['vs']} in {duel['pairs']} back-to-back pairs"
             lines.append(f"  {name:<15} {r['ms']:.4g} ms{rel}{how}")
         else:
             why = r.get("failed") or r.get("error") or r.get("skipped") or "?"
@@ -758,6 +778,43 @@ def _keep(entry: dict, key: str, store: _Store) -> dict:
     return entry
 
 
+def _duel(spec: AttentionSpec, results: dict, order: list[str], tied: list[str],
+          among: list[str]) -> tuple[list[str], list[str]]:
+    """The second look's last step (:data:`DUEL_WITHIN`): the winner of ``order`` against each
+    candidate of ``among`` within ``DUEL_WITHIN`` of its time, in back-to-back pairs; the one whose
+    pairs' median is furthest below ``1 - DUEL_MARGIN`` takes the class (``order`` and ``tied``
+    updated); each duel is recorded on the challenger's result as ``paired`` (``vs``, the median
+    ratio challenger / winner, the pairs' count)."""
+    if not order:
+        return order, tied
+    winner = order[0]
+    w_ms = results[winner]["ms"]
+    rivals = [n for n in order[1:] if n in among and results[n]["ms"] <= w_ms * (1 + DUEL_WITHIN)]
+    if not rivals:
+        return order, tied
+    from .registry import get_backend
+    clock = _clock(spec.device)
+    w_fn = _runner(get_backend(winner), spec)
+    best, best_ratio = None, 1.0 - DUEL_MARGIN
+    for name in rivals:
+        try:
+            ratios = timing.paired_ratios(_runner(get_backend(name), spec), w_fn, clock, ms_a=results[name]["ms"],
+                                          ms_b=w_ms, pairs=DUEL_PAIRS, sample_ms=DUEL_SAMPLE_MS,
+                                          names=(name, winner))
+        except Exception as exc:   # a backend that fails here keeps its rounds' result
+            results[name] = dict(results[name], paired={"vs": winner, "error": timing._error(exc)})
+            continue
+        if not ratios:
+            continue
+        ratio = statistics.median(ratios)
+        results[name] = dict(results[name], paired={"vs": winner, "ratio": round(ratio, 5), "pairs": len(ratios)})
+        if ratio < best_ratio:
+            best, best_ratio = name, ratio
+    if best is None:
+        return order, tied
+    return [best, *[n for n in order if n != best]], [best]
+
+
 def _close_to_winner(results: dict, order: list[str]) -> list[str]:
     """The winner and the timed candidates within :data:`RECHECK_WITHIN` x its time (pruned ones
     by their estimate), or [] when none is that close."""
@@ -808,9 +865,10 @@ def recheck(spec: AttentionSpec, candidates: list[str] | None = None, *, force: 
                 # pruned it and the look kept triton at 0.25 ms), so each gets the full rounds
                 for name, t in _measure(among, spec, prune=None).items():
                     results[name] = t.as_dict()
+            order, tied = _rank(results, candidates)
+            order, tied = _duel(spec, results, order, tied, among)
         finally:
             _busy.active = False
-        order, tied = _rank(results, candidates)
         new = dict(entry, results=results, order=order, winner=order[0] if order else None, tied=tied,
                    tuning_s=round(entry.get("tuning_s", 0.0) + time.perf_counter() - t_start, 3),
                    rechecked={"first": first, "first_winner": entry.get("winner"),

@@ -984,6 +984,49 @@ def test_the_second_look_times_every_close_candidate_in_full_rounds(toys, monkey
     assert [n for n, _ in look.log].count("toy_slow") > 3             # timed in rounds, not just estimated
 
 
+def _provisional(monkeypatch, slow_ms=1.5):
+    monkeypatch.setattr(tuning, "RECHECK_AFTER_S", 120.0)
+    monkeypatch.setitem(COST, "toy_slow", slow_ms)
+    spec = _spec(sq=8, sk=56)
+    assert tuning.choose(spec, ["toy_slow", "toy_fast"]) == "toy_fast" and tuning.recheck_due(spec)
+    return spec
+
+
+def test_the_second_look_duels_a_close_rival_in_back_to_back_pairs(toys, monkeypatch):
+    """The look's rounds put toy_fast 2 % ahead of toy_slow; the duel's pairs (the benchmark's
+    judge) put toy_slow 5 % ahead: toy_slow takes the class, the duel recorded and shown."""
+    spec = _provisional(monkeypatch)
+    monkeypatch.setattr(tuning, "_clock", lambda device: FakeClock(cost={"toy_slow": 1.02, "toy_fast": 1.0}))
+    seen = []
+
+    def pairs(fa, fb, clock, *, ms_a, ms_b, pairs, sample_ms, names, **kw):
+        seen.append((names, pairs, sample_ms, round(ms_a / ms_b, 3)))
+        fa(), fb()
+        return [0.95] * pairs
+    monkeypatch.setattr(timing, "paired_ratios", pairs)
+    entry = tuning.recheck(spec, ["toy_slow", "toy_fast"], force=True)
+    assert seen == [(("toy_slow", "toy_fast"), tuning.DUEL_PAIRS, tuning.DUEL_SAMPLE_MS, 1.02)]
+    assert entry["winner"] == "toy_slow" and entry["tied"] == ["toy_slow"] and entry["order"][1] == "toy_fast"
+    assert entry["results"]["toy_slow"]["paired"] == {"vs": "toy_fast", "ratio": 0.95, "pairs": tuning.DUEL_PAIRS}
+    assert "0.950x toy_fast in 16 back-to-back pairs" in tuning.format_timings(tuning.timing_details(spec))
+    assert "recheck" not in tuning.timing_details(spec)
+
+
+@pytest.mark.parametrize("rival_ms, ratio, dueled, winner", [
+    (1.02, 0.995, True, "toy_fast"),    # the pairs agree within DUEL_MARGIN: the winner stays
+    (1.5, 0.5, False, "toy_fast"),      # over DUEL_WITHIN in the rounds: no duel
+])
+def test_the_duel_keeps_the_winner_unless_the_pairs_beat_it_by_the_margin(toys, monkeypatch, rival_ms, ratio,
+                                                                          dueled, winner):
+    spec = _provisional(monkeypatch)
+    monkeypatch.setattr(tuning, "_clock", lambda device: FakeClock(cost={"toy_slow": rival_ms, "toy_fast": 1.0}))
+    calls = []
+    monkeypatch.setattr(timing, "paired_ratios", lambda *a, pairs, **kw: calls.append(1) or [ratio] * pairs)
+    entry = tuning.recheck(spec, ["toy_slow", "toy_fast"], force=True)
+    assert bool(calls) == dueled and entry["winner"] == winner
+    assert ("paired" in entry["results"]["toy_slow"]) == dueled
+
+
 def test_a_provisional_winner_takes_the_fast_call_path_until_its_second_look(only_toys, monkeypatch):
     """Calls of a provisional class skip the choice (portattn.callcache holds the winner until the
     second look's moment; the H200's overhead table measured +75 us per call without this); the
