@@ -47,7 +47,7 @@ VARIABLES = {
                                "backends/triton/gluon_fwd.py, where the H200 timed it faster - D 128 from 1k queries, "
                                "2k when causal - and gluon_reasons is empty; the portable kernel elsewhere), gluon "
                                "(wherever gluon_reasons is empty) or portable (never Gluon); read on every forward",
-    "PORTATTN_TRITON_GLUON_PINGPONG": "0 = the Gluon forward's consumer warpgroups do not take turns issuing their "
+    "PORTATTN_TRITON_GLUON_PINGPONG": "0/false/no/off = the Gluon forward's consumer warpgroups do not take turns issuing their "
                                       "matrix products (FA3's ping-pong off; default 1)",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
@@ -178,9 +178,10 @@ def triton_forward() -> str:
 
 
 def triton_gluon_pingpong() -> bool:
-    """``PORTATTN_TRITON_GLUON_PINGPONG`` (default on)."""
-    raw = _raw("PORTATTN_TRITON_GLUON_PINGPONG")
-    return raw is None or (os.fsdecode(raw) if isinstance(raw, bytes) else raw).strip() != "0"
+    """``PORTATTN_TRITON_GLUON_PINGPONG`` (default on; empty is the default; 0/false/no/off turn it
+    off; anything else but a boolean raises ``ValueError``)."""
+    return _parsed("PORTATTN_TRITON_GLUON_PINGPONG",
+                   lambda name, text: True if not text.strip() else _parse_flag(name, text), True)
 
 
 TRITON_DQ_MODES = ("auto", "atomic", "kernel")

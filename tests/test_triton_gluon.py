@@ -395,3 +395,18 @@ def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal
     assert bool(ran) == (kernel == "gluon")
     spec = build_spec(q, k, v, causal=causal)
     assert compare("out", out, reference_forward(spec)[0], naive_forward(spec)[0]).passed
+
+
+@pytest.mark.parametrize("value, expect", [(None, True), ("", True), ("1", True), ("on", True), ("0", False),
+                                           ("false", False), ("off", False), ("maybe", ValueError)])
+def test_pingpong_switch_reads_a_boolean(monkeypatch, value, expect):
+    from portattn import config
+    if value is None:
+        monkeypatch.delenv("PORTATTN_TRITON_GLUON_PINGPONG", raising=False)
+    else:
+        monkeypatch.setenv("PORTATTN_TRITON_GLUON_PINGPONG", value)
+    if expect is ValueError:
+        with pytest.raises(ValueError, match="PORTATTN_TRITON_GLUON_PINGPONG"):
+            config.triton_gluon_pingpong()
+    else:
+        assert config.triton_gluon_pingpong() is expect
