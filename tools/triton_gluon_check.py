@@ -13,7 +13,7 @@ Phases (each writes its results before the next starts, so a run cut short still
    poisoned with NaN first (an element the kernel does not write shows as NaN), fully-masked
    rows exactly 0 with lse -inf, two runs bit-identical; then one launch at every timing shape;
    all of it for the kernel with and without the consumers' ping-pong (``PINGPONG``);
-3. timings (bf16, B·S = 16k tokens, hidden 2048: H = 2048 / D; S 1k / 4k / 16k, D 64 / 128,
+3. timings (bf16, B·S = 16k tokens, hidden 2048: H = 2048 / D; S 1k / 4k / 16k, D 128 / 256 / 64,
    causal and not): the Gluon forward with and without ping-pong (each only if its phase-2
    checks and launches passed), the triton backend's forward
    (``ops.forward``, PORTATTN_TRITON_FORWARD=portable), SDPA flash and cuDNN; medians of
@@ -62,7 +62,7 @@ CHECK_CASES = [
 PINGPONGS = (False, True)
 
 #: (S, D, causal) of the timing table
-TIMING_CELLS = [(s, d, c) for d in (128, 64) for s in (1024, 4096, 16384) for c in (False, True)]
+TIMING_CELLS = [(s, d, c) for d in (128, 256, 64) for s in (1024, 4096, 16384) for c in (False, True)]
 
 
 def _shape(seqlen: int, d: int) -> tuple[int, int]:
