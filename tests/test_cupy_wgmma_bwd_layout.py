@@ -17,8 +17,18 @@ import re
 import numpy as np
 import pytest
 from portattn.backends.cupy import configs
-from test_cupy_wgmma_layout import (_a_coords, _c_expr, _d_coords, _desc, _pv_desc, _qk_descs, _qk_offsets,
-                                    _read_kmajor, _read_mnmajor, _store)
+from test_cupy_wgmma_layout import (
+    _a_coords,
+    _c_expr,
+    _d_coords,
+    _desc,
+    _pv_desc,
+    _qk_descs,
+    _qk_offsets,
+    _read_kmajor,
+    _read_mnmajor,
+    _store,
+)
 
 SRC = configs.source(("attn_bwd_wgmma.cu",))
 
