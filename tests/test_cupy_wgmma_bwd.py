@@ -203,43 +203,55 @@ def test_wgmma_backward_compiles_without_spills_and_uses_hgmma(tmp_path):
 
 
 def _chain_register_hazards(ptx: str) -> list[str]:
-    """test_cupy_wgmma's check, per chain: the kernels issue two chains (each wgmma.fence, its
-    wgmma.mma_async's, commit_group) before one wait_group, and the second chain's registers may
-    be written by ordinary code before *its* fence (PTX ISA 9.7.15.7.1). So a chain's registers
-    (accumulators and A fragments) are checked from its own wgmma.fence to the wait_group."""
+    """test_cupy_wgmma's check, per chain and with wait_group N: the backward issues several
+    chains (each a wgmma.fence, its wgmma.mma_async's and a commit_group) and waits for each only
+    when it needs the result (``wgmma.wait_group 1`` leaves the newest group running). A chain's
+    registers (accumulators and A fragments) may be written by ordinary code before *its* fence
+    (PTX ISA 9.7.15.7.1), and read again once a wait_group completed its group: at
+    ``wait_group N`` every group with at least N groups committed after it is complete. So each
+    chain's registers are checked from its own wgmma.fence to the wait that completes it."""
     lines = [ln.split("//")[0].strip() for ln in ptx.splitlines()]
-    bad = []
+    chains, commits, fence = [], [], None   # chains: [fence line, commit line, regs]
     for i, ln in enumerate(lines):
-        if not ln.startswith("wgmma.fence"):
-            continue
-        end = i + 1
-        while end < len(lines) and not lines[end].startswith("wgmma.commit_group"):
-            end += 1
-        wait = end
-        while wait < len(lines) and not lines[wait].startswith("wgmma.wait_group"):
-            wait += 1
-        chain = [x for x in lines[i:end] if x.startswith("wgmma.mma_async")]
-        regs = {r for x in chain for grp in re.findall(r"\{([^}]*)\}", x) for r in re.findall(r"%\w+", grp)}
-        assert chain and regs, f"a wgmma.fence at PTX line {i} without a chain"
-        for x in lines[i + 1:wait]:
+        if ln.startswith("wgmma.fence"):
+            fence = i
+        elif ln.startswith("wgmma.commit_group"):
+            body = [x for x in lines[fence:i] if x.startswith("wgmma.mma_async")]
+            regs = {r for x in body for grp in re.findall(r"\{([^}]*)\}", x) for r in re.findall(r"%\w+", grp)}
+            assert fence is not None and body and regs, f"a commit_group at PTX line {i} without a fenced chain"
+            chains.append([fence, i, regs])
+            commits.append(i)
+    waits = [(i, int(re.search(r"wait_group\.sync\.aligned (\d+)", ln).group(1)))
+             for i, ln in enumerate(lines) if ln.startswith("wgmma.wait_group")]
+    bad = []
+    for start, commit, regs in chains:
+        done = next((w for w, n in waits if w > commit and sum(commit < c < w for c in commits) >= n), None)
+        assert done is not None, f"the chain committed at PTX line {commit} is never waited for"
+        for x in lines[start + 1:done]:
             if x and not x.startswith("wgmma.") and regs.intersection(re.findall(r"%\w+", x)):
-                bad.append(f"line {i}: {x}")
+                bad.append(f"line {start}: {x}")
     return bad
 
 
 def test_chain_register_hazard_check():
     """The per-chain check flags an access to an outstanding chain's registers (after its fence,
-    before the wait, also behind a second chain) and accepts writes to the second chain's
-    registers before that chain's own fence."""
+    before the wait that completes it, also behind a second chain and across a wait_group 1 that
+    leaves it running) and accepts writes to a chain's registers before its own fence and reads of
+    a chain that a wait_group 1 completed."""
     mma = "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%f1, %f2}, %rd1, %rd2, p, 1, 1, 0, 0;\n"
     mma2 = mma.replace("%f1, %f2", "%f3, %f4")
     fence, commit = "wgmma.fence.sync.aligned;\n", "wgmma.commit_group.sync.aligned;\n"
-    ok = (fence + mma + commit + "mov.f32 %f3, %f9;\n" + fence + mma2 + commit +
-          "wgmma.wait_group.sync.aligned 0;\nadd.f32 %f1, %f1, %f3;\n")
+    wait0, wait1 = "wgmma.wait_group.sync.aligned 0;\n", "wgmma.wait_group.sync.aligned 1;\n"
+    ok = (fence + mma + commit + "mov.f32 %f3, %f9;\n" + fence + mma2 + commit + wait1 +
+          "add.f32 %f1, %f1, %f1;\n" + wait0 + "add.f32 %f1, %f1, %f3;\n")
     assert _chain_register_hazards(ok) == []
     assert len(_chain_register_hazards(ok.replace("mov.f32 %f3, %f9;", "mov.f32 %f2, %f9;"))) == 1
-    late = ok.replace("wgmma.wait_group", "add.f32 %f5, %f4, %f4;\nwgmma.wait_group")
+    early = ok.replace("add.f32 %f1, %f1, %f1;", "add.f32 %f1, %f1, %f4;")   # %f4: chain 2, still running
+    assert len(_chain_register_hazards(early)) == 1
+    late = ok.replace(wait1, "add.f32 %f5, %f4, %f4;\n" + wait1)
     assert len(_chain_register_hazards(late)) == 1
+    with pytest.raises(AssertionError, match="never waited"):
+        _chain_register_hazards(fence + mma + commit)
 
 
 def test_sm90a_ptx_keeps_backward_wgmma_registers_behind_the_fences():
@@ -263,7 +275,8 @@ def test_sm90a_ptx_keeps_backward_wgmma_registers_behind_the_fences():
         assert len(body) == 1, name
         # dK/dV: S^T and dP^T, then dV and dK (two chains each); dQ: S and dP, then dQ
         assert body[0].count("wgmma.fence") == (4 if "dkdv" in name else 3), name
-        assert body[0].count("wgmma.wait_group") == 2, name
+        # each wait_group 1 leaves the newest group running; the last wait of a tile is wait_group 0
+        assert body[0].count("wgmma.wait_group.sync.aligned 1") == (2 if "dkdv" in name else 1), name
         assert _chain_register_hazards(body[0]) == [], name
 
 

@@ -100,12 +100,17 @@ def test_dkdv_operands_and_coordinates(hd):
     dv_rows, dv_tile = _call(DKDV, r"wg_pv<T, HD, (\w+)>\(dv_acc, pa, (\w+)\)")
     dk_rows, dk_tile = _call(DKDV, r"wg_pv<T, HD, (\w+)>\(dk_acc, da, (\w+)\)")
     assert (dv_tile, dk_tile) == ("sdOb", "sQb") and env[dv_rows] == env[dk_rows] == bm
-    # element coordinates of wg_grad_tile_keys: (query, key) of accumulator element 4 nb + e
-    body = re.search(r"wg_grad_tile_keys\(.*?\n\}", SRC, re.S).group(0)
+    # element coordinates of wg_probs_keys: (query, key) of accumulator element 4 nb + e, and the
+    # query's lse2 (there) and delta (wg_dscores_keys) in shared memory
+    body = re.search(r"wg_probs_keys\(.*?\n\}", SRC, re.S).group(0)
     il_expr = re.search(r"const int il = ([^;]+);", body).group(1)
-    q_expr, k_expr = re.search(r"check, s,\s*([^,]+), ([^,]+), scale_log2", body).groups()
+    q_expr, k_expr = re.search(r"check, s, ([^,]+), ([^,]+),\s*scale_log2", body).groups()
     stat_off = re.search(r"const float2 l2 = \*reinterpret_cast<const float2\*>\(lse2_t \+ (\w+)\)", body).group(1)
-    assert stat_off == "il" and "e % 2 ? l2.y : l2.x" in body and "e % 2 ? dl.y : dl.x" in body
+    assert stat_off == "il" and "e % 2 ? l2.y : l2.x" in body
+    ds_body = re.search(r"wg_dscores_keys\(.*?\n\}", SRC, re.S).group(0)
+    assert re.search(r"const int il = ([^;]+);", ds_body).group(1) == il_expr
+    assert "reinterpret_cast<const float2*>(delta_t + il)" in ds_body and "e % 2 ? dl.y : dl.x" in ds_body
+    assert _call(DKDV, r"wg_dscores_keys<BM>\(st, dpt, (lse2_t \+ BM), t4\)")[0] == "lse2_t + BM"
     j0_expr = _call(DKDV, r"const int j0 = ([^;]+);")[0]
     nw0_expr = _call(DKDV, r"const int nw0 = ([^;]+);")[0]
 
@@ -169,9 +174,11 @@ def test_dq_operands_and_coordinates(hd):
     pv_rows, pv_tile = _call(DQ, r"wg_pv<T, HD, (\w+)>\(dq_acc, da, (\w+)\)")
     assert pv_tile == "sKb" and env[pv_rows] == bn
     wg_off = _call(DQ, r"const pa_u32 sQw = sQ \+ ([^,]+), sdOw")[0]
-    body = re.search(r"wg_grad_tile_rows\(.*?\n\}", SRC, re.S).group(0)
+    body = re.search(r"wg_probs_rows\(.*?\n\}", SRC, re.S).group(0)
     r_expr, k_expr = re.search(r"check, s, ([^,]+),\s*([^,]+), scale_log2", body).groups()
-    lse_idx = re.search(r"lse2\[([^\]]+)\], delta_r", body).group(1)
+    lse_idx = re.search(r"wg_prob\(sc\[4 \* nb \+ e\], lse2\[([^\]]+)\], check", body).group(1)
+    ds_body = re.search(r"wg_dscores_rows\(.*?\n\}", SRC, re.S).group(0)
+    assert re.search(r"delta_r\[([^\]]+)\]", ds_body).group(1) == lse_idx
     i0_expr = _call(DQ, r"const int i0 = ([^;]+);")[0]
     mw0_expr = _call(DQ, r"const int mw0 = ([^;]+);")[0]
 

@@ -14,20 +14,22 @@
 //   attn_sm90.cuh); the CTA walks every query head of its GQA group and every BM-row query tile
 //   that can see its keys (row_range), Q / dO tiles (SW128) and their rows' lse log2 e / delta
 //   double-buffered with cp.async. Per tile and warpgroup (skipped when none of its keys is
-//   visible to the tile):
+//   visible to the tile), four wgmma commit groups, each waited for only when its result is needed
+//   (wait_group 1), so that the exponentials run beside dP^T and dS^T beside dV:
 //     S^T  = K_w Q^T     wgmma_ss m64nBMk16, A = K (K-major), B = Q (K-major)     (wg_qk)
 //     dP^T = V_w dO^T    wgmma_ss, A = V, B = dO                                   (wg_qk)
-//     P^T = exp2(S^T scale log2 e - lse2), dS^T = P^T (dP^T - delta): the accumulator layout is
-//     the A-register layout, so both are re-packed in registers (acc_to_a_frags)
+//     P^T = exp2(S^T scale log2 e - lse2) (wg_probs_keys): the accumulator layout is the
+//     A-register layout, so it is re-packed in registers (acc_to_a_frags)
 //     dV_w += P^T dO     wgmma_rs m64nHDk16, B = dO MN-major (trans-b)            (wg_pv)
+//     dS^T = P^T (dP^T - delta) (wg_dscores_keys), re-packed
 //     dK_w += dS^T Q     wgmma_rs, B = Q MN-major                                  (wg_pv)
 //   dK is scaled by the softmax scale and both are stored from the accumulators (4-byte pairs).
 // attn_bwd_dq_wgmma<T, HD, BN, NWG>  one CTA of NWG warpgroups per (64 NWG query rows, head,
 //   batch); warpgroup w owns rows 64w ... 64w + 63 (as the forward); Q and dO stay in shared
 //   memory, each thread keeps its two rows' lse log2 e and delta in registers, and the visible
 //   key tiles (key_range) of BN keys are double-buffered with cp.async:
-//     S = Q_w K^T, dP = dO_w V^T (wgmma_ss, wg_qk); dS = P (dP - delta) in registers;
-//     dQ_w += dS K (wgmma_rs, B = K MN-major, wg_pv); dQ scaled and stored at the end.
+//     S = Q_w K^T, dP = dO_w V^T (wgmma_ss, wg_qk; P computed while dP runs); dS = P (dP - delta)
+//     in registers; dQ_w += dS K (wgmma_rs, B = K MN-major, wg_pv); dQ scaled and stored at the end.
 
 // Does any (query row, key) pair of rows [m0, m0 + bm) and keys [n0, n0 + bn) (each clipped to its
 // sequence) see each other? A warpgroup skips a tile for which this is false.
@@ -40,47 +42,65 @@ __device__ __forceinline__ bool tile_any_visible(const SeqInfo& s, int m0, int b
     return max(lo, n0) < min(hi, n0 + bn);
 }
 
-// P and dS of one accumulator element from the scaled-score dot, dP, the row's lse2 and delta:
-// P = 0 where (i, j) is masked (only tested when `check`); dS = P (dP - delta).
-__device__ __forceinline__ void wg_grad_entry(float* st, float* dpt, float lse2, float delta_i, bool check,
-                                              const SeqInfo& s, int i, int j, float scale_log2, int left, int right) {
-    float p = fast_exp2(*st * scale_log2 - lse2);
-    if (check && !is_visible(s, i, j, left, right)) p = 0.f;
-    *st = p;
-    *dpt = p * (*dpt - delta_i);
+// P of one accumulator element from its score dot q_i . k_j and the row's lse2 (lse log2 e, +inf
+// for a row with no visible key or past the sequence end): exp2(dot scale log2 e - lse2), 0 where
+// (i, j) is masked (tested only when `check`: the tile crosses a causal / window / sequence boundary).
+__device__ __forceinline__ float wg_prob(float dot, float lse2, bool check, const SeqInfo& s, int i, int j,
+                                         float scale_log2, int left, int right) {
+    const float p = fast_exp2(dot * scale_log2 - lse2);
+    return (check && !is_visible(s, i, j, left, right)) ? 0.f : p;
 }
 
-// One thread of a dK/dV warpgroup: S^T (st) and dP^T (dpt), 64 keys x BM queries, into P^T and
-// dS^T in place. Element 4 nb + e is key j0 + 8 (e / 2) (j0: this thread's first key) and query
-// m0 + 8 nb + 2 t4 + e % 2 of the tile, whose lse2 / delta sit in shared memory (lse2_t, delta_t).
+// dK/dV, P stage: S^T (st: one warpgroup's 64 keys x BM queries) into P^T in place. Element 4 nb + e
+// is key j0 + 8 (e / 2) (j0: this thread's first key) and query m0 + 8 nb + 2 t4 + e % 2 of the tile,
+// whose lse2 sits in shared memory (lse2_t, indexed from the tile's first row).
 template <int BM>
-__device__ __forceinline__ void wg_grad_tile_keys(float* st, float* dpt, const float* lse2_t, const float* delta_t,
-                                                  bool check, const SeqInfo& s, int j0, int m0, int t4,
-                                                  float scale_log2, int left, int right) {
+__device__ __forceinline__ void wg_probs_keys(float* st, const float* lse2_t, bool check, const SeqInfo& s, int j0,
+                                              int m0, int t4, float scale_log2, int left, int right) {
 #pragma unroll
     for (int nb = 0; nb < BM / 8; ++nb) {
         const int il = 8 * nb + 2 * t4;
         const float2 l2 = *reinterpret_cast<const float2*>(lse2_t + il);
-        const float2 dl = *reinterpret_cast<const float2*>(delta_t + il);
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            wg_grad_entry(&st[4 * nb + e], &dpt[4 * nb + e], e % 2 ? l2.y : l2.x, e % 2 ? dl.y : dl.x, check, s,
-                          m0 + il + e % 2, j0 + 8 * (e / 2), scale_log2, left, right);
+            st[4 * nb + e] = wg_prob(st[4 * nb + e], e % 2 ? l2.y : l2.x, check, s, m0 + il + e % 2, j0 + 8 * (e / 2),
+                                     scale_log2, left, right);
     }
 }
 
-// One thread of a dQ warpgroup: S (sc) and dP (dp), 64 rows x BN keys, into P and dS in place.
-// Element 4 nb + e is row i0 + 8 (e / 2) (lse2[e / 2], delta_r[e / 2]) and key n0 + 8 nb + 2 t4 + e % 2.
+// dK/dV, dS stage: dS^T = P^T (dP^T - delta) into dpt (element 4 nb + e: query 8 nb + 2 t4 + e % 2
+// of the tile, whose delta sits in shared memory, delta_t). Masked entries have P^T = 0, so dS^T = 0.
+template <int BM>
+__device__ __forceinline__ void wg_dscores_keys(const float* pt, float* dpt, const float* delta_t, int t4) {
+#pragma unroll
+    for (int nb = 0; nb < BM / 8; ++nb) {
+        const int il = 8 * nb + 2 * t4;
+        const float2 dl = *reinterpret_cast<const float2*>(delta_t + il);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpt[4 * nb + e] = pt[4 * nb + e] * (dpt[4 * nb + e] - (e % 2 ? dl.y : dl.x));
+    }
+}
+
+// dQ, P stage: S (sc: one warpgroup's 64 rows x BN keys) into P in place. Element 4 nb + e is row
+// i0 + 8 (e / 2) (lse2[e / 2]: this thread's two rows, in registers) and key n0 + 8 nb + 2 t4 + e % 2.
 template <int BN>
-__device__ __forceinline__ void wg_grad_tile_rows(float* sc, float* dp, const float* lse2, const float* delta_r,
-                                                  bool check, const SeqInfo& s, int i0, int n0, int t4,
-                                                  float scale_log2, int left, int right) {
+__device__ __forceinline__ void wg_probs_rows(float* sc, const float* lse2, bool check, const SeqInfo& s, int i0,
+                                              int n0, int t4, float scale_log2, int left, int right) {
 #pragma unroll
     for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            wg_grad_entry(&sc[4 * nb + e], &dp[4 * nb + e], lse2[e / 2], delta_r[e / 2], check, s, i0 + 8 * (e / 2),
-                          n0 + 8 * nb + 2 * t4 + e % 2, scale_log2, left, right);
+            sc[4 * nb + e] = wg_prob(sc[4 * nb + e], lse2[e / 2], check, s, i0 + 8 * (e / 2),
+                                     n0 + 8 * nb + 2 * t4 + e % 2, scale_log2, left, right);
+}
+
+// dQ, dS stage: dS = P (dP - delta) into dp (element 4 nb + e: row i0 + 8 (e / 2), delta_r[e / 2]).
+template <int BN>
+__device__ __forceinline__ void wg_dscores_rows(const float* p, float* dp, const float* delta_r) {
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[4 * nb + e] = p[4 * nb + e] * (dp[4 * nb + e] - delta_r[e / 2]);
 }
 
 // An opaque copy of a shared-memory address, made inside a loop: the compiler cannot hoist what is
@@ -177,25 +197,29 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
         const pa_u32 sQb = sQ + buf * QT_BYTES, sdOb = sdO + buf * QT_BYTES;
         const float* lse2_t = sL + buf * 2 * BM;
 
-        // 2. S^T = K_w Q^T and dP^T = V_w dO^T (64 keys x BM queries)
+        // 2. S^T = K_w Q^T and dP^T = V_w dO^T (64 keys x BM queries), two commit groups
         float st[BM / 2], dpt[BM / 2];
         zero_floats<BM / 2>(st);
         zero_floats<BM / 2>(dpt);
         wg_qk<T, HD, BN, BM>(st, opaque_u32(sKw), sQb);
         wg_qk<T, HD, BN, BM>(dpt, opaque_u32(sVw), sdOb);
-        wgmma_wait<0>();
+
+        // 3. S^T landed (dP^T may still run): P^T in place (masked only where the tile crosses a
+        //    boundary), re-packed as A fragments; dV_w += P^T dO issued
+        wgmma_wait<1>();
         wgmma_fence_acc<BM>(st);
-        wgmma_fence_acc<BM>(dpt);
-
-        // 3. P^T, dS^T in place (masked only where the tile crosses a boundary)
         const bool check = tile_needs_mask(s, m0, BM, nw0, 64, win_left, win_right);
-        wg_grad_tile_keys<BM>(st, dpt, lse2_t, lse2_t + BM, check, s, j0, m0, t4, scale_log2, win_left, win_right);
-
-        // 4. dV_w += P^T dO, dK_w += dS^T Q (P^T, dS^T re-packed as A fragments)
-        pa_u32 pa[BM / 16][4], da[BM / 16][4];
+        wg_probs_keys<BM>(st, lse2_t, check, s, j0, m0, t4, scale_log2, win_left, win_right);
+        pa_u32 pa[BM / 16][4];
         acc_to_a_frags<T, BM>(pa, st);
-        acc_to_a_frags<T, BM>(da, dpt);
         wg_pv<T, HD, BM>(dv_acc, pa, sdOb);
+
+        // 4. dP^T landed (dV may still run): dS^T in place, re-packed; dK_w += dS^T Q issued
+        wgmma_wait<1>();
+        wgmma_fence_acc<BM>(dpt);
+        wg_dscores_keys<BM>(st, dpt, lse2_t + BM, t4);
+        pa_u32 da[BM / 16][4];
+        acc_to_a_frags<T, BM>(da, dpt);
         wg_pv<T, HD, BM>(dk_acc, da, sQb);
         wgmma_wait<0>();
         wgmma_fence_acc<HD>(dv_acc);
@@ -281,21 +305,23 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
         if (!tile_any_visible(s, mw0, 64, n0, BN, win_left, win_right)) continue;   // uniform per warpgroup
         const pa_u32 sKb = sK + buf * KV_BYTES, sVb = sV + buf * KV_BYTES;
 
-        // 2. S = Q_w K^T and dP = dO_w V^T (64 rows x BN keys)
+        // 2. S = Q_w K^T and dP = dO_w V^T (64 rows x BN keys), two commit groups
         float sc[BN / 2], dp[BN / 2];
         zero_floats<BN / 2>(sc);
         zero_floats<BN / 2>(dp);
         wg_qk<T, HD, BM, BN>(sc, opaque_u32(sQw), sKb);
         wg_qk<T, HD, BM, BN>(dp, opaque_u32(sdOw), sVb);
-        wgmma_wait<0>();
+
+        // 3. S landed (dP may still run): P in place
+        wgmma_wait<1>();
         wgmma_fence_acc<BN>(sc);
-        wgmma_fence_acc<BN>(dp);
-
-        // 3. P and dS in place
         const bool check = tile_needs_mask(s, mw0, 64, n0, BN, win_left, win_right);
-        wg_grad_tile_rows<BN>(sc, dp, lse2, delta_r, check, s, i0, n0, t4, scale_log2, win_left, win_right);
+        wg_probs_rows<BN>(sc, lse2, check, s, i0, n0, t4, scale_log2, win_left, win_right);
 
-        // 4. dQ_w += dS K (dS re-packed as A fragments; K read MN-major)
+        // 4. dP landed: dS in place, re-packed as A fragments; dQ_w += dS K (K read MN-major)
+        wgmma_wait<0>();
+        wgmma_fence_acc<BN>(dp);
+        wg_dscores_rows<BN>(sc, dp, delta_r);
         pa_u32 da[BN / 16][4];
         acc_to_a_frags<T, BN>(da, dp);
         wg_pv<T, HD, BN>(dq_acc, da, sKb);
