@@ -109,3 +109,28 @@ def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):
     counts = sass_counts(info["cubin"])
     wg = {n: c for n, c in counts.items() if "wgmma" in n}
     assert len(wg) == 2 and all(c["HGMMA"] > 0 and c["LDL"] == 0 for c in wg.values()), counts
+
+
+def test_error_blocks_locate_the_wrong_warpgroup():
+    """A failing case reports the max error per 64 tokens (a warpgroup's rows / keys) and per 64
+    columns; a NaN the kernels never overwrote shows as 1e30; the report prints them."""
+    import torch
+
+    class Spec:
+        is_varlen = False
+
+    ref = torch.zeros(2, 200, 3, 128)
+    dq = ref.clone()
+    dq[1, 70, 2, 5] = float("nan")      # token block 1, column block 0
+    dq[0, 190, 0, 100] = 0.25           # token block 2, column block 1
+    blocks = tool.error_blocks(Spec(), (dq, ref, ref), (ref, ref, ref))
+    assert blocks["dq"] == {"per_64_tokens": [0.0, 1e30, 0.25, 0.0], "per_64_cols": [1e30, 0.25]}
+    assert blocks["dk"]["per_64_tokens"] == [0.0] * 4
+
+    Spec.is_varlen = True   # (tokens, heads, D): no batch axis
+    varlen = tool.error_blocks(Spec(), (dq[0], ref[0], ref[0]), (ref[0], ref[0], ref[0]))
+    assert varlen["dq"]["per_64_tokens"] == [0.0, 0.0, 0.25, 0.0]
+
+    res = _result()
+    res["checks"]["rows"][0].update(passed=False, blocks=blocks)
+    assert "dq max err per 64 tokens [0.0, 1e+30, 0.25, 0.0]" in tool.report(res)

@@ -200,7 +200,24 @@ def check_case(case) -> dict:
         row["empty_rows_zero_dq"] = bool((g1[0][rows] == 0).all())
         ok = ok and row["empty_rows_zero_dq"]
     row["passed"] = ok
+    if not ok:
+        row["blocks"] = error_blocks(spec, g1, ref)
     return row
+
+
+def error_blocks(spec, grads, ref) -> dict:
+    """Where a failing gradient is wrong: the max error per 64-row block of dq (a dQ warpgroup's
+    rows) and per 64-key block of dk / dv (a dK/dV warpgroup's keys), over heads, batch entries and
+    columns, and per 64-column block; NaN (never written) counts as 1e30."""
+    out = {}
+    for name, a, r in zip(("dq", "dk", "dv"), grads, ref):
+        err = (a.double() - r.double()).abs().nan_to_num(1e30)
+        err = err if spec.is_varlen else err.amax(dim=0)   # (tokens, heads, D)
+        by_tok = err.amax(dim=(1, 2))
+        by_col = err.amax(dim=(0, 1))
+        out[name] = {"per_64_tokens": [round(float(by_tok[i:i + 64].max()), 4) for i in range(0, by_tok.numel(), 64)],
+                     "per_64_cols": [round(float(by_col[j:j + 64].max()), 4) for j in range(0, by_col.numel(), 64)]}
+    return out
 
 
 def _child_loop(out_dir: str, name: str, items, fn, time_limit: float, reserve: float) -> int:
@@ -369,6 +386,8 @@ def report(res: dict) -> str:
                      + f" {'ok' if r['passed'] else 'FAIL'}")
             if not r["passed"]:
                 L += [f"    {gs[n]['text']} (nan {gs[n]['nan']})" for n in ("dq", "dk", "dv")]
+                for n, b in r.get("blocks", {}).items():
+                    L.append(f"    {n} max err per 64 tokens {b['per_64_tokens'][:24]} per 64 cols {b['per_64_cols']}")
     t = res.get("tests")
     if t:
         L.append(f"tests/test_cupy_wgmma_bwd.py: rc={t['rc']} {'PASS' if t['passed'] else 'FAIL'} in {t['seconds']:.0f}s")
