@@ -134,3 +134,80 @@ def test_error_blocks_locate_the_wrong_warpgroup():
     res = _result()
     res["checks"]["rows"][0].update(passed=False, blocks=blocks)
     assert "dq max err per 64 tokens [0.0, 1e+30, 0.25, 0.0]" in tool.report(res)
+
+
+def _reference_kernels(monkeypatch, hole=False):
+    """Run the tool's checks on the CPU: plan_forward / plan_backward build their plans as on the
+    GPU (CPU tensors launch nothing), and execute() fills the plan's outputs from the float64
+    reference instead of launching kernels (``hole``: the dq of one row is left as it was)."""
+    import torch
+    from portattn.backends.cupy import runtime
+
+    from portattn.reference import reference_forward
+    from portattn.spec import build_spec
+
+    orig_f, orig_b = runtime.plan_forward, runtime.plan_backward
+
+    def plan_forward(spec, cfg=None):
+        plan = orig_f(spec, cfg)
+        plan.fake = ("fwd", spec)
+        return plan
+
+    def plan_backward(spec, out, lse, dout, cfg=None, dlse=None):
+        plan = orig_b(spec, out, lse, dout, cfg, dlse)
+        plan.fake = ("bwd", spec, dout, dlse, cfg)
+        return plan
+
+    def execute(plan, device):
+        kind, spec = plan.fake[:2]
+        kw = {key: getattr(spec, key) for key in ("cu_seqlens_q", "cu_seqlens_k") if getattr(spec, key) is not None}
+        kw.update(scale=spec.scale, window=(spec.window_left, spec.window_right) if spec.window_left is not None
+                  or spec.window_right is not None else None, causal_alignment=spec.alignment)
+        leaves = [t.detach().double().requires_grad_(True) for t in (spec.q, spec.k, spec.v)]
+        o, lse = reference_forward(build_spec(*leaves, **{k: v for k, v in kw.items() if v is not None}))
+        if kind == "fwd":
+            for dst, src in zip(plan.outputs, (o, lse)):
+                dst.copy_(src.detach())
+            return
+        _, _, dout, dlse, cfg = plan.fake
+        assert cfg.family in ("bwd_wgmma", "bwd_mma")
+        outs, seeds = [o], [dout.double()]
+        if dlse is not None:
+            outs.append(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+            seeds.append(dlse)
+        grads = torch.autograd.grad(outs, leaves, seeds)
+        for i, (dst, src) in enumerate(zip(plan.outputs, grads)):
+            if hole and i == 0 and cfg.family == "bwd_wgmma":
+                src = src.clone()
+                src.view(-1, src.shape[-2], src.shape[-1])[5] = dst.view(-1, dst.shape[-2], dst.shape[-1])[5]
+            dst.copy_(src)
+
+    monkeypatch.setattr(runtime, "plan_forward", plan_forward)
+    monkeypatch.setattr(runtime, "plan_backward", plan_backward)
+    monkeypatch.setattr(runtime, "execute", execute)
+    monkeypatch.setattr(tool, "DEVICE", "cpu")
+
+
+@pytest.mark.parametrize("case", [c for c in tool.CHECK_CASES if c[0] in
+                                  ("d64_causal_br", "d128_causal_br_sq_gt_sk", "d64_varlen_causal", "d128_dv64",
+                                   "d64_dlse_window_tl", "d40_pad64")], ids=lambda c: c[0])
+def test_check_case_plumbing_on_cpu(monkeypatch, case):
+    """check_case end to end on the CPU with reference 'kernels': every case of this selection
+    (causal, rows with no key, varlen, Dv != D, dlse with a window, padding) passes, so on the
+    H200 a failure is the kernels' and not the script's."""
+    _reference_kernels(monkeypatch)
+    row = tool.check_case(case)
+    assert row["passed"], row
+    assert row["repeat_bit_identical"] and set(row["grads"]) == {"dq", "dk", "dv"}
+    assert all(g["nan"] == 0 and g["max_diff_vs_mma"] == 0 for g in row["grads"].values())
+    if case[0] == "d128_causal_br_sq_gt_sk":
+        assert row["empty_rows"] > 0 and row["empty_rows_zero_dq"]
+
+
+def test_check_case_sees_an_unwritten_row(monkeypatch):
+    """The same with one dq row never written: the NaN poison stays there and the case fails,
+    with the error blocks pointing at the first 64 tokens."""
+    _reference_kernels(monkeypatch, hole=True)
+    row = tool.check_case(next(c for c in tool.CHECK_CASES if c[0] == "d64_causal_br"))
+    assert not row["passed"] and row["grads"]["dq"]["nan"] > 0 and row["grads"]["dk"]["passed"]
+    assert row["blocks"]["dq"]["per_64_tokens"][0] == 1e30

@@ -67,6 +67,9 @@ CHECK_CASES = [
     ("d64_dlse_window_tl", 2, 200, 300, 4, 4, 64, 64, {"window": (30, 10), "causal_alignment": "top_left",
                                                        "dlse": True}, "bfloat16"),
 ]
+#: where the checks run (tests/test_cupy_wgmma_bwd_tool.py runs them on the CPU with the kernels
+#: replaced by the float64 reference, to check this script's own plumbing)
+DEVICE = "cuda"
 #: timed cells (S, D, causal), most informative first
 TIME_CELLS = [(s, d, c) for s in (4096, 1024, 16384) for d in (128, 64) for c in (False, True)]
 
@@ -112,19 +115,19 @@ def _inputs(case):
 
     name, b, sq, sk, hq, hkv, d, dv, kw, dtn = case
     dtype = getattr(torch, dtn)
-    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(name.encode()) % 1000)
+    g = torch.Generator(device=DEVICE).manual_seed(zlib.crc32(name.encode()) % 1000)
     kw = dict(kw)
     kw.pop("dlse", None)
     if "varlen" in kw:
         lens = kw.pop("varlen")
         lens_k = [n + 7 * (i % 2) for i, n in enumerate(lens)]
         cum = lambda xs: [0] + [sum(xs[:i + 1]) for i in range(len(xs))]  # noqa: E731
-        kw["cu_seqlens_q"] = torch.tensor(cum(lens), dtype=torch.int32, device="cuda")
-        kw["cu_seqlens_k"] = torch.tensor(cum(lens_k), dtype=torch.int32, device="cuda")
+        kw["cu_seqlens_q"] = torch.tensor(cum(lens), dtype=torch.int32, device=DEVICE)
+        kw["cu_seqlens_k"] = torch.tensor(cum(lens_k), dtype=torch.int32, device=DEVICE)
         shapes = [(sum(lens), hq, d), (sum(lens_k), hkv, d), (sum(lens_k), hkv, dv)]
     else:
         shapes = [(b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv)]
-    q, k, v = (torch.randn(s, generator=g, device="cuda").to(dtype) for s in shapes)
+    q, k, v = (torch.randn(s, generator=g, device=DEVICE).to(dtype) for s in shapes)
     return q, k, v, kw, g
 
 
@@ -142,7 +145,8 @@ def run_backward(spec, out, lse, dout, dlse, family: str, poison: bool = True):
         for t in plan.outputs:
             t.fill_(float("nan"))
     runtime.execute(plan, spec.device)
-    torch.cuda.synchronize()
+    if spec.device.type == "cuda":
+        torch.cuda.synchronize()
     return plan.outputs
 
 
@@ -161,8 +165,8 @@ def check_case(case) -> dict:
     plan = runtime.plan_forward(spec, configs.wgmma_forward_config(dt, spec.head_dim, spec.head_dim_v))
     runtime.execute(plan, spec.device)
     out, lse = plan.outputs
-    dout = torch.randn(spec.out_shape, generator=g, device="cuda").to(spec.dtype)
-    dlse = torch.randn(spec.lse_shape, generator=g, device="cuda") if with_dlse else None
+    dout = torch.randn(spec.out_shape, generator=g, device=DEVICE).to(spec.dtype)
+    dlse = torch.randn(spec.lse_shape, generator=g, device=DEVICE) if with_dlse else None
     if dlse is not None:
         dlse = dlse.masked_fill(torch.isneginf(lse), 0.0)   # rows with lse -inf: no gradient through them
     g1 = run_backward(spec, out, lse, dout, dlse, "wgmma")
