@@ -331,6 +331,9 @@ def test_wgmma_backward_matches_reference(monkeypatch, case, dtype):
     assert all(torch.equal(a, b) for a, b in zip(first, second)), "wgmma backward not bit-identical on repeat"
     assert _zero_grad_rows_ok(spec, kw, q, k, v, first[0]), "rows with no visible key must get zero dq"
     ref_g = _grads(reference_forward, q, k, v, kw, dout, torch.float64)
+    # keys no query sees (their float64 dv is exactly 0: dv = sum_i P_ij dO_i) get exactly zero dv
+    unseen = (_to_layout(ref_g[2], kw) == 0).all(dim=-1)
+    assert bool((first[2][unseen] == 0).all()), "keys no query sees must get zero dv"
     naive_g = _grads(naive_forward, q, k, v, kw, dout, dtype)
     zs = _grad_scale(spec, dout, k, v)
     bad = []

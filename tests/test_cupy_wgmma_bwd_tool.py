@@ -202,6 +202,8 @@ def test_check_case_plumbing_on_cpu(monkeypatch, case):
     assert all(g["nan"] == 0 and g["max_diff_vs_mma"] == 0 for g in row["grads"].values())
     if case[0] == "d128_causal_br_sq_gt_sk":
         assert row["empty_rows"] > 0 and row["empty_rows_zero_dq"]
+    if case[0] == "d64_dlse_window_tl":   # top-left window (30, 10), Sk 300 > Sq 200: keys past 209 unseen
+        assert row["unseen_keys"] > 0 and row["unseen_keys_zero_dv"]
 
 
 def test_check_case_sees_an_unwritten_row(monkeypatch):

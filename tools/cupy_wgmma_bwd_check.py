@@ -16,7 +16,8 @@ Phases (each writes its results before the next starts, so a run cut short still
    no visible key, CTAs with no key, GQA / MQA, window, varlen, Dv != D, padded HD 40 -> 64,
    Sq = 1, a gradient through lse (dlse), fp16 and bf16, against float64 under the equivalence
    rule (``portattn.numerics.compare``, factor 3, as tests/test_cupy.py), two runs bit-identical,
-   dq of rows with no visible key exactly 0, and the distance to the mma.sync backward;
+   dq of rows with no visible key and dv of keys no row sees exactly 0, and the distance to the
+   mma.sync backward;
 3. timings, in a child process with a timeout (bf16, B*S = 16k tokens, hidden 2048; S 1k / 4k /
    16k, D 64 / 128, causal and not): the backward alone (preprocess, dK/dV, dQ) of wgmma and
    mma.sync, and SDPA flash (FA2) and cuDNN's backward, TFLOP/s (2.5 x the forward's
@@ -203,6 +204,11 @@ def check_case(case) -> dict:
         rows = empty.transpose(0, 1) if spec.is_varlen else empty.transpose(1, 2)
         row["empty_rows_zero_dq"] = bool((g1[0][rows] == 0).all())
         ok = ok and row["empty_rows_zero_dq"]
+    unseen = (ref[2] == 0).all(dim=-1)   # keys no query sees: float64 dv = sum_i P_ij dO_i is exactly 0
+    row["unseen_keys"] = int(unseen.sum())
+    if row["unseen_keys"]:
+        row["unseen_keys_zero_dv"] = bool((g1[2][unseen] == 0).all())
+        ok = ok and row["unseen_keys_zero_dv"]
     row["passed"] = ok
     if not ok:
         row["blocks"] = error_blocks(spec, g1, ref)
@@ -386,6 +392,8 @@ def report(res: dict) -> str:
                      + " ".join(f"{n} {_fmt(gs[n]['score'], 6, 3)}" for n in ("dq", "dk", "dv"))
                      + f" rep {str(r['repeat_bit_identical'])[0]} empty {r['empty_rows']}"
                      + (f"/{str(r['empty_rows_zero_dq'])[0]}" if "empty_rows_zero_dq" in r else "")
+                     + f" unseen {r.get('unseen_keys', 0)}"
+                     + (f"/{str(r['unseen_keys_zero_dv'])[0]}" if "unseen_keys_zero_dv" in r else "")
                      + " vs mma " + "/".join(f"{gs[n]['max_diff_vs_mma']:.2g}" for n in ("dq", "dk", "dv"))
                      + f" {'ok' if r['passed'] else 'FAIL'}")
             if not r["passed"]:
