@@ -393,7 +393,7 @@ def test_kernel_families_name_the_backward_path():
         return build_spec(q, q, q)
 
     assert kernel_families(spec(torch.bfloat16, 128))["backward"].startswith("bwd_mma (tensor-core backward")
-    assert kernel_families(spec(torch.float16, 40))["backward"].endswith("padded head dim 64")
+    assert "padded head dim 64;" in kernel_families(spec(torch.float16, 40))["backward"]
     assert kernel_families(spec(torch.float16, 160))["backward"].startswith("bwd_mma (tensor-core backward")
     assert kernel_families(spec(torch.float16, 256), smem_limit=99 * 1024)["backward"].startswith("bwd (FMA")
     assert kernel_families(spec(torch.float32, 64))["backward"].startswith("bwd (FMA backward")

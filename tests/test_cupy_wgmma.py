@@ -90,8 +90,11 @@ def test_wgmma_config_geometry():
             pp = "false" if cfg.tile is not None and not cfg.tile[2] else "true"
             assert cfg.kernel_names() == {"plain": f"attn_fwd_wgmma_ws<{cfg.ctype}, {cfg.head_dim}, {bn}, {pp}>"}
         assert cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
-    names = [n for c in configs.wgmma_configs() for n in c.name_expressions()]
-    assert len(names) == len(set(names)) == 18
+    fwd = [n for c in configs.wgmma_configs() if c.family.startswith("fwd") for n in c.name_expressions()]
+    assert len(fwd) == len(set(fwd)) == 18
+    bwd = [n for c in configs.wgmma_configs() if c.family == "bwd_wgmma" for n in c.name_expressions()]
+    # 2 dtypes x 2 head dims x (dK/dV, dQ), the preprocess once per dtype
+    assert len(set(bwd)) == 10 and len(bwd) == 12
     assert configs.KernelConfig("fwd_mma", "bfloat16", 128).arch is None
 
 

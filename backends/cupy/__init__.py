@@ -97,7 +97,8 @@ _FAMILY_LABELS = {
     "fwd_wgmma_ws": "Hopper tensor-core forward, warp-specialized (producer warpgroup, mbarriers, pingpong), "
                     "fp16/bf16, sm_90a wgmma (no softcap/ALiBi/bias)",
     "fwd_fma": "float32 FMA forward",
-    "bwd_mma": "tensor-core backward, fp16/bf16",
+    "bwd_mma": "tensor-core backward, fp16/bf16, mma.sync",
+    "bwd_wgmma": "Hopper tensor-core backward, fp16/bf16, sm_90a wgmma (no softcap/ALiBi/bias)",
     "bwd": "FMA backward: float32, and fp16/bf16 where PORTATTN_CUPY_BACKWARD or shared memory says so",
 }
 
@@ -106,8 +107,9 @@ def kernel_families(spec, smem_limit: int | None = None, capability: tuple | Non
     """Which kernel family runs the forward and (when a gradient is needed) the backward;
     ``smem_limit``: the device's opt-in shared memory per block (None: no limit); ``capability``:
     the device's compute capability (None: the spec's CUDA device's, or none for a CPU spec).
-    The forward entry ends with why (``PORTATTN_CUPY_FORWARD``: the wgmma forward runs only on
-    sm_90, fp16/bf16, padded head dim 64/128/256, without softcap/ALiBi/bias)."""
+    Each entry ends with why (``PORTATTN_CUPY_FORWARD``: the wgmma forward runs only on sm_90,
+    fp16/bf16, padded head dim 64/128/256, without softcap/ALiBi/bias; ``PORTATTN_CUPY_BACKWARD``
+    = ``wgmma``: the wgmma backward likewise at padded head dim 64/128)."""
     dtype = _dtype_name(spec.dtype)
     if capability is None and spec.device.type == "cuda":
         idx = spec.device.index if spec.device.index is not None else torch.cuda.current_device()
@@ -118,8 +120,9 @@ def kernel_families(spec, smem_limit: int | None = None, capability: tuple | Non
         return {}
     out = {"forward": f"{fwd.family} ({_FAMILY_LABELS[fwd.family]}), padded head dim {fwd.head_dim}; {why}"}
     if spec.needs_grad:
-        bwd = configs.backward_config(dtype, spec.head_dim, spec.head_dim_v, smem_limit=smem_limit)
-        out["backward"] = f"{bwd.family} ({_FAMILY_LABELS[bwd.family]}), padded head dim {bwd.head_dim}"
+        bwd, why = configs.backward_choice(dtype, spec.head_dim, spec.head_dim_v, extras=extras, capability=capability,
+                                           smem_limit=smem_limit)
+        out["backward"] = f"{bwd.family} ({_FAMILY_LABELS[bwd.family]}), padded head dim {bwd.head_dim}; {why}"
     return out
 
 

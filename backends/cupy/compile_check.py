@@ -5,10 +5,10 @@ Usage::
     python -m portattn.backends.cupy.compile_check            # sm_80, sm_90 and sm_90a, all kernels
     python -m portattn.backends.cupy.compile_check --quick    # one head dim per family
     python -m portattn.backends.cupy.compile_check --arch 90 --head-dims 128
-    python -m portattn.backends.cupy.compile_check --arch 90a # the wgmma forward only
+    python -m portattn.backends.cupy.compile_check --arch 90a # the wgmma forwards and backward only
 
 ``90a`` compiles the sm_90a translation unit (:data:`configs.WGMMA_SOURCE_FILES`: the wgmma
-forward of :func:`configs.wgmma_configs` and its layout probe) for the arch-specific target;
+forwards and backward of :func:`configs.wgmma_configs` and the layout probe) for the arch-specific target;
 ``80`` / ``90`` compile everything else (:data:`configs.SOURCE_FILES`, :func:`configs.all_configs`).
 
 NVRTC comes from NVIDIA's PyPI wheels through ``cuda.bindings.nvrtc`` (``pip install
@@ -159,7 +159,7 @@ def _configs_for(arch) -> list:
 
 def select_names(quick: bool = False, head_dims=None, arch=90) -> list[str]:
     """Name expressions to check: all, or one head dim per tile shape (``quick``); ``arch`` "90a":
-    the sm_90a module's (the wgmma forward and its probe)."""
+    the sm_90a module's (the wgmma forwards, their probe and the wgmma backward)."""
     if head_dims is None and quick:
         head_dims = (64, 256)   # one per tensor-core tile shape and per float32 key-tile size
     names: dict[str, None] = {}
@@ -227,7 +227,7 @@ def run(archs=(80, 90, "90a"), quick=False, head_dims=None, fail_on_spills=False
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", nargs="+", default=["80", "90", "90a"],
-                   help="SM versions: 80, 90 (every module but the wgmma one), 90a (the wgmma forward); "
+                   help="SM versions: 80, 90 (every module but the wgmma ones), 90a (the wgmma forwards and backward); "
                         "default: all three")
     p.add_argument("--quick", action="store_true", help="one head dim per tile shape (64, 256)")
     p.add_argument("--head-dims", type=int, nargs="+", help="only these padded head dims")

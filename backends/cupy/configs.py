@@ -30,10 +30,15 @@ NVRTC_OPTIONS = ("--std=c++17",)
 #: The Hopper forward (families "fwd_wgmma" and its layout probe "wgmma_probe"): a translation unit
 #: of its own, compiled for the sm_90a target only (wgmma needs the arch-specific target, which
 #: CuPy's RawModule cannot ask for: runtime.py compiles it with NVRTC directly).
+#: The wgmma backward (family "bwd_wgmma", attn_bwd_wgmma.cu) is in the same unit, with the
+#: mma.sync backward's sources for the preprocess and the helpers it shares (load_row_stats,
+#: store_acc_rows, lse_log2, tile_needs_mask); templates only, nothing of theirs is instantiated
+#: unless named.
 WGMMA_SOURCE_FILES = ("attn_common.cuh", "attn_wgmma_ops.cuh", "attn_sm90.cuh", "attn_fwd_wgmma.cu",
-                      "attn_fwd_wgmma_ws.cu")
-#: The sm_90a families: the wgmma forward, its warp-specialized variant, the layout probe.
-WGMMA_FAMILIES = ("fwd_wgmma", "fwd_wgmma_ws", "wgmma_probe")
+                      "attn_fwd_wgmma_ws.cu", "attn_bwd.cu", "attn_bwd_mma.cu", "attn_bwd_wgmma.cu")
+#: The sm_90a families: the wgmma forward, its warp-specialized variant, the layout probe, the
+#: wgmma backward.
+WGMMA_FAMILIES = ("fwd_wgmma", "fwd_wgmma_ws", "wgmma_probe", "bwd_wgmma")
 WGMMA_ARCH = "sm_90a"
 #: Padded head dims the wgmma forward is instantiated for (the others run attn_fwd_mma).
 WGMMA_HEAD_DIMS = (64, 128, 256)
@@ -49,6 +54,10 @@ WGMMA_AUTO_HEAD_DIMS = (128, 256)
 #: same with the warp-specialized wgmma forward (a producer warpgroup, mbarriers, consumer
 #: pingpong; 0.85 x the plain wgmma forward on the H200, so never the default).
 FORWARD_ENV = "PORTATTN_CUPY_FORWARD"
+#: Padded head dims the wgmma backward is instantiated for. Not 256: its dK/dV warpgroup holds the
+#: dK and dV accumulators of 64 keys x HD columns, HD floats per thread (256 > the 255 registers of
+#: a thread), so HD 256 (and every other bucket) stays on the mma.sync backward.
+WGMMA_BWD_HEAD_DIMS = (64, 128)
 FORWARD_MODES = ("auto", "mma", "wgmma", "wgmma_ws")
 
 # Tile sizes of the backward and of the float32 forward (must match attn_bwd.cu / attn_fwd.cu).
@@ -61,9 +70,13 @@ BWD_MMA_MAX_HEAD_DIM = 256
 #: Environment switch of the 16-bit backward (read at call time by :func:`backward_config`):
 #: ``auto`` (default, also unset/empty) = tensor cores at every head dim; ``mma128`` = tensor
 #: cores up to padded head dim 128 and the FMA kernels above (the behaviour before issue 16);
-#: ``fma`` = the FMA kernels for every problem. float32 runs the FMA kernels in every mode.
+#: ``fma`` = the FMA kernels for every problem; ``wgmma`` = the sm_90a wgmma backward where it
+#: applies (compute capability 9.0, fp16/bf16, padded head dim in :data:`WGMMA_BWD_HEAD_DIMS`, no
+#: softcap / ALiBi / bias), the tensor-core (mma.sync) backward elsewhere (:func:`backward_choice`
+#: says why). float32 runs the FMA kernels in every mode. ``auto`` does not take the wgmma
+#: backward (yet: not timed on the H200).
 BACKWARD_ENV = "PORTATTN_CUPY_BACKWARD"
-BACKWARD_MODES = ("auto", "mma128", "fma")
+BACKWARD_MODES = ("auto", "mma128", "fma", "wgmma")
 #: Environment switch of the tensor-core forward's K/V pipeline (read at call time by
 #: :func:`forward_config`): ``1`` (default, also unset/empty) = one K and one V buffer, V and the
 #: next K each fetched while the other is used (FA2's schedule, two barriers per key tile);
@@ -147,6 +160,20 @@ def bwd_mma_tile(hd: int, role: str) -> tuple[int, int, int]:
     return (4, 32, 1) if hd <= 192 else (4, 16, 1)
 
 
+def wgmma_bwd_tile(hd: int, role: str) -> tuple[int, int]:
+    """(tile, consumer warpgroups) of the wgmma backward (attn_bwd_wgmma.cu).
+
+    ``dkdv``: (BLOCK_M, NWG): the CTA owns 64 keys per warpgroup (two: 128 keys) and walks query
+    tiles of BLOCK_M = 64 rows (S^T and dP^T: 32 + 32 floats per thread beside dK + dV's HD);
+    K, V and the double-buffered Q / dO: 67 KB at HD 64, 133 KB at HD 128 (one CTA per SM).
+    ``dq``: (BLOCK_N, NWG): 64 rows per warpgroup (two: 128 rows) against key tiles of 128 keys at
+    HD 64 and 64 keys at HD 128 (S and dP: BLOCK_N / 2 floats each beside dQ's HD / 2); 99 / 129 KB.
+    Chosen from registers and shared memory, not yet by measurement."""
+    if role.startswith("dkdv"):
+        return (64, 2)
+    return (128, 2) if hd <= 64 else (64, 2)
+
+
 def _env_mode(name: str, modes: tuple, meaning: str) -> str:
     """The value of the switch ``name`` (``auto`` when unset), one of ``modes``; a ValueError names
     the choices and ``meaning``."""
@@ -158,7 +185,8 @@ def _env_mode(name: str, modes: tuple, meaning: str) -> str:
 
 def backward_mode() -> str:
     """The value of :data:`BACKWARD_ENV` (``auto`` when unset); ValueError names the choices."""
-    return _env_mode(BACKWARD_ENV, BACKWARD_MODES, "auto = tensor-core backward for fp16/bf16 at every head dim")
+    return _env_mode(BACKWARD_ENV, BACKWARD_MODES, "auto = the mma.sync tensor-core backward for fp16/bf16 at "
+                                                   "every head dim; wgmma = the sm_90a backward where it applies")
 
 
 def forward_mode() -> str:
@@ -246,6 +274,11 @@ class KernelConfig:
             first = ({"stats": f"attn_bwd_stats<{t}, {hd}>"} if self.exact_stats
                      else {"preprocess": f"attn_bwd_preprocess<{t}>"})
             return {**first, "dkdv": f"attn_bwd_dkdv<{t}, {hd}>", "dq": f"attn_bwd_dq<{t}, {hd}>"}
+        if self.family == "bwd_wgmma":
+            (bm, nwg_k), (bn, nwg_q) = wgmma_bwd_tile(hd, "dkdv"), wgmma_bwd_tile(hd, "dq")
+            return {"preprocess": f"attn_bwd_preprocess<{t}>",
+                    "dkdv": f"attn_bwd_dkdv_wgmma<{t}, {hd}, {bm}, {nwg_k}>",
+                    "dq": f"attn_bwd_dq_wgmma<{t}, {hd}, {bn}, {nwg_q}>"}
         if self.family == "bwd_mma":
             names = {"preprocess": f"attn_bwd_preprocess<{t}>"}
             for kernel in ("dkdv", "dq"):
@@ -261,6 +294,8 @@ class KernelConfig:
 
     # ----- launch geometry ---------------------------------------------------------------
     def threads(self, role: str) -> int:
+        if self.family == "bwd_wgmma" and role != "preprocess":
+            return 128 * wgmma_bwd_tile(self.head_dim, role)[1]
         if self.family == "fwd_wgmma":
             return 128 * wgmma_tile(self.head_dim)[1]
         if self.family == "fwd_wgmma_ws":
@@ -277,6 +312,8 @@ class KernelConfig:
 
     def block_rows(self, role: str) -> int:
         """Rows (or keys, for dK/dV) one CTA covers along the grid's x axis."""
+        if self.family == "bwd_wgmma" and role != "preprocess":
+            return 64 * wgmma_bwd_tile(self.head_dim, role)[1]
         if self.family == "fwd_wgmma":
             return 64 * wgmma_tile(self.head_dim)[1]
         if self.family == "fwd_wgmma_ws":
@@ -296,6 +333,15 @@ class KernelConfig:
     def smem_bytes(self, role: str) -> int:
         """Dynamic shared memory of one CTA (mirrors the carve-up at the top of each kernel)."""
         hd = self.head_dim
+        if self.family == "bwd_wgmma":
+            # 1 KB of slack for the 1024-byte alignment of the SW128 tiles; dK/dV: K, V [64 NWG],
+            # Q, dO [2][BLOCK_M], lse2 / delta [2][2][BLOCK_M] floats; dQ: Q, dO [64 NWG], K, V [2][BLOCK_N]
+            if role == "preprocess":
+                return 0
+            tile, nwg = wgmma_bwd_tile(hd, role)
+            if role == "dkdv":
+                return 1024 + (2 * 64 * nwg + 4 * tile) * hd * 2 + 16 * tile
+            return 1024 + (2 * 64 * nwg + 4 * tile) * hd * 2
         if self.family in WGMMA_FAMILIES:
             # 1 KB of slack: the kernel aligns its SW128 tiles to 1024 bytes; Q, then 2 x K, 2 x V
             # (the probe: Q of 64 rows, one K and one V; the warp-specialized kernel: 128 Q rows,
@@ -391,13 +437,58 @@ def forward_choice(dtype: str, head_dim: int, head_dim_v: int, *, extras: bool, 
 
 
 def wgmma_configs(with_probe: bool = False) -> list[KernelConfig]:
-    """Every sm_90a module (compiled for :data:`WGMMA_ARCH` only, apart from :func:`all_configs`)."""
-    fams = WGMMA_FAMILIES if with_probe else WGMMA_FAMILIES[:2]
+    """Every sm_90a module (compiled for :data:`WGMMA_ARCH` only, apart from :func:`all_configs`):
+    the wgmma forwards (``with_probe``: and the layout probe) and the wgmma backward."""
+    fams = ("fwd_wgmma", "fwd_wgmma_ws") + (("wgmma_probe",) if with_probe else ())
     out = [KernelConfig(f, dt, hd) for f in fams for hd in WGMMA_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
     # the warp-specialized forward without the consumers' pingpong (timed against it)
     out += [KernelConfig("fwd_wgmma_ws", dt, hd, tile=(wgmma_tile(hd)[0], 2, 0))
             for hd in WGMMA_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
+    out += [KernelConfig("bwd_wgmma", dt, hd) for hd in WGMMA_BWD_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
     return out
+
+
+def wgmma_backward_config(dtype: str, head_dim: int, head_dim_v: int) -> KernelConfig | None:
+    """The sm_90a wgmma backward module for a problem's dtype and head dims, or None where it has
+    no instantiation (float32, padded head dims other than :data:`WGMMA_BWD_HEAD_DIMS`)."""
+    hd = padded_head_dim(head_dim, head_dim_v)
+    if dtype not in TENSOR_CORE_DTYPES or hd not in WGMMA_BWD_HEAD_DIMS:
+        return None
+    return KernelConfig("bwd_wgmma", dtype, hd)
+
+
+def backward_choice(dtype: str, head_dim: int, head_dim_v: int, *, extras: bool, capability: tuple | None,
+                    smem_limit: int | None = None, mode: str | None = None) -> tuple[KernelConfig | None, str]:
+    """(backward module, why) for a problem: with ``mode`` (default: :data:`BACKWARD_ENV`)
+    ``wgmma`` the sm_90a wgmma backward when the problem is one it runs (``capability`` (9, 0),
+    fp16/bf16, padded head dim in :data:`WGMMA_BWD_HEAD_DIMS`, ``extras`` False: no softcap, ALiBi or bias,
+    and its shared memory within ``smem_limit``), else :func:`backward_config`'s module (the
+    mma.sync backward; ``wgmma`` otherwise behaves as ``auto``); ``why`` says which and why."""
+    mode = backward_mode() if mode is None else mode
+    base = backward_config(dtype, head_dim, head_dim_v, smem_limit=smem_limit,
+                           mode="auto" if mode == "wgmma" else mode)
+    if base is None:
+        return None, "head dim over the largest bucket"
+    if dtype not in TENSOR_CORE_DTYPES:
+        return base, "float32 runs its FMA backward"
+    if base.family != "bwd_mma":
+        return base, (f"{BACKWARD_ENV}={mode}: the FMA backward" if mode != "wgmma" else
+                      f"the tensor-core modules need more shared memory than {smem_limit} bytes: the FMA backward")
+    if mode != "wgmma":
+        return base, f"{BACKWARD_ENV}={mode}: the mma.sync backward"
+    wg = wgmma_backward_config(dtype, head_dim, head_dim_v)
+    if capability is None or tuple(capability) != (9, 0):
+        why = f"compute capability {capability} (the wgmma backward needs 9.0, sm_90a)"
+    elif extras:
+        why = "softcap / ALiBi / bias run the mma.sync EXTRAS kernels"
+    elif wg is None:
+        why = (f"padded head dim {base.head_dim} (the wgmma backward has {', '.join(map(str, WGMMA_BWD_HEAD_DIMS))}; "
+               f"its dK/dV accumulators need HD floats per thread)")
+    elif smem_limit is not None and wg.max_smem_bytes() > smem_limit:
+        why = f"it needs {wg.max_smem_bytes()} bytes of shared memory per block, the device allows {smem_limit}"
+    else:
+        return wg, f"{BACKWARD_ENV}=wgmma: the sm_90a wgmma backward"
+    return base, f"{BACKWARD_ENV}=wgmma but {why}: the mma.sync backward"
 
 
 def backward_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: int | None = None,
@@ -406,7 +497,8 @@ def backward_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: int 
     float32; None when the head dim is over the largest bucket.
 
     ``mode`` (default: the :data:`BACKWARD_ENV` variable, see :func:`backward_mode`): ``auto``,
-    ``mma128`` (FMA above padded head dim 128) or ``fma`` (FMA always). ``smem_limit`` (the
+    ``mma128`` (FMA above padded head dim 128) or ``fma`` (FMA always); ``wgmma`` answers as
+    ``auto`` here (:func:`backward_choice` takes the wgmma backward where it applies). ``smem_limit`` (the
     device's opt-in bytes per block, or None = no limit): a tensor-core module that needs more
     falls back to the FMA one (sm_86 / sm_89 allow 99 KB; the HD > 128 tensor-core kernels
     need up to 135 KB)."""
@@ -414,7 +506,8 @@ def backward_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: int 
     if hd is None or dtype not in CTYPES:
         return None
     mode = backward_mode() if mode is None else mode
-    max_hd = {"auto": BWD_MMA_MAX_HEAD_DIM, "mma128": 128, "fma": 0}[mode]
+    # wgmma: this function's answer is the mma.sync backward (backward_choice upgrades it)
+    max_hd = {"auto": BWD_MMA_MAX_HEAD_DIM, "wgmma": BWD_MMA_MAX_HEAD_DIM, "mma128": 128, "fma": 0}[mode]
     if dtype in TENSOR_CORE_DTYPES and hd <= max_hd:
         cfg = KernelConfig("bwd_mma", dtype, hd)
         if smem_limit is None or cfg.max_smem_bytes() <= smem_limit:

@@ -228,6 +228,23 @@ def forward_choice(spec) -> tuple[configs.KernelConfig | None, str]:
     return cfg, why
 
 
+def backward_choice(spec) -> tuple[configs.KernelConfig | None, str]:
+    """(backward module, why): :func:`configs.backward_choice` for this problem, its device's
+    compute capability and opt-in shared memory (``PORTATTN_CUPY_BACKWARD``, read now), falling
+    back to the mma.sync backward, with the reason, when the sm_90a module cannot be compiled
+    here (:func:`sm90a.unavailable_reason`)."""
+    dtype = _DTYPE_NAMES[spec.dtype]
+    limit = smem_optin(spec.device) if spec.device.type == "cuda" else None
+    cfg, why = configs.backward_choice(dtype, spec.head_dim, spec.head_dim_v, extras=_needs_extras(spec),
+                                       capability=_capability(spec.device), smem_limit=limit)
+    if cfg is not None and cfg.arch is not None:
+        bad = sm90a.unavailable_reason(configs.source(cfg.source_files), cfg.name_expressions(), cfg.arch)
+        if bad:
+            return configs.backward_config(dtype, spec.head_dim, spec.head_dim_v, smem_limit=limit, mode="auto"), \
+                f"{configs.BACKWARD_ENV}={configs.backward_mode()} but {bad}: the mma.sync backward"
+    return cfg, why
+
+
 def plan_forward(spec, cfg: configs.KernelConfig | None = None) -> Plan:
     """Allocate ``(out, lse)`` and describe the forward launch (no device work yet).
 
@@ -273,21 +290,19 @@ def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
 
     ``cfg`` overrides the configuration choice: ``configs.fma_backward_config(...)`` forces the
     FMA kernels for fp16/bf16 (tests compare them with the tensor-core ones); by default
-    :func:`configs.backward_config` chooses (``PORTATTN_CUPY_BACKWARD``, and the device's
-    shared-memory limit: a tensor-core module that does not fit falls back to the FMA one). ``dlse`` (float32,
+    :func:`backward_choice` chooses (``PORTATTN_CUPY_BACKWARD``, the device's compute capability
+    and shared-memory limit: a tensor-core module that does not fit falls back to the FMA one). ``dlse`` (float32,
     ``spec.lse_shape``, or None) is the gradient of the returned lse: the kernel that forms
     delta (preprocess or stats) subtracts it.
     """
-    dtype = _DTYPE_NAMES[spec.dtype]
     if cfg is None:
-        limit = smem_optin(spec.device) if spec.device.type == "cuda" else None
-        cfg = configs.backward_config(dtype, spec.head_dim, spec.head_dim_v, smem_limit=limit)
+        cfg = backward_choice(spec)[0]
     if spec.is_empty or spec.seqlen_q == 0:
         zeros = tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (spec.q, spec.k, spec.v))
         return Plan(outputs=zeros)
     if dlse is not None:   # laid out like lse (contiguous spec.lse_shape)
         dlse = dlse.to(device=spec.device, dtype=torch.float32).contiguous()
-    if cfg.family == "bwd_mma":
+    if cfg.family in ("bwd_mma", "bwd_wgmma"):
         return _plan_backward_mma(spec, out, lse, dout, cfg, dlse)
     dq = torch.zeros_like(spec.q, memory_format=torch.contiguous_format)
     dk = torch.zeros_like(spec.k, memory_format=torch.contiguous_format)
@@ -334,9 +349,12 @@ def _preprocess_launch(spec, cfg, out, do_args, delta, lse_strides, dlse) -> Lau
 
 
 def _plan_backward_mma(spec, out, lse, dout, cfg, dlse) -> Plan:
-    """The tensor-core backward (fp16/bf16): q, k, v and dO with 16-byte aligned rows (padded
-    copies only when needed, as in the forward), gradients allocated at the padded widths (so
-    the kernels store aligned pairs) and sliced back to the caller's head dims."""
+    """The tensor-core backward (fp16/bf16; ``cfg.family`` "bwd_mma" or "bwd_wgmma", whose
+    kernels take the same arguments): q, k, v and dO with 16-byte aligned rows (padded copies
+    only when needed, as in the forward), gradients allocated at the padded widths (so the kernels
+    store aligned pairs) and sliced back to the caller's head dims."""
+    if cfg.family == "bwd_wgmma" and _needs_extras(spec):
+        raise ValueError("the wgmma backward has no softcap / ALiBi / bias (cfg=bwd_wgmma): use the bwd_mma config")
     q, k, v = prepare_inputs(spec, tensor_cores=True)
     out = out if out.stride(-1) == 1 else out.contiguous()
     dout = dout.to(spec.dtype)
@@ -384,7 +402,8 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
              force_fma: bool = False):
     """``(dq, dk, dv, None)``: deterministic (no atomics). fp16/bf16 run on tensor cores (float32
     accumulation) at every head dim unless ``PORTATTN_CUPY_BACKWARD`` says otherwise (see
-    :func:`configs.backward_config`); float32 runs the FMA kernels. ``force_fma`` (private:
+    :func:`backward_choice`; ``wgmma``: the sm_90a kernels where they apply); float32 runs the
+    FMA kernels. ``force_fma`` (private:
     tests, benchmarks) runs the FMA kernels for any dtype. ``dlse``: see :func:`plan_backward`."""
     cfg = None
     if force_fma:

@@ -1,0 +1,337 @@
+// portattn CuPy backend: the Hopper (sm_90a) tensor-core backward, wgmma through inline PTX.
+//
+// The same formulas as attn_bwd_mma.cu (FA2's backward; P = exp2(s log2 e - lse log2 e) from the
+// forward's lse, delta_i = dO_i . O_i - dlse_i from attn_bwd_preprocess, dS = P (dP - delta), P and
+// dS rounded to T before their matmul, float32 accumulation), without score extras (softcap /
+// ALiBi / bias run attn_bwd_*_mma<..., EXTRAS = true>). The softmax scale is applied once, to the
+// finished dK and dQ (dS here is the gradient of the scaled score). Deterministic: no atomics,
+// every CTA writes only its own rows; causal (both alignments), window, GQA/MQA, varlen, Sq != Sk
+// and Dv != D as the mma.sync kernels, with the same arguments.
+//
+// attn_bwd_dkdv_wgmma<T, HD, BM, NWG>  one CTA of NWG consumer warpgroups per (64 NWG keys, kv
+//   head, batch); warpgroup w owns keys 64w ... 64w + 63 of the CTA (warp q of it keys
+//   16q ... 16q + 15), so its dK / dV rows never leave it. K and V stay in shared memory (SW128,
+//   attn_sm90.cuh); the CTA walks every query head of its GQA group and every BM-row query tile
+//   that can see its keys (row_range), Q / dO tiles (SW128) and their rows' lse log2 e / delta
+//   double-buffered with cp.async. Per tile and warpgroup (skipped when none of its keys is
+//   visible to the tile), four wgmma commit groups, each waited for only when its result is needed
+//   (wait_group 1), so that the exponentials run beside dP^T and dS^T beside dV:
+//     S^T  = K_w Q^T     wgmma_ss m64nBMk16, A = K (K-major), B = Q (K-major)     (wg_qk)
+//     dP^T = V_w dO^T    wgmma_ss, A = V, B = dO                                   (wg_qk)
+//     P^T = exp2(S^T scale log2 e - lse2) (wg_probs_keys): the accumulator layout is the
+//     A-register layout, so it is re-packed in registers (acc_to_a_frags)
+//     dV_w += P^T dO     wgmma_rs m64nHDk16, B = dO MN-major (trans-b)            (wg_pv)
+//     dS^T = P^T (dP^T - delta) (wg_dscores_keys), re-packed
+//     dK_w += dS^T Q     wgmma_rs, B = Q MN-major                                  (wg_pv)
+//   dK is scaled by the softmax scale and both are stored from the accumulators (4-byte pairs).
+// attn_bwd_dq_wgmma<T, HD, BN, NWG>  one CTA of NWG warpgroups per (64 NWG query rows, head,
+//   batch); warpgroup w owns rows 64w ... 64w + 63 (as the forward); Q and dO stay in shared
+//   memory, each thread keeps its two rows' lse log2 e and delta in registers, and the visible
+//   key tiles (key_range) of BN keys are double-buffered with cp.async:
+//     S = Q_w K^T, dP = dO_w V^T (wgmma_ss, wg_qk; P computed while dP runs); dS = P (dP - delta)
+//     in registers; dQ_w += dS K (wgmma_rs, B = K MN-major, wg_pv); dQ scaled and stored at the end.
+
+// Does any (query row, key) pair of rows [m0, m0 + bm) and keys [n0, n0 + bn) (each clipped to its
+// sequence) see each other? A warpgroup skips a tile for which this is false.
+__device__ __forceinline__ bool tile_any_visible(const SeqInfo& s, int m0, int bm, int n0, int bn, int left,
+                                                 int right) {
+    const int r_last = min(m0 + bm, s.sq) - 1;
+    if (r_last < m0) return false;
+    int lo, hi;
+    key_range(s, m0, r_last, left, right, &lo, &hi);
+    return max(lo, n0) < min(hi, n0 + bn);
+}
+
+// P of one accumulator element from its score dot q_i . k_j and the row's lse2 (lse log2 e, +inf
+// for a row with no visible key or past the sequence end): exp2(dot scale log2 e - lse2), 0 where
+// (i, j) is masked (tested only when `check`: the tile crosses a causal / window / sequence boundary).
+__device__ __forceinline__ float wg_prob(float dot, float lse2, bool check, const SeqInfo& s, int i, int j,
+                                         float scale_log2, int left, int right) {
+    const float p = fast_exp2(dot * scale_log2 - lse2);
+    return (check && !is_visible(s, i, j, left, right)) ? 0.f : p;
+}
+
+// dK/dV, P stage: S^T (st: one warpgroup's 64 keys x BM queries) into P^T in place. Element 4 nb + e
+// is key j0 + 8 (e / 2) (j0: this thread's first key) and query m0 + 8 nb + 2 t4 + e % 2 of the tile,
+// whose lse2 sits in shared memory (lse2_t, indexed from the tile's first row).
+template <int BM>
+__device__ __forceinline__ void wg_probs_keys(float* st, const float* lse2_t, bool check, const SeqInfo& s, int j0,
+                                              int m0, int t4, float scale_log2, int left, int right) {
+#pragma unroll
+    for (int nb = 0; nb < BM / 8; ++nb) {
+        const int il = 8 * nb + 2 * t4;
+        const float2 l2 = *reinterpret_cast<const float2*>(lse2_t + il);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            st[4 * nb + e] = wg_prob(st[4 * nb + e], e % 2 ? l2.y : l2.x, check, s, m0 + il + e % 2, j0 + 8 * (e / 2),
+                                     scale_log2, left, right);
+    }
+}
+
+// dK/dV, dS stage: dS^T = P^T (dP^T - delta) into dpt (element 4 nb + e: query 8 nb + 2 t4 + e % 2
+// of the tile, whose delta sits in shared memory, delta_t). Masked entries have P^T = 0, so dS^T = 0.
+template <int BM>
+__device__ __forceinline__ void wg_dscores_keys(const float* pt, float* dpt, const float* delta_t, int t4) {
+#pragma unroll
+    for (int nb = 0; nb < BM / 8; ++nb) {
+        const int il = 8 * nb + 2 * t4;
+        const float2 dl = *reinterpret_cast<const float2*>(delta_t + il);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpt[4 * nb + e] = pt[4 * nb + e] * (dpt[4 * nb + e] - (e % 2 ? dl.y : dl.x));
+    }
+}
+
+// dQ, P stage: S (sc: one warpgroup's 64 rows x BN keys) into P in place. Element 4 nb + e is row
+// i0 + 8 (e / 2) (lse2[e / 2]: this thread's two rows, in registers) and key n0 + 8 nb + 2 t4 + e % 2.
+template <int BN>
+__device__ __forceinline__ void wg_probs_rows(float* sc, const float* lse2, bool check, const SeqInfo& s, int i0,
+                                              int n0, int t4, float scale_log2, int left, int right) {
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            sc[4 * nb + e] = wg_prob(sc[4 * nb + e], lse2[e / 2], check, s, i0 + 8 * (e / 2),
+                                     n0 + 8 * nb + 2 * t4 + e % 2, scale_log2, left, right);
+}
+
+// dQ, dS stage: dS = P (dP - delta) into dp (element 4 nb + e: row i0 + 8 (e / 2), delta_r[e / 2]).
+template <int BN>
+__device__ __forceinline__ void wg_dscores_rows(const float* p, float* dp, const float* delta_r) {
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[4 * nb + e] = p[4 * nb + e] * (dp[4 * nb + e] - delta_r[e / 2]);
+}
+
+// An opaque copy of a shared-memory address, made inside a loop: the compiler cannot hoist what is
+// computed from it (the HD / 16 wgmma descriptors of a loop-invariant K or V tile, 2 registers
+// each) out of the loop and keep it live across the accumulators' wgmmas.
+__device__ __forceinline__ pa_u32 opaque_u32(pa_u32 x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+
+template <int N>
+__device__ __forceinline__ void zero_floats(float* x) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = 0.f;
+}
+
+template <int N>
+__device__ __forceinline__ void scale_floats(float* x, float f) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] *= f;
+}
+
+// Q and dO rows M0 ... M0 + BM - 1 of head H into the SW128 tiles SQ / SDO (zero-filled past the
+// sequence and the head dims) and their rows' lse2 / delta into SL (load_row_stats).
+#define PA_DKDV_WG_LOAD_QUERY_TILE(SQ, SDO, SL, H, M0)                                                             \
+    do {                                                                                                          \
+        load_tile_sw128<T, BM, HD, NT>(SQ, PA_Q_ROW(s, b, H, M0), q_ss, s.sq - (M0), head_dim, tid);               \
+        load_tile_sw128<T, BM, HD, NT>(SDO, PA_DO_ROW(s, b, H, M0), do_ss, s.sq - (M0), head_dim_v, tid);          \
+        load_row_stats<BM, NT>(SL, lse, delta, lse_sb, lse_sh, s, b, H, M0, tid);                                  \
+    } while (0)
+
+template <typename T, int HD, int BM, int NWG>
+__global__ void __launch_bounds__(NWG * 128, 1)
+attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
+                    const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk,
+                    long long dk_sb, long long dk_ss, long long dk_sh, T* __restrict__ dv, long long dv_sb,
+                    long long dv_ss, long long dv_sh) {
+    constexpr int BN = 64 * NWG;               // keys per CTA, 64 per warpgroup
+    constexpr int NT = 128 * NWG;
+    constexpr int KV_BYTES = BN * HD * 2;      // the K (or V) tile
+    constexpr int QT_BYTES = BM * HD * 2;      // one Q (or dO) buffer
+    static_assert(HD % 64 == 0 && HD <= 128, "HD: whole 64-column SW128 blocks; dK + dV take HD floats per thread");
+    static_assert(BM % 64 == 0 && BM <= 256, "BM: whole 8-row groups, at most 256 (one wgmma N)");
+    static_assert(sizeof(T) == 2, "16-bit elements");
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const pa_u32 raw = smem_addr(smem_raw);
+    const pa_u32 base = (raw + 1023u) & ~1023u;   // SW128 bases 1024-aligned (1 KB slack in smem_bytes)
+    const pa_u32 sK = base;
+    const pa_u32 sV = sK + KV_BYTES;
+    const pa_u32 sQ = sV + KV_BYTES;               // [2][BM x HD]
+    const pa_u32 sdO = sQ + 2 * QT_BYTES;          // [2][BM x HD]
+    float* sL = reinterpret_cast<float*>(smem_raw + (sdO + 2 * QT_BYTES - raw));   // [2][lse2 BM | delta BM]
+
+    const int tid = threadIdx.x, wg = tid / 128, wq = (tid / 32) % 4, lane = tid % 32;
+    const int g = lane / 4, t4 = lane % 4;
+    const KeyCta<T> cta = PA_KEY_CTA(BN);
+    if (cta.empty()) return;
+    const SeqInfo& s = cta.s;
+    const int b = cta.b, hk = cta.hk, n0 = cta.n0;
+    const float scale_log2 = scale * PA_LOG2E;
+
+    // K and V (resident for the whole walk) and the first query tile. Iteration `it` is head
+    // hk * gqa_ratio + it / n_mt, rows m_first + (it % n_mt) * BM.
+    load_tile_sw128<T, BN, HD, NT>(sK, cta.k_tile, k_ss, s.sk - n0, head_dim, tid);
+    load_tile_sw128<T, BN, HD, NT>(sV, cta.v_tile, v_ss, s.sk - n0, head_dim_v, tid);
+    const int m_first = (cta.r_lo / BM) * BM;
+    const int n_mt = cta.r_hi > cta.r_lo ? (cta.r_hi - m_first + BM - 1) / BM : 0;
+    const int n_iter = n_mt * gqa_ratio;
+    if (n_iter > 0) PA_DKDV_WG_LOAD_QUERY_TILE(sQ, sdO, sL, hk * gqa_ratio, m_first);
+    cp_async_commit();
+
+    float dk_acc[HD / 2], dv_acc[HD / 2];      // rows (keys) g, g + 8 of the warp's 16, as the forward's O
+    zero_floats<HD / 2>(dk_acc);
+    zero_floats<HD / 2>(dv_acc);
+    const int nw0 = n0 + wg * 64;              // the warpgroup's first key
+    const int j0 = nw0 + wq * 16 + g;          // this thread's keys: j0, j0 + 8
+    const pa_u32 sKw = sK + wg * 64 * 128, sVw = sV + wg * 64 * 128;   // 8-row groups are 1024 B
+
+    for (int it = 0; it < n_iter; ++it) {
+        const int buf = it & 1;
+        const int m0 = m_first + (it % n_mt) * BM;
+        // 1. tile `it` landed (this thread's copies), visible to the async proxy; every thread's
+        //    copies done and every warpgroup finished with the other buffer: prefetch it + 1.
+        cp_async_wait_all();
+        fence_proxy_async();
+        __syncthreads();
+        if (it + 1 < n_iter) {
+            const int h1 = hk * gqa_ratio + (it + 1) / n_mt, m1 = m_first + ((it + 1) % n_mt) * BM;
+            PA_DKDV_WG_LOAD_QUERY_TILE(sQ + (buf ^ 1) * QT_BYTES, sdO + (buf ^ 1) * QT_BYTES, sL + (buf ^ 1) * 2 * BM,
+                                       h1, m1);
+            cp_async_commit();
+        }
+        if (!tile_any_visible(s, m0, BM, nw0, 64, win_left, win_right)) continue;   // uniform per warpgroup
+        const pa_u32 sQb = sQ + buf * QT_BYTES, sdOb = sdO + buf * QT_BYTES;
+        const float* lse2_t = sL + buf * 2 * BM;
+
+        // 2. S^T = K_w Q^T and dP^T = V_w dO^T (64 keys x BM queries), two commit groups
+        float st[BM / 2], dpt[BM / 2];
+        zero_floats<BM / 2>(st);
+        zero_floats<BM / 2>(dpt);
+        wg_qk<T, HD, BN, BM>(st, opaque_u32(sKw), sQb);
+        wg_qk<T, HD, BN, BM>(dpt, opaque_u32(sVw), sdOb);
+
+        // 3. S^T landed (dP^T may still run): P^T in place (masked only where the tile crosses a
+        //    boundary), re-packed as A fragments; dV_w += P^T dO issued
+        wgmma_wait<1>();
+        wgmma_fence_acc<BM>(st);
+        const bool check = tile_needs_mask(s, m0, BM, nw0, 64, win_left, win_right);
+        wg_probs_keys<BM>(st, lse2_t, check, s, j0, m0, t4, scale_log2, win_left, win_right);
+        pa_u32 pa[BM / 16][4];
+        acc_to_a_frags<T, BM>(pa, st);
+        wg_pv<T, HD, BM>(dv_acc, pa, sdOb);
+
+        // 4. dP^T landed (dV may still run): dS^T in place, re-packed; dK_w += dS^T Q issued
+        wgmma_wait<1>();
+        wgmma_fence_acc<BM>(dpt);
+        wg_dscores_keys<BM>(st, dpt, lse2_t + BM, t4);
+        pa_u32 da[BM / 16][4];
+        acc_to_a_frags<T, BM>(da, dpt);
+        wg_pv<T, HD, BM>(dk_acc, da, sQb);
+        wgmma_wait<0>();
+        wgmma_fence_acc<HD>(dv_acc);
+        wgmma_fence_acc<HD>(dk_acc);
+    }
+    cp_async_wait_all();   // a CTA with no query tile still has its K/V copies in flight
+
+    // Epilogue: the warp's 16 keys of dK (times the softmax scale) and dV; keys past the
+    // sequence end and columns past the head dims are not stored.
+    scale_floats<HD / 2>(dk_acc, scale);
+    const int key_w = nw0 + wq * 16;
+    store_acc_rows<T, HD / 8>(tok_ptr(dk, b, dk_sb, s.k0 + key_w, dk_ss, hk, dk_sh), dk_ss,
+                              reinterpret_cast<const float (*)[4]>(dk_acc), s.sk - key_w, 0, head_dim, g, t4);
+    store_acc_rows<T, HD / 8>(tok_ptr(dv, b, dv_sb, s.k0 + key_w, dv_ss, hk, dv_sh), dv_ss,
+                              reinterpret_cast<const float (*)[4]>(dv_acc), s.sk - key_w, 0, head_dim_v, g, t4);
+}
+
+template <typename T, int HD, int BN, int NWG>
+__global__ void __launch_bounds__(NWG * 128, 1)
+attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
+                  const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, long long dq_sb,
+                  long long dq_ss, long long dq_sh) {
+    constexpr int BM = 64 * NWG;               // query rows per CTA, 64 per warpgroup
+    constexpr int NT = 128 * NWG;
+    constexpr int Q_BYTES = BM * HD * 2;       // the Q (or dO) tile
+    constexpr int KV_BYTES = BN * HD * 2;      // one K (or V) buffer
+    static_assert(HD % 64 == 0 && HD <= 256, "HD: whole 64-column SW128 blocks, at most 256 (one wgmma N)");
+    static_assert(BN % 64 == 0 && BN <= 256, "BN: whole 8-row groups, at most 256 (one wgmma N)");
+    static_assert(sizeof(T) == 2, "16-bit elements");
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const pa_u32 raw = smem_addr(smem_raw);
+    const pa_u32 base = (raw + 1023u) & ~1023u;
+    const pa_u32 sQ = base;
+    const pa_u32 sdO = sQ + Q_BYTES;
+    const pa_u32 sK = sdO + Q_BYTES;           // [2][BN x HD]
+    const pa_u32 sV = sK + 2 * KV_BYTES;       // [2][BN x HD]
+
+    const int tid = threadIdx.x, wg = tid / 128, wq = (tid / 32) % 4, lane = tid % 32;
+    const int g = lane / 4, t4 = lane % 4;
+    const RowCta<T> cta = PA_ROW_CTA(BM);
+    if (cta.empty()) return;
+    const SeqInfo& s = cta.s;
+    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi, n_first = cta.n_first(BN);
+    const float scale_log2 = scale * PA_LOG2E;
+
+    // Q and dO rows (resident) and the first K/V tile.
+    load_tile_sw128<T, BM, HD, NT>(sQ, PA_Q_ROW(s, b, h, m0), q_ss, s.sq - m0, head_dim, tid);
+    load_tile_sw128<T, BM, HD, NT>(sdO, PA_DO_ROW(s, b, h, m0), do_ss, s.sq - m0, head_dim_v, tid);
+    if (n_first < n_hi) {
+        load_tile_sw128<T, BN, HD, NT>(sK, cta.k_seq + n_first * k_ss, k_ss, s.sk - n_first, head_dim, tid);
+        load_tile_sw128<T, BN, HD, NT>(sV, cta.v_seq + n_first * v_ss, v_ss, s.sk - n_first, head_dim_v, tid);
+    }
+    cp_async_commit();
+
+    const int mw0 = m0 + wg * 64;              // the warpgroup's first row
+    const int i0 = mw0 + wq * 16 + g;          // this thread's rows: i0, i0 + 8
+    float lse2[2], delta_r[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = i0 + 8 * r;
+        const long long idx = row_index(b, h, lse_sb, lse_sh, s, i);
+        lse2[r] = lse_log2(lse, idx, i < s.sq);
+        delta_r[r] = i < s.sq ? delta[idx] : 0.f;
+    }
+    float dq_acc[HD / 2];
+    zero_floats<HD / 2>(dq_acc);
+    const pa_u32 sQw = sQ + wg * 64 * 128, sdOw = sdO + wg * 64 * 128;
+
+    for (int n0 = n_first, it = 0; n0 < n_hi; n0 += BN, ++it) {
+        const int buf = it & 1;
+        // 1. tile n landed and is visible to the async proxy; the other buffer is free: prefetch.
+        cp_async_wait_all();
+        fence_proxy_async();
+        __syncthreads();
+        if (n0 + BN < n_hi) {
+            const int n1 = n0 + BN;
+            load_tile_sw128<T, BN, HD, NT>(sK + (buf ^ 1) * KV_BYTES, cta.k_seq + n1 * k_ss, k_ss, s.sk - n1,
+                                           head_dim, tid);
+            load_tile_sw128<T, BN, HD, NT>(sV + (buf ^ 1) * KV_BYTES, cta.v_seq + n1 * v_ss, v_ss, s.sk - n1,
+                                           head_dim_v, tid);
+            cp_async_commit();
+        }
+        if (!tile_any_visible(s, mw0, 64, n0, BN, win_left, win_right)) continue;   // uniform per warpgroup
+        const pa_u32 sKb = sK + buf * KV_BYTES, sVb = sV + buf * KV_BYTES;
+
+        // 2. S = Q_w K^T and dP = dO_w V^T (64 rows x BN keys), two commit groups
+        float sc[BN / 2], dp[BN / 2];
+        zero_floats<BN / 2>(sc);
+        zero_floats<BN / 2>(dp);
+        wg_qk<T, HD, BM, BN>(sc, opaque_u32(sQw), sKb);
+        wg_qk<T, HD, BM, BN>(dp, opaque_u32(sdOw), sVb);
+
+        // 3. S landed (dP may still run): P in place
+        wgmma_wait<1>();
+        wgmma_fence_acc<BN>(sc);
+        const bool check = tile_needs_mask(s, mw0, 64, n0, BN, win_left, win_right);
+        wg_probs_rows<BN>(sc, lse2, check, s, i0, n0, t4, scale_log2, win_left, win_right);
+
+        // 4. dP landed: dS in place, re-packed as A fragments; dQ_w += dS K (K read MN-major)
+        wgmma_wait<0>();
+        wgmma_fence_acc<BN>(dp);
+        wg_dscores_rows<BN>(sc, dp, delta_r);
+        pa_u32 da[BN / 16][4];
+        acc_to_a_frags<T, BN>(da, dp);
+        wg_pv<T, HD, BN>(dq_acc, da, sKb);
+        wgmma_wait<0>();
+        wgmma_fence_acc<HD>(dq_acc);
+    }
+    cp_async_wait_all();   // a CTA whose rows see no key still has its Q/dO copies in flight
+
+    scale_floats<HD / 2>(dq_acc, scale);
+    const int row_w = mw0 + wq * 16;
+    store_acc_rows<T, HD / 8>(tok_ptr(dq, b, dq_sb, s.q0 + row_w, dq_ss, h, dq_sh), dq_ss,
+                              reinterpret_cast<const float (*)[4]>(dq_acc), s.sq - row_w, 0, head_dim, g, t4);
+}

@@ -1,0 +1,405 @@
+"""The cupy backend's sm_90a wgmma backward (attn_bwd_wgmma.cu, issue 16).
+
+CPU tests (no GPU): the PORTATTN_CUPY_BACKWARD=wgmma switch, which problems the wgmma backward
+takes and the reason when it does not, kernel_families, the launch plan against the kernels'
+signatures, the fallback when the sm_90a module does not compile, the sm_90a compile (no spills,
+no stack, the expected number of HGMMA per kernel in the SASS when a cuobjdump is at hand) and
+the PTX check that no ordinary instruction touches a wgmma chain's registers between its
+wgmma.fence and wait_group. The operand layouts are emulated in test_cupy_wgmma_bwd_layout.py.
+GPU tests (sm_90 + cupy only; skipped elsewhere): dq / dk / dv against the float64 reference
+under the equivalence rule (docs/semantics.md) on tests/test_cupy.py's cases the wgmma backward
+covers, bit-identical repeats, rows with no visible key getting exactly zero gradient, agreement
+with the mma.sync backward, the lse gradient, larger shapes and bad cu_seqlens.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from portattn.backends.cupy import compile_check, configs
+
+from portattn.spec import build_spec
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_cupy_wgmma import _cuobjdump, have_cupy, is_sm90, needs_nvrtc  # noqa: E402
+
+sm90_only = pytest.mark.skipif(not (is_sm90 and have_cupy), reason="needs an sm_90 GPU and cupy")
+
+
+# ----- CPU: the switch and the choice ------------------------------------------------------------
+def test_backward_mode_env(monkeypatch):
+    monkeypatch.delenv(configs.BACKWARD_ENV, raising=False)
+    assert configs.backward_mode() == "auto"
+    monkeypatch.setenv(configs.BACKWARD_ENV, " WGMMA ")
+    assert configs.backward_mode() == "wgmma"
+    monkeypatch.setenv(configs.BACKWARD_ENV, "hgmma")
+    with pytest.raises(ValueError, match="PORTATTN_CUPY_BACKWARD='hgmma'.*auto, mma128, fma, wgmma"):
+        configs.backward_mode()
+
+
+def _choose(mode, dt, d, dv, extras=False, cap=(9, 0), smem=None):
+    return configs.backward_choice(dt, d, dv, extras=extras, capability=cap, smem_limit=smem, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["auto", "mma128", "fma", "wgmma"])
+def test_backward_choice(mode):
+    fam = lambda *a, **kw: _choose(mode, *a, **kw)[0].family  # noqa: E731
+    wg = "bwd_wgmma" if mode == "wgmma" else ("bwd" if mode == "fma" else "bwd_mma")
+    assert fam("bfloat16", 128, 128) == wg
+    assert fam("float16", 64, 64) == wg
+    assert fam("float16", 40, 40) == wg            # padded to 64
+    assert fam("bfloat16", 100, 128) == wg         # padded to 128
+    assert fam("bfloat16", 64, 128) == wg          # Dv != D: padded to max(D, Dv) = 128
+    other = "bwd" if mode == "fma" else "bwd_mma"
+    assert fam("bfloat16", 96, 96) == other        # no HD-96 instantiation
+    assert fam("bfloat16", 32, 32) == other
+    assert fam("bfloat16", 256, 256) == ("bwd" if mode in ("fma", "mma128") else "bwd_mma")
+    assert fam("bfloat16", 128, 128, extras=True) == other
+    for cap in ((8, 0), (8, 9), (10, 0), None):
+        assert fam("bfloat16", 128, 128, cap=cap) == other
+    assert fam("float32", 128, 128) == "bwd"
+    # 120 KB: the mma.sync modules at HD 128 fit (<= 104 KB), the wgmma ones (133 KB) do not
+    assert fam("bfloat16", 128, 128, smem=120 * 1024) == ("bwd_mma" if mode != "fma" else "bwd")
+    assert fam("bfloat16", 64, 64, smem=120 * 1024) == wg
+    cfg, why = _choose(mode, "bfloat16", 128, 128)
+    assert configs.BACKWARD_ENV in why and mode in why
+    if mode == "wgmma":
+        assert cfg == configs.KernelConfig("bwd_wgmma", "bfloat16", 128) and "sm_90a" in why
+        assert "softcap" in _choose(mode, "bfloat16", 128, 128, extras=True)[1]
+        assert "needs 9.0" in _choose(mode, "bfloat16", 128, 128, cap=(8, 0))[1]
+        why256 = _choose(mode, "bfloat16", 256, 256)[1]
+        assert "padded head dim 256" in why256 and "registers" not in why256 and "HD floats" in why256
+        assert "shared memory" in _choose(mode, "bfloat16", 128, 128, smem=120 * 1024)[1]
+        # the plain config function never answers wgmma (backward_choice upgrades it)
+        assert configs.backward_config("bfloat16", 128, 128, mode="wgmma").family == "bwd_mma"
+
+
+def test_backward_choice_reads_the_env(monkeypatch):
+    monkeypatch.setenv(configs.BACKWARD_ENV, "wgmma")
+    cfg, _ = configs.backward_choice("float16", 128, 128, extras=False, capability=(9, 0))
+    assert cfg.family == "bwd_wgmma"
+    monkeypatch.delenv(configs.BACKWARD_ENV)
+    cfg, why = configs.backward_choice("float16", 128, 128, extras=False, capability=(9, 0))
+    assert cfg.family == "bwd_mma" and "auto" in why
+
+
+def test_wgmma_backward_config_geometry():
+    for hd in configs.WGMMA_BWD_HEAD_DIMS:
+        for dt in configs.TENSOR_CORE_DTYPES:
+            cfg = configs.KernelConfig("bwd_wgmma", dt, hd)
+            assert cfg.arch == "sm_90a" and cfg.source_files == configs.WGMMA_SOURCE_FILES
+            assert cfg in configs.wgmma_configs() and cfg not in configs.all_configs()
+            (bm, nwk), (bn, nwq) = configs.wgmma_bwd_tile(hd, "dkdv"), configs.wgmma_bwd_tile(hd, "dq")
+            assert cfg.kernel_names() == {"preprocess": f"attn_bwd_preprocess<{cfg.ctype}>",
+                                          "dkdv": f"attn_bwd_dkdv_wgmma<{cfg.ctype}, {hd}, {bm}, {nwk}>",
+                                          "dq": f"attn_bwd_dq_wgmma<{cfg.ctype}, {hd}, {bn}, {nwq}>"}
+            assert cfg.threads("dkdv") == 128 * nwk and cfg.block_rows("dkdv") == 64 * nwk
+            assert cfg.threads("dq") == 128 * nwq and cfg.block_rows("dq") == 64 * nwq
+            assert cfg.threads("preprocess") == configs.PRE_THREADS and cfg.smem_bytes("preprocess") == 0
+            assert cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
+    assert compile_check.smem_violations(archs=("90a",)) == []
+
+
+def test_kernel_families_name_the_wgmma_backward(monkeypatch):
+    from portattn.backends.cupy import kernel_families
+
+    q = torch.randn(1, 8, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    spec = build_spec(q, q, q, causal=True)
+    monkeypatch.setenv(configs.BACKWARD_ENV, "wgmma")
+    assert kernel_families(spec, capability=(9, 0))["backward"].startswith("bwd_wgmma (Hopper")
+    fam = kernel_families(spec, capability=(8, 0))["backward"]
+    assert fam.startswith("bwd_mma") and "needs 9.0" in fam
+    fam = kernel_families(build_spec(q, q, q, softcap=5.0), capability=(9, 0))["backward"]
+    assert fam.startswith("bwd_mma") and "softcap" in fam
+    monkeypatch.delenv(configs.BACKWARD_ENV)
+    assert kernel_families(spec, capability=(9, 0))["backward"].startswith("bwd_mma")
+
+
+def _param_count(kernel: str) -> int:
+    src = configs.source(configs.WGMMA_SOURCE_FILES)
+    n_common = re.search(r"#define PA_COMMON_PARAMS(.*?)\n\n", src, re.S).group(1).count(",") + 1
+    start = src.index(f"\n{kernel}(") + len(kernel) + 2
+    depth, i = 1, start
+    while depth:
+        depth += {"(": 1, ")": -1}.get(src[i], 0)
+        i += 1
+    return src[start:i - 1].count(",") + n_common
+
+
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window": (4, 2)}])
+def test_wgmma_backward_plan_matches_signature(kw):
+    """plan_backward with the wgmma config (CPU tensors: nothing launches) passes each kernel its
+    argument list (the mma.sync kernels'), one dK/dV CTA per 128 keys and kv head, one dQ CTA per
+    128 rows and query head; softcap is refused with a reason."""
+    from portattn.backends.cupy import runtime
+
+    q = torch.randn(2, 300, 4, 40, dtype=torch.bfloat16)
+    k = torch.randn(2, 150, 2, 40, dtype=torch.bfloat16)
+    v = torch.randn(2, 150, 2, 24, dtype=torch.bfloat16)
+    spec = build_spec(q, k, v, **kw)
+    cfg = configs.wgmma_backward_config("bfloat16", 40, 24)
+    assert cfg.family == "bwd_wgmma" and cfg.head_dim == 64
+    out = torch.randn(2, 300, 4, 24, dtype=torch.bfloat16)
+    lse = torch.randn(spec.lse_shape)
+    plan = runtime.plan_backward(spec, out, lse, out.clone(), cfg)
+    pre, dkdv, dq = plan.launches
+    assert (pre.role, dkdv.role, dq.role) == ("preprocess", "dkdv", "dq")
+    assert len(dkdv.args) == _param_count("attn_bwd_dkdv_wgmma")
+    assert len(dq.args) == _param_count("attn_bwd_dq_wgmma")
+    assert dkdv.grid == (2, 2, 2) and dq.grid == (3, 4, 2)
+    assert [t.shape for t in plan.outputs] == [q.shape, k.shape, v.shape]
+    with pytest.raises(ValueError, match="softcap"):
+        runtime.plan_backward(build_spec(q, k, v, softcap=2.0), out, lse, out.clone(), cfg)
+
+
+def test_runtime_falls_back_when_sm90a_does_not_compile(monkeypatch):
+    from portattn.backends.cupy import runtime, sm90a
+
+    q = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    spec = build_spec(q, q, q)
+    monkeypatch.setenv(configs.BACKWARD_ENV, "wgmma")
+    monkeypatch.setattr(runtime, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(sm90a, "unavailable_reason", lambda *a, **kw: "the sm_90a module does not compile here (X)")
+    cfg, why = runtime.backward_choice(spec)
+    assert cfg.family == "bwd_mma" and "does not compile" in why and configs.BACKWARD_ENV in why
+    monkeypatch.setattr(sm90a, "unavailable_reason", lambda *a, **kw: None)
+    assert runtime.backward_choice(spec)[0].family == "bwd_wgmma"
+    monkeypatch.setattr(runtime, "_capability", lambda device: (8, 0))
+    assert runtime.backward_choice(spec)[0].family == "bwd_mma"
+
+
+# ----- CPU: the sm_90a compile -------------------------------------------------------------------
+def _expected_hgmma(name: str) -> int:
+    """wgmma instructions per tile in the source: dK/dV: S^T and dP^T (HD / 16 each), dV and dK
+    (BM / 16 each); dQ: S and dP (HD / 16 each), dQ (BN / 16)."""
+    hd, tile = (int(x) for x in re.search(r"<\w+, (\d+), (\d+), \d+>", name).groups())
+    return 2 * hd // 16 + (2 if "dkdv" in name else 1) * tile // 16
+
+
+@needs_nvrtc
+def test_wgmma_backward_compiles_without_spills_and_uses_hgmma(tmp_path):
+    names = [n for c in configs.wgmma_configs() if c.family == "bwd_wgmma"
+             for r, n in c.kernel_names().items() if r != "preprocess"]
+    assert len(names) == 8
+    cubin = str(tmp_path / "bwd.cubin")
+    log, lowered = compile_check.compile_names(names, "90a", cubin_out=cubin)
+    reports = compile_check.parse_ptxas_log(log, lowered, "90a")
+    assert len(reports) == len(names)
+    for r in reports:
+        assert r.registers is not None and r.registers <= 255, r
+        assert not r.spill_stores and not r.spill_loads and not r.stack, f"{r.name} spills: {r}"
+    assert "serialized" not in log, log   # ptxas: "wgmma.mma_async instructions are serialized ..."
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump to read the SASS")
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    for name, low in lowered.items():
+        block = sass.split(f"Function : {low}")[1].split("Function : ")[0]
+        assert block.count("HGMMA.") == _expected_hgmma(name), f"{name}: HGMMA count"
+        assert "HMMA." not in block and " LDL" not in block and " STL" not in block, name
+
+
+def _chain_register_hazards(ptx: str) -> list[str]:
+    """test_cupy_wgmma's check, per chain and with wait_group N: the backward issues several
+    chains (each a wgmma.fence, its wgmma.mma_async's and a commit_group) and waits for each only
+    when it needs the result (``wgmma.wait_group 1`` leaves the newest group running). A chain's
+    registers (accumulators and A fragments) may be written by ordinary code before *its* fence
+    (PTX ISA 9.7.15.7.1), and read again once a wait_group completed its group: at
+    ``wait_group N`` every group with at least N groups committed after it is complete. So each
+    chain's registers are checked from its own wgmma.fence to the wait that completes it."""
+    lines = [ln.split("//")[0].strip() for ln in ptx.splitlines()]
+    chains, commits, fence = [], [], None   # chains: [fence line, commit line, regs]
+    for i, ln in enumerate(lines):
+        if ln.startswith("wgmma.fence"):
+            fence = i
+        elif ln.startswith("wgmma.commit_group"):
+            body = [x for x in lines[fence:i] if x.startswith("wgmma.mma_async")]
+            regs = {r for x in body for grp in re.findall(r"\{([^}]*)\}", x) for r in re.findall(r"%\w+", grp)}
+            assert fence is not None and body and regs, f"a commit_group at PTX line {i} without a fenced chain"
+            chains.append([fence, i, regs])
+            commits.append(i)
+    waits = [(i, int(re.search(r"wait_group\.sync\.aligned (\d+)", ln).group(1)))
+             for i, ln in enumerate(lines) if ln.startswith("wgmma.wait_group")]
+    bad = []
+    for start, commit, regs in chains:
+        done = next((w for w, n in waits if w > commit and sum(commit < c < w for c in commits) >= n), None)
+        assert done is not None, f"the chain committed at PTX line {commit} is never waited for"
+        for x in lines[start + 1:done]:
+            if x and not x.startswith("wgmma.") and regs.intersection(re.findall(r"%\w+", x)):
+                bad.append(f"line {start}: {x}")
+    return bad
+
+
+def test_chain_register_hazard_check():
+    """The per-chain check flags an access to an outstanding chain's registers (after its fence,
+    before the wait that completes it, also behind a second chain and across a wait_group 1 that
+    leaves it running) and accepts writes to a chain's registers before its own fence and reads of
+    a chain that a wait_group 1 completed."""
+    mma = "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%f1, %f2}, %rd1, %rd2, p, 1, 1, 0, 0;\n"
+    mma2 = mma.replace("%f1, %f2", "%f3, %f4")
+    fence, commit = "wgmma.fence.sync.aligned;\n", "wgmma.commit_group.sync.aligned;\n"
+    wait0, wait1 = "wgmma.wait_group.sync.aligned 0;\n", "wgmma.wait_group.sync.aligned 1;\n"
+    ok = (fence + mma + commit + "mov.f32 %f3, %f9;\n" + fence + mma2 + commit + wait1 +
+          "add.f32 %f1, %f1, %f1;\n" + wait0 + "add.f32 %f1, %f1, %f3;\n")
+    assert _chain_register_hazards(ok) == []
+    assert len(_chain_register_hazards(ok.replace("mov.f32 %f3, %f9;", "mov.f32 %f2, %f9;"))) == 1
+    early = ok.replace("add.f32 %f1, %f1, %f1;", "add.f32 %f1, %f1, %f4;")   # %f4: chain 2, still running
+    assert len(_chain_register_hazards(early)) == 1
+    late = ok.replace(wait1, "add.f32 %f5, %f4, %f4;\n" + wait1)
+    assert len(_chain_register_hazards(late)) == 1
+    with pytest.raises(AssertionError, match="never waited"):
+        _chain_register_hazards(fence + mma + commit)
+
+
+def test_sm90a_ptx_keeps_backward_wgmma_registers_behind_the_fences():
+    """In the PTX of every wgmma backward kernel, no ordinary instruction touches a wgmma
+    accumulator or A-fragment register between a chain's wgmma.fence and its wait_group
+    (_chain_register_hazards, shown above to flag a late write or an early read)."""
+    from portattn.backends.cupy import sm90a
+
+    try:
+        nv = sm90a.nvrtc_binding()
+    except sm90a.Sm90aCompileError as exc:
+        pytest.skip(str(exc))
+    names = [n for c in configs.wgmma_configs() if c.family == "bwd_wgmma"
+             for r, n in c.kernel_names().items() if r != "preprocess"]
+    opts = (*[o for o in sm90a.OPTIONS if not o.startswith("--ptxas")], "--gpu-architecture=compute_90a")
+    ptx, lowered, _ = nv.compile(configs.source(configs.WGMMA_SOURCE_FILES), names, opts)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    entries = re.split(r"\n(?=\.(?:weak|visible) \.entry )", ptx)
+    for name, low in lowered.items():
+        body = [e for e in entries if e.split("(", 1)[0].endswith(low)]
+        assert len(body) == 1, name
+        # dK/dV: S^T and dP^T, then dV and dK (two chains each); dQ: S and dP, then dQ
+        assert body[0].count("wgmma.fence") == (4 if "dkdv" in name else 3), name
+        # each wait_group 1 leaves the newest group running; the last wait of a tile is wait_group 0
+        assert body[0].count("wgmma.wait_group.sync.aligned 1") == (2 if "dkdv" in name else 1), name
+        assert _chain_register_hazards(body[0]) == [], name
+
+
+# ----- GPU ---------------------------------------------------------------------------------------
+def _wgmma_bwd_cases():
+    try:
+        from test_cupy import CASES
+    except Exception:
+        return []
+    return [name for name, (*_, d, dv, kw) in CASES.items()
+            if not any(x in kw for x in ("alibi", "bias", "mask", "softcap"))
+            and configs.padded_head_dim(d, dv) in configs.WGMMA_BWD_HEAD_DIMS]
+
+
+def _zero_grad_rows_ok(spec, kw, q, k, v, dq) -> bool:
+    """Rows with no visible key (lse -inf in the reference) have exactly zero dq."""
+    from portattn.reference import reference_forward
+
+    _, ref_lse = reference_forward(build_spec(q.double(), k.double(), v.double(), **kw))
+    empty = torch.isneginf(ref_lse)
+    if not bool(empty.any()):
+        return True
+    rows = empty.transpose(0, 1) if spec.is_varlen else empty.transpose(1, 2)
+    return bool((dq[rows] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", _wgmma_bwd_cases())
+@pytest.mark.gpu
+@sm90_only
+def test_wgmma_backward_matches_reference(monkeypatch, case, dtype):
+    from portattn.backends.cupy import CupyBackend, runtime
+    from test_cupy import _grad_scale, _grads, _inputs, _to_layout
+
+    from portattn.numerics import compare
+    from portattn.reference import naive_forward, reference_forward
+
+    q, k, v, kw = _inputs(case, dtype, seed=9)
+    spec = build_spec(q, k, v, **kw)
+    be = CupyBackend()
+    out, lse = be.forward(spec)
+    dout = torch.randn(spec.out_shape, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda")
+    dout = dout.to(dtype)
+    monkeypatch.setenv(configs.BACKWARD_ENV, "wgmma")
+    cfg, why = runtime.backward_choice(spec)
+    assert cfg.family == "bwd_wgmma", why
+    first = be.backward(spec, out, lse, dout)[:3]
+    second = be.backward(spec, out, lse, dout)[:3]
+    monkeypatch.setenv(configs.BACKWARD_ENV, "auto")
+    mma = be.backward(spec, out, lse, dout)[:3]
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(first, second)), "wgmma backward not bit-identical on repeat"
+    assert _zero_grad_rows_ok(spec, kw, q, k, v, first[0]), "rows with no visible key must get zero dq"
+    ref_g = _grads(reference_forward, q, k, v, kw, dout, torch.float64)
+    # keys no query sees (their float64 dv is exactly 0: dv = sum_i P_ij dO_i) get exactly zero dv
+    unseen = (_to_layout(ref_g[2], kw) == 0).all(dim=-1)
+    assert bool((first[2][unseen] == 0).all()), "keys no query sees must get zero dv"
+    naive_g = _grads(naive_forward, q, k, v, kw, dout, dtype)
+    zs = _grad_scale(spec, dout, k, v)
+    bad = []
+    for name, a, m, r, n in zip(("dq", "dk", "dv"), first, mma, ref_g, naive_g):
+        r, n = _to_layout(r, kw), _to_layout(n, kw)
+        res = compare(name, a, r, n, factor=3, zero_ref_scale=zs)
+        if not res.passed:
+            bad.append(str(res))
+        diff = (a.double() - m.double()).abs().max().item() if a.numel() else 0.0
+        if not diff <= 2 * res.tolerance:
+            bad.append(f"{name}: max|wgmma - mma| = {diff:.3g} > {2 * res.tolerance:.3g}")
+    assert not bad, f"{case} {dtype}: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.gpu
+@sm90_only
+def test_wgmma_backward_large_bf16(monkeypatch, d):
+    """Many key and query tiles per CTA (the benchmark's shape, smaller), GQA, causal and not."""
+    from portattn.backends.cupy import CupyBackend, runtime
+    from test_cupy import _grads
+
+    from portattn.numerics import compare
+    from portattn.reference import naive_forward, reference_forward
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q = torch.randn(2, 1024, 8, d, generator=g, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(2, 1024, 2, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    monkeypatch.setenv(configs.BACKWARD_ENV, "wgmma")
+    for causal in (False, True):
+        spec = build_spec(q, k, v, causal=causal)
+        assert runtime.backward_choice(spec)[0].family == "bwd_wgmma"
+        out, lse = CupyBackend().forward(spec)
+        dout = torch.randn(spec.out_shape, generator=g, device="cuda").to(torch.bfloat16)
+        grads = CupyBackend().backward(spec, out, lse, dout)[:3]
+        kw = {"causal": causal}
+        ref_g = _grads(reference_forward, q, k, v, kw, dout, torch.float64)
+        naive_g = _grads(naive_forward, q, k, v, kw, dout, torch.bfloat16)
+        results = [compare(n, a, r, nv, factor=3) for n, a, r, nv in zip(("dq", "dk", "dv"), grads, ref_g, naive_g)]
+        bad = [str(r) for r in results if not r.passed]
+        assert not bad, f"causal={causal}: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("case", ["basic", "causal_br_sq_gt_sk", "causal_br_empty_ctas", "gqa_causal", "varlen_causal",
+                                  "varlen_window"])
+@pytest.mark.gpu
+@sm90_only
+def test_wgmma_backward_lse_gradient(monkeypatch, case):
+    from test_cupy import _inputs
+    from test_lse_grad import check_lse_grads
+
+    monkeypatch.setenv(configs.BACKWARD_ENV, "wgmma")
+    q, k, v, kw = _inputs(case, torch.bfloat16, seed=11)
+    check_lse_grads("cupy", q, k, v, bias_grad=False, **kw)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.gpu
+@sm90_only
+def test_wgmma_backward_bad_cu_seqlens_stay_in_bounds(monkeypatch, d):
+    """The bad-cu_seqlens cases (test_cu_seqlens_safety.py) with the causal feature set (the
+    others carry softcap / ALiBi / bias: the mma.sync kernels) through the wgmma backward."""
+    import test_cu_seqlens_safety
+    from test_cu_seqlens_safety import BAD, run_bad_case
+
+    monkeypatch.setattr(test_cu_seqlens_safety, "D", d)
+    monkeypatch.setenv(configs.BACKWARD_ENV, "wgmma")
+    for name in sorted(BAD):
+        run_bad_case(monkeypatch, "cupy", name, "causal", dtype=torch.bfloat16, device="cuda")

@@ -1,0 +1,264 @@
+"""CPU check of the wgmma backward's operand forms and fragment bookkeeping (no GPU needed).
+
+The backward (attn_bwd_wgmma.cu) reuses the forward's wg_qk / wg_pv with other tiles in other
+roles: in dK/dV, S^T = K_w Q^T has the CTA's K tile (64 NWG keys) as the K-major A operand and
+the Q tile (BM rows) as the K-major B operand, and dV += P^T dO, dK += dS^T Q read dO and Q as
+MN-major B operands of BM rows; in dQ, dQ += dS K reads the K tile as an MN-major B operand.
+This emulates those reads with test_cupy_wgmma_layout's model of the hardware (SW128 stores,
+descriptor reads, accumulator / A-fragment coordinates), taking from the source: which tile is
+A and B and with which template row counts (the wg_qk / wg_pv calls of each kernel), the
+warpgroup's tile offset, the element -> (key, query) coordinates the P / dS code uses for lse,
+delta and masking, and the shared-memory carve-up (1024-byte aligned SW128 bases; its size is
+configs.KernelConfig.smem_bytes). Then the emulated products equal K_w Q^T, P^T dO, dS^T Q and
+dS K computed directly, so a wrong operand role, offset or coordinate fails here.
+"""
+import re
+
+import numpy as np
+import pytest
+from portattn.backends.cupy import configs
+from test_cupy_wgmma_layout import (
+    _a_coords,
+    _c_expr,
+    _d_coords,
+    _desc,
+    _pv_desc,
+    _qk_descs,
+    _qk_offsets,
+    _read_kmajor,
+    _read_mnmajor,
+    _store,
+)
+
+SRC = configs.source(("attn_bwd_wgmma.cu",))
+
+
+def _kernel(name: str) -> str:
+    start = SRC.index(f"\n{name}(")
+    end = SRC.find("\ntemplate <", start)
+    return SRC[start:end if end > 0 else len(SRC)]
+
+
+DKDV, DQ = _kernel("attn_bwd_dkdv_wgmma"), _kernel("attn_bwd_dq_wgmma")
+
+
+def _call(body: str, pattern: str):
+    m = re.search(pattern, body)
+    assert m, pattern
+    return m.groups()
+
+
+def _eval(expr: str, env: dict) -> int:
+    return eval(_c_expr(expr), {}, dict(env))
+
+
+def _carve(body: str, env: dict) -> dict:
+    """The kernel's constexpr sizes and SW128 region bases (relative to the aligned base)."""
+    env = dict(env, base=0)
+    for name, expr in re.findall(r"constexpr int (\w+) = ([^;]+);", body):
+        env[name] = _eval(expr, env)
+    for name, expr in re.findall(r"const pa_u32 (s\w+) = ([^;,]+)[;,]", body):
+        try:
+            env[name] = _eval(expr, env)
+        except NameError:   # per-warpgroup / per-buffer addresses (wg, buf): not part of the carve-up
+            pass
+    return env
+
+
+def _thread_regs(mat, warp, lane, n_cols):
+    """A thread's accumulator registers of a 64 x n_cols product (the m64nNk16 D fragment)."""
+    return np.array([mat[_d_coords(warp, lane, i)] for i in range(n_cols // 2)])
+
+
+def _a_operand(regs_per_thread, kk):
+    """The 64 x 16 A operand that the A fragments re-packed from the accumulators (acc_to_a_frags:
+    the same register order) give at k16 step kk."""
+    a = np.full((64, 16), np.nan)
+    for (warp, lane), regs in regs_per_thread.items():
+        for reg in range(4):
+            for half in range(2):
+                row, k = _a_coords(warp, lane, reg, half)
+                a[row, k] = regs[8 * kk + 2 * reg + half]
+    assert not np.isnan(a).any()
+    return a
+
+
+@pytest.mark.parametrize("hd", configs.WGMMA_BWD_HEAD_DIMS)
+def test_dkdv_operands_and_coordinates(hd):
+    bm, nwg = configs.wgmma_bwd_tile(hd, "dkdv")
+    bn = 64 * nwg
+    env = _carve(DKDV, {"HD": hd, "BM": bm, "NWG": nwg})
+    assert env["BN"] == bn
+    # the two wg_qk calls: template row counts and operands (A: K / V of the warpgroup, B: Q / dO)
+    a_rows, b_rows, acc, a_tile, b_tile = _call(DKDV, r"wg_qk<T, HD, (\w+), (\w+)>\((st), opaque_u32\((\w+)\), (\w+)\)")
+    assert (acc, a_tile, b_tile) == ("st", "sKw", "sQb")
+    a_rows2, b_rows2, a2, b2 = _call(DKDV, r"wg_qk<T, HD, (\w+), (\w+)>\(dpt, opaque_u32\((\w+)\), (\w+)\)")
+    assert (a_rows2, b_rows2, a2, b2) == (a_rows, b_rows, "sVw", "sdOb")
+    a_rows, b_rows = env[a_rows], env[b_rows]
+    assert (a_rows, b_rows) == (bn, bm)
+    wg_off = _call(DKDV, r"const pa_u32 sKw = sK \+ ([^,]+), sVw")[0]
+    dv_rows, dv_tile = _call(DKDV, r"wg_pv<T, HD, (\w+)>\(dv_acc, pa, (\w+)\)")
+    dk_rows, dk_tile = _call(DKDV, r"wg_pv<T, HD, (\w+)>\(dk_acc, da, (\w+)\)")
+    assert (dv_tile, dk_tile) == ("sdOb", "sQb") and env[dv_rows] == env[dk_rows] == bm
+    # element coordinates of wg_probs_keys: (query, key) of accumulator element 4 nb + e, and the
+    # query's lse2 (there) and delta (wg_dscores_keys) in shared memory
+    body = re.search(r"wg_probs_keys\(.*?\n\}", SRC, re.S).group(0)
+    il_expr = re.search(r"const int il = ([^;]+);", body).group(1)
+    q_expr, k_expr = re.search(r"check, s, ([^,]+), ([^,]+),\s*scale_log2", body).groups()
+    stat_off = re.search(r"const float2 l2 = \*reinterpret_cast<const float2\*>\(lse2_t \+ (\w+)\)", body).group(1)
+    assert stat_off == "il" and "e % 2 ? l2.y : l2.x" in body
+    ds_body = re.search(r"wg_dscores_keys\(.*?\n\}", SRC, re.S).group(0)
+    assert re.search(r"const int il = ([^;]+);", ds_body).group(1) == il_expr
+    assert "reinterpret_cast<const float2*>(delta_t + il)" in ds_body and "e % 2 ? dl.y : dl.x" in ds_body
+    assert _call(DKDV, r"wg_dscores_keys<BM>\(st, dpt, (lse2_t \+ BM), t4\)")[0] == "lse2_t + BM"
+    j0_expr = _call(DKDV, r"const int j0 = ([^;]+);")[0]
+    nw0_expr = _call(DKDV, r"const int nw0 = ([^;]+);")[0]
+
+    rng = np.random.default_rng(hd)
+    k, v = rng.standard_normal((bn, hd)), rng.standard_normal((bn, hd))
+    q, do = rng.standard_normal((bm, hd)), rng.standard_normal((bm, hd))
+    mk, mv, mq, mdo = _store(k, bn), _store(v, bn), _store(q, bm), _store(do, bm)
+    lbo, sbo, _, _ = _qk_descs()
+    n0, m0 = 128 * 3, 64 * 5   # any tile position
+    for wg in range(nwg):
+        start = _eval(wg_off, {"wg": wg})
+        st, dpt = np.zeros((64, bm)), np.zeros((64, bm))
+        for kk in range(hd // 16):
+            oa, ob = _qk_offsets(kk, a_rows, b_rows)
+            st += _read_kmajor(mk, start + oa, sbo, 64) @ _read_kmajor(mq, ob, sbo, bm).T
+            dpt += _read_kmajor(mv, start + oa, sbo, 64) @ _read_kmajor(mdo, ob, sbo, bm).T
+        kw, vw = k[64 * wg:64 * wg + 64], v[64 * wg:64 * wg + 64]
+        np.testing.assert_allclose(st, kw @ q.T, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(dpt, vw @ do.T, rtol=1e-12, atol=1e-12)
+        # P^T / dS^T stand-ins computed per element from the coordinates the kernel uses
+        lse, delta = rng.standard_normal(bm), rng.standard_normal(bm)
+        p_regs, ds_regs = {}, {}
+        for warp in range(4):
+            for lane in range(32):
+                g, t4 = lane // 4, lane % 4
+                nw0 = _eval(nw0_expr, {"n0": n0, "wg": wg})
+                j0 = _eval(j0_expr, {"nw0": nw0, "wq": warp, "g": g})
+                s_regs, d_regs = _thread_regs(st, warp, lane, bm), _thread_regs(dpt, warp, lane, bm)
+                p, ds = np.empty(bm // 2), np.empty(bm // 2)
+                for nb in range(bm // 8):
+                    il = _eval(il_expr, {"nb": nb, "t4": t4})
+                    for e in range(4):
+                        i = _eval(q_expr, {"m0": m0, "il": il, "e": e})
+                        j = _eval(k_expr, {"j0": j0, "e": e})
+                        row, col = _d_coords(warp, lane, 4 * nb + e)
+                        assert (j, i) == (nw0 + row, m0 + col), "P^T element coordinates"
+                        assert il + e % 2 == i - m0, "the query's lse2 / delta in shared memory"
+                        p[4 * nb + e] = np.exp(s_regs[4 * nb + e] * 0.1 - lse[i - m0])
+                        ds[4 * nb + e] = p[4 * nb + e] * (d_regs[4 * nb + e] - delta[i - m0])
+                p_regs[(warp, lane)], ds_regs[(warp, lane)] = p, ds
+        pt = np.exp(st * 0.1 - lse[None, :])
+        dst = pt * (dpt - delta[None, :])
+        dv, dk = np.zeros((64, hd)), np.zeros((64, hd))
+        for kk in range(bm // 16):
+            start_b, lbo_b, sbo_b = _pv_desc(kk, bm)
+            dv += _a_operand(p_regs, kk) @ _read_mnmajor(mdo, start_b, lbo_b, sbo_b, hd)
+            dk += _a_operand(ds_regs, kk) @ _read_mnmajor(mq, start_b, lbo_b, sbo_b, hd)
+        np.testing.assert_allclose(dv, pt @ do, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(dk, dst @ q, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("hd", configs.WGMMA_BWD_HEAD_DIMS)
+def test_dq_operands_and_coordinates(hd):
+    bn, nwg = configs.wgmma_bwd_tile(hd, "dq")
+    bm = 64 * nwg
+    env = _carve(DQ, {"HD": hd, "BN": bn, "NWG": nwg})
+    assert env["BM"] == bm
+    a_rows, b_rows, a_tile, b_tile = _call(DQ, r"wg_qk<T, HD, (\w+), (\w+)>\(sc, opaque_u32\((\w+)\), (\w+)\)")
+    assert (a_tile, b_tile) == ("sQw", "sKb") and (env[a_rows], env[b_rows]) == (bm, bn)
+    assert _call(DQ, r"wg_qk<T, HD, (\w+), (\w+)>\(dp, opaque_u32\((\w+)\), (\w+)\)") == (a_rows, b_rows, "sdOw", "sVb")
+    pv_rows, pv_tile = _call(DQ, r"wg_pv<T, HD, (\w+)>\(dq_acc, da, (\w+)\)")
+    assert pv_tile == "sKb" and env[pv_rows] == bn
+    wg_off = _call(DQ, r"const pa_u32 sQw = sQ \+ ([^,]+), sdOw")[0]
+    body = re.search(r"wg_probs_rows\(.*?\n\}", SRC, re.S).group(0)
+    r_expr, k_expr = re.search(r"check, s, ([^,]+),\s*([^,]+), scale_log2", body).groups()
+    lse_idx = re.search(r"wg_prob\(sc\[4 \* nb \+ e\], lse2\[([^\]]+)\], check", body).group(1)
+    ds_body = re.search(r"wg_dscores_rows\(.*?\n\}", SRC, re.S).group(0)
+    assert re.search(r"delta_r\[([^\]]+)\]", ds_body).group(1) == lse_idx
+    i0_expr = _call(DQ, r"const int i0 = ([^;]+);")[0]
+    mw0_expr = _call(DQ, r"const int mw0 = ([^;]+);")[0]
+
+    rng = np.random.default_rng(hd + 1)
+    q, k = rng.standard_normal((bm, hd)), rng.standard_normal((bn, hd))
+    mq, mk = _store(q, bm), _store(k, bn)
+    lbo, sbo, _, _ = _qk_descs()
+    m0, n0 = 128 * 2, 64 * 7
+    for wg in range(nwg):
+        start = _eval(wg_off, {"wg": wg})
+        sc = np.zeros((64, bn))
+        for kk in range(hd // 16):
+            oa, ob = _qk_offsets(kk, bm, bn)
+            sc += _read_kmajor(mq, start + oa, sbo, 64) @ _read_kmajor(mk, ob, sbo, bn).T
+        np.testing.assert_allclose(sc, q[64 * wg:64 * wg + 64] @ k.T, rtol=1e-12, atol=1e-12)
+        ds_regs = {}
+        for warp in range(4):
+            for lane in range(32):
+                g, t4 = lane // 4, lane % 4
+                mw0 = _eval(mw0_expr, {"m0": m0, "wg": wg})
+                i0 = _eval(i0_expr, {"mw0": mw0, "wq": warp, "g": g})
+                regs = _thread_regs(sc, warp, lane, bn)
+                for nb in range(bn // 8):
+                    for e in range(4):
+                        i = _eval(r_expr, {"i0": i0, "e": e})
+                        j = _eval(k_expr, {"n0": n0, "nb": nb, "t4": t4, "e": e})
+                        row, col = _d_coords(warp, lane, 4 * nb + e)
+                        assert (i, j) == (mw0 + row, n0 + col), "S element coordinates"
+                        assert _eval(lse_idx, {"e": e}) == (i - i0) // 8, "the row's lse2 / delta register"
+                ds_regs[(warp, lane)] = regs * 0.5   # any function of the element: dS stands in
+        dq = np.zeros((64, hd))
+        for kk in range(bn // 16):
+            start_b, lbo_b, sbo_b = _pv_desc(kk, bn)
+            dq += _a_operand(ds_regs, kk) @ _read_mnmajor(mk, start_b, lbo_b, sbo_b, hd)
+        np.testing.assert_allclose(dq, (sc * 0.5) @ k, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("role", ["dkdv", "dq"])
+@pytest.mark.parametrize("hd", configs.WGMMA_BWD_HEAD_DIMS)
+def test_shared_memory_carve_and_descriptors(role, hd):
+    """Every SW128 region of the kernel's carve-up starts 1024-byte aligned, the regions (and the
+    dK/dV kernel's lse2 / delta floats) end within configs.KernelConfig.smem_bytes minus the 1 KB
+    alignment slack, and every descriptor the kernel builds fits the PTX ISA bit fields."""
+    tile, nwg = configs.wgmma_bwd_tile(hd, role)
+    cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd)
+    smem = cfg.smem_bytes(role)
+    assert smem <= configs.SMEM_LIMITS[90]
+    if role == "dkdv":
+        env = _carve(DKDV, {"HD": hd, "BM": tile, "NWG": nwg})
+        regions = {"sK": env["KV_BYTES"], "sV": env["KV_BYTES"], "sQ": 2 * env["QT_BYTES"], "sdO": 2 * env["QT_BYTES"]}
+        stats = 4 * 2 * 2 * tile   # sL: [2][lse2 BM | delta BM] floats after sdO
+        a_tiles = [env["sK"] + wg * 64 * 128 for wg in range(nwg)] + [env["sV"] + wg * 64 * 128 for wg in range(nwg)]
+        a_rows, b_rows = env["BN"], tile
+        b_tiles = [env["sQ"] + b * env["QT_BYTES"] for b in (0, 1)] + [env["sdO"] + b * env["QT_BYTES"] for b in (0, 1)]
+        pv_rows, pv_tiles = tile, b_tiles
+    else:
+        env = _carve(DQ, {"HD": hd, "BN": tile, "NWG": nwg})
+        regions = {"sQ": env["Q_BYTES"], "sdO": env["Q_BYTES"], "sK": 2 * env["KV_BYTES"], "sV": 2 * env["KV_BYTES"]}
+        stats = 0
+        a_tiles = [env["sQ"] + wg * 64 * 128 for wg in range(nwg)] + [env["sdO"] + wg * 64 * 128 for wg in range(nwg)]
+        a_rows, b_rows = env["BM"], tile
+        b_tiles = [env["sK"] + b * env["KV_BYTES"] for b in (0, 1)] + [env["sV"] + b * env["KV_BYTES"] for b in (0, 1)]
+        pv_rows, pv_tiles = tile, b_tiles[:2]
+    ordered = sorted(regions, key=lambda r: env[r])
+    assert env[ordered[0]] == 0
+    for a, b in zip(ordered, ordered[1:]):
+        assert env[a] + regions[a] == env[b], f"{a} and {b} overlap or leave a gap"
+    end = env[ordered[-1]] + regions[ordered[-1]] + stats
+    assert end == smem - 1024, (end, smem)
+    base = 1024 * 5
+    assert all(t % 1024 == 0 for t in a_tiles + b_tiles)
+    lbo, sbo, _, _ = _qk_descs()
+    descs = []
+    for kk in range(hd // 16):
+        oa, ob = _qk_offsets(kk, a_rows, b_rows)
+        descs += [(base + t + oa, lbo, sbo) for t in a_tiles] + [(base + t + ob, lbo, sbo) for t in b_tiles]
+    for kk in range(pv_rows // 16):
+        start, lbo_v, sbo_v = _pv_desc(kk, pv_rows)
+        descs += [(base + t + start, lbo_v, sbo_v) for t in pv_tiles]
+    for addr, lb, sb in descs:
+        d = _desc(addr, lb, sb)
+        assert d & 0x3FFF == addr >> 4 and (d >> 16) & 0x3FFF == lb >> 4 and (d >> 32) & 0x3FFF == sb >> 4
+        assert addr < 1 << 18 and addr % 1024 < 128 and d >> 62 == 1

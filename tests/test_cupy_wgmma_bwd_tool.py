@@ -1,0 +1,215 @@
+"""CPU tests of tools/cupy_wgmma_bwd_check.py (the H200 run of the wgmma backward): its argument
+parsing, the verdict and the report built from synthetic results, that every check case runs the
+wgmma backward, and its sm_90a compile step (registers / spills and the SASS counts it reports)."""
+
+import os
+import sys
+
+import pytest
+from portattn.backends.cupy import configs
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import cupy_wgmma_bwd_check as tool  # noqa: E402
+from test_cupy_wgmma import needs_nvrtc  # noqa: E402
+
+
+def test_parse_args():
+    a = tool.parse_args(["--out", "/tmp/x"])
+    assert a.out == "/tmp/x" and a.time_limit == 185.0 and a.child is None and not a.no_tests
+    assert tool.parse_args(["--time-limit", "50", "--no-tests"]).no_tests
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--time-limit", "0"])
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--child", "everything"])
+
+
+def test_check_cases_run_the_wgmma_backward():
+    seen = set()
+    for name, _b, _sq, _sk, hq, hkv, d, dv, kw, dt in tool.CHECK_CASES:
+        cfg = configs.wgmma_backward_config(dt, d, dv)
+        assert cfg is not None and cfg.family == "bwd_wgmma", name
+        assert hq % hkv == 0, name
+        seen.add(cfg.head_dim)
+        assert not any(x in kw for x in ("softcap", "alibi", "bias")), name
+    assert seen == set(configs.WGMMA_BWD_HEAD_DIMS)
+    assert {d for _, d, _ in tool.TIME_CELLS} == set(configs.WGMMA_BWD_HEAD_DIMS)
+
+
+def _grads(score=0.5):
+    return {n: {"passed": True, "score": score, "max_err": 1e-3, "tol": 1e-2, "nan": 0, "max_diff_vs_mma": 1e-3,
+                "text": f"{n} ok"} for n in ("dq", "dk", "dv")}
+
+
+def _result(**over):
+    kern = {"registers": 200, "spill_stores": 0, "spill_loads": 0, "stack": 0, "smem": 1000}
+    res = {"device": "H200", "compile": {"errors": [], "modules": {"m": {"kernels": {
+        "attn_bwd_dkdv_wgmma<pa_bf16, 128, 64, 2>": dict(kern)}}},
+        "sass": {"m": {"_Z19attn_bwd_dkdv_wgmma": {"HGMMA": 24, "HMMA": 0, "LDL": 0, "STL": 0}}}},
+        "checks": {"rc": 0, "rows": [{"case": c[0], "dtype": c[-1], "grads": _grads(), "repeat_bit_identical": True,
+                                      "empty_rows": 0, "passed": True} for c in tool.CHECK_CASES]},
+        "timings": {"rc": 0, "rows": [{"S": 4096, "D": 128, "causal": False, "wgmma_tflops": 300.0,
+                                       "mma_tflops": 150.0, "fa2_tflops": 250.0, "cudnn_tflops": 450.0}]}}
+    res.update(over)
+    return res
+
+
+def test_verdict_and_report():
+    res = _result()
+    tool.verdict(res)
+    assert res["verdict"] == "PASS", res["why"]
+    text = tool.report(res)
+    assert text.splitlines()[-1].startswith("mma / fa2: geomean 0.600")
+    assert "wgmma / mma: geomean 2.000" in text and "VERDICT (attn_bwd_*_wgmma): PASS" in text
+
+    spilled = _result()
+    spilled["compile"]["modules"]["m"]["kernels"]["attn_bwd_dkdv_wgmma<pa_bf16, 128, 64, 2>"]["spill_stores"] = 8
+    tool.verdict(spilled)
+    assert spilled["verdict"] == "FAIL" and "spills" in spilled["why"]
+
+    failed = _result()
+    failed["checks"]["rows"][3]["passed"] = False
+    failed["checks"]["rows"][3]["grads"]["dk"]["text"] = "dk: max err 9 > tol 1"
+    tool.verdict(failed)
+    assert failed["verdict"] == "FAIL" and tool.CHECK_CASES[3][0] in failed["why"]
+    assert "dk: max err 9 > tol 1" in tool.report(failed)
+
+    short = _result()
+    short["checks"] = {"rc": "timeout", "rows": short["checks"]["rows"][:2]}
+    tool.verdict(short)
+    assert short["verdict"] == "FAIL" and "only 2/" in short["why"]
+
+    no_hgmma = _result()
+    no_hgmma["compile"]["sass"]["m"]["_Z19attn_bwd_dkdv_wgmma"]["HGMMA"] = 0
+    tool.verdict(no_hgmma)
+    assert no_hgmma["verdict"] == "FAIL"
+
+    timed_out_tests = _result(tests={"rc": "timeout", "passed": False, "seconds": 40.0, "tail": []})
+    tool.verdict(timed_out_tests)
+    assert timed_out_tests["verdict"] == "PASS"
+    failed_tests = _result(tests={"rc": 1, "passed": False, "seconds": 10.0, "tail": ["1 failed"]})
+    tool.verdict(failed_tests)
+    assert failed_tests["verdict"] == "FAIL"
+
+
+@needs_nvrtc
+def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):
+    """The tool's sm_90a compile of a bwd_wgmma module (the cache in tmp_path): every kernel with
+    registers and no spills, and HGMMA in the SASS of both wgmma kernels when cuobjdump exists."""
+    from cupy_wgmma_check import _compile_sm90a, _cuobjdump, sass_counts
+
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    cfg, secs, err, info = _compile_sm90a(("bwd_wgmma", "bfloat16", 64, None))
+    assert err is None, err
+    kernels = info["kernels"]
+    assert set(kernels) == set(configs.KernelConfig("bwd_wgmma", "bfloat16", 64).name_expressions())
+    for name, k in kernels.items():
+        assert k["registers"] and not k["spill_stores"] and not k["stack"], name
+    if _cuobjdump() is None:
+        pytest.skip("no cuobjdump")
+    counts = sass_counts(info["cubin"])
+    wg = {n: c for n, c in counts.items() if "wgmma" in n}
+    assert len(wg) == 2 and all(c["HGMMA"] > 0 and c["LDL"] == 0 for c in wg.values()), counts
+
+
+def test_error_blocks_locate_the_wrong_warpgroup():
+    """A failing case reports the max error per 64 tokens (a warpgroup's rows / keys) and per 64
+    columns; a NaN the kernels never overwrote shows as 1e30; the report prints them."""
+    import torch
+
+    class Spec:
+        is_varlen = False
+
+    ref = torch.zeros(2, 200, 3, 128)
+    dq = ref.clone()
+    dq[1, 70, 2, 5] = float("nan")      # token block 1, column block 0
+    dq[0, 190, 0, 100] = 0.25           # token block 2, column block 1
+    blocks = tool.error_blocks(Spec(), (dq, ref, ref), (ref, ref, ref))
+    assert blocks["dq"] == {"per_64_tokens": [0.0, 1e30, 0.25, 0.0], "per_64_cols": [1e30, 0.25]}
+    assert blocks["dk"]["per_64_tokens"] == [0.0] * 4
+
+    Spec.is_varlen = True   # (tokens, heads, D): no batch axis
+    varlen = tool.error_blocks(Spec(), (dq[0], ref[0], ref[0]), (ref[0], ref[0], ref[0]))
+    assert varlen["dq"]["per_64_tokens"] == [0.0, 0.0, 0.25, 0.0]
+
+    res = _result()
+    res["checks"]["rows"][0].update(passed=False, blocks=blocks)
+    assert "dq max err per 64 tokens [0.0, 1e+30, 0.25, 0.0]" in tool.report(res)
+
+
+def _reference_kernels(monkeypatch, hole=False):
+    """Run the tool's checks on the CPU: plan_forward / plan_backward build their plans as on the
+    GPU (CPU tensors launch nothing), and execute() fills the plan's outputs from the float64
+    reference instead of launching kernels (``hole``: the dq of one row is left as it was)."""
+    import torch
+    from portattn.backends.cupy import runtime
+
+    from portattn.reference import reference_forward
+    from portattn.spec import build_spec
+
+    orig_f, orig_b = runtime.plan_forward, runtime.plan_backward
+
+    def plan_forward(spec, cfg=None):
+        plan = orig_f(spec, cfg)
+        plan.fake = ("fwd", spec)
+        return plan
+
+    def plan_backward(spec, out, lse, dout, cfg=None, dlse=None):
+        plan = orig_b(spec, out, lse, dout, cfg, dlse)
+        plan.fake = ("bwd", spec, dout, dlse, cfg)
+        return plan
+
+    def execute(plan, device):
+        kind, spec = plan.fake[:2]
+        kw = {key: getattr(spec, key) for key in ("cu_seqlens_q", "cu_seqlens_k") if getattr(spec, key) is not None}
+        kw.update(scale=spec.scale, window=(spec.window_left, spec.window_right) if spec.window_left is not None
+                  or spec.window_right is not None else None, causal_alignment=spec.alignment)
+        leaves = [t.detach().double().requires_grad_(True) for t in (spec.q, spec.k, spec.v)]
+        o, lse = reference_forward(build_spec(*leaves, **{k: v for k, v in kw.items() if v is not None}))
+        if kind == "fwd":
+            for dst, src in zip(plan.outputs, (o, lse)):
+                dst.copy_(src.detach())
+            return
+        _, _, dout, dlse, cfg = plan.fake
+        assert cfg.family in ("bwd_wgmma", "bwd_mma")
+        outs, seeds = [o], [dout.double()]
+        if dlse is not None:
+            outs.append(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+            seeds.append(dlse)
+        grads = torch.autograd.grad(outs, leaves, seeds)
+        for i, (dst, src) in enumerate(zip(plan.outputs, grads)):
+            if hole and i == 0 and cfg.family == "bwd_wgmma":
+                src = src.clone()
+                src.view(-1, src.shape[-2], src.shape[-1])[5] = dst.view(-1, dst.shape[-2], dst.shape[-1])[5]
+            dst.copy_(src)
+
+    monkeypatch.setattr(runtime, "plan_forward", plan_forward)
+    monkeypatch.setattr(runtime, "plan_backward", plan_backward)
+    monkeypatch.setattr(runtime, "execute", execute)
+    monkeypatch.setattr(tool, "DEVICE", "cpu")
+
+
+@pytest.mark.parametrize("case", [c for c in tool.CHECK_CASES if c[0] in
+                                  ("d64_causal_br", "d128_causal_br_sq_gt_sk", "d64_varlen_causal", "d128_dv64",
+                                   "d64_dlse_window_tl", "d40_pad64")], ids=lambda c: c[0])
+def test_check_case_plumbing_on_cpu(monkeypatch, case):
+    """check_case end to end on the CPU with reference 'kernels': every case of this selection
+    (causal, rows with no key, varlen, Dv != D, dlse with a window, padding) passes, so on the
+    H200 a failure is the kernels' and not the script's."""
+    _reference_kernels(monkeypatch)
+    row = tool.check_case(case)
+    assert row["passed"], row
+    assert row["repeat_bit_identical"] and set(row["grads"]) == {"dq", "dk", "dv"}
+    assert all(g["nan"] == 0 and g["max_diff_vs_mma"] == 0 for g in row["grads"].values())
+    if case[0] == "d128_causal_br_sq_gt_sk":
+        assert row["empty_rows"] > 0 and row["empty_rows_zero_dq"]
+    if case[0] == "d64_dlse_window_tl":   # top-left window (30, 10), Sk 300 > Sq 200: keys past 209 unseen
+        assert row["unseen_keys"] > 0 and row["unseen_keys_zero_dv"]
+
+
+def test_check_case_sees_an_unwritten_row(monkeypatch):
+    """The same with one dq row never written: the NaN poison stays there and the case fails,
+    with the error blocks pointing at the first 64 tokens."""
+    _reference_kernels(monkeypatch, hole=True)
+    row = tool.check_case(next(c for c in tool.CHECK_CASES if c[0] == "d64_causal_br"))
+    assert not row["passed"] and row["grads"]["dq"]["nan"] > 0 and row["grads"]["dk"]["passed"]
+    assert row["blocks"]["dq"]["per_64_tokens"][0] == 1e30

@@ -1,0 +1,497 @@
+"""One GPU run for the cupy backend's sm_90a wgmma backward (issue 16): compile report, numerics
+against float64, bit-identical repeats and timings beside the mma.sync backward, SDPA flash (FA2)
+and cuDNN, inside a hard time limit.
+
+    PYTHONPATH=. timeout 200 python tools/cupy_wgmma_bwd_check.py --out $OUT --time-limit 185
+
+Phases (each writes its results before the next starts, so a run cut short still reports):
+
+1. compile: the sm_90a modules (attn_bwd_wgmma: preprocess, dK/dV, dQ; and the wgmma forward
+   the checks use), fp16/bf16, padded head dim 64 / 128, through :mod:`portattn.backends.cupy.sm90a`,
+   and the mma.sync backward modules through CuPy, in a process pool; registers / spills / stack
+   per kernel from the ptxas log, HGMMA / HMMA / LDL / STL counts from ``cuobjdump -sass``;
+2. checks, in a child process with a timeout (an illegal address or a hang in the new kernels
+   costs only the child): dq, dk, dv of the wgmma backward (NaN-poisoned outputs, so an element
+   the kernels never write shows) on ragged sizes, causal (both alignments), Sq != Sk, rows with
+   no visible key, CTAs with no key, GQA / MQA, window, varlen, Dv != D, padded HD 40 -> 64,
+   Sq = 1, a gradient through lse (dlse), fp16 and bf16, against float64 under the equivalence
+   rule (``portattn.numerics.compare``, factor 3, as tests/test_cupy.py), two runs bit-identical,
+   dq of rows with no visible key and dv of keys no row sees exactly 0, and the distance to the
+   mma.sync backward;
+3. timings, in a child process with a timeout (bf16, B*S = 16k tokens, hidden 2048; S 1k / 4k /
+   16k, D 64 / 128, causal and not): the backward alone (preprocess, dK/dV, dQ) of wgmma and
+   mma.sync, and SDPA flash (FA2) and cuDNN's backward, TFLOP/s (2.5 x the forward's
+   4 B H S^2 D, halved when causal) and ratios; only when every check passed;
+4. tests: tests/test_cupy_wgmma_bwd.py in a subprocess with the time that is left (the same
+   checks through the public switch ``PORTATTN_CUPY_BACKWARD=wgmma``, plus the test_cupy cases;
+   a timeout there is reported, not a failure).
+
+Writes ``wgmma_bwd_check.json`` and ``wgmma_bwd_check.txt`` to ``--out`` (the children also
+``bwd_checks.json`` / ``bwd_timings.json``) and prints the report, a short table last. Verdict
+PASS = compiled, no spills, HGMMA in every wgmma kernel's SASS, every check (and the tests, when
+run) passed; timings decide nothing. Exit 0 on PASS, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import zlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+#: (name, B, Sq, Sk, Hq, Hkv, D, Dv, kwargs, dtype); kwargs "varlen": sequence lengths, "dlse": a
+#: gradient through the returned lse too
+CHECK_CASES = [
+    ("d64", 2, 333, 333, 4, 2, 64, 64, {}, "bfloat16"),
+    ("d64_causal_br", 2, 300, 400, 4, 2, 64, 64, {"causal": True}, "bfloat16"),
+    ("d128", 2, 257, 391, 4, 2, 128, 128, {}, "bfloat16"),
+    ("d128_causal_br_sq_gt_sk", 1, 400, 300, 4, 4, 128, 128, {"causal": True}, "bfloat16"),
+    ("d128_causal_tl", 2, 200, 333, 4, 2, 128, 128, {"causal": True, "causal_alignment": "top_left"}, "bfloat16"),
+    ("d128_fp16_causal_long", 1, 1500, 1500, 2, 1, 128, 128, {"causal": True}, "float16"),
+    ("d64_fp16_gqa", 2, 300, 300, 8, 2, 64, 64, {}, "float16"),
+    ("d128_dv64", 1, 190, 250, 2, 2, 128, 64, {"causal": True}, "bfloat16"),
+    ("d40_pad64", 1, 100, 150, 2, 2, 40, 40, {}, "float16"),
+    ("d128_window", 2, 300, 300, 2, 2, 128, 128, {"window": (70, 20)}, "bfloat16"),
+    ("d64_varlen_causal", 3, None, None, 4, 2, 64, 64, {"varlen": [1, 230, 64], "causal": True}, "bfloat16"),
+    ("d128_varlen_window", 3, None, None, 2, 2, 128, 128, {"varlen": [77, 5, 200], "window": (40, 0)}, "bfloat16"),
+    ("d128_seqlen1", 2, 1, 257, 4, 4, 128, 128, {}, "bfloat16"),
+    ("d128_empty_ctas", 2, 300, 20, 4, 1, 128, 128, {"causal": True}, "bfloat16"),
+    ("d128_mqa_long_dlse", 1, 1024, 1024, 8, 1, 128, 128, {"causal": True, "dlse": True}, "bfloat16"),
+    ("d64_dlse_window_tl", 2, 200, 300, 4, 4, 64, 64, {"window": (30, 10), "causal_alignment": "top_left",
+                                                       "dlse": True}, "bfloat16"),
+]
+#: where the checks run (tests/test_cupy_wgmma_bwd_tool.py runs them on the CPU with the kernels
+#: replaced by the float64 reference, to check this script's own plumbing)
+DEVICE = "cuda"
+#: timed cells (S, D, causal), most informative first
+TIME_CELLS = [(s, d, c) for s in (4096, 1024, 16384) for d in (128, 64) for c in (False, True)]
+
+
+# ----- phase 1: compile ---------------------------------------------------------------------------
+def compile_phase(workers: int) -> dict:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    from cupy_gpu_dev import _compile_one
+    from cupy_wgmma_check import _compile_sm90a, sass_counts
+    from portattn.backends.cupy import configs, sm90a
+
+    dts, hds = configs.TENSOR_CORE_DTYPES, configs.WGMMA_BWD_HEAD_DIMS
+    wg = [(fam, dt, hd, None) for fam in ("bwd_wgmma", "fwd_wgmma") for hd in hds for dt in dts]
+    mma = [(c.family, c.dtype, c.head_dim, c.tile, c.kv_stages)
+           for c in (configs.backward_config(dt, hd, hd, mode="auto") for hd in hds for dt in dts)]
+    res = {"errors": [], "modules": {}, "sass": {}}
+    try:
+        nv = sm90a.nvrtc_binding()
+        res["nvrtc"] = f"{type(nv).__name__.strip('_')} {'.'.join(map(str, nv.version()))}"
+    except Exception as exc:
+        res["nvrtc"] = f"none: {type(exc).__name__}: {exc}"[:300]
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+        futs = [pool.submit(_compile_sm90a, c) for c in wg] + [pool.submit(_compile_one, c) for c in mma]
+        for f in futs:
+            cfg, secs, err, info = f.result()
+            print(f"{'FAIL' if err else 'ok  '} {cfg} {secs:.1f}s {err or ''}", flush=True)
+            if err:
+                res["errors"].append(f"{cfg}: {err}")
+            else:
+                res["modules"][str(cfg)] = {"seconds": secs, **(info if isinstance(info, dict) and "kernels" in info
+                                                                else {"registers": info})}
+    for key, m in res["modules"].items():
+        if "cubin" in m and "bwd_wgmma" in key:
+            res["sass"][key] = sass_counts(m["cubin"])
+    return res
+
+
+# ----- phase 2: checks (child) --------------------------------------------------------------------
+def _inputs(case):
+    import torch
+
+    name, b, sq, sk, hq, hkv, d, dv, kw, dtn = case
+    dtype = getattr(torch, dtn)
+    g = torch.Generator(device=DEVICE).manual_seed(zlib.crc32(name.encode()) % 1000)
+    kw = dict(kw)
+    kw.pop("dlse", None)
+    if "varlen" in kw:
+        lens = kw.pop("varlen")
+        lens_k = [n + 7 * (i % 2) for i, n in enumerate(lens)]
+        cum = lambda xs: [0] + [sum(xs[:i + 1]) for i in range(len(xs))]  # noqa: E731
+        kw["cu_seqlens_q"] = torch.tensor(cum(lens), dtype=torch.int32, device=DEVICE)
+        kw["cu_seqlens_k"] = torch.tensor(cum(lens_k), dtype=torch.int32, device=DEVICE)
+        shapes = [(sum(lens), hq, d), (sum(lens_k), hkv, d), (sum(lens_k), hkv, dv)]
+    else:
+        shapes = [(b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv)]
+    q, k, v = (torch.randn(s, generator=g, device=DEVICE).to(dtype) for s in shapes)
+    return q, k, v, kw, g
+
+
+def run_backward(spec, out, lse, dout, dlse, family: str, poison: bool = True):
+    """dq, dk, dv of ``family`` ("wgmma": the sm_90a kernels, "mma": mma.sync), forced (no
+    switch); ``poison``: the gradient buffers' visible parts are NaN before the launch."""
+    import torch
+    from portattn.backends.cupy import configs, runtime
+
+    dt = runtime._DTYPE_NAMES[spec.dtype]
+    cfg = (configs.wgmma_backward_config(dt, spec.head_dim, spec.head_dim_v) if family == "wgmma"
+           else configs.backward_config(dt, spec.head_dim, spec.head_dim_v, mode="auto"))
+    plan = runtime.plan_backward(spec, out, lse, dout, cfg, dlse)
+    if poison and plan.launches:
+        for t in plan.outputs:
+            t.fill_(float("nan"))
+    runtime.execute(plan, spec.device)
+    if spec.device.type == "cuda":
+        torch.cuda.synchronize()
+    return plan.outputs
+
+
+def check_case(case) -> dict:
+    import torch
+    from portattn.backends.cupy import configs, runtime
+
+    from portattn.numerics import compare
+    from portattn.reference import naive_forward, reference_forward
+    from portattn.spec import build_spec
+
+    q, k, v, kw, g = _inputs(case)
+    with_dlse = bool(case[8].get("dlse"))
+    spec = build_spec(q, k, v, **kw)
+    dt = runtime._DTYPE_NAMES[spec.dtype]
+    plan = runtime.plan_forward(spec, configs.wgmma_forward_config(dt, spec.head_dim, spec.head_dim_v))
+    runtime.execute(plan, spec.device)
+    out, lse = plan.outputs
+    dout = torch.randn(spec.out_shape, generator=g, device=DEVICE).to(spec.dtype)
+    dlse = torch.randn(spec.lse_shape, generator=g, device=DEVICE) if with_dlse else None
+    if dlse is not None:
+        dlse = dlse.masked_fill(torch.isneginf(lse), 0.0)   # rows with lse -inf: no gradient through them
+    g1 = run_backward(spec, out, lse, dout, dlse, "wgmma")
+    g2 = run_backward(spec, out, lse, dout, dlse, "wgmma")
+    gm = run_backward(spec, out, lse, dout, dlse, "mma", poison=False)
+
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+        o, lse_r = fn(build_spec(*leaves, **kw))
+        outs, seeds = [o], [dout.to(o.dtype)]
+        if dlse is not None:
+            keep = torch.isfinite(lse_r)
+            outs.append(torch.where(keep, lse_r, torch.zeros_like(lse_r)))
+            seeds.append(dlse.to(lse_r.dtype))
+        return torch.autograd.grad(outs, leaves, seeds)
+
+    ref, naive = grads(reference_forward, torch.float64), grads(naive_forward, spec.dtype)
+    zs = (dout.abs().max() * v.abs().max() * k.abs().max()).item() * spec.scale
+    if dlse is not None:
+        zs += dlse.abs().max().item() * k.abs().max().item() * spec.scale
+    row = {"case": case[0], "dtype": case[-1], "D": spec.head_dim, "Dv": spec.head_dim_v, "grads": {},
+           "repeat_bit_identical": all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(g1, g2))}
+    ok = row["repeat_bit_identical"]
+    for name, a, m, r, n in zip(("dq", "dk", "dv"), g1, gm, ref, naive):
+        c = compare(name, a, r, n, factor=3, zero_ref_scale=zs)
+        diff = float((a.double() - m.double()).abs().nan_to_num(1e30).max()) if a.numel() else 0.0
+        row["grads"][name] = {"passed": c.passed, "score": c.score, "max_err": c.max_err, "tol": c.tolerance,
+                              "nan": int(torch.isnan(a).sum()), "max_diff_vs_mma": diff, "text": str(c)}
+        ok = ok and c.passed and row["grads"][name]["nan"] == 0
+    _, ref_lse = reference_forward(build_spec(q.double(), k.double(), v.double(), **kw))
+    empty = torch.isneginf(ref_lse)
+    row["empty_rows"] = int(empty.sum())
+    if bool(empty.any()):
+        rows = empty.transpose(0, 1) if spec.is_varlen else empty.transpose(1, 2)
+        row["empty_rows_zero_dq"] = bool((g1[0][rows] == 0).all())
+        ok = ok and row["empty_rows_zero_dq"]
+    unseen = (ref[2] == 0).all(dim=-1)   # keys no query sees: float64 dv = sum_i P_ij dO_i is exactly 0
+    row["unseen_keys"] = int(unseen.sum())
+    if row["unseen_keys"]:
+        row["unseen_keys_zero_dv"] = bool((g1[2][unseen] == 0).all())
+        ok = ok and row["unseen_keys_zero_dv"]
+    row["passed"] = ok
+    if not ok:
+        row["blocks"] = error_blocks(spec, g1, ref)
+    return row
+
+
+def error_blocks(spec, grads, ref) -> dict:
+    """Where a failing gradient is wrong: the max error per 64-row block of dq (a dQ warpgroup's
+    rows) and per 64-key block of dk / dv (a dK/dV warpgroup's keys), over heads, batch entries and
+    columns, and per 64-column block; NaN (never written) counts as 1e30."""
+    out = {}
+    for name, a, r in zip(("dq", "dk", "dv"), grads, ref):
+        err = (a.double() - r.double()).abs().nan_to_num(1e30)
+        err = err if spec.is_varlen else err.amax(dim=0)   # (tokens, heads, D)
+        by_tok = err.amax(dim=(1, 2))
+        by_col = err.amax(dim=(0, 1))
+        out[name] = {"per_64_tokens": [round(float(by_tok[i:i + 64].max()), 4) for i in range(0, by_tok.numel(), 64)],
+                     "per_64_cols": [round(float(by_col[j:j + 64].max()), 4) for j in range(0, by_col.numel(), 64)]}
+    return out
+
+
+def _child_loop(out_dir: str, name: str, items, fn, time_limit: float, reserve: float) -> int:
+    t0 = time.perf_counter()
+    res = {"rows": [], "skipped": []}
+    path = os.path.join(out_dir, name)
+    for item in items:
+        if time_limit - (time.perf_counter() - t0) < reserve:
+            res["skipped"].append(str(item[:1] if isinstance(item[0], str) else item))
+            continue
+        try:
+            row = fn(item)
+        except Exception as exc:
+            row = {"item": str(item)[:200], "passed": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        res["rows"].append(row)
+        print(json.dumps(row, default=str)[:2000], flush=True)
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+# ----- phase 4: timings (child) -------------------------------------------------------------------
+def time_cell(cell) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from cupy_bwd_check import _time_ms
+    from portattn.backends.cupy import configs, runtime
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from portattn.spec import build_spec
+
+    seqlen, d, causal = cell
+    heads, batch = 2048 // d, max(1, 16384 // seqlen)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(batch, seqlen, heads, d, generator=g, device="cuda").to(torch.bfloat16)
+                     for _ in range(4))
+    spec = build_spec(q, k, v, causal=causal)
+    fwd = runtime.plan_forward(spec, configs.wgmma_forward_config("bfloat16", d, d))   # compiled in phase 1
+    runtime.execute(fwd, spec.device)
+    out, lse = fwd.outputs
+    flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+    row = {"S": seqlen, "B": batch, "H": heads, "D": d, "causal": causal}
+    for fam in ("wgmma", "mma"):
+        cfg = (configs.wgmma_backward_config("bfloat16", d, d) if fam == "wgmma"
+               else configs.backward_config("bfloat16", d, d, mode="auto"))
+        plan = runtime.plan_backward(spec, out, lse, dout, cfg)
+        ms = _time_ms(lambda plan=plan: runtime.execute(plan, spec.device), 25, budget_ms=150.0)
+        row[f"{fam}_tflops"] = flops / ms * 1e-9
+    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
+    for name, be in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(be):
+                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            do = dout.transpose(1, 2)
+            ms = _time_ms(lambda o=o: torch.autograd.grad(o, (qt, kt, vt), do, retain_graph=True), 25,
+                          budget_ms=150.0)
+            row[f"{name}_tflops"] = flops / ms * 1e-9
+        except Exception as exc:
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return row
+
+
+def run_child(kind: str, out_dir: str, timeout_s: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--out", out_dir, "--time-limit",
+           str(max(timeout_s - 6, 5))]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout_s, 10))
+        rc, tail = p.returncode, (p.stdout + p.stderr).strip().splitlines()[-8:]
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        rc, tail = "timeout", out.strip().splitlines()[-4:]
+    try:
+        with open(os.path.join(out_dir, f"bwd_{kind}.json")) as f:
+            data = json.load(f)
+    except Exception:
+        data = {"rows": [], "skipped": []}
+    data.update({"rc": rc, "tail": tail, "seconds": time.perf_counter() - t0})
+    return data
+
+
+def run_tests(timeout_s: float) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_cupy_wgmma_bwd.py"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["PORTATTN_CUPY_FORWARD"] = "wgmma"   # the forward modules phase 1 compiled (sm_90a: fast)
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout_s, 5))
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc = "timeout"
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+    return {"rc": rc, "passed": rc == 0, "seconds": time.perf_counter() - t0, "tail": out.strip().splitlines()[-12:]}
+
+
+# ----- report -------------------------------------------------------------------------------------
+def _fmt(x, w=6, p=2):
+    return f"{x:>{w}.{p}f}" if isinstance(x, (int, float)) and x is not None and math.isfinite(x) else f"{'-':>{w}}"
+
+
+def _ratio(r, a, b):
+    return r[a] / r[b] if a in r and b in r and r[b] > 0 else None
+
+
+def _geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def verdict(res: dict) -> None:
+    why = []
+    c = res.get("compile", {})
+    if c.get("errors"):
+        why.append(f"{len(c['errors'])} compile error(s)")
+    spills = [k for m in c.get("modules", {}).values() for k, r in m.get("kernels", {}).items()
+              if "wgmma" in k and (r.get("spill_stores") or r.get("spill_loads") or r.get("stack"))]
+    if spills:
+        why.append(f"spills/stack in {spills}")
+    hg = [cnt.get("HGMMA", 0) for s in c.get("sass", {}).values() if isinstance(s, dict)
+          for name, cnt in s.items() if isinstance(cnt, dict) and "wgmma" in name]
+    if not hg or min(hg) == 0:
+        why.append("no HGMMA in some wgmma backward kernel's SASS" if hg else "SASS not inspected")
+    rows = res.get("checks", {}).get("rows", [])
+    bad = [r.get("case", r.get("item")) for r in rows if not r.get("passed")]
+    if bad or len(rows) < len(CHECK_CASES):
+        why.append(f"checks failed: {bad}" if bad else
+                   f"only {len(rows)}/{len(CHECK_CASES)} checks ran (rc={res.get('checks', {}).get('rc')})")
+    t = res.get("tests")
+    if t is not None and isinstance(t.get("rc"), int) and t["rc"] != 0:   # a timeout is reported, not failed
+        why.append(f"tests rc={t.get('rc')}")
+    res["verdict"] = "FAIL" if why else "PASS"
+    res["why"] = "; ".join(why)
+
+
+def report(res: dict) -> str:
+    L = [f"{res.get('device', '?')} torch {res.get('torch', '?')} {res.get('date', '')}; phases (s): "
+         f"{json.dumps({k: round(v, 1) for k, v in res.get('seconds', {}).items()})}"]
+    c = res.get("compile", {})
+    L.append(f"compile errors: {len(c.get('errors', []))}; NVRTC {c.get('nvrtc', '?')}")
+    L += ["  " + e[:1500] for e in c.get("errors", [])[:3]]
+    for m in c.get("modules", {}).values():
+        for kname, k in m.get("kernels", {}).items():
+            L.append(f"  {kname:<44} regs {k['registers']} spill {k['spill_stores']}/{k['spill_loads']} "
+                     f"stack {k['stack']} smem {k['smem']}")
+    for s in c.get("sass", {}).values():
+        for kname, cnt in (s.items() if isinstance(s, dict) else []):
+            L.append(f"  SASS {kname[:60]}: {cnt}")
+    ch = res.get("checks")
+    if ch is not None:
+        L.append(f"checks child: rc={ch.get('rc')} in {ch.get('seconds', 0):.0f}s; skipped {ch.get('skipped')}")
+        if ch.get("rc") not in (0, None):
+            L += ["  " + x[:300] for x in ch.get("tail", [])]
+        for r in ch.get("rows", []):
+            if "error" in r:
+                L.append(f"  {str(r.get('item'))[:40]:<28} ERROR {r['error'][:800]}")
+                continue
+            gs = r["grads"]
+            L.append(f"  {r['case']:<26} {r['dtype']:<9} "
+                     + " ".join(f"{n} {_fmt(gs[n]['score'], 6, 3)}" for n in ("dq", "dk", "dv"))
+                     + f" rep {str(r['repeat_bit_identical'])[0]} empty {r['empty_rows']}"
+                     + (f"/{str(r['empty_rows_zero_dq'])[0]}" if "empty_rows_zero_dq" in r else "")
+                     + f" unseen {r.get('unseen_keys', 0)}"
+                     + (f"/{str(r['unseen_keys_zero_dv'])[0]}" if "unseen_keys_zero_dv" in r else "")
+                     + " vs mma " + "/".join(f"{gs[n]['max_diff_vs_mma']:.2g}" for n in ("dq", "dk", "dv"))
+                     + f" {'ok' if r['passed'] else 'FAIL'}")
+            if not r["passed"]:
+                L += [f"    {gs[n]['text']} (nan {gs[n]['nan']})" for n in ("dq", "dk", "dv")]
+                for n, b in r.get("blocks", {}).items():
+                    L.append(f"    {n} max err per 64 tokens {b['per_64_tokens'][:24]} per 64 cols {b['per_64_cols']}")
+    t = res.get("tests")
+    if t:
+        L.append(f"tests/test_cupy_wgmma_bwd.py: rc={t['rc']} {'PASS' if t['passed'] else 'FAIL'} in {t['seconds']:.0f}s")
+        L += ["  " + x for x in t["tail"][-6:]]
+    tm = res.get("timings")
+    if tm is not None:
+        L.append(f"timings child: rc={tm.get('rc')} in {tm.get('seconds', 0):.0f}s; skipped {tm.get('skipped')}")
+        if tm.get("rc") not in (0, None):
+            L += ["  " + x[:300] for x in tm.get("tail", [])]
+    L += ["", f"VERDICT (attn_bwd_*_wgmma): {res.get('verdict', 'INCOMPLETE')}" + (f" ({res['why']})" if res.get("why")
+                                                                                   else "")]
+    rows = [r for r in (tm or {}).get("rows", []) if "wgmma_tflops" in r]
+    if rows:
+        L += ["bf16 backward TFLOP/s, B*S = 16k tokens, hidden 2048 (the backward alone)",
+              f"{'S':>6} {'D':>4} {'causal':>6} {'wgmma':>6} {'mma':>6} {'FA2':>6} {'cuDNN':>6} "
+              f"{'wg/mma':>6} {'wg/FA2':>6} {'wg/cuDNN':>8} {'mma/FA2':>7}"]
+        for r in rows:
+            L.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {_fmt(r['wgmma_tflops'], 6, 1)} "
+                     f"{_fmt(r['mma_tflops'], 6, 1)} {_fmt(r.get('fa2_tflops'), 6, 1)} {_fmt(r.get('cudnn_tflops'), 6, 1)} "
+                     f"{_fmt(_ratio(r, 'wgmma_tflops', 'mma_tflops'))} {_fmt(_ratio(r, 'wgmma_tflops', 'fa2_tflops'))} "
+                     f"{_fmt(_ratio(r, 'wgmma_tflops', 'cudnn_tflops'), 8)} {_fmt(_ratio(r, 'mma_tflops', 'fa2_tflops'), 7)}")
+        for a, b in (("wgmma_tflops", "mma_tflops"), ("wgmma_tflops", "fa2_tflops"), ("mma_tflops", "fa2_tflops")):
+            xs = [_ratio(r, a, b) for r in rows]
+            gm = _geomean(xs)
+            if gm:
+                xs = [x for x in xs if x]
+                L.append(f"{a[:-7]} / {b[:-7]}: geomean {gm:.3f} over {len(xs)} cells, min {min(xs):.3f}, "
+                         f"max {max(xs):.3f}")
+    return "\n".join(L)
+
+
+def _write(out_dir, res) -> str:
+    with open(os.path.join(out_dir, "wgmma_bwd_check.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    text = report(res)
+    with open(os.path.join(out_dir, "wgmma_bwd_check.txt"), "w") as f:
+        f.write(text + "\n")
+    return text
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--time-limit", type=float, default=185.0, help="seconds for the whole run (default 185)")
+    p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    p.add_argument("--no-tests", action="store_true", help="skip tests/test_cupy_wgmma_bwd.py")
+    p.add_argument("--child", choices=("checks", "timings"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.time_limit <= 0:
+        p.error("--time-limit must be positive")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    t0 = time.perf_counter()
+    left = lambda: a.time_limit - (time.perf_counter() - t0)  # noqa: E731
+    os.makedirs(a.out, exist_ok=True)
+    sys.path.insert(0, ROOT)
+    for var in ("PORTATTN_CUPY_FORWARD", "PORTATTN_CUPY_BACKWARD"):
+        os.environ.pop(var, None)
+    if a.child == "checks":
+        return _child_loop(a.out, "bwd_checks.json", CHECK_CASES, check_case, a.time_limit, reserve=4)
+    if a.child == "timings":
+        return _child_loop(a.out, "bwd_timings.json", TIME_CELLS, time_cell, a.time_limit, reserve=5)
+    import torch
+
+    res = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": {}}
+    t = time.perf_counter()
+    res["compile"] = compile_phase(a.workers)
+    res["seconds"]["compile"] = time.perf_counter() - t
+    _write(a.out, res)
+    t = time.perf_counter()
+    res["checks"] = run_child("checks", a.out, min(70.0, left() - 45))
+    res["seconds"]["checks"] = time.perf_counter() - t
+    verdict(res)
+    _write(a.out, res)
+    if res["verdict"] == "PASS" and left() > 15:   # timings of kernels that failed a check mean nothing
+        t = time.perf_counter()
+        res["timings"] = run_child("timings", a.out, min(80.0, left() - 6))
+        res["seconds"]["timings"] = time.perf_counter() - t
+        _write(a.out, res)
+    if not a.no_tests and left() > 25:
+        t = time.perf_counter()
+        res["tests"] = run_tests(left() - 5)
+        res["seconds"]["tests"] = time.perf_counter() - t
+        verdict(res)
+    res["seconds"]["total"] = time.perf_counter() - t0
+    print(_write(a.out, res), flush=True)
+    return 0 if res["verdict"] == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
