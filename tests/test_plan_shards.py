@@ -52,3 +52,30 @@ def test_cli_prints_one_line_per_shard(tmp_path, capsys):
     assert [line.split()[0] for line in lines] == ["s0", "s1"]
     with pytest.raises(SystemExit):
         plan_shards.main([str(path), "--shards", "0"])
+
+
+def test_missing_all_cases_and_seconds_from():
+    report = _report()
+    ids = {c.id for c in build_catalogue()}
+    ran = {r["case"] for r in report["results"] if r["backend"] == "triton"}
+    missing = plan_shards.plan(report, "triton", None, 4, 40.0, missing=True)
+    assert sorted(c for g in missing for c in g) == sorted(ids - ran)
+    every = plan_shards.plan({"results": []}, "triton", None, 3, 40.0, every=True, patterns=["core/fp16/*"])
+    assert sorted(c for g in every for c in g) == sorted(i for i in ids if i.startswith("core/fp16/"))
+    slow = sorted(ids)[0]   # the seconds of another report place its case alone on a shard
+    groups = plan_shards.plan({"results": []}, "cupy", None, 2, 1.0, every=True,
+                              seconds_from={"results": [{"case": slow, "backend": "cupy", "seconds": 1e6}]})
+    assert [slow] in groups
+
+
+def test_exact_globs_select_their_case_only(tmp_path, capsys):
+    ids = [c.id for c in build_catalogue()]
+    plain = [i for i in ids if any(o != i and i in o for o in ids)]   # ids a plain pattern would over-select
+    assert plain
+    from portattn.conformance.catalogue import select_cases
+    assert all([c.id for c in select_cases(patterns=[plan_shards.exact(i)])] == [i] for i in plain[:20])
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"results": []}))
+    assert plan_shards.main([str(path), "--all", "--exact", "--shards", "2", "--cases", "headdim/*"]) == 0
+    out = capsys.readouterr().out.split()
+    assert all(w.endswith("]") for w in out if "/" in w)

@@ -1,0 +1,102 @@
+"""Merge the conformance shards of one session call into one report (``tools/h200_session.sh``'s
+``catalogue`` step), optionally on top of a previous report.
+
+    python tools/merge_shards.py SHARD_DIR --out conformance-h200.json [--prev PREV.json]
+
+SHARD_DIR holds, per shard, ``NAME.sel`` (the backend, then the ``--cases`` patterns, one a line;
+none: the whole catalogue) and the ``NAME.json`` report its ``portattn conformance run`` wrote. A
+shard that wrote no report (stopped before its first case finished, or crashed) has its cases
+listed as not run. A (case, backend, device) two shards both ran keeps its first result (plain
+patterns match anywhere in an id), where ``portattn conformance merge`` refuses the shards. With
+``--prev``, PREV's results come after the shards' for every (case, backend, device) the shards
+did not run again: the cases PREV lacked are filled in. ``not_run`` keeps a case only while some
+backend that was to run it has no result for it. Exit 0 when nothing failed and everything ran,
+1 otherwise, 2 when there was nothing to merge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+
+from portattn.conformance.catalogue import select_cases
+from portattn.conformance.runner import load_report, merge_reports, print_summary, summarize, write_report
+
+
+def _key(result: dict) -> tuple:
+    return result["case"], result["backend"], result["device"]
+
+
+def merge(shard_dir: str, prev: str | None = None) -> tuple[dict | None, list[str]]:
+    """The merged report (None when there is nothing to merge) and the lines to print about the shards."""
+    reports, lost, notes = [], set(), []
+    for sel in sorted(glob.glob(os.path.join(shard_dir, "*.sel"))):
+        with open(sel) as f:
+            backend, *patterns = f.read().split()
+        path = sel[:-len(".sel")] + ".json"
+        if os.path.exists(path):
+            reports.append(load_report(path))
+        else:
+            ids = [c.id for c in select_cases(patterns=patterns or None)]
+            lost |= {(case, backend) for case in ids}
+            notes.append(f"{os.path.basename(sel)[:-4]}: no report, its {len(ids)} {backend} case(s) did not run")
+    seen: set[tuple] = set()
+    for report in reports:
+        keep = []
+        for result in report["results"]:
+            if _key(result) not in seen:
+                seen.add(_key(result))
+                keep.append(result)
+        if len(keep) < len(report["results"]):
+            notes.append(f"dropped {len(report['results']) - len(keep)} result(s) another shard had already")
+        report["results"] = keep
+    if prev:
+        old = load_report(prev)
+        old["results"] = [r for r in old["results"] if _key(r) not in seen]
+        reports.append(old)   # last: a fresh shard's environment and command head the merged report
+    if not reports:
+        return None, notes + ["no report to merge"]
+    merged = merge_reports(reports)
+    have = {(r["case"], r["backend"]) for r in merged["results"]}
+    still = {case for r in reports for case in r.get("not_run", []) for backend in r.get("backends", {})
+             if (case, backend) not in have}
+    still |= {case for case, backend in lost if (case, backend) not in have}
+    if still:
+        merged["interrupted"], merged["not_run"] = True, sorted(still)
+    else:
+        merged.pop("interrupted", None)
+        merged.pop("not_run", None)
+    merged["summary"] = summarize(merged)
+    return merged, notes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("shard_dir")
+    ap.add_argument("--out", required=True, metavar="REPORT.json")
+    ap.add_argument("--prev", default=None, metavar="PREV.json", help="a previous report the shards complete")
+    args = ap.parse_args(argv)
+    try:
+        merged, notes = merge(args.shard_dir, args.prev)
+    except ValueError as exc:   # reports of different catalogue versions
+        print(f"merge_shards: {exc}", file=sys.stderr)
+        return 2
+    for line in notes:
+        print(line)
+    if merged is None:
+        return 2
+    write_report(merged, args.out)
+    print_summary(merged)
+    not_run = merged.get("not_run", [])
+    summary = merged["summary"]
+    print(f"merged {len(merged['merged_from'])} report(s){' (PREV among them)' if args.prev else ''} into "
+          f"{os.path.basename(args.out)}: {summary['passed']} pass, {summary['failed']} fail, {summary['known']} known, "
+          f"{len(merged['cases'])} cases, {len(not_run)} not run"
+          + (f" ({', '.join(not_run[:6])}{' ...' if len(not_run) > 6 else ''})" if not_run else ""))
+    return 1 if not_run or merged["summary"]["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
