@@ -63,6 +63,20 @@ def _fused_kernel_friendly(t: torch.Tensor) -> bool:
     return all((s * size) % 16 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether canonical ``t`` (B, S, H, D) is dense in (B, S, H, D) or (B, H, S, D) order."""
+    return t.is_contiguous() or t.transpose(1, 2).is_contiguous()
+
+
+def _dense_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in the dense layout of its own sequence/head order: (B, S, H, D) when its
+    sequence stride is the larger, else (B, H, S, D) seen as (B, S, H, D). So a padded view
+    computes on the layout of the dense tensor it is a window of."""
+    if t.stride(1) >= t.stride(2):
+        return t.contiguous()
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _copies_unfriendly_views(spec) -> bool:
     """Only SDPA's fused CUDA kernels misread unaligned views (a function, so that a CPU test can
     turn the copy path on)."""
@@ -238,11 +252,15 @@ class SdpaBackend(Backend):
     # ----- compute -----------------------------------------------------------------------
     @staticmethod
     def _friendly(spec, tensors):
-        """Copies of the views SDPA's fused CUDA kernels cannot read (see _fused_kernel_friendly).
-        Called on real tensors only: under torch.func.vjp they are wrappers without storage."""
-        if not _copies_unfriendly_views(spec):
-            return list(tensors)
-        return [t if _fused_kernel_friendly(t) else t.contiguous() for t in tensors]
+        """Dense copies of the views SDPA's fused CUDA kernels cannot read (see
+        _fused_kernel_friendly) and, elsewhere, of the views that are not dense (padded heads or
+        head dims): torch's fused CPU kernel rounds differently on such a view than on the dense
+        tensor of the same values (a float32 ulp on an AMD EPYC, 2026-12-03), and a view must
+        give the bits its dense copy gives (tests/test_properties.py). Called on real tensors
+        only: under torch.func.vjp they are wrappers without storage."""
+        if _copies_unfriendly_views(spec):
+            return [t if _fused_kernel_friendly(t) else _dense_copy(t) for t in tensors]
+        return [t if _dense(t) else _dense_copy(t) for t in tensors]
 
     def _sdpa(self, spec, q, k, v, for_grad: bool = False):
         """q/k/v in canonical (B, S, H, D), already made friendly; returns out (B, Sq, Hq, Dv).
@@ -270,8 +288,9 @@ class SdpaBackend(Backend):
         for rows with no visible key (their scores are not all -inf: see :class:`_Plan`), or None."""
         plan = _plan(spec, dtype)
         b, hq, sq, sk = spec.batch, spec.num_heads_q, spec.seqlen_q, spec.seqlen_k
-        q = spec.q.transpose(1, 2).to(dtype)
-        k = spec.k.transpose(1, 2).to(dtype).repeat_interleave(spec.gqa_ratio, dim=1)
+        q, k = SdpaBackend._friendly(spec, (spec.q, spec.k))   # a view's bits are its dense copy's
+        q = q.transpose(1, 2).to(dtype)
+        k = k.transpose(1, 2).to(dtype).repeat_interleave(spec.gqa_ratio, dim=1)
         mask = _keep_mask(spec, spec.device) if plan.structured else plan.mask
         step = max(1, _LSE_CHUNK_ELEMENTS // max(1, b * hq * sk))
         for r0 in range(0, sq, step):
@@ -300,8 +319,9 @@ class SdpaBackend(Backend):
         (float64 for float64 inputs). Returns canonical ``(dq, dk, dbias or None)`` in that dtype."""
         dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
         b, hkv, sk = spec.batch, spec.num_heads_kv, spec.seqlen_k
-        q = spec.q.transpose(1, 2).to(dtype)
-        k = spec.k.transpose(1, 2).to(dtype).repeat_interleave(spec.gqa_ratio, dim=1)
+        q, k = self._friendly(spec, (spec.q.detach(), spec.k.detach()))
+        q = q.transpose(1, 2).to(dtype)
+        k = k.transpose(1, 2).to(dtype).repeat_interleave(spec.gqa_ratio, dim=1)
         dq = torch.empty(q.shape, dtype=dtype, device=spec.device)
         dk = torch.zeros(k.shape, dtype=dtype, device=spec.device)
         dbias = torch.empty(spec.attn_bias.shape, dtype=dtype, device=spec.device) if want_dbias else None

@@ -138,3 +138,25 @@ def test_cpu_forward_uses_the_fused_kernel(dtype, magnitude, monkeypatch):
     q, k, v = (torch.randn(1, 7, 2, 16, generator=g).to(dtype).requires_grad_() for _ in range(3))
     portattn.attention(q, k, v, backend="sdpa").sum().backward()
     assert entered                           # the backward's recomputation did
+
+
+def test_padded_views_compute_on_their_dense_layout():
+    """A padded (B, S, H, D) view and a padded (B, H, S, D) view give the bits of the dense tensor
+    of their own order (torch's fused CPU kernel rounds differently on padded views: one float32
+    ulp on an AMD EPYC); dense tensors of either order are passed through uncopied."""
+    from portattn.backends import sdpa as sdpa_mod
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2, 2, 16, generator=g) * 30            # (B, S, H, D), large logits
+    bshd = torch.full((2, 1, 3, 19), float("nan"))
+    view = bshd.permute(1, 0, 2, 3)[:, :, :2, :16]
+    view.copy_(x)
+    bhsd = torch.full((1, 3, 2, 19), float("nan"))
+    tview = bhsd[:, :2, :, :16].transpose(1, 2)
+    tview.copy_(x)
+    for v, dense in ((view, x.contiguous()), (tview, x.transpose(1, 2).contiguous().transpose(1, 2))):
+        copy = sdpa_mod._dense_copy(v)
+        assert copy.stride() == dense.stride() and torch.equal(copy, dense)
+        assert not sdpa_mod._dense(v) and sdpa_mod._dense(dense)
+        a = portattn.attention(v, v, v, backend="sdpa")
+        b = portattn.attention(dense, dense, dense, backend="sdpa")
+        assert torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))

@@ -105,7 +105,7 @@ def test_check_passes_both_paths_and_catches_a_wrong_path(monkeypatch):
     environment's PORTATTN_DETERMINISTIC is cleared); a candidate whose path the backward would
     not take is reported."""
     real = sweep._inputs
-    # head dim 32 (= its block: atomic dQ never runs for a narrower one, ops.atomic_config)
+    # head dim 32 (= its block)
     monkeypatch.setattr(sweep, "_inputs", lambda b, s, h, d, seed, device="cuda": real(1, 40 + seed * 9, 2, 32,
                                                                                      seed, device))
     monkeypatch.setenv("PORTATTN_DETERMINISTIC", "1")
@@ -119,8 +119,12 @@ def test_check_passes_both_paths_and_catches_a_wrong_path(monkeypatch):
     monkeypatch.setattr(sweep, "_inputs", lambda b, s, h, d, seed, device="cuda": tuple(
         x.float() for x in real(1, 40, 2, 32, seed, device)))
     assert "would not run" in sweep.check(32, False, atomic, device="cpu")
-    # a head dim narrower than its block: the backward keeps the two-kernel path, reported too
+    # a head dim narrower than its block: atomic in the blocks the H200 checked (ops.ATOMIC_NARROW_BLOCKS,
+    # block 32 among them), else the backward keeps the two-kernel path, reported too
     monkeypatch.setattr(sweep, "_inputs", lambda b, s, h, d, seed, device="cuda": real(1, 40, 2, 24, seed, device))
+    assert sweep.check(24, True, atomic, device="cpu") == ""
+    from portattn.backends.triton import ops
+    monkeypatch.setattr(ops, "ATOMIC_NARROW_BLOCKS", frozenset())
     assert "would not run" in sweep.check(24, True, atomic, device="cpu")
 
 
