@@ -134,12 +134,10 @@ def sass_counts(cubin: str) -> dict:
 
 
 def compile_phase(workers: int) -> dict:
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
     from portattn.backends.cupy import configs
 
     sys.path.insert(0, HERE)
+    from _cupy_gpu_check import compile_modules
     from cupy_gpu_dev import _compile_one
 
     # the forward modules (the backward's have a preprocess without HGMMA: tools/cupy_wgmma_bwd_check.py)
@@ -147,24 +145,7 @@ def compile_phase(workers: int) -> dict:
           if c.family != "bwd_wgmma"]
     mma = [(c.family, c.dtype, c.head_dim, c.tile, c.kv_stages)
            for c in (configs.forward_config("bfloat16", d, d, kv_stages=1) for d in (64, 128, 256))]
-    res = {"errors": [], "modules": {}, "sass": {}}
-    try:   # which NVRTC builds the sm_90a modules here (cuda.bindings or CuPy's; its version)
-        from portattn.backends.cupy import sm90a
-
-        nv = sm90a.nvrtc_binding()
-        res["nvrtc"] = f"{type(nv).__name__.strip('_')} {'.'.join(map(str, nv.version()))}"
-    except Exception as exc:
-        res["nvrtc"] = f"none: {type(exc).__name__}: {exc}"[:300]
-    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
-        futs = [pool.submit(_compile_sm90a, c) for c in wg] + [pool.submit(_compile_one, c) for c in mma]
-        for f in futs:
-            cfg, secs, err, info = f.result()
-            print(f"{'FAIL' if err else 'ok  '} {cfg} {secs:.1f}s {err or ''}", flush=True)
-            if err:
-                res["errors"].append(f"{cfg}: {err}")
-            else:
-                res["modules"][str(cfg)] = {"seconds": secs, **(info if isinstance(info, dict) and "kernels" in info
-                                                                else {"registers": info})}
+    res = compile_modules([(_compile_sm90a, c) for c in wg] + [(_compile_one, c) for c in mma], workers)
     for key, m in res["modules"].items():
         if "cubin" in m:
             res["sass"][key] = sass_counts(m["cubin"])
@@ -331,17 +312,12 @@ def check_case(case, family: str = "wgmma") -> dict:
 
 
 def run_tests(timeout_s: float) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_cupy_wgmma.py",
-           "-k", "not wgmma_ws"]   # the warp-specialized kernel runs in the child process (a hang stays there)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout_s, 5))
-        rc, out = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc = "timeout"
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-    return {"rc": rc, "passed": rc == 0, "seconds": time.perf_counter() - t0, "tail": out.strip().splitlines()[-20:]}
+    sys.path.insert(0, HERE)
+    from _cupy_gpu_check import run_pytest
+
+    # the warp-specialized kernel runs in the child process (a hang stays there)
+    return run_pytest(["-q", "-x", "-p", "no:cacheprovider", "tests/test_cupy_wgmma.py", "-k", "not wgmma_ws"],
+                      timeout_s, tail=20)
 
 
 # ----- phase 5: timings ---------------------------------------------------------------------------
@@ -547,15 +523,17 @@ def child_ws(out_dir: str, time_limit: float) -> int:
 
 
 def run_child(out_dir: str, timeout_s: float) -> dict:
+    sys.path.insert(0, HERE)
+    from _cupy_gpu_check import run_captured
+
     cmd = [sys.executable, os.path.abspath(__file__), "--child-ws", "--out", out_dir, "--time-limit",
            str(max(timeout_s - 8, 5))]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout_s, 10))
-        rc, tail = p.returncode, (p.stdout + p.stderr).strip().splitlines()[-6:]
-    except subprocess.TimeoutExpired:
+    rc, out = run_captured(cmd, max(timeout_s, 10))
+    if rc == "timeout":
         rc, tail = "timeout (a hang in the warp-specialized kernel?)", []
+    else:
+        tail = out.strip().splitlines()[-6:]
     try:
         with open(os.path.join(out_dir, "ws_check.json")) as f:
             data = json.load(f)
