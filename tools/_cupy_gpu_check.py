@@ -9,6 +9,7 @@ Not a tool itself; standard library only at import.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -52,6 +53,33 @@ def compile_modules(jobs, workers: int) -> dict:
                 res["modules"][str(cfg)] = {"seconds": secs, **(info if isinstance(info, dict) and "kernels" in info
                                                                 else {"registers": info})}
     return res
+
+
+def run_info() -> dict:
+    """The head of a check's result: device, capability, torch version, date (UTC), "seconds": {}."""
+    import torch
+
+    return {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": {}}
+
+
+def report_head(res: dict, warnings: bool = False) -> list:
+    """A report's first lines: device, torch, date and the phases' seconds; the compile errors
+    (count, NVRTC, the first 3) and each kernel's registers / spills / stack / smem from
+    compile_modules' result in ``res["compile"]`` (and each module's ptxas warnings: ``warnings``)."""
+    L = [f"{res.get('device', '?')} torch {res.get('torch', '?')} {res.get('date', '')}; phases (s): "
+         f"{json.dumps({k: round(v, 1) for k, v in res.get('seconds', {}).items()})}"]
+    c = res.get("compile", {})
+    L.append(f"compile errors: {len(c.get('errors', []))}; NVRTC {c.get('nvrtc', '?')}")
+    L += ["  " + e[:1500] for e in c.get("errors", [])[:3]]
+    for key, m in c.get("modules", {}).items():
+        for kname, k in m.get("kernels", {}).items():
+            L.append(f"  {kname:<44} regs {k['registers']} spill {k['spill_stores']}/{k['spill_loads']} "
+                     f"stack {k['stack']} smem {k['smem']}")
+        if warnings:
+            for w in m.get("warnings", []):
+                L.append(f"  WARNING {key}: {w[:300]}")
+    return L
 
 
 # ----- subprocesses -------------------------------------------------------------------------------

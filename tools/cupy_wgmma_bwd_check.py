@@ -45,7 +45,7 @@ import zlib
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _cupy_gpu_check import child_env, run_captured, run_pytest  # noqa: E402
+from _cupy_gpu_check import child_env, report_head, run_captured, run_info, run_pytest  # noqa: E402
 from cupy_fwd_check import _fmt, _ratio  # noqa: E402  (the forward check's table helpers)
 
 #: (name, B, Sq, Sk, Hq, Hkv, D, Dv, kwargs, dtype); kwargs "varlen": sequence lengths, "dlse": a
@@ -330,15 +330,8 @@ def verdict(res: dict) -> None:
 
 
 def report(res: dict) -> str:
-    L = [f"{res.get('device', '?')} torch {res.get('torch', '?')} {res.get('date', '')}; phases (s): "
-         f"{json.dumps({k: round(v, 1) for k, v in res.get('seconds', {}).items()})}"]
+    L = report_head(res)
     c = res.get("compile", {})
-    L.append(f"compile errors: {len(c.get('errors', []))}; NVRTC {c.get('nvrtc', '?')}")
-    L += ["  " + e[:1500] for e in c.get("errors", [])[:3]]
-    for m in c.get("modules", {}).values():
-        for kname, k in m.get("kernels", {}).items():
-            L.append(f"  {kname:<44} regs {k['registers']} spill {k['spill_stores']}/{k['spill_loads']} "
-                     f"stack {k['stack']} smem {k['smem']}")
     for s in c.get("sass", {}).values():
         for kname, cnt in (s.items() if isinstance(s, dict) else []):
             L.append(f"  SASS {kname[:60]}: {cnt}")
@@ -429,10 +422,7 @@ def main(argv=None) -> int:
         return _child_loop(a.out, "bwd_checks.json", CHECK_CASES, check_case, a.time_limit, reserve=4)
     if a.child == "timings":
         return _child_loop(a.out, "bwd_timings.json", TIME_CELLS, time_cell, a.time_limit, reserve=5)
-    import torch
-
-    res = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": {}}
+    res = run_info()
     t = time.perf_counter()
     res["compile"] = compile_phase(a.workers)
     res["seconds"]["compile"] = time.perf_counter() - t

@@ -355,22 +355,14 @@ def time_cell(seqlen, d, causal, with_cudnn: bool, families=("wgmma", "mma"), wi
 
 # ----- report -------------------------------------------------------------------------------------
 sys.path.insert(0, HERE)
+from _cupy_gpu_check import report_head, run_info  # noqa: E402
 from cupy_fwd_check import _fmt as _f  # noqa: E402  (the forward check's table helpers)
 from cupy_fwd_check import _ratio as _r  # noqa: E402
 
 
 def report(res: dict) -> str:
-    L = [f"{res.get('device', '?')} torch {res.get('torch', '?')} {res.get('date', '')}; phases (s): "
-         f"{json.dumps({k: round(v, 1) for k, v in res.get('seconds', {}).items()})}"]
+    L = report_head(res, warnings=True)
     c = res.get("compile", {})
-    L.append(f"compile errors: {len(c.get('errors', []))}; NVRTC {c.get('nvrtc', '?')}")
-    L += ["  " + e[:1500] for e in c.get("errors", [])[:3]]
-    for key, m in c.get("modules", {}).items():
-        for kname, k in m.get("kernels", {}).items():
-            L.append(f"  {kname:<44} regs {k['registers']} spill {k['spill_stores']}/{k['spill_loads']} "
-                     f"stack {k['stack']} smem {k['smem']}")
-        for w in m.get("warnings", []):
-            L.append(f"  WARNING {key}: {w[:300]}")
     for key, s in c.get("sass", {}).items():
         for kname, cnt in (s.items() if isinstance(s, dict) else []):
             L.append(f"  SASS {key} {kname[:60]}: {cnt}")
@@ -558,10 +550,7 @@ def main(argv=None) -> int:
     os.environ.pop("PORTATTN_CUPY_FORWARD", None)
     if a.child_ws:
         return child_ws(a.out, a.time_limit)
-    import torch
-
-    res = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": {}}
+    res = run_info()
     t = time.perf_counter()
     res["compile"] = compile_phase(a.workers)
     res["seconds"]["compile"] = time.perf_counter() - t
