@@ -63,6 +63,17 @@ def run_info() -> dict:
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": {}}
 
 
+def write_result(out_dir: str, stem: str, res: dict, report) -> str:
+    """``<stem>.json`` (``res``, every number) and ``<stem>.txt`` (``report(res)``) in ``out_dir``;
+    returns the text."""
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    text = report(res)
+    with open(os.path.join(out_dir, f"{stem}.txt"), "w") as f:
+        f.write(text + "\n")
+    return text
+
+
 def report_head(res: dict, warnings: bool = False) -> list:
     """A report's first lines: device, torch, date and the phases' seconds; the compile errors
     (count, NVRTC, the first 3) and each kernel's registers / spills / stack / smem from

@@ -298,12 +298,10 @@ def report(res: dict) -> str:
 
 
 def _write(out_dir, res):
-    with open(os.path.join(out_dir, "cupy_fwd_check.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    text = report(res)
-    with open(os.path.join(out_dir, "cupy_fwd_check.txt"), "w") as f:
-        f.write(text + "\n")
-    return text
+    sys.path.insert(0, HERE)
+    from _cupy_gpu_check import write_result
+
+    return write_result(out_dir, "cupy_fwd_check", res, report)
 
 
 def _verdict(res):

@@ -40,12 +40,18 @@ import math
 import os
 import sys
 import time
-import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _cupy_gpu_check import child_env, report_head, run_captured, run_info, run_pytest  # noqa: E402
+from _cupy_gpu_check import (  # noqa: E402
+    child_env,
+    report_head,
+    run_captured,
+    run_info,
+    run_pytest,
+    write_result,
+)
 from cupy_fwd_check import _fmt, _ratio  # noqa: E402  (the forward check's table helpers)
 
 #: (name, B, Sq, Sk, Hq, Hkv, D, Dv, kwargs, dtype); kwargs "varlen": sequence lengths, "dlse": a
@@ -96,23 +102,11 @@ def compile_phase(workers: int) -> dict:
 
 # ----- phase 2: checks (child) --------------------------------------------------------------------
 def _inputs(case):
-    import torch
+    """cupy_wgmma_check's inputs of a case, on DEVICE, without the "dlse" flag (check_case's)."""
+    from cupy_wgmma_check import _inputs as case_inputs
 
-    name, b, sq, sk, hq, hkv, d, dv, kw, dtn = case
-    dtype = getattr(torch, dtn)
-    g = torch.Generator(device=DEVICE).manual_seed(zlib.crc32(name.encode()) % 1000)
-    kw = dict(kw)
+    q, k, v, kw, g = case_inputs(case, DEVICE)
     kw.pop("dlse", None)
-    if "varlen" in kw:
-        lens = kw.pop("varlen")
-        lens_k = [n + 7 * (i % 2) for i, n in enumerate(lens)]
-        cum = lambda xs: [0] + [sum(xs[:i + 1]) for i in range(len(xs))]  # noqa: E731
-        kw["cu_seqlens_q"] = torch.tensor(cum(lens), dtype=torch.int32, device=DEVICE)
-        kw["cu_seqlens_k"] = torch.tensor(cum(lens_k), dtype=torch.int32, device=DEVICE)
-        shapes = [(sum(lens), hq, d), (sum(lens_k), hkv, d), (sum(lens_k), hkv, dv)]
-    else:
-        shapes = [(b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv)]
-    q, k, v = (torch.randn(s, generator=g, device=DEVICE).to(dtype) for s in shapes)
     return q, k, v, kw, g
 
 
@@ -389,12 +383,7 @@ def report(res: dict) -> str:
 
 
 def _write(out_dir, res) -> str:
-    with open(os.path.join(out_dir, "wgmma_bwd_check.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    text = report(res)
-    with open(os.path.join(out_dir, "wgmma_bwd_check.txt"), "w") as f:
-        f.write(text + "\n")
-    return text
+    return write_result(out_dir, "wgmma_bwd_check", res, report)
 
 
 def parse_args(argv=None):

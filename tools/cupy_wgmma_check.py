@@ -226,26 +226,28 @@ def probe_case(dtype_name: str, hd: int) -> dict:
 
 
 # ----- phase 3: checks ----------------------------------------------------------------------------
-def _inputs(case):
+def _inputs(case, device: str = "cuda"):
+    """q, k, v, the build_spec keywords (kwargs "varlen": sequence lengths -> cu_seqlens_q / _k,
+    every other key sequence 7 longer) and the generator (seeded by the case name; it made q, k,
+    v) of a (name, B, Sq, Sk, Hq, Hkv, D, Dv, kwargs, dtype) case; tools/cupy_wgmma_bwd_check.py's
+    cases too."""
     import torch
 
     name, b, sq, sk, hq, hkv, d, dv, kw, dtn = case
     dtype = getattr(torch, dtn)
-    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(name.encode()) % 1000)
+    g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()) % 1000)
     kw = dict(kw)
-    extra = {}
     if "varlen" in kw:
         lens = kw.pop("varlen")
         lens_k = [n + 7 * (i % 2) for i, n in enumerate(lens)]
         cum = lambda xs: [0] + [sum(xs[:i + 1]) for i in range(len(xs))]  # noqa: E731
-        extra["cu_seqlens_q"] = torch.tensor(cum(lens), dtype=torch.int32, device="cuda")
-        extra["cu_seqlens_k"] = torch.tensor(cum(lens_k), dtype=torch.int32, device="cuda")
+        kw["cu_seqlens_q"] = torch.tensor(cum(lens), dtype=torch.int32, device=device)
+        kw["cu_seqlens_k"] = torch.tensor(cum(lens_k), dtype=torch.int32, device=device)
         shapes = [(sum(lens), hq, d), (sum(lens_k), hkv, d), (sum(lens_k), hkv, dv)]
     else:
         shapes = [(b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv)]
-    q, k, v = (torch.randn(s, generator=g, device="cuda").to(dtype) for s in shapes)
-    kw.update(extra)
-    return q, k, v, kw
+    q, k, v = (torch.randn(s, generator=g, device=device).to(dtype) for s in shapes)
+    return q, k, v, kw, g
 
 
 def run_forward(spec, family: str, poison: bool = True):
@@ -278,7 +280,7 @@ def check_case(case, family: str = "wgmma") -> dict:
     from portattn.reference import naive_forward, reference_forward
     from portattn.spec import build_spec
 
-    q, k, v, kw = _inputs(case)
+    q, k, v, kw, _ = _inputs(case)
     spec = build_spec(q, k, v, **kw)
     o1, l1 = run_forward(spec, family)
     o2, l2 = run_forward(spec, family)
@@ -355,7 +357,7 @@ def time_cell(seqlen, d, causal, with_cudnn: bool, families=("wgmma", "mma"), wi
 
 # ----- report -------------------------------------------------------------------------------------
 sys.path.insert(0, HERE)
-from _cupy_gpu_check import report_head, run_info  # noqa: E402
+from _cupy_gpu_check import report_head, run_info, write_result  # noqa: E402
 from cupy_fwd_check import _fmt as _f  # noqa: E402  (the forward check's table helpers)
 from cupy_fwd_check import _ratio as _r  # noqa: E402
 
@@ -432,12 +434,7 @@ def report(res: dict) -> str:
 
 
 def _write(out_dir, res):
-    with open(os.path.join(out_dir, "wgmma_check.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    text = report(res)
-    with open(os.path.join(out_dir, "wgmma_check.txt"), "w") as f:
-        f.write(text + "\n")
-    return text
+    return write_result(out_dir, "wgmma_check", res, report)
 
 
 def _verdict(res):
