@@ -237,12 +237,18 @@ def test_large_backward_bf16(d, dv):
         out, lse = CupyBackend().forward(spec)
         dout = torch.randn(spec.out_shape, generator=g, device="cuda").to(torch.bfloat16)
         grads = runtime.backward(spec, out, lse, dout)[:3]
-        kw = {"causal": causal}
-        ref_g = _grads(reference_forward, q, k, v, kw, dout, torch.float64)
-        naive_g = _grads(naive_forward, q, k, v, kw, dout, torch.bfloat16)
-        results = [compare(n, a, r, nv, factor=3) for n, a, r, nv in zip(("dq", "dk", "dv"), grads, ref_g, naive_g)]
-        bad = [str(r) for r in results if not r.passed]
-        assert not bad, f"causal={causal}: " + "; ".join(bad)
+        assert_large_backward_close(q, k, v, causal, dout, grads)
+
+
+def assert_large_backward_close(q, k, v, causal, dout, grads):
+    """dq, dk, dv of a bf16 large-shape backward (``grads``) against the float64 reference under
+    the equivalence rule, factor 3 (test_large_backward_bf16, test_cupy_wgmma_bwd.py's)."""
+    kw = {"causal": causal}
+    ref_g = _grads(reference_forward, q, k, v, kw, dout, torch.float64)
+    naive_g = _grads(naive_forward, q, k, v, kw, dout, torch.bfloat16)
+    results = [compare(n, a, r, nv, factor=3) for n, a, r, nv in zip(("dq", "dk", "dv"), grads, ref_g, naive_g)]
+    bad = [str(r) for r in results if not r.passed]
+    assert not bad, f"causal={causal}: " + "; ".join(bad)
 
 
 def test_large_tiles_bf16():

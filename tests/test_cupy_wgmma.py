@@ -143,6 +143,28 @@ def _cuobjdump():
         return None
 
 
+def _compile_90a_without_spills(names, cubin: str):
+    """Compile ``names`` for sm_90a into ``cubin`` (compile_check: NVRTC, ptxas -v) and check each
+    kernel's ptxas report (registers <= 255, no spills, no stack) and that ptxas did not serialize
+    the wgmma chains; returns (ptxas log, name -> lowered name)."""
+    log, lowered = compile_check.compile_names(names, "90a", cubin_out=cubin)
+    reports = compile_check.parse_ptxas_log(log, lowered, "90a")
+    assert len(reports) == len(names)
+    for r in reports:
+        assert r.registers is not None and r.registers <= 255, r
+        assert not r.spill_stores and not r.spill_loads and not r.stack, f"{r.name} spills: {r}"
+    assert "serialized" not in log, log   # ptxas: "wgmma.mma_async instructions are serialized ..."
+    return log, lowered
+
+
+def _sass(cubin: str) -> str:
+    """``cuobjdump -sass`` of ``cubin``; skips the test when no cuobjdump is at hand."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump to read the SASS")
+    return subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+
+
 @needs_nvrtc
 def test_sm90a_module_compiles_without_spills_and_uses_hgmma(tmp_path):
     names = [configs.KernelConfig("fwd_wgmma", "bfloat16", 128).kernel_names()["plain"],
@@ -150,18 +172,9 @@ def test_sm90a_module_compiles_without_spills_and_uses_hgmma(tmp_path):
              configs.KernelConfig("fwd_wgmma_ws", "bfloat16", 256).kernel_names()["plain"],
              configs.KernelConfig("wgmma_probe", "bfloat16", 256).kernel_names()["probe"]]
     cubin = str(tmp_path / "m.cubin")
-    log, lowered = compile_check.compile_names(names, "90a", cubin_out=cubin)
-    reports = compile_check.parse_ptxas_log(log, lowered, "90a")
-    assert len(reports) == len(names)
-    for r in reports:
-        assert r.registers is not None and r.registers <= 255, r
-        assert not r.spill_stores and not r.spill_loads and not r.stack, f"{r.name} spills"
-    assert "serialized" not in log, log   # ptxas: "wgmma.mma_async instructions are serialized ..."
+    log, lowered = _compile_90a_without_spills(names, cubin)
     assert "C7508" not in log, log        # ptxas: setmaxnreg ignored
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump to read the SASS")
-    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    sass = _sass(cubin)
     for low in lowered.values():
         block = sass.split(f"Function : {low}")[1].split("Function : ")[0]
         assert block.count("HGMMA") >= 8, f"{low}: no HGMMA in the SASS"
@@ -222,30 +235,40 @@ def test_register_hazard_check_sees_a_late_write():
     assert len(_wgmma_register_hazards(early_read)) == 1
 
 
-def test_sm90a_ptx_keeps_wgmma_registers_behind_the_fences():
-    """In the PTX NVRTC makes of the forward, its warp-specialized variant and the probe, no
-    ordinary instruction touches a wgmma accumulator or A-fragment register between a chain's
-    wgmma.fence and its wgmma.wait_group (the operand fences in attn_sm90.cuh's wg_qk / wg_pv
-    make that an order of the source, not of the compiler's scheduling). Uses the NVRTC the
-    backend would (sm90a.nvrtc_binding: CuPy's where cuda.bindings is missing, as on a GPU host)."""
+def _sm90a_ptx_entries(names) -> dict:
+    """name -> the PTX entry NVRTC makes of it for compute_90a (the PTX-ISA checks here and in
+    test_cupy_wgmma_bwd.py), with the NVRTC the backend would use (sm90a.nvrtc_binding: CuPy's
+    where cuda.bindings is missing, as on a GPU host); skips the test when there is none."""
     from portattn.backends.cupy import sm90a
 
     try:
         nv = sm90a.nvrtc_binding()
     except sm90a.Sm90aCompileError as exc:
         pytest.skip(str(exc))
-    names = [configs.KernelConfig("fwd_wgmma", "bfloat16", 128).kernel_names()["plain"],
-             configs.KernelConfig("fwd_wgmma_ws", "float16", 64).kernel_names()["plain"],
-             configs.KernelConfig("wgmma_probe", "bfloat16", 256).kernel_names()["probe"]]
     opts = (*[o for o in sm90a.OPTIONS if not o.startswith("--ptxas")], "--gpu-architecture=compute_90a")
     ptx, lowered, _ = nv.compile(configs.source(configs.WGMMA_SOURCE_FILES), names, opts)
     ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
     entries = re.split(r"\n(?=\.(?:weak|visible) \.entry )", ptx)
+    out = {}
     for name, low in lowered.items():
         body = [e for e in entries if e.split("(", 1)[0].endswith(low)]
         assert len(body) == 1, name
-        assert body[0].count("wgmma.fence") >= 2, name
-        assert _wgmma_register_hazards(body[0]) == [], name
+        out[name] = body[0]
+    return out
+
+
+def test_sm90a_ptx_keeps_wgmma_registers_behind_the_fences():
+    """In the PTX NVRTC makes of the forward, its warp-specialized variant and the probe, no
+    ordinary instruction touches a wgmma accumulator or A-fragment register between a chain's
+    wgmma.fence and its wgmma.wait_group (the operand fences in attn_sm90.cuh's wg_qk / wg_pv
+    make that an order of the source, not of the compiler's scheduling). Uses the NVRTC the
+    backend would (sm90a.nvrtc_binding: CuPy's where cuda.bindings is missing, as on a GPU host)."""
+    names = [configs.KernelConfig("fwd_wgmma", "bfloat16", 128).kernel_names()["plain"],
+             configs.KernelConfig("fwd_wgmma_ws", "float16", 64).kernel_names()["plain"],
+             configs.KernelConfig("wgmma_probe", "bfloat16", 256).kernel_names()["probe"]]
+    for name, body in _sm90a_ptx_entries(names).items():
+        assert body.count("wgmma.fence") >= 2, name
+        assert _wgmma_register_hazards(body) == [], name
 
 
 # ----- GPU ---------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ with the mma.sync backward, the lse gradient, larger shapes and bad cu_seqlens.
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -24,7 +23,15 @@ from portattn.backends.cupy import compile_check, configs
 from portattn.spec import build_spec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_cupy_wgmma import _cuobjdump, have_cupy, is_sm90, needs_nvrtc  # noqa: E402
+from test_cupy_wgmma import (  # noqa: E402
+    _compile_90a_without_spills,
+    _sass,
+    _sm90a_ptx_entries,
+    _wgmma_param_count,
+    have_cupy,
+    is_sm90,
+    needs_nvrtc,
+)
 
 sm90_only = pytest.mark.skipif(not (is_sm90 and have_cupy), reason="needs an sm_90 GPU and cupy")
 
@@ -118,17 +125,6 @@ def test_kernel_families_name_the_wgmma_backward(monkeypatch):
     assert kernel_families(spec, capability=(9, 0))["backward"].startswith("bwd_mma")
 
 
-def _param_count(kernel: str) -> int:
-    src = configs.source(configs.WGMMA_SOURCE_FILES)
-    n_common = re.search(r"#define PA_COMMON_PARAMS(.*?)\n\n", src, re.S).group(1).count(",") + 1
-    start = src.index(f"\n{kernel}(") + len(kernel) + 2
-    depth, i = 1, start
-    while depth:
-        depth += {"(": 1, ")": -1}.get(src[i], 0)
-        i += 1
-    return src[start:i - 1].count(",") + n_common
-
-
 @pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window": (4, 2)}])
 def test_wgmma_backward_plan_matches_signature(kw):
     """plan_backward with the wgmma config (CPU tensors: nothing launches) passes each kernel its
@@ -147,8 +143,8 @@ def test_wgmma_backward_plan_matches_signature(kw):
     plan = runtime.plan_backward(spec, out, lse, out.clone(), cfg)
     pre, dkdv, dq = plan.launches
     assert (pre.role, dkdv.role, dq.role) == ("preprocess", "dkdv", "dq")
-    assert len(dkdv.args) == _param_count("attn_bwd_dkdv_wgmma")
-    assert len(dq.args) == _param_count("attn_bwd_dq_wgmma")
+    assert len(dkdv.args) == _wgmma_param_count("attn_bwd_dkdv_wgmma")
+    assert len(dq.args) == _wgmma_param_count("attn_bwd_dq_wgmma")
     assert dkdv.grid == (2, 2, 2) and dq.grid == (3, 4, 2)
     assert [t.shape for t in plan.outputs] == [q.shape, k.shape, v.shape]
     with pytest.raises(ValueError, match="softcap"):
@@ -185,17 +181,8 @@ def test_wgmma_backward_compiles_without_spills_and_uses_hgmma(tmp_path):
              for r, n in c.kernel_names().items() if r != "preprocess"]
     assert len(names) == 8
     cubin = str(tmp_path / "bwd.cubin")
-    log, lowered = compile_check.compile_names(names, "90a", cubin_out=cubin)
-    reports = compile_check.parse_ptxas_log(log, lowered, "90a")
-    assert len(reports) == len(names)
-    for r in reports:
-        assert r.registers is not None and r.registers <= 255, r
-        assert not r.spill_stores and not r.spill_loads and not r.stack, f"{r.name} spills: {r}"
-    assert "serialized" not in log, log   # ptxas: "wgmma.mma_async instructions are serialized ..."
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump to read the SASS")
-    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    _, lowered = _compile_90a_without_spills(names, cubin)
+    sass = _sass(cubin)
     for name, low in lowered.items():
         block = sass.split(f"Function : {low}")[1].split("Function : ")[0]
         assert block.count("HGMMA.") == _expected_hgmma(name), f"{name}: HGMMA count"
@@ -258,26 +245,14 @@ def test_sm90a_ptx_keeps_backward_wgmma_registers_behind_the_fences():
     """In the PTX of every wgmma backward kernel, no ordinary instruction touches a wgmma
     accumulator or A-fragment register between a chain's wgmma.fence and its wait_group
     (_chain_register_hazards, shown above to flag a late write or an early read)."""
-    from portattn.backends.cupy import sm90a
-
-    try:
-        nv = sm90a.nvrtc_binding()
-    except sm90a.Sm90aCompileError as exc:
-        pytest.skip(str(exc))
     names = [n for c in configs.wgmma_configs() if c.family == "bwd_wgmma"
              for r, n in c.kernel_names().items() if r != "preprocess"]
-    opts = (*[o for o in sm90a.OPTIONS if not o.startswith("--ptxas")], "--gpu-architecture=compute_90a")
-    ptx, lowered, _ = nv.compile(configs.source(configs.WGMMA_SOURCE_FILES), names, opts)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    entries = re.split(r"\n(?=\.(?:weak|visible) \.entry )", ptx)
-    for name, low in lowered.items():
-        body = [e for e in entries if e.split("(", 1)[0].endswith(low)]
-        assert len(body) == 1, name
+    for name, body in _sm90a_ptx_entries(names).items():
         # dK/dV: S^T and dP^T, then dV and dK (two chains each); dQ: S and dP, then dQ
-        assert body[0].count("wgmma.fence") == (4 if "dkdv" in name else 3), name
+        assert body.count("wgmma.fence") == (4 if "dkdv" in name else 3), name
         # each wait_group 1 leaves the newest group running; the last wait of a tile is wait_group 0
-        assert body[0].count("wgmma.wait_group.sync.aligned 1") == (2 if "dkdv" in name else 1), name
-        assert _chain_register_hazards(body[0]) == [], name
+        assert body.count("wgmma.wait_group.sync.aligned 1") == (2 if "dkdv" in name else 1), name
+        assert _chain_register_hazards(body) == [], name
 
 
 # ----- GPU ---------------------------------------------------------------------------------------
@@ -354,10 +329,7 @@ def test_wgmma_backward_matches_reference(monkeypatch, case, dtype):
 def test_wgmma_backward_large_bf16(monkeypatch, d):
     """Many key and query tiles per CTA (the benchmark's shape, smaller), GQA, causal and not."""
     from portattn.backends.cupy import CupyBackend, runtime
-    from test_cupy import _grads
-
-    from portattn.numerics import compare
-    from portattn.reference import naive_forward, reference_forward
+    from test_cupy import assert_large_backward_close
 
     g = torch.Generator(device="cuda").manual_seed(4)
     q = torch.randn(2, 1024, 8, d, generator=g, device="cuda").to(torch.bfloat16)
@@ -369,12 +341,7 @@ def test_wgmma_backward_large_bf16(monkeypatch, d):
         out, lse = CupyBackend().forward(spec)
         dout = torch.randn(spec.out_shape, generator=g, device="cuda").to(torch.bfloat16)
         grads = CupyBackend().backward(spec, out, lse, dout)[:3]
-        kw = {"causal": causal}
-        ref_g = _grads(reference_forward, q, k, v, kw, dout, torch.float64)
-        naive_g = _grads(naive_forward, q, k, v, kw, dout, torch.bfloat16)
-        results = [compare(n, a, r, nv, factor=3) for n, a, r, nv in zip(("dq", "dk", "dv"), grads, ref_g, naive_g)]
-        bad = [str(r) for r in results if not r.passed]
-        assert not bad, f"causal={causal}: " + "; ".join(bad)
+        assert_large_backward_close(q, k, v, causal, dout, grads)
 
 
 @pytest.mark.parametrize("case", ["basic", "causal_br_sq_gt_sk", "causal_br_empty_ctas", "gqa_causal", "varlen_causal",

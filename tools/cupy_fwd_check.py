@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import zlib
@@ -100,19 +99,13 @@ def precompile(workers: int) -> tuple[list[str], dict]:
 
 
 def run_tests(timeout_s: float) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PYTEST_NODES]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    sys.path.insert(0, HERE)
+    from _cupy_gpu_check import child_env, run_pytest
+
+    env = child_env()
     env.pop("PORTATTN_CUPY_FWD_KV_STAGES", None)
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout_s, 5))
-        rc, out = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc = "timeout"
-        out = ((exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or ""))
-    tail = out.strip().splitlines()[-25:]
-    return {"nodes": PYTEST_NODES, "rc": rc, "passed": rc == 0, "seconds": time.perf_counter() - t0,
-            "tail": tail}
+    return {"nodes": PYTEST_NODES, **run_pytest(["-q", "-p", "no:cacheprovider", *PYTEST_NODES], timeout_s, tail=25,
+                                                env=env)}
 
 
 def _forward(spec, stages):
@@ -305,12 +298,10 @@ def report(res: dict) -> str:
 
 
 def _write(out_dir, res):
-    with open(os.path.join(out_dir, "cupy_fwd_check.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    text = report(res)
-    with open(os.path.join(out_dir, "cupy_fwd_check.txt"), "w") as f:
-        f.write(text + "\n")
-    return text
+    sys.path.insert(0, HERE)
+    from _cupy_gpu_check import write_result
+
+    return write_result(out_dir, "cupy_fwd_check", res, report)
 
 
 def _verdict(res):

@@ -38,14 +38,21 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
-import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+from _cupy_gpu_check import (  # noqa: E402
+    child_env,
+    report_head,
+    run_captured,
+    run_info,
+    run_pytest,
+    write_result,
+)
+from cupy_fwd_check import _fmt, _ratio  # noqa: E402  (the forward check's table helpers)
 
 #: (name, B, Sq, Sk, Hq, Hkv, D, Dv, kwargs, dtype); kwargs "varlen": sequence lengths, "dlse": a
 #: gradient through the returned lse too
@@ -77,33 +84,16 @@ TIME_CELLS = [(s, d, c) for s in (4096, 1024, 16384) for d in (128, 64) for c in
 
 # ----- phase 1: compile ---------------------------------------------------------------------------
 def compile_phase(workers: int) -> dict:
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
+    from _cupy_gpu_check import compile_modules
     from cupy_gpu_dev import _compile_one
     from cupy_wgmma_check import _compile_sm90a, sass_counts
-    from portattn.backends.cupy import configs, sm90a
+    from portattn.backends.cupy import configs
 
     dts, hds = configs.TENSOR_CORE_DTYPES, configs.WGMMA_BWD_HEAD_DIMS
     wg = [(fam, dt, hd, None) for fam in ("bwd_wgmma", "fwd_wgmma") for hd in hds for dt in dts]
     mma = [(c.family, c.dtype, c.head_dim, c.tile, c.kv_stages)
            for c in (configs.backward_config(dt, hd, hd, mode="auto") for hd in hds for dt in dts)]
-    res = {"errors": [], "modules": {}, "sass": {}}
-    try:
-        nv = sm90a.nvrtc_binding()
-        res["nvrtc"] = f"{type(nv).__name__.strip('_')} {'.'.join(map(str, nv.version()))}"
-    except Exception as exc:
-        res["nvrtc"] = f"none: {type(exc).__name__}: {exc}"[:300]
-    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
-        futs = [pool.submit(_compile_sm90a, c) for c in wg] + [pool.submit(_compile_one, c) for c in mma]
-        for f in futs:
-            cfg, secs, err, info = f.result()
-            print(f"{'FAIL' if err else 'ok  '} {cfg} {secs:.1f}s {err or ''}", flush=True)
-            if err:
-                res["errors"].append(f"{cfg}: {err}")
-            else:
-                res["modules"][str(cfg)] = {"seconds": secs, **(info if isinstance(info, dict) and "kernels" in info
-                                                                else {"registers": info})}
+    res = compile_modules([(_compile_sm90a, c) for c in wg] + [(_compile_one, c) for c in mma], workers)
     for key, m in res["modules"].items():
         if "cubin" in m and "bwd_wgmma" in key:
             res["sass"][key] = sass_counts(m["cubin"])
@@ -112,23 +102,11 @@ def compile_phase(workers: int) -> dict:
 
 # ----- phase 2: checks (child) --------------------------------------------------------------------
 def _inputs(case):
-    import torch
+    """cupy_wgmma_check's inputs of a case, on DEVICE, without the "dlse" flag (check_case's)."""
+    from cupy_wgmma_check import _inputs as case_inputs
 
-    name, b, sq, sk, hq, hkv, d, dv, kw, dtn = case
-    dtype = getattr(torch, dtn)
-    g = torch.Generator(device=DEVICE).manual_seed(zlib.crc32(name.encode()) % 1000)
-    kw = dict(kw)
+    q, k, v, kw, g = case_inputs(case, DEVICE)
     kw.pop("dlse", None)
-    if "varlen" in kw:
-        lens = kw.pop("varlen")
-        lens_k = [n + 7 * (i % 2) for i, n in enumerate(lens)]
-        cum = lambda xs: [0] + [sum(xs[:i + 1]) for i in range(len(xs))]  # noqa: E731
-        kw["cu_seqlens_q"] = torch.tensor(cum(lens), dtype=torch.int32, device=DEVICE)
-        kw["cu_seqlens_k"] = torch.tensor(cum(lens_k), dtype=torch.int32, device=DEVICE)
-        shapes = [(sum(lens), hq, d), (sum(lens_k), hkv, d), (sum(lens_k), hkv, dv)]
-    else:
-        shapes = [(b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv)]
-    q, k, v = (torch.randn(s, generator=g, device=DEVICE).to(dtype) for s in shapes)
     return q, k, v, kw, g
 
 
@@ -295,14 +273,9 @@ def time_cell(cell) -> dict:
 def run_child(kind: str, out_dir: str, timeout_s: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--out", out_dir, "--time-limit",
            str(max(timeout_s - 6, 5))]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout_s, 10))
-        rc, tail = p.returncode, (p.stdout + p.stderr).strip().splitlines()[-8:]
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        rc, tail = "timeout", out.strip().splitlines()[-4:]
+    rc, out = run_captured(cmd, max(timeout_s, 10))
+    tail = out.strip().splitlines()[-4:] if rc == "timeout" else out.strip().splitlines()[-8:]
     try:
         with open(os.path.join(out_dir, f"bwd_{kind}.json")) as f:
             data = json.load(f)
@@ -313,28 +286,13 @@ def run_child(kind: str, out_dir: str, timeout_s: float) -> dict:
 
 
 def run_tests(timeout_s: float) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_cupy_wgmma_bwd.py"]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env()
     env["PORTATTN_CUPY_FORWARD"] = "wgmma"   # the forward modules phase 1 compiled (sm_90a: fast)
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout_s, 5))
-        rc, out = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc = "timeout"
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-    return {"rc": rc, "passed": rc == 0, "seconds": time.perf_counter() - t0, "tail": out.strip().splitlines()[-12:]}
+    return run_pytest(["-q", "-x", "-p", "no:cacheprovider", "tests/test_cupy_wgmma_bwd.py"], timeout_s, tail=12,
+                      env=env)
 
 
 # ----- report -------------------------------------------------------------------------------------
-def _fmt(x, w=6, p=2):
-    return f"{x:>{w}.{p}f}" if isinstance(x, (int, float)) and x is not None and math.isfinite(x) else f"{'-':>{w}}"
-
-
-def _ratio(r, a, b):
-    return r[a] / r[b] if a in r and b in r and r[b] > 0 else None
-
-
 def _geomean(xs):
     xs = [x for x in xs if x]
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
@@ -366,15 +324,8 @@ def verdict(res: dict) -> None:
 
 
 def report(res: dict) -> str:
-    L = [f"{res.get('device', '?')} torch {res.get('torch', '?')} {res.get('date', '')}; phases (s): "
-         f"{json.dumps({k: round(v, 1) for k, v in res.get('seconds', {}).items()})}"]
+    L = report_head(res)
     c = res.get("compile", {})
-    L.append(f"compile errors: {len(c.get('errors', []))}; NVRTC {c.get('nvrtc', '?')}")
-    L += ["  " + e[:1500] for e in c.get("errors", [])[:3]]
-    for m in c.get("modules", {}).values():
-        for kname, k in m.get("kernels", {}).items():
-            L.append(f"  {kname:<44} regs {k['registers']} spill {k['spill_stores']}/{k['spill_loads']} "
-                     f"stack {k['stack']} smem {k['smem']}")
     for s in c.get("sass", {}).values():
         for kname, cnt in (s.items() if isinstance(s, dict) else []):
             L.append(f"  SASS {kname[:60]}: {cnt}")
@@ -432,12 +383,7 @@ def report(res: dict) -> str:
 
 
 def _write(out_dir, res) -> str:
-    with open(os.path.join(out_dir, "wgmma_bwd_check.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    text = report(res)
-    with open(os.path.join(out_dir, "wgmma_bwd_check.txt"), "w") as f:
-        f.write(text + "\n")
-    return text
+    return write_result(out_dir, "wgmma_bwd_check", res, report)
 
 
 def parse_args(argv=None):
@@ -465,10 +411,7 @@ def main(argv=None) -> int:
         return _child_loop(a.out, "bwd_checks.json", CHECK_CASES, check_case, a.time_limit, reserve=4)
     if a.child == "timings":
         return _child_loop(a.out, "bwd_timings.json", TIME_CELLS, time_cell, a.time_limit, reserve=5)
-    import torch
-
-    res = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": {}}
+    res = run_info()
     t = time.perf_counter()
     res["compile"] = compile_phase(a.workers)
     res["seconds"]["compile"] = time.perf_counter() - t

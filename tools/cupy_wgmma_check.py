@@ -134,12 +134,10 @@ def sass_counts(cubin: str) -> dict:
 
 
 def compile_phase(workers: int) -> dict:
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
     from portattn.backends.cupy import configs
 
     sys.path.insert(0, HERE)
+    from _cupy_gpu_check import compile_modules
     from cupy_gpu_dev import _compile_one
 
     # the forward modules (the backward's have a preprocess without HGMMA: tools/cupy_wgmma_bwd_check.py)
@@ -147,24 +145,7 @@ def compile_phase(workers: int) -> dict:
           if c.family != "bwd_wgmma"]
     mma = [(c.family, c.dtype, c.head_dim, c.tile, c.kv_stages)
            for c in (configs.forward_config("bfloat16", d, d, kv_stages=1) for d in (64, 128, 256))]
-    res = {"errors": [], "modules": {}, "sass": {}}
-    try:   # which NVRTC builds the sm_90a modules here (cuda.bindings or CuPy's; its version)
-        from portattn.backends.cupy import sm90a
-
-        nv = sm90a.nvrtc_binding()
-        res["nvrtc"] = f"{type(nv).__name__.strip('_')} {'.'.join(map(str, nv.version()))}"
-    except Exception as exc:
-        res["nvrtc"] = f"none: {type(exc).__name__}: {exc}"[:300]
-    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
-        futs = [pool.submit(_compile_sm90a, c) for c in wg] + [pool.submit(_compile_one, c) for c in mma]
-        for f in futs:
-            cfg, secs, err, info = f.result()
-            print(f"{'FAIL' if err else 'ok  '} {cfg} {secs:.1f}s {err or ''}", flush=True)
-            if err:
-                res["errors"].append(f"{cfg}: {err}")
-            else:
-                res["modules"][str(cfg)] = {"seconds": secs, **(info if isinstance(info, dict) and "kernels" in info
-                                                                else {"registers": info})}
+    res = compile_modules([(_compile_sm90a, c) for c in wg] + [(_compile_one, c) for c in mma], workers)
     for key, m in res["modules"].items():
         if "cubin" in m:
             res["sass"][key] = sass_counts(m["cubin"])
@@ -245,26 +226,28 @@ def probe_case(dtype_name: str, hd: int) -> dict:
 
 
 # ----- phase 3: checks ----------------------------------------------------------------------------
-def _inputs(case):
+def _inputs(case, device: str = "cuda"):
+    """q, k, v, the build_spec keywords (kwargs "varlen": sequence lengths -> cu_seqlens_q / _k,
+    every other key sequence 7 longer) and the generator (seeded by the case name; it made q, k,
+    v) of a (name, B, Sq, Sk, Hq, Hkv, D, Dv, kwargs, dtype) case; tools/cupy_wgmma_bwd_check.py's
+    cases too."""
     import torch
 
     name, b, sq, sk, hq, hkv, d, dv, kw, dtn = case
     dtype = getattr(torch, dtn)
-    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(name.encode()) % 1000)
+    g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()) % 1000)
     kw = dict(kw)
-    extra = {}
     if "varlen" in kw:
         lens = kw.pop("varlen")
         lens_k = [n + 7 * (i % 2) for i, n in enumerate(lens)]
         cum = lambda xs: [0] + [sum(xs[:i + 1]) for i in range(len(xs))]  # noqa: E731
-        extra["cu_seqlens_q"] = torch.tensor(cum(lens), dtype=torch.int32, device="cuda")
-        extra["cu_seqlens_k"] = torch.tensor(cum(lens_k), dtype=torch.int32, device="cuda")
+        kw["cu_seqlens_q"] = torch.tensor(cum(lens), dtype=torch.int32, device=device)
+        kw["cu_seqlens_k"] = torch.tensor(cum(lens_k), dtype=torch.int32, device=device)
         shapes = [(sum(lens), hq, d), (sum(lens_k), hkv, d), (sum(lens_k), hkv, dv)]
     else:
         shapes = [(b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv)]
-    q, k, v = (torch.randn(s, generator=g, device="cuda").to(dtype) for s in shapes)
-    kw.update(extra)
-    return q, k, v, kw
+    q, k, v = (torch.randn(s, generator=g, device=device).to(dtype) for s in shapes)
+    return q, k, v, kw, g
 
 
 def run_forward(spec, family: str, poison: bool = True):
@@ -297,7 +280,7 @@ def check_case(case, family: str = "wgmma") -> dict:
     from portattn.reference import naive_forward, reference_forward
     from portattn.spec import build_spec
 
-    q, k, v, kw = _inputs(case)
+    q, k, v, kw, _ = _inputs(case)
     spec = build_spec(q, k, v, **kw)
     o1, l1 = run_forward(spec, family)
     o2, l2 = run_forward(spec, family)
@@ -331,17 +314,12 @@ def check_case(case, family: str = "wgmma") -> dict:
 
 
 def run_tests(timeout_s: float) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_cupy_wgmma.py",
-           "-k", "not wgmma_ws"]   # the warp-specialized kernel runs in the child process (a hang stays there)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout_s, 5))
-        rc, out = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc = "timeout"
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-    return {"rc": rc, "passed": rc == 0, "seconds": time.perf_counter() - t0, "tail": out.strip().splitlines()[-20:]}
+    sys.path.insert(0, HERE)
+    from _cupy_gpu_check import run_pytest
+
+    # the warp-specialized kernel runs in the child process (a hang stays there)
+    return run_pytest(["-q", "-x", "-p", "no:cacheprovider", "tests/test_cupy_wgmma.py", "-k", "not wgmma_ws"],
+                      timeout_s, tail=20)
 
 
 # ----- phase 5: timings ---------------------------------------------------------------------------
@@ -379,22 +357,14 @@ def time_cell(seqlen, d, causal, with_cudnn: bool, families=("wgmma", "mma"), wi
 
 # ----- report -------------------------------------------------------------------------------------
 sys.path.insert(0, HERE)
+from _cupy_gpu_check import report_head, run_info, write_result  # noqa: E402
 from cupy_fwd_check import _fmt as _f  # noqa: E402  (the forward check's table helpers)
 from cupy_fwd_check import _ratio as _r  # noqa: E402
 
 
 def report(res: dict) -> str:
-    L = [f"{res.get('device', '?')} torch {res.get('torch', '?')} {res.get('date', '')}; phases (s): "
-         f"{json.dumps({k: round(v, 1) for k, v in res.get('seconds', {}).items()})}"]
+    L = report_head(res, warnings=True)
     c = res.get("compile", {})
-    L.append(f"compile errors: {len(c.get('errors', []))}; NVRTC {c.get('nvrtc', '?')}")
-    L += ["  " + e[:1500] for e in c.get("errors", [])[:3]]
-    for key, m in c.get("modules", {}).items():
-        for kname, k in m.get("kernels", {}).items():
-            L.append(f"  {kname:<44} regs {k['registers']} spill {k['spill_stores']}/{k['spill_loads']} "
-                     f"stack {k['stack']} smem {k['smem']}")
-        for w in m.get("warnings", []):
-            L.append(f"  WARNING {key}: {w[:300]}")
     for key, s in c.get("sass", {}).items():
         for kname, cnt in (s.items() if isinstance(s, dict) else []):
             L.append(f"  SASS {key} {kname[:60]}: {cnt}")
@@ -464,12 +434,7 @@ def report(res: dict) -> str:
 
 
 def _write(out_dir, res):
-    with open(os.path.join(out_dir, "wgmma_check.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    text = report(res)
-    with open(os.path.join(out_dir, "wgmma_check.txt"), "w") as f:
-        f.write(text + "\n")
-    return text
+    return write_result(out_dir, "wgmma_check", res, report)
 
 
 def _verdict(res):
@@ -547,15 +512,17 @@ def child_ws(out_dir: str, time_limit: float) -> int:
 
 
 def run_child(out_dir: str, timeout_s: float) -> dict:
+    sys.path.insert(0, HERE)
+    from _cupy_gpu_check import run_captured
+
     cmd = [sys.executable, os.path.abspath(__file__), "--child-ws", "--out", out_dir, "--time-limit",
            str(max(timeout_s - 8, 5))]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout_s, 10))
-        rc, tail = p.returncode, (p.stdout + p.stderr).strip().splitlines()[-6:]
-    except subprocess.TimeoutExpired:
+    rc, out = run_captured(cmd, max(timeout_s, 10))
+    if rc == "timeout":
         rc, tail = "timeout (a hang in the warp-specialized kernel?)", []
+    else:
+        tail = out.strip().splitlines()[-6:]
     try:
         with open(os.path.join(out_dir, "ws_check.json")) as f:
             data = json.load(f)
@@ -580,10 +547,7 @@ def main(argv=None) -> int:
     os.environ.pop("PORTATTN_CUPY_FORWARD", None)
     if a.child_ws:
         return child_ws(a.out, a.time_limit)
-    import torch
-
-    res = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": {}}
+    res = run_info()
     t = time.perf_counter()
     res["compile"] = compile_phase(a.workers)
     res["seconds"]["compile"] = time.perf_counter() - t
