@@ -347,12 +347,11 @@ def summarize(rows: list[dict], impls: list[str]) -> dict:
     policy's total over the same cells; the count of cells within ``TARGET_CELL``."""
     cells = []
     for r in rows:
-        singles = {i: _ok_ms(e) for i, e in r["results"].items() if i != POLICY}   # impls + the choice
-        singles = {i: ms for i, ms in singles.items() if ms is not None}
+        best = best_single(r)   # among impls + the choice
+        best_ms = _ok_ms(r["results"][best]) if best else None
         pol = r["results"].get(POLICY, {})
         policy = _ok_ms(pol)
-        best = min(singles, key=singles.get) if singles else None
-        of_medians = policy / singles[best] if best and policy else None
+        of_medians = policy / best_ms if best and policy else None
         paired = []
         if of_medians is not None:
             pr, br = pol.get("ms_rounds") or [], r["results"][best].get("ms_rounds") or []
@@ -365,7 +364,7 @@ def summarize(rows: list[dict], impls: list[str]) -> dict:
         if judge and judge.get("best") == best and judge.get("ratios"):
             # the judge's pairs of samples taken back to back see one state of the machine (judge_cell)
             ratio = statistics.median(judge["ratios"])
-        cell = {"case": r["case"], "mode": r["mode"], "best": best, "best_ms": singles.get(best),
+        cell = {"case": r["case"], "mode": r["mode"], "best": best, "best_ms": best_ms,
                 "fastest_ms": policy, "ratio": ratio, "ratio_of_medians": of_medians, "choice": r.get("policy_choice"),
                 "tuning_s": (r.get("policy_first_call_s") or 0.0) + (r.get("policy_recheck_s") or 0.0),
                 "within": ratio is not None and ratio <= TARGET_CELL,
