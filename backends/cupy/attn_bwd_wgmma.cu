@@ -112,12 +112,6 @@ __device__ __forceinline__ pa_u32 opaque_u32(pa_u32 x) {
 }
 
 template <int N>
-__device__ __forceinline__ void zero_floats(float* x) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) x[i] = 0.f;
-}
-
-template <int N>
 __device__ __forceinline__ void scale_floats(float* x, float f) {
 #pragma unroll
     for (int i = 0; i < N; ++i) x[i] *= f;
@@ -146,16 +140,16 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
     static_assert(BM % 64 == 0 && BM <= 256, "BM: whole 8-row groups, at most 256 (one wgmma N)");
     static_assert(sizeof(T) == 2, "16-bit elements");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const pa_u32 raw = smem_addr(smem_raw);
-    const pa_u32 base = (raw + 1023u) & ~1023u;   // SW128 bases 1024-aligned (1 KB slack in smem_bytes)
+    const pa_u32 raw = smem_addr(smem_raw), base = sw128_align(raw);
     const pa_u32 sK = base;
     const pa_u32 sV = sK + KV_BYTES;
     const pa_u32 sQ = sV + KV_BYTES;               // [2][BM x HD]
     const pa_u32 sdO = sQ + 2 * QT_BYTES;          // [2][BM x HD]
-    float* sL = reinterpret_cast<float*>(smem_raw + (sdO + 2 * QT_BYTES - raw));   // [2][lse2 BM | delta BM]
+    // [2][lse2 BM | delta BM]
+    float* sL = reinterpret_cast<float*>(smem_raw + (sdO + 2 * QT_BYTES - raw));
 
-    const int tid = threadIdx.x, wg = tid / 128, wq = (tid / 32) % 4, lane = tid % 32;
-    const int g = lane / 4, t4 = lane % 4;
+    const WgLane w = wg_lane();
+    const int tid = w.tid, wg = w.wg, wq = w.wq, g = w.g, t4 = w.t4;
     const KeyCta<T> cta = PA_KEY_CTA(BN);
     if (cta.empty()) return;
     const SeqInfo& s = cta.s;
@@ -250,15 +244,14 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
     static_assert(BN % 64 == 0 && BN <= 256, "BN: whole 8-row groups, at most 256 (one wgmma N)");
     static_assert(sizeof(T) == 2, "16-bit elements");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const pa_u32 raw = smem_addr(smem_raw);
-    const pa_u32 base = (raw + 1023u) & ~1023u;
+    const pa_u32 raw = smem_addr(smem_raw), base = sw128_align(raw);
     const pa_u32 sQ = base;
     const pa_u32 sdO = sQ + Q_BYTES;
     const pa_u32 sK = sdO + Q_BYTES;           // [2][BN x HD]
     const pa_u32 sV = sK + 2 * KV_BYTES;       // [2][BN x HD]
 
-    const int tid = threadIdx.x, wg = tid / 128, wq = (tid / 32) % 4, lane = tid % 32;
-    const int g = lane / 4, t4 = lane % 4;
+    const WgLane w = wg_lane();
+    const int tid = w.tid, wg = w.wg, wq = w.wq, g = w.g, t4 = w.t4;
     const RowCta<T> cta = PA_ROW_CTA(BM);
     if (cta.empty()) return;
     const SeqInfo& s = cta.s;
@@ -268,10 +261,7 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
     // Q and dO rows (resident) and the first K/V tile.
     load_tile_sw128<T, BM, HD, NT>(sQ, PA_Q_ROW(s, b, h, m0), q_ss, s.sq - m0, head_dim, tid);
     load_tile_sw128<T, BM, HD, NT>(sdO, PA_DO_ROW(s, b, h, m0), do_ss, s.sq - m0, head_dim_v, tid);
-    if (n_first < n_hi) {
-        load_tile_sw128<T, BN, HD, NT>(sK, cta.k_seq + n_first * k_ss, k_ss, s.sk - n_first, head_dim, tid);
-        load_tile_sw128<T, BN, HD, NT>(sV, cta.v_seq + n_first * v_ss, v_ss, s.sk - n_first, head_dim_v, tid);
-    }
+    if (n_first < n_hi) load_kv_sw128<T, BN, HD, NT>(sK, sV, cta, n_first, k_ss, v_ss, head_dim, head_dim_v, tid);
     cp_async_commit();
 
     const int mw0 = m0 + wg * 64;              // the warpgroup's first row
@@ -290,18 +280,8 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
 
     for (int n0 = n_first, it = 0; n0 < n_hi; n0 += BN, ++it) {
         const int buf = it & 1;
-        // 1. tile n landed and is visible to the async proxy; the other buffer is free: prefetch.
-        cp_async_wait_all();
-        fence_proxy_async();
-        __syncthreads();
-        if (n0 + BN < n_hi) {
-            const int n1 = n0 + BN;
-            load_tile_sw128<T, BN, HD, NT>(sK + (buf ^ 1) * KV_BYTES, cta.k_seq + n1 * k_ss, k_ss, s.sk - n1,
-                                           head_dim, tid);
-            load_tile_sw128<T, BN, HD, NT>(sV + (buf ^ 1) * KV_BYTES, cta.v_seq + n1 * v_ss, v_ss, s.sk - n1,
-                                           head_dim_v, tid);
-            cp_async_commit();
-        }
+        // 1. tile n landed and is visible to wgmma; tile n + BN prefetched into the other buffer.
+        kv_walk_step<T, BN, HD, NT>(sK, sV, KV_BYTES, buf, cta, n0 + BN, n_hi, k_ss, v_ss, head_dim, head_dim_v, tid);
         if (!tile_any_visible(s, mw0, 64, n0, BN, win_left, win_right)) continue;   // uniform per warpgroup
         const pa_u32 sKb = sK + buf * KV_BYTES, sVb = sV + buf * KV_BYTES;
 

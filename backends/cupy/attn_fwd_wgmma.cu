@@ -122,16 +122,14 @@ attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_
     static_assert(BN % 64 == 0 && BN <= 256, "BN: whole 8-row groups, at most 256 (one wgmma N)");
     static_assert(sizeof(T) == 2, "16-bit elements");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    // SW128 tiles need 1024-byte aligned bases (configs.KernelConfig.smem_bytes adds the slack)
-    const pa_u32 raw = smem_addr(smem_raw);
-    const pa_u32 base = (raw + 1023u) & ~1023u;
+    const pa_u32 raw = smem_addr(smem_raw), base = sw128_align(raw);
     unsigned char* gbase = smem_raw + (base - raw);
     const pa_u32 sQ = base;
     const pa_u32 sK = base + Q_BYTES;          // [2][BN x HD]
     const pa_u32 sV = sK + 2 * KV_BYTES;       // [2][BN x HD]
 
-    const int tid = threadIdx.x, wg = tid / 128, wq = (tid / 32) % 4, lane = tid % 32;
-    const int g = lane / 4, t4 = lane % 4;
+    const WgLane w = wg_lane();
+    const int tid = w.tid, wg = w.wg, wq = w.wq, lane = w.lane, g = w.g, t4 = w.t4;
     const RowCta<T> cta = PA_ROW_CTA(BM);
     if (cta.empty()) return;
     const SeqInfo& s = cta.s;
@@ -139,18 +137,13 @@ attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_
     const float scale_log2 = scale * PA_LOG2E;
 
     load_tile_sw128<T, BM, HD, NT>(sQ, PA_Q_ROW(s, b, h, m0), q_ss, s.sq - m0, head_dim, tid);
-    if (n_first < n_hi) {
-        load_tile_sw128<T, BN, HD, NT>(sK, cta.k_seq + n_first * k_ss, k_ss, s.sk - n_first, head_dim, tid);
-        load_tile_sw128<T, BN, HD, NT>(sV, cta.v_seq + n_first * v_ss, v_ss, s.sk - n_first, head_dim_v, tid);
-    }
+    if (n_first < n_hi) load_kv_sw128<T, BN, HD, NT>(sK, sV, cta, n_first, k_ss, v_ss, head_dim, head_dim_v, tid);
     cp_async_commit();
 
     float acc[HD / 2];                         // O: n8 block i at 4i + {0,1} (row g), 4i + {2,3} (row g + 8)
     float sc[BN / 2];                          // S, then P, same layout
-#pragma unroll
-    for (int x = 0; x < HD / 2; ++x) acc[x] = 0.f;
-#pragma unroll
-    for (int x = 0; x < BN / 2; ++x) sc[x] = 0.f;
+    zero_floats<HD / 2>(acc);
+    zero_floats<BN / 2>(sc);
     float m_i[2] = {PA_NEG_INF, PA_NEG_INF}, l_i[2] = {0.f, 0.f};
     const int lrow = wg * 64 + wq * 16 + g;    // this thread's rows in the tile: lrow, lrow + 8
     const int row0 = m0 + lrow;
@@ -158,19 +151,8 @@ attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_
 
     for (int n0 = n_first, it = 0; n0 < n_hi; n0 += BN, ++it) {
         const int buf = it & 1;
-        // 1. tile n landed (this thread's copies), visible to the async proxy, every thread's
-        //    copies done and every warpgroup finished with the other buffer (tile n-1).
-        cp_async_wait_all();
-        fence_proxy_async();
-        __syncthreads();
-        if (n0 + BN < n_hi) {
-            const int n1 = n0 + BN;
-            load_tile_sw128<T, BN, HD, NT>(sK + (buf ^ 1) * KV_BYTES, cta.k_seq + n1 * k_ss, k_ss, s.sk - n1,
-                                           head_dim, tid);
-            load_tile_sw128<T, BN, HD, NT>(sV + (buf ^ 1) * KV_BYTES, cta.v_seq + n1 * v_ss, v_ss, s.sk - n1,
-                                           head_dim_v, tid);
-            cp_async_commit();
-        }
+        // 1. tile n landed and is visible to wgmma; tile n + BN prefetched into the other buffer.
+        kv_walk_step<T, BN, HD, NT>(sK, sV, KV_BYTES, buf, cta, n0 + BN, n_hi, k_ss, v_ss, head_dim, head_dim_v, tid);
 
         // 2. S = Q K^T
         wg_qk<T, HD, BM, BN>(sc, sQw, sK + buf * KV_BYTES);
@@ -201,10 +183,10 @@ __global__ void __launch_bounds__(128, 1)
 attn_wgmma_probe(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  float* __restrict__ s_out, float* __restrict__ o_out, int v_lbo, int v_sbo) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const pa_u32 raw = smem_addr(smem_raw);
-    const pa_u32 base = (raw + 1023u) & ~1023u;
+    const pa_u32 raw = smem_addr(smem_raw), base = sw128_align(raw);
     const pa_u32 sQ = base, sK = base + 64 * HD * 2, sV = sK + BN * HD * 2;
-    const int tid = threadIdx.x, wq = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+    const WgLane w = wg_lane();   // one warpgroup
+    const int tid = w.tid, wq = w.wq, g = w.g, t4 = w.t4;
     load_tile_sw128<T, 64, HD, 128>(sQ, q, HD, 64, HD, tid);
     load_tile_sw128<T, BN, HD, 128>(sK, k, HD, BN, HD, tid);
     load_tile_sw128<T, BN, HD, 128>(sV, v, HD, BN, HD, tid);
@@ -213,10 +195,8 @@ attn_wgmma_probe(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     fence_proxy_async();
     __syncthreads();
     float sc[BN / 2], acc[HD / 2];
-#pragma unroll
-    for (int x = 0; x < BN / 2; ++x) sc[x] = 0.f;
-#pragma unroll
-    for (int x = 0; x < HD / 2; ++x) acc[x] = 0.f;
+    zero_floats<BN / 2>(sc);
+    zero_floats<HD / 2>(acc);
     wg_qk<T, HD, 64, BN>(sc, sQ, sK);
     wgmma_wait<0>();
     wgmma_fence_acc<BN>(sc);

@@ -28,8 +28,7 @@ attn_fwd_wgmma_ws(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long
     static_assert(HD % 64 == 0 && HD <= 256 && BN % 64 == 0 && BN <= 256, "SW128 blocks, one wgmma N");
     static_assert(sizeof(T) == 2, "16-bit elements");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const pa_u32 raw = smem_addr(smem_raw);
-    const pa_u32 base = (raw + 1023u) & ~1023u;
+    const pa_u32 raw = smem_addr(smem_raw), base = sw128_align(raw);
     unsigned char* gbase = smem_raw + (base - raw);
     const pa_u32 sQ = base;
     const pa_u32 sK = base + Q_BYTES;                  // [STAGES][BN x HD]
@@ -89,10 +88,8 @@ attn_fwd_wgmma_ws(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long
     const float scale_log2 = scale * PA_LOG2E;
     float acc[HD / 2];
     float sc[BN / 2];
-#pragma unroll
-    for (int x = 0; x < HD / 2; ++x) acc[x] = 0.f;
-#pragma unroll
-    for (int x = 0; x < BN / 2; ++x) sc[x] = 0.f;
+    zero_floats<HD / 2>(acc);
+    zero_floats<BN / 2>(sc);
     float m_i[2] = {PA_NEG_INF, PA_NEG_INF}, l_i[2] = {0.f, 0.f};
     const int lrow = c * 64 + wq * 16 + g;
     const int row0 = m0 + lrow;

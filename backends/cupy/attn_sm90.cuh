@@ -1,4 +1,5 @@
-// portattn CuPy backend: sm_90a helpers of the wgmma forward (attn_fwd_wgmma.cu).
+// portattn CuPy backend: sm_90a helpers of the wgmma kernels (attn_fwd_wgmma.cu, attn_fwd_wgmma_ws.cu,
+// attn_bwd_wgmma.cu).
 //
 // Shared-memory tile layout "SW128" (what a wgmma matrix descriptor with 128-byte swizzling
 // reads): a [ROWS x HD] tile of 16-bit elements is stored as HD / 64 column blocks of
@@ -12,6 +13,32 @@
 //  * MN-major operand (V in O += P V: rows = K = keys, columns = N = head dim; trans-b = 1):
 //    LBO = ROWS * 128 (the next 64 head-dim columns), SBO = 1024 (the next 8 keys); the k16 step
 //    kk adds 16 kk rows = 2048 kk bytes.
+
+// The first 1024-byte aligned shared address from raw on: SW128 tile bases must be (the kernels'
+// smem_bytes in configs.KernelConfig add the 1 KB of slack).
+__device__ __forceinline__ pa_u32 sw128_align(pa_u32 raw) { return (raw + 1023u) & ~1023u; }
+
+// A thread of a warpgroup kernel: its warpgroup wg (128 threads), warp wq inside it, lane, and the
+// fragment coordinates g = lane / 4 (row), t4 = lane % 4 (column pair).
+struct WgLane {
+    int tid, wg, wq, lane, g, t4;
+};
+__device__ __forceinline__ WgLane wg_lane() {
+    WgLane w;
+    w.tid = threadIdx.x;
+    w.wg = w.tid / 128;
+    w.wq = (w.tid / 32) % 4;
+    w.lane = w.tid % 32;
+    w.g = w.lane / 4;
+    w.t4 = w.lane % 4;
+    return w;
+}
+
+template <int N>
+__device__ __forceinline__ void zero_floats(float* x) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = 0.f;
+}
 
 // Byte offset of (row r, column col) in a SW128 tile of ROWS rows; col a multiple of 8.
 template <int ROWS>
@@ -37,6 +64,15 @@ __device__ __forceinline__ void load_tile_sw128(pa_u32 sbase, const T* g, long l
         const T* src = ok ? g + (long long)r * row_stride + col : g;
         cp_async16_s(sbase + sw128_offset<ROWS>(r, col), src, ok ? 16 : 0);
     }
+}
+
+// The K and V tiles of keys n ... n + ROWS - 1 of a row CTA (rows past the sequence and columns past
+// the head dims zero-filled) into the SW128 tiles sk / sv.
+template <typename T, int ROWS, int HD, int NT>
+__device__ __forceinline__ void load_kv_sw128(pa_u32 sk, pa_u32 sv, const RowCta<T>& cta, int n, long long k_ss,
+                                              long long v_ss, int head_dim, int head_dim_v, int tid) {
+    load_tile_sw128<T, ROWS, HD, NT>(sk, cta.k_seq + n * k_ss, k_ss, cta.s.sk - n, head_dim, tid);
+    load_tile_sw128<T, ROWS, HD, NT>(sv, cta.v_seq + n * v_ss, v_ss, cta.s.sk - n, head_dim_v, tid);
 }
 
 // wgmma shared-memory matrix descriptor, 128-byte swizzle (PTX ISA "Matrix Descriptor"): start
@@ -68,6 +104,24 @@ __device__ __forceinline__ void fence_a_frags(pa_u32 (*p)[4]) {
 }
 // Ordinary (generic-proxy) shared-memory writes, cp.async included, made visible to wgmma.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// One step of a row CTA's double-buffered K/V walk (K and V buffers kv_bytes apart): the tile in
+// buffer buf landed (this thread's copies), is visible to the async proxy (wgmma), every thread's
+// copies are done and every warpgroup finished with the other buffer; the next tile, keys n_next ...,
+// is then prefetched into that buffer when n_next < n_hi.
+template <typename T, int ROWS, int HD, int NT>
+__device__ __forceinline__ void kv_walk_step(pa_u32 sk, pa_u32 sv, int kv_bytes, int buf, const RowCta<T>& cta,
+                                             int n_next, int n_hi, long long k_ss, long long v_ss, int head_dim,
+                                             int head_dim_v, int tid) {
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();
+    if (n_next < n_hi) {
+        load_kv_sw128<T, ROWS, HD, NT>(sk + (buf ^ 1) * kv_bytes, sv + (buf ^ 1) * kv_bytes, cta, n_next, k_ss, v_ss,
+                                       head_dim, head_dim_v, tid);
+        cp_async_commit();
+    }
+}
 
 // One warpgroup: s[64 x BN] = Q_wg[64 x HD] K^T (issued and committed, not waited for). sq: the
 // warpgroup's first Q row inside a SW128 tile of BM rows; sk: a SW128 tile of BN keys.
