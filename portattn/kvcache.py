@@ -53,7 +53,7 @@ import torch
 from . import config, dispatch, registry
 from .errors import BackendNotAvailableError, describe
 from .registry import get_backend
-from .spec import ALIGNMENTS, SUPPORTED_DTYPES, _norm_window, build_spec, device_vendor
+from .spec import ALIGNMENTS, SUPPORTED_DTYPES, QueryViews, _norm_window, build_spec
 
 Tensor = torch.Tensor
 
@@ -64,7 +64,7 @@ __all__ = ["KVCacheSpec", "build_kvcache_spec", "attention_with_kvcache", "expla
 # ----- the problem ---------------------------------------------------------------------------
 
 @dataclass(eq=False, slots=True)
-class KVCacheSpec:
+class KVCacheSpec(QueryViews):
     """A validated KV-cache attention problem (build it with :func:`build_kvcache_spec`).
     Read-only by contract (``dataclasses.replace`` makes a variant); not frozen because a frozen
     dataclass of this size costs ~8 us per construction, on every decoding step.
@@ -117,26 +117,6 @@ class KVCacheSpec:
     @property
     def paged(self) -> bool:
         return self.block_table is not None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.q.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    @property
-    def vendor(self) -> str:
-        return device_vendor(self.q.device)
-
-    @property
-    def gqa_ratio(self) -> int:
-        return self.num_heads_q // self.num_heads_kv
-
-    @property
-    def has_window(self) -> bool:
-        return self.window_left is not None or (self.window_right is not None and not self.causal)
 
     @property
     def is_empty(self) -> bool:

@@ -60,8 +60,37 @@ def device_vendor(device: torch.device) -> str:
     return device.type
 
 
+class QueryViews:
+    """The views of a problem that follow from its query tensor, head counts and mask, shared by
+    :class:`AttentionSpec` and :class:`portattn.kvcache.KVCacheSpec` (each has ``q``,
+    ``num_heads_q``, ``num_heads_kv``, ``causal``, ``window_left`` and ``window_right``)."""
+
+    __slots__ = ()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def vendor(self) -> str:
+        return device_vendor(self.q.device)
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_heads_q // self.num_heads_kv
+
+    @property
+    def has_window(self) -> bool:
+        """True when a finite window (beyond plain causal) restricts the keys."""
+        return self.window_left is not None or (self.window_right is not None and not self.causal)
+
+
 @dataclass(eq=False, slots=True)
-class AttentionSpec:
+class AttentionSpec(QueryViews):
     """A validated attention problem. Build it with :func:`build_spec` (from user arguments) or
     :func:`spec_from_canonical` (from canonical, validated ones). Read-only by contract: a
     backend never assigns to it (``dataclasses.replace`` makes a variant). Not frozen because a
@@ -137,27 +166,6 @@ class AttentionSpec:
     @property
     def is_varlen(self) -> bool:
         return self.cu_seqlens_q is not None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.q.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    @property
-    def vendor(self) -> str:
-        return device_vendor(self.q.device)
-
-    @property
-    def gqa_ratio(self) -> int:
-        return self.num_heads_q // self.num_heads_kv
-
-    @property
-    def has_window(self) -> bool:
-        """True when a finite window (beyond plain causal) restricts the keys."""
-        return self.window_left is not None or (self.window_right is not None and not self.causal)
 
     @property
     def bias_is_mask(self) -> bool:
