@@ -69,12 +69,13 @@ def tile_config(head_dim: int) -> dict:
     STAGES), ``dq`` = (BLOCK_N keys per streamed tile, STAGES).
 
     Shared memory, 2 bytes an element: dK/dV holds K and V (128 x D each) plus STAGES x (Q, dO)
-    tiles of (BLOCK_M, D): D 64 -> 32 + 3 x 16 = 80 KiB, D 128 -> 64 + 2 x 32 = 128 KiB; dQ holds
+    tiles of (BLOCK_M, D): D 64 -> 32 + 3 x 16 = 80 KiB, D 128 -> 64 + 3 x 16 = 112 KiB; dQ holds
     Q and dO (128 x D each) plus STAGES x (K, V) tiles of (BLOCK_N, D): D 64 -> 32 + 2 x 32 =
     96 KiB, D 128 -> 64 + 2 x 32 = 128 KiB. Registers of a consumer thread (64 rows a warpgroup):
-    dK/dV D 128: dK + dV 128, Sᵀ and dPᵀ 2 x BLOCK_M/2; dQ D 128: dQ 64, S and dP 2 x BLOCK_N/2.
-    (FA3's D 128 backward tile is 64 x 128 as well.)"""
-    return {64: {"dkdv": (64, 3), "dq": (128, 2)}, 128: {"dkdv": (64, 2), "dq": (64, 2)}}[head_dim]
+    dK/dV holds dK + dV (D / 2 each) and Sᵀ, dPᵀ (BLOCK_M / 2 each): at D 128 BLOCK_M 64 spilled
+    (~370 bytes of stack with triton 3.6 and 3.9), 32 does not; dQ holds dQ (D / 2) and S, dP
+    (BLOCK_N / 2 each). (FA3's D 128 backward tile is 64 x 128 with hand-placed registers.)"""
+    return {64: {"dkdv": (64, 3), "dq": (128, 2)}, 128: {"dkdv": (32, 3), "dq": (64, 2)}}[head_dim]
 
 
 # ----- the kernels ----------------------------------------------------------------------------
