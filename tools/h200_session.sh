@@ -74,7 +74,7 @@ tests/test_chunked.py}
 declare -A TEST_GROUP=(
   [gpu]=$GPU_TESTS
   [atomic]="tests/test_triton_atomic_dq.py"
-  [gluon]="tests/test_triton_gluon.py"
+  [gluon]="tests/test_triton_gluon.py tests/test_triton_gluon_bwd.py"
   [cupy]="tests/test_cupy.py tests/test_cupy_wgmma*.py"
   [decode]="tests/test_kvcache_gpu.py tests/test_decode_variants_gpu.py tests/test_onnx_kvcache.py"
   [callpath]="tests/test_call_path.py tests/test_callcache.py tests/test_triton_launcher.py tests/test_cuda_graph.py
