@@ -179,6 +179,24 @@ def triton_forward() -> str:
     return _parsed("PORTATTN_TRITON_FORWARD", _parse_triton_forward, "auto")
 
 
+TRITON_BACKWARD_MODES = ("auto", "gluon", "portable")
+
+
+def _parse_triton_backward(name: str, text: str) -> str:
+    mode = text.strip().lower() or "auto"
+    if mode not in TRITON_BACKWARD_MODES:
+        raise ValueError(f"{name}={text!r}: expected 'auto' (today's portable backward, the default), "
+                         f"'gluon' (the Gluon Hopper backward wherever it can run) or 'portable'")
+    return mode
+
+
+def triton_backward() -> str:
+    """``PORTATTN_TRITON_BACKWARD`` (default ``"auto"``): which kernels triton's 16-bit backward
+    runs (``backends/triton/gluon_bwd.backward_choice``); ``auto`` is the portable backward
+    until the Gluon one has been checked and timed on the H200."""
+    return _parsed("PORTATTN_TRITON_BACKWARD", _parse_triton_backward, "auto")
+
+
 def triton_gluon_pingpong() -> bool:
     """``PORTATTN_TRITON_GLUON_PINGPONG`` (default on; empty is the default; 0/false/no/off turn it
     off; anything else but a boolean raises ``ValueError``)."""

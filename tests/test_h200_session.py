@@ -21,7 +21,7 @@ from portattn.conformance.catalogue import build_catalogue, select_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "h200_session.sh"
-STEPS = ("catalogue tests warm atomicdiag kvcache properties fastest bench decode overhead gluon cupywgmma cupybwd "
+STEPS = ("catalogue tests warm atomicdiag kvcache properties fastest bench decode overhead gluon gluonbwd cupywgmma cupybwd "
          "cupyfwd sweep ncu").split()
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
@@ -66,6 +66,7 @@ def test_unknown_steps_are_refused_with_the_list_of_steps(tmp_path):
     ("tests:nosuchgroup", "unknown test group 'nosuchgroup'"),
     ("par:fastest", "'fastest' times things"),
     ("gluon:x", "gluon takes no argument"),
+    ("gluonbwd:x", "gluonbwd takes no argument"),
     ("sweep:nosuch", "unknown sweep 'nosuch'"),
     ("warm:d128", "warm takes head dims"),
 ])
@@ -84,6 +85,23 @@ def test_steps_run_in_the_order_given(tmp_path):
                        "tools/triton_gluon_check.py", "benchmarks/bench_decode.py", "tools/cupy_wgmma_check.py"]
     final = p.stdout.split("=" * 20 + " h200_session.sh", 1)[1].splitlines()
     assert [line.split()[1] for line in final[1:6]] == ["overhead", "warm:128", "gluon", "decode", "cupywgmma"]
+
+
+def test_dry_gluonbwd_runs_the_backward_check_inside_its_limit(tmp_path):
+    """The gluonbwd step: tools/triton_gluon_bwd_check.py with its own limit (GLUONBWD_LIMIT, 200 s
+    by default), its files into the step's folder, a --time-limit 20 s inside it, GLUONBWD_ARGS passed."""
+    p = session(tmp_path, "gluonbwd", GLUONBWD_ARGS="--quick")
+    assert p.returncode == 0, p.stderr
+    assert re.findall(r"^== \[(\d)\] (\S+):", p.stdout, re.M) == [("1", "gluonbwd")]
+    (cmd,) = commands(p.stdout)
+    assert cmd[0] == "200" and cmd[1:3] == [sys.executable, "tools/triton_gluon_bwd_check.py"], cmd
+    assert "--quick" in cmd
+    out = cmd[cmd.index("--out") + 1]
+    assert out.endswith("gluonbwd") or "gluonbwd" in Path(out).name, out
+    assert cmd[cmd.index("--time-limit") + 1] == "180", cmd
+    p = session(tmp_path, "gluonbwd", GLUONBWD_LIMIT="90")
+    (cmd,) = commands(p.stdout)
+    assert cmd[0] == "90" and cmd[cmd.index("--time-limit") + 1] == "70" and "--quick" not in cmd, cmd
 
 
 def test_dry_catalogue_then_fastest(tmp_path):

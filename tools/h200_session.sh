@@ -29,6 +29,8 @@
 #   decode              benchmarks/bench_decode.py ($DECODE_ARGS) [240]
 #   overhead            benchmarks/overhead.py, then tools/gpu_launcher_check.py [150]
 #   gluon               tools/triton_gluon_check.py: the Gluon forward's compile, numerics, timings [440]
+#   gluonbwd            tools/triton_gluon_bwd_check.py: the opt-in Gluon backward's compile, gradients,
+#                       timings; $GLUONBWD_ARGS (e.g. --quick) [200]
 #   cupywgmma           tools/cupy_wgmma_check.py: cupy's sm_90a wgmma forward [170]
 #   cupybwd             tools/cupy_wgmma_bwd_check.py, its backward (skipped while the tree lacks it) [200]
 #   cupyfwd             tools/cupy_fwd_check.py: cupy's mma.sync forward [140]
@@ -43,6 +45,7 @@
 #   bash tools/h200_session.sh fastest                                     # alone, ~480 s
 #   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench          # the training grid
 #   bash tools/h200_session.sh cupybwd atomicdiag
+#   bash tools/h200_session.sh gluonbwd par:tests:gluon                    # the Gluon backward's first run
 # and e.g. after a partial catalogue:
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:triton,cupy
 #
@@ -58,7 +61,7 @@ DRY_RUN=${DRY_RUN:-}
 TIMES=${TIMES:-benchmarks/results/conformance-h200.json}   # per-case seconds for the shard plan
 T0=$(date +%s)
 
-STEPS="catalogue tests warm atomicdiag kvcache properties fastest bench decode overhead gluon cupywgmma cupybwd cupyfwd sweep ncu"
+STEPS="catalogue tests warm atomicdiag kvcache properties fastest bench decode overhead gluon gluonbwd cupywgmma cupybwd cupyfwd sweep ncu"
 SIDE_BY_SIDE=" catalogue tests warm atomicdiag kvcache properties "
 
 # the test files with GPU parts (the rest of the suite is CPU-only and runs in CI)
@@ -71,7 +74,7 @@ tests/test_chunked.py}
 declare -A TEST_GROUP=(
   [gpu]=$GPU_TESTS
   [atomic]="tests/test_triton_atomic_dq.py"
-  [gluon]="tests/test_triton_gluon.py"
+  [gluon]="tests/test_triton_gluon.py tests/test_triton_gluon_bwd.py"
   [cupy]="tests/test_cupy.py tests/test_cupy_wgmma*.py"
   [decode]="tests/test_kvcache_gpu.py tests/test_decode_variants_gpu.py tests/test_onnx_kvcache.py"
   [callpath]="tests/test_call_path.py tests/test_callcache.py tests/test_triton_launcher.py tests/test_cuda_graph.py
@@ -343,6 +346,11 @@ step_overhead() {
 }
 
 step_gluon() { tool "$1" "$(limit "${GLUON_LIMIT:-440}")" 40 gluon_check.txt tools/triton_gluon_check.py; }
+step_gluonbwd() {
+  local args=()
+  split args "${GLUONBWD_ARGS:-}"
+  tool "$1" "$(limit "${GLUONBWD_LIMIT:-200}")" 20 gluon_bwd_check.txt tools/triton_gluon_bwd_check.py "${args[@]}"
+}
 step_cupywgmma() { tool "$1" "$(limit "${CUPYWGMMA_LIMIT:-170}")" 20 wgmma_check.txt tools/cupy_wgmma_check.py; }
 step_cupyfwd() { tool "$1" "$(limit "${CUPYFWD_LIMIT:-140}")" 10 cupy_fwd_check.txt tools/cupy_fwd_check.py; }
 

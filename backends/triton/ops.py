@@ -451,6 +451,8 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
     gqa = spec.num_heads_q // spec.num_heads_kv
     sizes = (spec.seqlen_q, spec.seqlen_k, *_packed_totals(spec))
     scalars = (spec.scale, *_scalars(spec.scale, spec.softcap, spec.window_left, spec.window_right))
+    # PORTATTN_TRITON_BACKWARD (an unknown value raises here, on any device): gluon_bwd.backward_choice
+    gluon = config.triton_backward() == "gluon" and spec.q.is_cuda and _gluon_backward(spec, not exact)
     if not exact:
         # 0. row statistics from lse, delta = rowsum(dO ∘ O) - dlse
         (ores,) = residuals
@@ -467,6 +469,9 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
             spec.num_heads_q, spec.seqlen_q, _packed_totals(spec)[0],
             **_prep_kwargs(cp, consts["HEAD_DV"], consts["BLOCK_D"], varlen, has_dlse),
         )
+    if gluon:   # then dK/dV and dQ by the Gluon Hopper kernels (deterministic), from the same statistics
+        gluon.gluon_backward(spec, dout, rowmax, delta, dq, dk, dv)
+        return dq, dk, dv, None
     c1 = atomic_config(spec, cfgs, exact, want_dbias)
     if c1 is None:
         # 1. dQ (and dBias; float32: the exact row statistics first): one program per (query tile, batch·head)
@@ -500,6 +505,13 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
     if dq_acc is not delta:
         dq.copy_(dq_acc[..., :spec.head_dim])
     return dq, dk, dv, dbias
+
+
+def _gluon_backward(spec, has_residual: bool):
+    """The :mod:`gluon_bwd` module when ``PORTATTN_TRITON_BACKWARD=gluon`` picks it for ``spec``
+    (its reasons empty), else None."""
+    from . import gluon_bwd
+    return gluon_bwd if gluon_bwd.backward_choice(spec, has_residual) == "gluon" else None
 
 
 #: padded blocks (BLOCK_D) in which a narrower head dim (D == Dv) may take atomic dQ into the

@@ -1,0 +1,680 @@
+"""An FA3-style attention backward for NVIDIA Hopper (sm_90) in Gluon, opt-in through
+``PORTATTN_TRITON_BACKWARD=gluon`` (:func:`backward_choice`). Not yet run on a GPU: everything
+here is verified on CPU only (cross-compilation for sm_90, a float64 emulation of the tile
+schedule in tests/test_triton_gluon_bwd.py); ``tools/triton_gluon_bwd_check.py`` is its first
+H200 run.
+
+It takes over after the portable backward's prep kernel (``kernels.attn_bwd_prep``), which turns
+the forward's lse into ``m = lse·log2(e)`` (+inf for a row with no visible key) and computes the
+exact ``delta = rowsum(dO ∘ O_unrounded) − dlse`` from the forward's rounding residual, so the
+lse gradient is carried too and no kernel below walks the band for row statistics. Then two
+kernels, each one CTA of three partitions (a 1-warp TMA producer and two 4-warp consumer
+warpgroups issuing asynchronous ``wgmma``, FA3's register split 240 / 24):
+
+* :func:`attn_bwd_dkdv_gluon`, K/V-stationary: a CTA owns 128 keys of one (batch, query head),
+  64 per consumer warpgroup, with K and V resident in shared memory; the producer streams the
+  visible query tiles' Q and dO through a ``STAGES``-deep ring (``ready`` / ``empty`` mbarriers).
+  Per tile pair a warpgroup computes Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (both async), then
+  Pᵀ = exp2(Sᵀ·scale·log2e − m) (the element mask only on the band's edge tiles), dV += Pᵀ dO,
+  dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q — four products; dK is scaled once at the end. A row
+  with no visible key has m = +inf, so its P and dS are exactly 0.
+* :func:`attn_bwd_dq_gluon`, Q-stationary (deterministic dQ, no atomics): a CTA owns 128 query
+  rows, 64 per warpgroup, with Q and dO resident; the producer streams K and V of the visible key
+  tiles. Per tile: S = Q Kᵀ, dP = dO Vᵀ, dS = P ∘ (dP − delta), dQ += dS K — three products.
+
+Five products per tile pair plus the recomputed S and dP of the dQ pass (seven, as the Triton
+tutorial; FA3's atomic dQ would save two — not done here). GQA: the dK/dV grid runs over query
+heads; with ``Hq > Hkv`` each CTA writes its head's float32 share into a ``(B, Sk, Hq, D)``
+buffer, summed over the query heads of each KV head afterwards by one torch reduction (a fixed
+order: bit-identical across runs). Causal grids run the longest tiles first (dQ: the last query
+tiles; dK/dV under an anti-causal band: the last key tiles).
+
+The band logic is the forward's: key tiles of a query tile from :func:`gluon_fwd._key_phases`,
+query tiles of a key tile from :func:`_query_phases` (kernels._query_phases in Gluon), each in
+three phases masked / unmasked / masked, so sliding windows, both causal alignments and
+Sq ≠ Sk are covered. What it refuses, :func:`gluon_bwd_reasons` says.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .gluon_fwd import _UNBOUNDED, GLUON_ERROR, WG_M, _cubin_facts, _tma_aligned, gl, gluon
+
+if gl is not None:
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from .gluon_fwd import _WG_M, _key_phases, _masked, _tma_load
+
+#: the environment switch of the triton backend's backward (read by :func:`backward_choice`)
+ENV_SWITCH = "PORTATTN_TRITON_BACKWARD"
+#: the head dims the kernels are written for (``D == Dv``): D 256's two float32 accumulators
+#: (dK, dV: 2 x 128 registers a thread) do not fit a warpgroup's 240 registers
+HEAD_DIMS = (64, 128)
+#: keys per dK/dV CTA and query rows per dQ CTA: two consumer warpgroups of 64
+BLOCK = 2 * WG_M
+
+
+@functools.lru_cache(maxsize=8)
+def tile_config(head_dim: int) -> dict:
+    """Tiles of both kernels at ``head_dim``: ``dkdv`` = (BLOCK_M query rows per streamed tile,
+    STAGES), ``dq`` = (BLOCK_N keys per streamed tile, STAGES).
+
+    Shared memory, 2 bytes an element: dK/dV holds K and V (128 x D each) plus STAGES x (Q, dO)
+    tiles of (BLOCK_M, D): D 64 -> 32 + 3 x 16 = 80 KiB, D 128 -> 64 + 3 x 16 = 112 KiB; dQ holds
+    Q and dO (128 x D each) plus STAGES x (K, V) tiles of (BLOCK_N, D): D 64 -> 32 + 2 x 32 =
+    96 KiB, D 128 -> 64 + 2 x 32 = 128 KiB. Registers of a consumer thread (64 rows a warpgroup):
+    dK/dV holds dK + dV (D / 2 each) and Sᵀ, dPᵀ (BLOCK_M / 2 each): at D 128 BLOCK_M 64 spilled
+    (~370 bytes of stack with triton 3.6 and 3.9), 32 does not; dQ holds dQ (D / 2) and S, dP
+    (BLOCK_N / 2 each). (FA3's D 128 backward tile is 64 x 128 with hand-placed registers.)"""
+    return {64: {"dkdv": (64, 3), "dq": (128, 2)}, 128: {"dkdv": (32, 3), "dq": (64, 2)}}[head_dim]
+
+
+# ----- the kernels ----------------------------------------------------------------------------
+
+if gl is not None:
+
+    @gluon.jit
+    def _query_phases(n0, sq, sk, off, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """(lo, full_lo, full_hi, hi) of the query tiles for the keys ``n0 … n0+BLOCK_N-1`` (the
+        mirror of :func:`_key_phases`, kernels._query_phases' arithmetic): row ``i`` sees key
+        ``j`` iff ``j - right - off <= i <= j + left - off``; [full_lo, full_hi) need no mask."""
+        c1 = gl.minimum(n0 + BLOCK_N, sk) - 1
+        lo = gl.maximum(n0 - window_right - off, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+        hi = gl.minimum(c1 + window_left - off + 1, sq)
+        full_lo = gl.maximum(n0 + BLOCK_N - 1 - window_right - off, 0)
+        full_lo = ((full_lo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+        full_lo = gl.minimum(gl.maximum(full_lo, lo), gl.maximum(hi, lo))
+        full_hi = (gl.maximum(n0 + window_left - off + 1, 0) // BLOCK_M) * BLOCK_M
+        full_hi = gl.minimum(full_hi, (sq // BLOCK_M) * BLOCK_M)
+        if n0 + BLOCK_N > sk:   # a ragged key tile is never mask-free
+            full_hi = full_lo
+        full_hi = gl.maximum(full_hi, full_lo)
+        return lo, full_lo, full_hi, hi
+
+    @gluon.jit
+    def _phase_bounds(phase: gl.constexpr, lo, full_lo, full_hi, hi):
+        """Tile range of one phase: 0 masked (band start), 1 unmasked, 2 masked (band end)."""
+        if phase == 0:
+            return lo, full_lo
+        elif phase == 1:
+            return full_lo, full_hi
+        else:
+            return full_hi, hi
+
+    @gluon.jit
+    def _masked_t(s_t, keys, qrows, sk, off, window_left, window_right):
+        """:func:`_masked` in the transposed (key, query) orientation of the dK/dV kernel."""
+        aligned = qrows[None, :] + off
+        c = keys[:, None]
+        visible = (c < sk) & (c >= aligned - window_left) & (c <= aligned + window_right)
+        return gl.where(visible, s_t, float("-inf"))
+
+    @gluon.jit
+    def _stream_pairs(desc_a, desc_b, smem_a, smem_b, ready, empty, lo, hi,
+                      BLOCK: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        """The producer's loop, shared by both kernels: for every tile start in [lo, hi) the
+        (BLOCK, D) tiles of ``desc_a`` and ``desc_b`` (Q and dO, or K and V) into ring slot
+        ``i % STAGES``, once both consumers released it (``empty``, count 2; waited on the
+        parity before the current round's, so a fresh barrier passes at once)."""
+        pair_bytes: gl.constexpr = 2 * BLOCK * HEAD_D * 2
+        i = 0
+        for n in range(lo, hi, BLOCK):
+            st = i % STAGES
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(st), pair_bytes)
+            _tma_load(desc_a, [n, 0], ready.index(st), smem_a.index(st))
+            _tma_load(desc_b, [n, 0], ready.index(st), smem_b.index(st))
+            i += 1
+
+    @gluon.jit
+    def _resident_producer(desc_a, desc_b, smem_a, smem_b, bar, m0, stream, lo, hi,
+                           BLOCK: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        """The load warp: the CTA's two resident (64, D) tiles of ``desc_a`` and ``desc_b`` per
+        warpgroup (K and V, or Q and dO) on ``bar[wg]``, then :func:`_stream_pairs` over the band.
+        ``stream`` = (the streamed descriptors a and b, their rings, ready, empty)."""
+        tile_bytes: gl.constexpr = _WG_M * HEAD_D * 2
+        for wg in gl.static_range(2):
+            mbarrier.expect(bar.index(wg), 2 * tile_bytes)
+            _tma_load(desc_a, [m0 + wg * _WG_M, 0], bar.index(wg), smem_a.index(wg))
+            _tma_load(desc_b, [m0 + wg * _WG_M, 0], bar.index(wg), smem_b.index(wg))
+        s_desc_a, s_desc_b, ring_a, ring_b, ready, empty = stream
+        _stream_pairs(s_desc_a, s_desc_b, ring_a, ring_b, ready, empty, lo, hi, BLOCK, HEAD_D, STAGES)
+
+    @gluon.jit
+    def _store_rows(ptr, off, stride_s, acc, row0, nrows, layout: gl.constexpr,
+                    ROWS: gl.constexpr, HEAD_D: gl.constexpr):
+        """Store a (ROWS, D) accumulator (``layout``) at rows ``row0 …`` of a (S, D) slab with
+        row stride ``stride_s``, rows >= ``nrows`` skipped, cast to the pointer's dtype."""
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
+        ptrs = ptr + off + rows.to(gl.int64)[:, None] * stride_s + cols[None, :]
+        mask = (rows[:, None] < nrows) & (cols[None, :] < HEAD_D)
+        gl.store(ptrs, acc.to(ptr.dtype.element_ty), mask=mask)
+
+    # --- dK / dV ---------------------------------------------------------------------------
+
+    @gluon.jit
+    def _dkdv_tile(dk, dv, k, v, q, do, m_ptrs, d_ptrs, in_q, keys, qrows, sk, off, window_left, window_right,
+                   qk_scale2, st_layout: gl.constexpr, op_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                   MASKED: gl.constexpr):
+        """One (64 keys, BLOCK_M queries) tile pair of a consumer warpgroup: Sᵀ = K Qᵀ and
+        dPᵀ = V dOᵀ issued together; while they run, the rows' m and delta load; then
+        Pᵀ, dV += Pᵀ dO (async, overlapping dSᵀ), dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q."""
+        zero = gl.zeros([_WG_M, BLOCK_M], gl.float32, st_layout)
+        s_t = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+        m2 = gl.load(m_ptrs, mask=in_q, other=float("inf"))     # +inf: no visible key / past Sq -> P = 0
+        delta = gl.load(d_ptrs, mask=in_q, other=0.0)
+        s_t = warpgroup_mma_wait(1, deps=(s_t,))                 # Sᵀ done, dPᵀ may still run
+        if MASKED:
+            s_t = _masked_t(s_t, keys, qrows, sk, off, window_left, window_right)
+        p_t = gl.exp2(s_t * qk_scale2 - m2[None, :])
+        p_op = gl.convert_layout(p_t.to(q.dtype), op_layout)
+        dv = warpgroup_mma(p_op, do, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(1, deps=(dp_t,))               # dPᵀ done, dV may still run
+        ds_op = gl.convert_layout((p_t * (dp_t - delta[None, :])).to(q.dtype), op_layout)
+        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+        dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
+        return dk, dv
+
+    @gluon.jit
+    def _dkdv_band(dk, dv, i, start, stop, k, v, ring, m_base, d_base, keys, qcols0, sq, sk, off,
+                   window_left, window_right, qk_scale2, st_layout: gl.constexpr, op_layout: gl.constexpr,
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
+        """Query tiles [start, stop) of one phase; ``i`` counts the tiles taken from the ring
+        (``ring`` = (Q tiles, dO tiles, ready, empty))."""
+        q_smem, do_smem, ready, empty = ring
+        for m in range(start, stop, BLOCK_M):
+            st = i % STAGES
+            qrows = m + qcols0
+            in_q = qrows < sq
+            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_smem.index(st), do_smem.index(st), m_base + qrows, d_base + qrows,
+                                in_q, keys, qrows, sk, off, window_left, window_right, qk_scale2,
+                                st_layout, op_layout, BLOCK_M, MASKED)
+            mbarrier.arrive(empty.index(st), count=1)
+            i += 1
+        return dk, dv, i
+
+    @gluon.jit
+    def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, kv_bar, ring, DK, DV, dk_off, dv_off, stride_dks,
+                       stride_dvs, ROWMAX, DELTA, row_off, n0, sq, sk, off, lo, full_lo, full_hi, hi,
+                       window_left, window_right, qk_scale2, scale,
+                       BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        """One consumer warpgroup of the dK/dV kernel: keys ``n0 + WG·64 …``; walks every query
+        tile of the band (three phases) and writes its dK (scaled once) and dV rows — zeros
+        where no query sees the keys."""
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_D, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        key0 = n0 + WG * _WG_M
+        keys = key0 + gl.arange(0, _WG_M, layout=gl.SliceLayout(1, st_layout))
+        qcols0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        dk = gl.zeros([_WG_M, HEAD_D], gl.float32, acc_layout)
+        dv = gl.zeros([_WG_M, HEAD_D], gl.float32, acc_layout)
+        k = k_smem.index(WG)
+        v = v_smem.index(WG)
+        mbarrier.wait(kv_bar.index(WG), 0)
+        i = lo * 0
+        for phase in gl.static_range(3):
+            start, stop = _phase_bounds(phase, lo, full_lo, full_hi, hi)
+            dk, dv, i = _dkdv_band(dk, dv, i, start, stop, k, v, ring, ROWMAX + row_off, DELTA + row_off, keys,
+                                   qcols0, sq, sk, off, window_left, window_right, qk_scale2, st_layout, op_layout,
+                                   BLOCK_M, STAGES, phase != 1)
+        _store_rows(DK, dk_off, stride_dks, dk * scale, key0, sk, acc_layout, _WG_M, HEAD_D)
+        _store_rows(DV, dv_off, stride_dvs, dv, key0, sk, acc_layout, _WG_M, HEAD_D)
+
+    @gluon.jit(do_not_specialize=("seqlen_q", "seqlen_k", "stride_lb", "stride_lh"))
+    def attn_bwd_dkdv_gluon(Q, K, V, DO, DK, DV, ROWMAX, DELTA,
+                            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                            stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                            stride_lb, stride_lh,
+                            num_heads_q, gqa_ratio, seqlen_q, seqlen_k, qk_scale2, scale, window_left, window_right,
+                            HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                            BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+        """dK, dV of 128 keys against one query head: grid (cdiv(Sk, 128), B·Hq), 4 warps
+        (consumer 0) + a 4-warp consumer + a 1-warp producer. DK/DV ``(B, Sk, H, D)`` with H the
+        query head's index (the output itself when Hq == Hkv, else the float32 per-query-head
+        buffer that the host sums); ROWMAX/DELTA ``(B, Hq, Sq)`` float32 from the prep kernel."""
+        BLOCK_N: gl.constexpr = 2 * _WG_M
+        pid = gl.program_id(0)
+        if LONGEST_FIRST:   # an anti-causal band: the last key tiles see the most queries
+            pid = gl.num_programs(0) - 1 - pid
+        pid_bh = gl.program_id(1)
+        b = pid_bh // num_heads_q
+        h = pid_bh % num_heads_q
+        h_kv = h // gqa_ratio
+        sq = seqlen_q
+        sk = seqlen_k
+        n0 = pid * BLOCK_N
+        if BOTTOM_RIGHT:
+            off = sk - sq
+        else:
+            off = sk * 0
+        lo, full_lo, full_hi, hi = _query_phases(n0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
+
+        b64 = b.to(gl.int64)
+        h64 = h.to(gl.int64)
+        hkv64 = h_kv.to(gl.int64)
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h64 * stride_qh, [sq, HEAD_D],
+                                            [stride_qs, 1], [BLOCK_M, HEAD_D], smem_layout)
+        do_desc = tma.make_tensor_descriptor(DO + b64 * stride_dob + h64 * stride_doh, [sq, HEAD_D],
+                                             [stride_dos, 1], [BLOCK_M, HEAD_D], smem_layout)
+        k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + hkv64 * stride_kh, [sk, HEAD_D],
+                                            [stride_ks, 1], [_WG_M, HEAD_D], smem_layout)
+        v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + hkv64 * stride_vh, [sk, HEAD_D],
+                                            [stride_vs, 1], [_WG_M, HEAD_D], smem_layout)
+        dk_off = b64 * stride_dkb + h64 * stride_dkh
+        dv_off = b64 * stride_dvb + h64 * stride_dvh
+        row_off = b64 * stride_lb + h64 * stride_lh
+
+        dtype: gl.constexpr = Q.dtype.element_ty
+        k_smem = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], smem_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], smem_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], smem_layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        for j in gl.static_range(2):
+            mbarrier.init(kv_bar.index(j), count=1)
+        for j in gl.static_range(STAGES):
+            mbarrier.init(ready.index(j), count=1)
+            mbarrier.init(empty.index(j), count=2)   # one arrival per consumer warpgroup
+        fence_async_shared()   # the inits (generic proxy) before the TMA engine (async proxy) signals them
+        ring = (q_smem, do_smem, ready, empty)
+        stream = (q_desc, do_desc, q_smem, do_smem, ready, empty)
+        gl.warp_specialize([
+            (_dkdv_consumer, (0, k_smem, v_smem, kv_bar, ring, DK, DV, dk_off, dv_off, stride_dks, stride_dvs,
+                              ROWMAX, DELTA, row_off, n0, sq, sk, off, lo, full_lo, full_hi, hi,
+                              window_left, window_right, qk_scale2, scale, BLOCK_M, HEAD_D, STAGES)),
+            (_dkdv_consumer, (1, k_smem, v_smem, kv_bar, ring, DK, DV, dk_off, dv_off, stride_dks, stride_dvs,
+                              ROWMAX, DELTA, row_off, n0, sq, sk, off, lo, full_lo, full_hi, hi,
+                              window_left, window_right, qk_scale2, scale, BLOCK_M, HEAD_D, STAGES)),
+            (_resident_producer, (k_desc, v_desc, k_smem, v_smem, kv_bar, n0, stream, lo, hi,
+                                  BLOCK_M, HEAD_D, STAGES)),
+        ], [4, 1], [240, 24])
+
+    # --- dQ ----------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _dq_tile(dq, q, do, k, v, m2, delta, rows, cols, sk, off, window_left, window_right, qk_scale2,
+                 s_layout: gl.constexpr, op_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr):
+        """One (64 rows, BLOCK_N keys) tile of a dQ warpgroup: S = Q Kᵀ and dP = dO Vᵀ issued
+        together, P = exp2(S·scale·log2e − m), dS = P ∘ (dP − delta), dQ += dS K."""
+        zero = gl.zeros([_WG_M, BLOCK_N], gl.float32, s_layout)
+        s = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        if MASKED:
+            s = _masked(s, rows, cols, sk, off, window_left, window_right)
+        p = gl.exp2(s * qk_scale2 - m2[:, None])
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(q.dtype), op_layout)
+        dq = warpgroup_mma(ds_op, k, dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
+        return dq
+
+    @gluon.jit
+    def _dq_band(dq, i, start, stop, q, do, ring, m2, delta, rows, cols0, sk, off, window_left, window_right,
+                 qk_scale2, s_layout: gl.constexpr, op_layout: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
+        """Key tiles [start, stop) of one phase (``ring`` = (K tiles, V tiles, ready, empty))."""
+        k_smem, v_smem, ready, empty = ring
+        for n in range(start, stop, BLOCK_N):
+            st = i % STAGES
+            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+            dq = _dq_tile(dq, q, do, k_smem.index(st), v_smem.index(st), m2, delta, rows, n + cols0, sk, off,
+                          window_left, window_right, qk_scale2, s_layout, op_layout, BLOCK_N, MASKED)
+            mbarrier.arrive(empty.index(st), count=1)
+            i += 1
+        return dq, i
+
+    @gluon.jit
+    def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, qd_bar, ring, DQ, dq_off, stride_dqs,
+                     ROWMAX, DELTA, row_off, m0, sq, sk, off, lo, full_lo, full_hi, hi,
+                     window_left, window_right, qk_scale2, scale,
+                     BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        """One consumer warpgroup of the dQ kernel: the 64 query rows ``m0 + WG·64 …``; writes
+        their dQ (scaled once; zeros for rows with no visible key)."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_D, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        row0 = m0 + WG * _WG_M
+        rows = row0 + gl.arange(0, _WG_M, layout=gl.SliceLayout(1, s_layout))
+        cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        in_rows = rows < sq
+        m2 = gl.load(ROWMAX + row_off + rows, mask=in_rows, other=float("inf"))
+        delta = gl.load(DELTA + row_off + rows, mask=in_rows, other=0.0)
+        dq = gl.zeros([_WG_M, HEAD_D], gl.float32, acc_layout)
+        q = q_smem.index(WG)
+        do = do_smem.index(WG)
+        mbarrier.wait(qd_bar.index(WG), 0)
+        i = lo * 0
+        for phase in gl.static_range(3):
+            start, stop = _phase_bounds(phase, lo, full_lo, full_hi, hi)
+            dq, i = _dq_band(dq, i, start, stop, q, do, ring, m2, delta, rows, cols0, sk, off, window_left,
+                             window_right, qk_scale2, s_layout, op_layout, BLOCK_N, STAGES, phase != 1)
+        _store_rows(DQ, dq_off, stride_dqs, dq * scale, row0, sq, acc_layout, _WG_M, HEAD_D)
+
+    @gluon.jit(do_not_specialize=("seqlen_q", "seqlen_k", "stride_lb", "stride_lh"))
+    def attn_bwd_dq_gluon(Q, K, V, DO, DQ, ROWMAX, DELTA,
+                          stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                          stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                          stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
+                          num_heads_q, gqa_ratio, seqlen_q, seqlen_k, qk_scale2, scale, window_left, window_right,
+                          HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                          BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+        """dQ of 128 query rows of one (batch, head): grid (cdiv(Sq, 128), B·Hq), 4 warps
+        (consumer 0) + a 4-warp consumer + a 1-warp producer."""
+        BLOCK_M: gl.constexpr = 2 * _WG_M
+        pid = gl.program_id(0)
+        if LONGEST_FIRST:   # causal: the last query tiles see the most keys, start them first
+            pid = gl.num_programs(0) - 1 - pid
+        pid_bh = gl.program_id(1)
+        b = pid_bh // num_heads_q
+        h = pid_bh % num_heads_q
+        h_kv = h // gqa_ratio
+        sq = seqlen_q
+        sk = seqlen_k
+        m0 = pid * BLOCK_M
+        if BOTTOM_RIGHT:
+            off = sk - sq
+        else:
+            off = sk * 0
+        lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
+
+        b64 = b.to(gl.int64)
+        h64 = h.to(gl.int64)
+        hkv64 = h_kv.to(gl.int64)
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h64 * stride_qh, [sq, HEAD_D],
+                                            [stride_qs, 1], [_WG_M, HEAD_D], smem_layout)
+        do_desc = tma.make_tensor_descriptor(DO + b64 * stride_dob + h64 * stride_doh, [sq, HEAD_D],
+                                             [stride_dos, 1], [_WG_M, HEAD_D], smem_layout)
+        k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + hkv64 * stride_kh, [sk, HEAD_D],
+                                            [stride_ks, 1], [BLOCK_N, HEAD_D], smem_layout)
+        v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + hkv64 * stride_vh, [sk, HEAD_D],
+                                            [stride_vs, 1], [BLOCK_N, HEAD_D], smem_layout)
+        dq_off = b64 * stride_dqb + h64 * stride_dqh
+        row_off = b64 * stride_lb + h64 * stride_lh
+
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_smem = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], smem_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], smem_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        qd_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        for j in gl.static_range(2):
+            mbarrier.init(qd_bar.index(j), count=1)
+        for j in gl.static_range(STAGES):
+            mbarrier.init(ready.index(j), count=1)
+            mbarrier.init(empty.index(j), count=2)
+        fence_async_shared()
+        ring = (k_smem, v_smem, ready, empty)
+        stream = (k_desc, v_desc, k_smem, v_smem, ready, empty)
+        gl.warp_specialize([
+            (_dq_consumer, (0, q_smem, do_smem, qd_bar, ring, DQ, dq_off, stride_dqs, ROWMAX, DELTA, row_off,
+                            m0, sq, sk, off, lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2, scale,
+                            BLOCK_N, HEAD_D, STAGES)),
+            (_dq_consumer, (1, q_smem, do_smem, qd_bar, ring, DQ, dq_off, stride_dqs, ROWMAX, DELTA, row_off,
+                            m0, sq, sk, off, lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2, scale,
+                            BLOCK_N, HEAD_D, STAGES)),
+            (_resident_producer, (q_desc, do_desc, q_smem, do_smem, qd_bar, m0, stream, lo, hi,
+                                  BLOCK_N, HEAD_D, STAGES)),
+        ], [4, 1], [240, 24])
+
+
+# ----- cross-compilation (no GPU needed) ----------------------------------------------------
+
+#: launch options: 4 warps run the default partition (consumer 0); the workers add 5 warps
+LAUNCH_OPTIONS = dict(num_warps=4, num_stages=1)
+#: the two kernels, by the names :func:`compile_for` and the check tool use
+KERNELS = ("dkdv", "dq")
+
+
+def launch_constexprs(kernel: str, head_dim: int, bottom_right: bool = True, longest_first: bool = False) -> dict:
+    """The constexprs of one launch of ``kernel`` (``"dkdv"`` or ``"dq"``)."""
+    block, stages = tile_config(head_dim)[kernel]
+    tile = "BLOCK_M" if kernel == "dkdv" else "BLOCK_N"
+    return {"HEAD_D": head_dim, tile: block, "STAGES": stages, "BOTTOM_RIGHT": bottom_right,
+            "LONGEST_FIRST": longest_first}
+
+
+def _kernel(kernel: str):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
+    return attn_bwd_dkdv_gluon if kernel == "dkdv" else attn_bwd_dq_gluon
+
+
+def compile_for(kernel: str = "dkdv", head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
+                causal: bool = False, gqa: bool = False, arch: int = 90):
+    """``triton.compile`` of one kernel for ``GPUTarget("cuda", arch, 32)`` without a GPU (``gqa``:
+    the dK/dV kernel writing the float32 per-query-head buffer); returns the compiled kernel
+    (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
+    if GLUON_ERROR:
+        raise RuntimeError(GLUON_ERROR)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype={dtype}: only float16 and bfloat16")
+    ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    fn = _kernel(kernel)
+    consts = launch_constexprs(kernel, head_dim, longest_first=causal and kernel == "dq")
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ("Q", "K", "V", "DO", "DQ"):
+            sig[name] = ptr
+        elif name in ("DK", "DV"):
+            sig[name] = "*fp32" if gqa else ptr
+        elif name in ("ROWMAX", "DELTA"):
+            sig[name] = "*fp32"
+        elif name in ("qk_scale2", "scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    src = GluonASTSource(fn, sig, consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(LAUNCH_OPTIONS))
+
+
+def compile_report(kernel: str = "dkdv", head_dim: int = 128, causal: bool = False,
+                   dtype: torch.dtype = torch.bfloat16, gqa: bool = False) -> dict:
+    """Cross-compile one variant for sm_90 and describe it: shared bytes, warps, PTX counts of
+    ``wgmma.mma_async`` / ``cp.async.bulk.tensor`` (TMA) / ``setmaxnreg`` values, and the SASS
+    facts of :func:`gluon_fwd._cubin_facts` (registers, stack, HGMMA, UTMALDG, LDL/STL)."""
+    import re
+    import time
+    start = time.perf_counter()
+    c = compile_for(kernel, head_dim, dtype, causal, gqa)
+    ptx = c.asm["ptx"]
+    row = dict(kernel=kernel, head_dim=head_dim, causal=causal, gqa=gqa, dtype=str(dtype).replace("torch.", ""),
+               shared=int(c.metadata.shared), num_warps=int(c.metadata.num_warps),
+               wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor"),
+               setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}))
+    row.update(_cubin_facts(c.asm["cubin"]))
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def main(argv=None) -> int:
+    """``python -m portattn.backends.triton.gluon_bwd [--json]``: cross-compile both kernels at
+    every head dim for sm_90 and print what each compiled to (exit 1 on a compile error)."""
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--json", action="store_true", help="one JSON list instead of the table")
+    ap.add_argument("--dims", default=",".join(map(str, HEAD_DIMS)))
+    ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--causal", choices=("on", "off", "both"), default="off")
+    ap.add_argument("--gqa", action="store_true", help="also the dK/dV kernel's float32 (GQA) output")
+    args = ap.parse_args(argv)
+    if GLUON_ERROR:
+        print(GLUON_ERROR)
+        return 1
+    rows, failed = [], False
+    causals = {"on": (True,), "off": (False,), "both": (False, True)}[args.causal]
+    for d in (int(x) for x in args.dims.split(",")):
+        for kernel in args.kernels.split(","):
+            for causal in causals:
+                for gqa in ((False, True) if args.gqa and kernel == "dkdv" else (False,)):
+                    try:
+                        rows.append(compile_report(kernel, d, causal, gqa=gqa))
+                    except Exception as exc:   # a compile error is a failed row, reported with its message
+                        failed = True
+                        rows.append(dict(kernel=kernel, head_dim=d, causal=causal, gqa=gqa,
+                                         error=f"{type(exc).__name__}: {exc}"[-1500:]))
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        for r in rows:
+            print(" ".join(f"{k}={v}" for k, v in r.items()))
+    return 1 if failed else 0
+
+
+# ----- host side ----------------------------------------------------------------------------
+
+def gluon_bwd_reasons(spec, has_residual: bool = True) -> list[str]:
+    """Why :func:`gluon_backward` cannot run ``spec``'s backward (empty when it can), one
+    sentence each. ``has_residual``: the forward kept O's rounding residual (ops.forward_for_backward
+    does for 16-bit inputs; without it the portable backward recomputes exact row statistics)."""
+    reasons = []
+    if GLUON_ERROR:
+        reasons.append(GLUON_ERROR)
+    dev = spec.q.device
+    if dev.type != "cuda" or getattr(torch.version, "hip", None):
+        reasons.append(f"needs an NVIDIA CUDA device (sm_90), got {dev.type}"
+                       + (" (ROCm)" if dev.type == "cuda" else ""))
+    elif torch.cuda.get_device_capability(dev) != (9, 0):
+        major, minor = torch.cuda.get_device_capability(dev)
+        reasons.append(f"written for Hopper sm_90 (wgmma, TMA, setmaxnreg), got sm_{major}{minor}")
+    if spec.q.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"dtype {spec.q.dtype}: only float16 and bfloat16")
+    elif not has_residual:
+        reasons.append("no rounding residual of O from the forward (the Gluon backward takes delta from it)")
+    if spec.head_dim != spec.head_dim_v or spec.head_dim not in HEAD_DIMS:
+        reasons.append(f"head dims D={spec.head_dim}, Dv={spec.head_dim_v}: needs D == Dv in {HEAD_DIMS}")
+    for name, present in (("varlen (cu_seqlens)", spec.is_varlen), ("softcap", spec.softcap is not None),
+                          ("ALiBi", spec.alibi_slopes is not None), ("attn_bias / mask", spec.attn_bias is not None)):
+        if present:
+            reasons.append(f"{name} is not implemented in the Gluon backward")
+    if spec.batch * spec.num_heads_q > 65535:
+        reasons.append(f"batch × heads = {spec.batch * spec.num_heads_q} > 65535 (the grid's second dimension)")
+    if not spec.is_varlen and dev.type == "cuda":
+        bad = [n for n, t in (("q", spec.q), ("k", spec.k), ("v", spec.v)) if not _tma_aligned(t)]
+        if bad:
+            reasons.append(f"{', '.join(bad)} not TMA-compatible (16-byte aligned base and strides, unit last stride)")
+    return reasons
+
+
+def backward_choice(spec, has_residual: bool = True) -> str:
+    """``"gluon"`` or ``"triton"`` (today's portable / atomic backward) by
+    ``PORTATTN_TRITON_BACKWARD``: ``gluon`` where :func:`gluon_bwd_reasons` is empty; ``auto``
+    (the default, until the H200 has checked and timed the Gluon kernels) and ``portable`` never.
+    An unknown value raises ``ValueError``."""
+    from portattn import config
+    if config.triton_backward() != "gluon":
+        return "triton"
+    return "gluon" if not gluon_bwd_reasons(spec, has_residual) else "triton"
+
+
+def _windows(spec) -> tuple[int, int]:
+    left = _UNBOUNDED if spec.window_left is None else spec.window_left
+    right = 0 if spec.causal else (_UNBOUNDED if spec.window_right is None else spec.window_right)
+    return left, right
+
+
+def _check_stats(name: str, t: torch.Tensor, spec) -> None:
+    shape = tuple(spec.lse_shape)
+    if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != spec.q.device or t.stride(-1) != 1:
+        raise ValueError(f"{name} must be float32 of shape {shape} on {spec.q.device} with unit last stride; "
+                         f"got {t.dtype} {tuple(t.shape)} on {t.device}, strides {t.stride()}")
+
+
+def gluon_backward(spec, dout: torch.Tensor, rowmax: torch.Tensor, delta: torch.Tensor,
+                   dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Write dq ``(B, Sq, Hq, D)``, dk and dv ``(B, Sk, Hkv, D)`` (views with a unit last stride,
+    written through their strides; q's dtype) of ``spec`` by the two Gluon kernels, from
+    ``dout`` (O's shape) and the prep kernel's ``rowmax`` (= lse·log2(e), +inf for a row with
+    no visible key) and ``delta`` (= rowsum(dO ∘ O) − dlse), both float32 ``spec.lse_shape``.
+    Deterministic: every output element is written by one program; with GQA the per-query-head
+    float32 dK/dV shares are summed by one torch reduction. Raises ValueError with
+    :func:`gluon_bwd_reasons` when the kernels cannot run the problem."""
+    reasons = gluon_bwd_reasons(spec)
+    if reasons:
+        raise ValueError("the Gluon backward cannot run this problem: " + "; ".join(reasons))
+    for name, t in (("rowmax", rowmax), ("delta", delta)):
+        _check_stats(name, t, spec)
+    for name, g, ref in (("dq", dq, spec.q), ("dk", dk, spec.k), ("dv", dv, spec.v)):
+        if tuple(g.shape) != tuple(ref.shape) or g.dtype != ref.dtype or g.stride(-1) != 1:
+            raise ValueError(f"{name} must be {ref.dtype} of shape {tuple(ref.shape)} with unit last stride; "
+                             f"got {g.dtype} {tuple(g.shape)} strides {g.stride()}")
+    if tuple(dout.shape) != tuple(spec.out_shape):
+        raise ValueError(f"dout must have the output's shape {tuple(spec.out_shape)}, got {tuple(dout.shape)}")
+    if spec.is_empty:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    dout = dout.to(spec.dtype)
+    if not _tma_aligned(dout):
+        dout = dout.contiguous()
+    from . import gluon_fwd
+    gluon_fwd._ensure_allocator()
+    q, k, v = spec.q, spec.k, spec.v
+    hq, hkv = spec.num_heads_q, spec.num_heads_kv
+    gqa = hq // hkv
+    left, right = _windows(spec)
+    bottom_right = spec.alignment == "bottom_right"
+    causal_like = right != _UNBOUNDED and left == _UNBOUNDED
+    anticausal_like = left != _UNBOUNDED and right == _UNBOUNDED
+    qk_scale2 = float(spec.scale) * 1.4426950408889634
+    common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+    ints = (hq, gqa, spec.seqlen_q, spec.seqlen_k, qk_scale2, float(spec.scale), left, right)
+    lse_strides = rowmax.stride()[:2]
+    if delta.stride()[:2] != lse_strides:
+        delta = delta.contiguous()
+        rowmax = rowmax.contiguous()
+        lse_strides = rowmax.stride()[:2]
+    if gqa == 1:
+        dk_out, dv_out = dk, dv
+    else:   # each query head's share in float32, summed over the group below (a fixed order)
+        shape = (spec.batch, spec.seqlen_k, hq, spec.head_dim)
+        dk_out = torch.empty(shape, dtype=torch.float32, device=q.device)
+        dv_out = torch.empty(shape, dtype=torch.float32, device=q.device)
+    grid_kv = (-(-spec.seqlen_k // BLOCK), spec.batch * hq)
+    attn_bwd_dkdv_gluon[grid_kv](q, k, v, dout, dk_out, dv_out, rowmax, delta, *common,
+                                 *dk_out.stride()[:3], *dv_out.stride()[:3], *lse_strides, *ints,
+                                 **launch_constexprs("dkdv", spec.head_dim, bottom_right, anticausal_like),
+                                 **LAUNCH_OPTIONS)
+    grid_q = (-(-spec.seqlen_q // BLOCK), spec.batch * hq)
+    attn_bwd_dq_gluon[grid_q](q, k, v, dout, dq, rowmax, delta, *common, *dq.stride()[:3], *lse_strides, *ints,
+                              **launch_constexprs("dq", spec.head_dim, bottom_right, causal_like), **LAUNCH_OPTIONS)
+    if gqa > 1:
+        b, sk, d = spec.batch, spec.seqlen_k, spec.head_dim
+        dk.copy_(dk_out.view(b, sk, hkv, gqa, d).sum(3))
+        dv.copy_(dv_out.view(b, sk, hkv, gqa, d).sum(3))
+    return dq, dk, dv
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
