@@ -125,7 +125,9 @@ def ptx_for(names: list[str], arch: int = 90) -> str:
         return buf.decode(errors="replace").rstrip("\x00")
 
 
-_FUNC_RE = re.compile(r"Compiling entry function '([^']+)'")
+# a kernel's lines start at "Compiling entry function '<name>'" or at "Function properties for <name>"
+# (keyed on both, so that a log whose blocks come in another order still names each kernel's lines)
+_FUNC_RE = re.compile(r"Compiling entry function '([^']+)'|Function properties for (\S+)")
 _PROPS_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED_RE = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 
@@ -137,7 +139,7 @@ def parse_ptxas_log(log: str, lowered: dict[str, str], arch: int) -> list[Kernel
     for line in log.splitlines():
         m = _FUNC_RE.search(line)
         if m:
-            current = by_mangled.get(m.group(1))
+            current = by_mangled.get(m.group(1) or m.group(2))
             continue
         if current is None:
             continue
