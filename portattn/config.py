@@ -185,15 +185,16 @@ TRITON_BACKWARD_MODES = ("auto", "gluon", "portable")
 def _parse_triton_backward(name: str, text: str) -> str:
     mode = text.strip().lower() or "auto"
     if mode not in TRITON_BACKWARD_MODES:
-        raise ValueError(f"{name}={text!r}: expected 'auto' (today's portable backward, the default), "
-                         f"'gluon' (the Gluon Hopper backward wherever it can run) or 'portable'")
+        raise ValueError(f"{name}={text!r}: expected 'auto' (the default: the Gluon Hopper backward where the "
+                         f"H200 timed it faster, else the portable one), 'gluon' (the Gluon backward wherever "
+                         f"it can run) or 'portable'")
     return mode
 
 
 def triton_backward() -> str:
     """``PORTATTN_TRITON_BACKWARD`` (default ``"auto"``): which kernels triton's 16-bit backward
-    runs (``backends/triton/gluon_bwd.backward_choice``); ``auto`` is the portable backward
-    until the Gluon one has been checked and timed on the H200."""
+    runs (``backends/triton/gluon_bwd.backward_choice``); ``auto`` takes the Gluon Hopper
+    backward where ``gluon_bwd.AUTO_MIN_SEQLEN`` says the H200 timed it faster."""
     return _parsed("PORTATTN_TRITON_BACKWARD", _parse_triton_backward, "auto")
 
 

@@ -55,11 +55,12 @@ def _choose(mode, dt, d, dv, extras=False, cap=(9, 0), smem=None):
 def test_backward_choice(mode):
     fam = lambda *a, **kw: _choose(mode, *a, **kw)[0].family  # noqa: E731
     wg = "bwd_wgmma" if mode == "wgmma" else ("bwd" if mode == "fma" else "bwd_mma")
-    assert fam("bfloat16", 128, 128) == wg
+    wg128 = "bwd_wgmma" if mode == "auto" else wg   # auto: the wgmma backward at padded HD 128 only
+    assert fam("bfloat16", 128, 128) == wg128
     assert fam("float16", 64, 64) == wg
     assert fam("float16", 40, 40) == wg            # padded to 64
-    assert fam("bfloat16", 100, 128) == wg         # padded to 128
-    assert fam("bfloat16", 64, 128) == wg          # Dv != D: padded to max(D, Dv) = 128
+    assert fam("bfloat16", 100, 128) == wg128      # padded to 128
+    assert fam("bfloat16", 64, 128) == wg128       # Dv != D: padded to max(D, Dv) = 128
     other = "bwd" if mode == "fma" else "bwd_mma"
     assert fam("bfloat16", 96, 96) == other        # no HD-96 instantiation
     assert fam("bfloat16", 32, 32) == other
@@ -73,6 +74,9 @@ def test_backward_choice(mode):
     assert fam("bfloat16", 64, 64, smem=120 * 1024) == wg
     cfg, why = _choose(mode, "bfloat16", 128, 128)
     assert configs.BACKWARD_ENV in why and mode in why
+    if mode == "auto":
+        assert cfg == configs.KernelConfig("bwd_wgmma", "bfloat16", 128) and "sm_90a" in why
+        assert "auto takes it at 128" in _choose(mode, "float16", 64, 64)[1]
     if mode == "wgmma":
         assert cfg == configs.KernelConfig("bwd_wgmma", "bfloat16", 128) and "sm_90a" in why
         assert "softcap" in _choose(mode, "bfloat16", 128, 128, extras=True)[1]
@@ -90,7 +94,12 @@ def test_backward_choice_reads_the_env(monkeypatch):
     assert cfg.family == "bwd_wgmma"
     monkeypatch.delenv(configs.BACKWARD_ENV)
     cfg, why = configs.backward_choice("float16", 128, 128, extras=False, capability=(9, 0))
+    assert cfg.family == "bwd_wgmma" and "auto" in why
+    cfg, why = configs.backward_choice("float16", 64, 64, extras=False, capability=(9, 0))
     assert cfg.family == "bwd_mma" and "auto" in why
+    monkeypatch.setenv(configs.BACKWARD_ENV, "mma128")
+    cfg, why = configs.backward_choice("float16", 128, 128, extras=False, capability=(9, 0))
+    assert cfg.family == "bwd_mma" and "mma128" in why
 
 
 def test_wgmma_backward_config_geometry():
@@ -121,8 +130,10 @@ def test_kernel_families_name_the_wgmma_backward(monkeypatch):
     assert fam.startswith("bwd_mma") and "needs 9.0" in fam
     fam = kernel_families(build_spec(q, q, q, softcap=5.0), capability=(9, 0))["backward"]
     assert fam.startswith("bwd_mma") and "softcap" in fam
-    monkeypatch.delenv(configs.BACKWARD_ENV)
-    assert kernel_families(spec, capability=(9, 0))["backward"].startswith("bwd_mma")
+    monkeypatch.delenv(configs.BACKWARD_ENV)   # auto: the wgmma backward at padded HD 128, not at 64
+    assert kernel_families(spec, capability=(9, 0))["backward"].startswith("bwd_wgmma (Hopper")
+    q64 = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    assert kernel_families(build_spec(q64, q64, q64), capability=(9, 0))["backward"].startswith("bwd_mma")
 
 
 @pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window": (4, 2)}])

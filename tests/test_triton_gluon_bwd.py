@@ -89,20 +89,41 @@ def test_switch_defaults_to_todays_backward_and_falls_back(monkeypatch):
         gluon_bwd.backward_choice(spec)
 
 
-@pytest.mark.parametrize("value, expect", [(None, "triton"), ("", "triton"), ("auto", "triton"),
+@pytest.mark.parametrize("value, expect", [(None, "gluon"), ("", "gluon"), ("auto", "gluon"),
                                            ("gluon", "gluon"), ("GLUON", "gluon"), ("portable", "triton")])
 def test_switch_takes_gluon_only_when_asked(monkeypatch, value, expect):
-    """With the reasons empty (replaced: a CPU has no sm_90) only ``gluon`` takes the Gluon
-    backward; ``auto`` stays today's path until the H200 has checked and timed it."""
+    """With the reasons empty (replaced: a CPU has no sm_90) ``gluon`` and ``auto`` (here a shape
+    its rule takes: D 128, S 2k) take the Gluon backward, ``portable`` never."""
     monkeypatch.setattr(gluon_bwd, "gluon_bwd_reasons", lambda spec, has_residual=True: [])
     if value is None:
         monkeypatch.delenv(gluon_bwd.ENV_SWITCH, raising=False)
     else:
         monkeypatch.setenv(gluon_bwd.ENV_SWITCH, value)
-    x = torch.empty(1, 256, 2, 128, dtype=torch.bfloat16, device="meta")
+    x = torch.empty(1, 2048, 2, 128, dtype=torch.bfloat16, device="meta")
     assert gluon_bwd.backward_choice(build_spec(x, x, x, causal=True)) == expect
     monkeypatch.setattr(gluon_bwd, "gluon_bwd_reasons", lambda spec, has_residual=True: ["no sm_90"])
     assert gluon_bwd.backward_choice(build_spec(x, x, x)) == "triton"
+
+
+@pytest.mark.parametrize("sq, sk, d, hkv, auto", [
+    (1024, 1024, 128, 4, "gluon"), (16384, 16384, 128, 4, "gluon"),   # D 128 from S 1k
+    (512, 512, 128, 4, "triton"), (1024, 512, 128, 4, "triton"),      # shorter: untimed
+    (4096, 4096, 64, 4, "gluon"), (2048, 2048, 64, 4, "triton"),      # D 64 from S 4k (0.83-0.89 x at 1k)
+    (4096, 4096, 128, 2, "triton"),                                   # GQA: untimed
+])
+def test_auto_takes_gluon_where_the_h200_timed_it_faster(monkeypatch, sq, sk, d, hkv, auto):
+    """``auto`` (the default) follows AUTO_MIN_SEQLEN wherever gluon_bwd_reasons is empty (here
+    replaced: a CPU has no sm_90); ``gluon`` takes it wherever it can run; ``portable`` never."""
+    monkeypatch.setattr(gluon_bwd, "gluon_bwd_reasons", lambda spec, has_residual=True: [])
+    q = torch.empty(1, sq, 4, d, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(1, sk, hkv, d, dtype=torch.bfloat16, device="meta")
+    spec = build_spec(q, kv, kv, causal=True)
+    monkeypatch.delenv(gluon_bwd.ENV_SWITCH, raising=False)
+    assert gluon_bwd.backward_choice(spec) == auto and gluon_bwd.auto_takes(spec) == (auto == "gluon")
+    monkeypatch.setenv(gluon_bwd.ENV_SWITCH, "gluon")
+    assert gluon_bwd.backward_choice(spec) == "gluon"
+    monkeypatch.setenv(gluon_bwd.ENV_SWITCH, "portable")
+    assert gluon_bwd.backward_choice(spec) == "triton"
 
 
 _OPS_SWITCH = """

@@ -58,6 +58,11 @@ FORWARD_ENV = "PORTATTN_CUPY_FORWARD"
 #: dK and dV accumulators of 64 keys x HD columns, HD floats per thread (256 > the 255 registers of
 #: a thread), so HD 256 (and every other bucket) stays on the mma.sync backward.
 WGMMA_BWD_HEAD_DIMS = (64, 128)
+#: Padded head dims at which ``auto`` takes the wgmma backward (compute capability 9.0): the H200
+#: (2026-12-03, bf16, 16k tokens, hidden 2048; benchmarks/results/cupy-wgmma-bwd-check-h200.*)
+#: timed it at 1.12-1.35 x the mma.sync backward at 128 and 0.93-1.03 x at 64, after its GPU tests
+#: and its 16 float64 checks passed.
+WGMMA_BWD_AUTO_HEAD_DIMS = (128,)
 FORWARD_MODES = ("auto", "mma", "wgmma", "wgmma_ws")
 
 # Tile sizes of the backward and of the float32 forward (must match attn_bwd.cu / attn_fwd.cu).
@@ -462,8 +467,9 @@ def backward_choice(dtype: str, head_dim: int, head_dim_v: int, *, extras: bool,
     """(backward module, why) for a problem: with ``mode`` (default: :data:`BACKWARD_ENV`)
     ``wgmma`` the sm_90a wgmma backward when the problem is one it runs (``capability`` (9, 0),
     fp16/bf16, padded head dim in :data:`WGMMA_BWD_HEAD_DIMS`, ``extras`` False: no softcap, ALiBi or bias,
-    and its shared memory within ``smem_limit``), else :func:`backward_config`'s module (the
-    mma.sync backward; ``wgmma`` otherwise behaves as ``auto``); ``why`` says which and why."""
+    and its shared memory within ``smem_limit``), with ``auto`` (the default) the same where the
+    padded head dim is also in :data:`WGMMA_BWD_AUTO_HEAD_DIMS`, else :func:`backward_config`'s
+    module (the mma.sync backward); ``why`` says which and why."""
     mode = backward_mode() if mode is None else mode
     base = backward_config(dtype, head_dim, head_dim_v, smem_limit=smem_limit,
                            mode="auto" if mode == "wgmma" else mode)
@@ -474,7 +480,7 @@ def backward_choice(dtype: str, head_dim: int, head_dim_v: int, *, extras: bool,
     if base.family != "bwd_mma":
         return base, (f"{BACKWARD_ENV}={mode}: the FMA backward" if mode != "wgmma" else
                       f"the tensor-core modules need more shared memory than {smem_limit} bytes: the FMA backward")
-    if mode != "wgmma":
+    if mode not in ("auto", "wgmma"):
         return base, f"{BACKWARD_ENV}={mode}: the mma.sync backward"
     wg = wgmma_backward_config(dtype, head_dim, head_dim_v)
     if capability is None or tuple(capability) != (9, 0):
@@ -486,9 +492,12 @@ def backward_choice(dtype: str, head_dim: int, head_dim_v: int, *, extras: bool,
                f"its dK/dV accumulators need HD floats per thread)")
     elif smem_limit is not None and wg.max_smem_bytes() > smem_limit:
         why = f"it needs {wg.max_smem_bytes()} bytes of shared memory per block, the device allows {smem_limit}"
+    elif mode == "auto" and wg.head_dim not in WGMMA_BWD_AUTO_HEAD_DIMS:
+        why = (f"padded head dim {wg.head_dim} (auto takes it at {', '.join(map(str, WGMMA_BWD_AUTO_HEAD_DIMS))}, "
+               f"where the H200 timed it faster; {BACKWARD_ENV}=wgmma forces it)")
     else:
-        return wg, f"{BACKWARD_ENV}=wgmma: the sm_90a wgmma backward"
-    return base, f"{BACKWARD_ENV}=wgmma but {why}: the mma.sync backward"
+        return wg, f"{BACKWARD_ENV}={mode}: the sm_90a wgmma backward"
+    return base, f"{BACKWARD_ENV}={mode} but {why}: the mma.sync backward"
 
 
 def backward_config(dtype: str, head_dim: int, head_dim_v: int, smem_limit: int | None = None,

@@ -589,13 +589,31 @@ def gluon_bwd_reasons(spec, has_residual: bool = True) -> list[str]:
     return reasons
 
 
+#: where ``auto`` (the default) takes the Gluon backward: head dim -> the fewest query rows and
+#: keys. The H200 (2026-12-03, bf16, 16k tokens, hidden 2048, no GQA; benchmarks/results/
+#: triton-gluon-bwd-check-h200.*) timed it at D 128 1.04-1.39 x the deterministic portable
+#: backward and 1.12-1.34 x the atomic one from S 1k; at D 64 1.10-1.22 x from S 4k but 0.83-0.89 x
+#: at S 1k. GQA (each query head's float32 dK/dV share, summed by torch) and D 256 are untimed.
+AUTO_MIN_SEQLEN = {128: 1024, 64: 4096}
+
+
+def auto_takes(spec) -> bool:
+    """Whether ``auto`` would take the Gluon backward for ``spec``'s shape (before
+    :func:`gluon_bwd_reasons`): a head dim of :data:`AUTO_MIN_SEQLEN`, at least that many query
+    rows and keys, and no GQA."""
+    need = AUTO_MIN_SEQLEN.get(spec.head_dim)
+    return (need is not None and spec.head_dim_v == spec.head_dim and spec.num_heads_q == spec.num_heads_kv
+            and min(spec.seqlen_q, spec.seqlen_k) >= need)
+
+
 def backward_choice(spec, has_residual: bool = True) -> str:
-    """``"gluon"`` or ``"triton"`` (today's portable / atomic backward) by
+    """``"gluon"`` or ``"triton"`` (the portable / atomic backward) by
     ``PORTATTN_TRITON_BACKWARD``: ``gluon`` where :func:`gluon_bwd_reasons` is empty; ``auto``
-    (the default, until the H200 has checked and timed the Gluon kernels) and ``portable`` never.
-    An unknown value raises ``ValueError``."""
+    (the default) also only where :func:`auto_takes`; ``portable`` never. An unknown value raises
+    ``ValueError``. The Gluon backward is deterministic, so it serves determinism requests too."""
     from portattn import config
-    if config.triton_backward() != "gluon":
+    mode = config.triton_backward()
+    if mode == "portable" or (mode == "auto" and not auto_takes(spec)):
         return "triton"
     return "gluon" if not gluon_bwd_reasons(spec, has_residual) else "triton"
 

@@ -452,7 +452,7 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
     sizes = (spec.seqlen_q, spec.seqlen_k, *_packed_totals(spec))
     scalars = (spec.scale, *_scalars(spec.scale, spec.softcap, spec.window_left, spec.window_right))
     # PORTATTN_TRITON_BACKWARD (an unknown value raises here, on any device): gluon_bwd.backward_choice
-    gluon = config.triton_backward() == "gluon" and spec.q.is_cuda and _gluon_backward(spec, not exact)
+    gluon = config.triton_backward() != "portable" and spec.q.is_cuda and _gluon_backward(spec, not exact)
     if not exact:
         # 0. row statistics from lse, delta = rowsum(dO ∘ O) - dlse
         (ores,) = residuals
@@ -508,8 +508,8 @@ def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dls
 
 
 def _gluon_backward(spec, has_residual: bool):
-    """The :mod:`gluon_bwd` module when ``PORTATTN_TRITON_BACKWARD=gluon`` picks it for ``spec``
-    (its reasons empty), else None."""
+    """The :mod:`gluon_bwd` module when ``PORTATTN_TRITON_BACKWARD`` (``auto`` by its rule, or
+    ``gluon``) picks it for ``spec`` (its reasons empty), else None."""
     from . import gluon_bwd
     return gluon_bwd if gluon_bwd.backward_choice(spec, has_residual) == "gluon" else None
 
