@@ -95,11 +95,60 @@ def _k(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-def jobs(quick: bool = False, dry_run: bool = False) -> list[tuple[dict, str]]:
-    """(cell, mode): decode (forward) first, then training forward, then forward+backward."""
+#: the grid's two halves for --part (one H200 call each since the second look times its close
+#: candidates in full rounds: the whole grid took more than one call's 10 minutes on 2026-12-03)
+PARTS = {"inference": ("fwd",), "training": ("fwd+bwd",)}
+
+
+def jobs(quick: bool = False, dry_run: bool = False, part: str | None = None) -> list[tuple[dict, str]]:
+    """(cell, mode): decode (forward) first, then training forward, then forward+backward;
+    ``part`` ("inference": the decode and forward cells, "training": the forward+backward cells)
+    keeps one half."""
     train = training_cells(quick, dry_run)
-    return ([(c, "fwd") for c in decode_cells(quick, dry_run)] + [(c, "fwd") for c in train]
+    work = ([(c, "fwd") for c in decode_cells(quick, dry_run)] + [(c, "fwd") for c in train]
             + [(c, "fwd+bwd") for c in train])
+    return work if part is None else [(c, m) for c, m in work if m in PARTS[part]]
+
+
+def merge(paths: list[str], out: str, tag: str) -> int:
+    """One report of several runs of distinct cells (e.g. ``--part inference`` and ``--part
+    training``, a call each): their rows in grid order, the summary recomputed over all of them,
+    each run's date, commit, wall time and host overhead kept under ``merged_from``. Runs that
+    share a cell, or compared other backends or another GPU, are refused (exit 2)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    first = runs[0]
+    for path, run in zip(paths, runs):
+        if run["impls"] != first["impls"] or run["environment"].get("gpu") != first["environment"].get("gpu"):
+            print(f"--merge: {path} compared {run['impls']} on {run['environment'].get('gpu')}, the first run "
+                  f"{first['impls']} on {first['environment'].get('gpu')}", file=sys.stderr)
+            return 2
+    seen, rows = {}, []
+    for path, run in zip(paths, runs):
+        for row in run["rows"]:
+            name = f"{row['case']} {row['mode']}"
+            if name in seen:
+                print(f"--merge: cell {name!r} is in both {seen[name]} and {path}", file=sys.stderr)
+                return 2
+            seen[name] = path
+            rows.append(row)
+    order = {f"{c['name']} {m}": i for i, (c, m) in enumerate(jobs(first.get("quick", False), first.get("dry_run", False)))}
+    rows.sort(key=lambda r: order.get(f"{r['case']} {r['mode']}", len(order)))
+    skipped = [c for run in runs for c in run.get("skipped_for_time", []) if c not in seen]
+    result = dict(first, rows=rows, summary=summarize(rows, first["impls"]), skipped_for_time=skipped,
+                  wall_s=sum(run["wall_s"] for run in runs), host_overhead=runs[-1].get("host_overhead"),
+                  merged_from=[{"file": os.path.basename(path), "date": run["environment"].get("date"),
+                                "portattn": run["environment"].get("portattn"), "part": run.get("part"),
+                                "cells": len(run["rows"]), "wall_s": round(run["wall_s"], 1),
+                                "time_limit_s": run.get("time_limit_s"), "host_overhead": run.get("host_overhead")}
+                               for path, run in zip(paths, runs)])
+    print_report(result)
+    os.makedirs(out, exist_ok=True)
+    wrote = write_report(result, os.path.join(out, f"fastest-{tag}-{result['environment']['date'][:10]}"))
+    print(f"\nwrote {', '.join(wrote)}")
+    return 0
 
 
 # ----- inputs and the check ----------------------------------------------------------------
@@ -563,6 +612,10 @@ def write_report(result: dict, base: str) -> list[str]:
         extra = f"\n\n{text[0].upper()}{text[1:]}."
     if result.get("skipped_for_time"):
         extra += f"\n\nSkipped (over the time limit): {', '.join(result['skipped_for_time'])}."
+    if result.get("merged_from"):
+        extra += "\n\nMerged from " + "; ".join(
+            f"{m['file']} ({m.get('part') or 'cells'}: {m['cells']} cells, {m['date']}, portattn {m['portattn']}, "
+            f"{m['wall_s']:.0f} s)" for m in result["merged_from"]) + "; the host overhead above is the last run's."
     with open(base + ".md", "w") as f:
         f.write(f"# {title}\n\n{table(result['rows'], result['impls'], result['summary'])}{extra}\n")
     wrote = [base + ".json", base + ".md"]
@@ -606,11 +659,19 @@ def main(argv=None) -> int:
     ap.add_argument("--cells", nargs="+", default=None, metavar="'CASE MODE'",
                     help="run only these cells of the grid, named as the table does (e.g. 'D128 S1k causal fwd'): "
                          "a re-check of some cells, reported as such")
+    ap.add_argument("--part", choices=sorted(PARTS), default=None,
+                    help="one half of the grid: inference (the decode and forward cells) or training (the "
+                         "forward+backward cells), a call each; --merge joins the two reports")
     ap.add_argument("--report", default=None, metavar="JSON",
                     help="no run: recompute a saved run's summary and rewrite its .md and .png beside it")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="no run: one report (into --out, named by --tag) of runs of distinct cells, e.g. the "
+                         "two --part halves")
     args = ap.parse_args(argv)
     if args.report:
         return redraw(args.report)
+    if args.merge:
+        return merge(args.merge, args.out or ".", args.tag)
     time_limit = args.time_limit if args.time_limit is not None else (240.0 if args.quick else 540.0)
     if args.dry_run:
         device, dtype = torch.device("cpu"), torch.float32
@@ -627,7 +688,7 @@ def main(argv=None) -> int:
     impls = [b for b in wanted if portattn.get_backend(b).available]
     for b in set(wanted) - set(impls):
         print(f"skipping {b}: {'; '.join(portattn.get_backend(b).availability())}", file=sys.stderr)
-    work = jobs(args.quick, args.dry_run)
+    work = jobs(args.quick, args.dry_run, args.part)
     if args.cells:
         names = {f"{c['name']} {m}" for c, m in work}
         unknown = [c for c in args.cells if c not in names]
@@ -669,7 +730,8 @@ def main(argv=None) -> int:
     result = {"environment": _environment(device), "dtype": str(dtype).replace("torch.", ""), "impls": impls,
               "grid": {"training": "D 64/128/256, S 1k/4k/16k, B*S=16k, hidden 2048, causal and not, fwd and fwd+bwd",
                        "decode": "Sq 1/8, B 1/8, Sk 8k/32k/128k, GQA 32:4, D 128, bottom-right causal, fwd"},
-              "quick": args.quick, "cells": args.cells, "dry_run": args.dry_run, "time_limit_s": time_limit,
+              "quick": args.quick, "cells": args.cells, "part": args.part, "dry_run": args.dry_run,
+              "time_limit_s": time_limit,
               "method": {"rounds": ROUNDS, "min_rounds": MIN_ROUNDS, "max_rounds": MAX_ROUNDS, "samples_per_round": SAMPLES,
                          "warmup_ms": WARMUP_MS, "round_ms": [ROUND_MS_MIN, ROUND_MS_MAX], "clock": type(clock).__name__,
                          "policy": {"rounds": tuning.ROUNDS, "max_rounds": tuning.MAX_ROUNDS, "round_ms": tuning.ROUND_MS,

@@ -128,6 +128,14 @@ def test_dry_catalogue_then_fastest(tmp_path):
     assert fastest[3:] == ["--full", "--out", str(tmp_path / "work" / "02-fastest"), "--tag", "h200", "--time-limit", "440"]
 
 
+def test_dry_fastest_halves_take_one_part_each(tmp_path):
+    for part in ("inference", "training"):
+        p = session(tmp_path / part, f"fastest:{part}")
+        assert p.returncode == 0, p.stderr
+        (cmd,) = [c for c in commands(p.stdout) if c[1:3] == [sys.executable, "benchmarks/bench_fastest.py"]]
+        assert cmd[3:6] == ["--full", "--part", part] and cmd[cmd.index("--tag") + 1] == f"h200-{part}"
+
+
 def test_dry_catalogue_with_prev_runs_what_prev_lacks(tmp_path):
     have = [c.id for c in build_catalogue()][:-5]
     prev = tmp_path / "prev.json"

@@ -780,6 +780,39 @@ def test_bench_summary_ratios_and_totals_on_the_same_cells():
     assert "x 0.100" in text and "| b | 2 | 3.00 |" in text and "within 1.03 x the best single backend: 2 of 3" in text
 
 
+def test_bench_parts_split_the_grid_and_merge_joins_them(tmp_path, capsys):
+    """--part inference / training: the decode and forward cells, then the forward+backward ones
+    (one H200 call each); --merge: one report of both, its summary over all rows in grid order,
+    each run kept under merged_from; a cell in two runs, or runs of other backends, are refused."""
+    bench = _bench()
+    inf, train = bench.jobs(part="inference"), bench.jobs(part="training")
+    assert len(inf) == 30 and len(train) == 18 and inf + train == bench.jobs()
+
+    def run(name, cells, mode, when, impls=("a", "b")):
+        rows = [{"case": c, "mode": mode, "policy_choice": "a", "policy_first_call_s": 0.5,
+                 "results": {"a": {"ms": 1.0, "check": "ok"}, "b": {"ms": 2.0, "check": "ok"},
+                             "fastest": {"ms": 1.0, "check": "ok"}}} for c in cells]
+        data = {"environment": {"date": when, "gpu": "G", "portattn": "0.1.0 (abc)"}, "impls": list(impls),
+                "rows": rows, "summary": {}, "wall_s": 100.0, "part": name, "time_limit_s": 500.0,
+                "host_overhead": None, "skipped_for_time": []}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        return str(path)
+    a = run("training", ["D64 S1k"], "fwd+bwd", "2026-12-04T10:00:00")
+    b = run("inference", ["decode Sq1 B1 Sk8k", "D64 S1k"], "fwd", "2026-12-04T09:00:00")
+    assert bench.main(["--merge", a, b, "--out", str(tmp_path / "m"), "--tag", "x"]) == 0
+    merged = json.loads((tmp_path / "m" / "fastest-x-2026-12-04.json").read_text())
+    assert [(r["case"], r["mode"]) for r in merged["rows"]] == [("decode Sq1 B1 Sk8k", "fwd"), ("D64 S1k", "fwd"),
+                                                                ("D64 S1k", "fwd+bwd")]
+    assert merged["summary"]["cells_with_ratio"] == 3 and merged["wall_s"] == 200.0
+    assert [m["part"] for m in merged["merged_from"]] == ["training", "inference"]
+    assert "Merged from training.json (training: 1 cells" in (tmp_path / "m" / "fastest-x-2026-12-04.md").read_text()
+    assert bench.main(["--merge", b, b, "--out", str(tmp_path / "n")]) == 2
+    assert "is in both" in capsys.readouterr().err
+    c = run("other", ["D128 S1k"], "fwd", "2026-12-04T09:00:00", impls=("a",))
+    assert bench.main(["--merge", a, c, "--out", str(tmp_path / "n")]) == 2
+
+
 def test_bench_ratio_is_the_median_of_the_paired_rounds():
     """A machine that flips between two speeds for every backend alike (the H200's host-bound
     cells, 2026-12-01) moves the medians of two implementations into different modes; the

@@ -23,8 +23,9 @@
 #   atomicdiag        * tools/triton_atomic_diag.py $ATOMICDIAG_ARGS (--quick --narrow --jobs 3) [240]
 #   kvcache           * the KV-cache conformance (python -m portattn.conformance.kvcache) [200]
 #   properties        * the Hypothesis suite, PROFILE=ci (25 examples a test) | gpu (300) | nightly [300]
-#   fastest[:cells]     benchmarks/bench_fastest.py --full; :quick; or the cells given (comma-separated,
-#                       here or in CELLS, e.g. 'D128 S1k fwd,D256 S16k fwd+bwd') [480]
+#   fastest[:cells]     benchmarks/bench_fastest.py --full; :quick; :inference or :training (one half of
+#                       the grid, --part; bench_fastest.py --merge joins the two reports); or the cells
+#                       given (comma-separated, here or in CELLS, e.g. 'D128 S1k fwd,D256 S16k fwd+bwd') [480]
 #   bench               portattn bench, the training grid ($BENCH_ARGS); warm first [330]
 #   decode              benchmarks/bench_decode.py ($DECODE_ARGS) [240]
 #   overhead            benchmarks/overhead.py, then tools/gpu_launcher_check.py [150]
@@ -39,13 +40,13 @@
 #                       decodevariants (tools/decode_variants.py) [250]
 #   ncu[:D]             Nsight Compute (--clock-control none) on tools/ncu_attention.py --d D (128) [90]
 #
-# The next session's plan, one device call a line:
-#   bash tools/h200_session.sh par:catalogue par:tests:atomic,cupy,gluon   # triton's and cupy's defaults
-#                                                                          # of today: no PORTATTN_* set
-#   bash tools/h200_session.sh fastest                                     # alone, ~480 s
-#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench          # the training grid
-#   bash tools/h200_session.sh cupybwd atomicdiag
-#   bash tools/h200_session.sh gluonbwd par:tests:gluon                    # the Gluon backward's first run
+# The next session's plan, one device call a line (priority order; ~30 minutes in all):
+#   bash tools/h200_session.sh par:catalogue par:tests:gluon,cupy          # the Gluon / wgmma backward
+#                                                                          # defaults through the catalogue
+#   FASTEST_LIMIT=560 bash tools/h200_session.sh fastest:inference          # alone; then fastest:training,
+#   FASTEST_LIMIT=560 bash tools/h200_session.sh fastest:training           # merged with bench_fastest --merge
+#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench gluonbwd  # the training grid, new defaults
+#   bash tools/h200_session.sh gluon ncu:128                                # D 256 Gluon forward; a profile
 # and e.g. after a partial catalogue:
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:triton,cupy
 #
@@ -300,6 +301,8 @@ step_fastest() {
   lim=$(limit "${FASTEST_LIMIT:-480}")
   if [[ $which == quick ]]; then
     what=(--quick)
+  elif [[ $which == inference || $which == training ]]; then
+    what=(--full --part "$which") tag=h200-$which
   elif [[ -n $which ]]; then
     IFS=, read -ra cells <<< "$which"
     what=(--cells "${cells[@]}") tag=h200-cells
