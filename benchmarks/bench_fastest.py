@@ -2,6 +2,9 @@
 
     python benchmarks/bench_fastest.py --quick --out $OUT --time-limit 240   # 16 cells, ~4 minutes on an H200
     python benchmarks/bench_fastest.py --full --out $OUT --time-limit 540    # the grids (48 cells)
+    python benchmarks/bench_fastest.py --full --part inference --out A       # one half of the grid a call,
+    python benchmarks/bench_fastest.py --full --part training --out B        # then one report of both:
+    python benchmarks/bench_fastest.py --merge A/fastest-*[0-9].json B/fastest-*[0-9].json --out DIR
     python benchmarks/bench_fastest.py --dry-run                             # a tiny CPU grid: checks the script
 
 Training grid (the FA3 paper's setting, shared/GPU.md): D 64/128/256 with hidden 2048
