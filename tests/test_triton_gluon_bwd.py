@@ -6,7 +6,7 @@ the Gluon one cannot run; both kernels cross-compile for sm_90 under whichever t
 installed into async wgmma + TMA + setmaxnreg code without spills; the Gluon band arithmetic is
 the portable kernels' (same text); and a float64 emulation of the kernels' tile schedule (which
 (query tile, key tile) pairs each CTA visits, which of them are masked, the producer's and the
-consumers' tile counts, the GQA reduction) matches the float64 reference gradients. The kernels
+consumers' tile order, the dK/dV CTA's walk over a GQA group) matches the float64 reference gradients. The kernels
 themselves have not run here: on an sm_90 GPU they are compared with the float64 reference
 (the §3 rule, factor 3 for gradients), repeated bit-identically, and fully-masked rows get 0.
 """
@@ -222,7 +222,7 @@ def test_cross_compiles_for_sm90_into_wgmma_and_tma():
 @needs_gluon
 @pytest.mark.slow
 def test_cross_compiles_every_variant(request):
-    """D 64 / 128, causal or not, the dK/dV kernel's float32 GQA output too (12 compiles)."""
+    """D 64 / 128, causal or not, the dK/dV kernel's GQA group walk too (12 compiles)."""
     if "slow" not in (request.config.getoption("-m") or ""):
         pytest.skip("every variant: run with -m slow, or python -m portattn.backends.triton.gluon_bwd --causal both --gqa")
     rows = _compile_rows("--causal", "both", "--gqa")
@@ -244,12 +244,16 @@ def test_check_tool_report_renders():
              "checks": [{"case": "plain_d128", "passed": False, "dq": "dq FAIL", "dk": "dk ok", "dv": "dv ok"}],
              "launches": [{"S": 1024, "D": 128, "causal": False, "error": "boom"}], "stderr_tail": "Traceback"}
     timings = [{"S": 1024, "B": 16, "H": 16, "D": 128, "causal": False, "gluon": 500.0, "triton_det": 250.0,
-                "triton_atomic": 400.0, "flash": 300.0, "cudnn": 400.0}]
+                "triton_atomic": 400.0, "flash": 300.0, "cudnn": 400.0},
+               {"S": 4096, "B": 4, "H": 16, "Hkv": 2, "D": 128, "causal": True, "gluon": 300.0, "triton_det": 200.0}]
     text = tool.report({"compile": [{"kernel": "dkdv", "head_dim": 128}], "child": child, "timings": timings,
                         "verdict": "FAIL"})
     assert "FAIL plain_d128" in text and "boom" in text and "VERDICT: FAIL" in text
     row = next(ln for ln in text.splitlines() if ln.lstrip().startswith("1024"))
     assert "1.25" in row and "500.0" in row and "2.00" in row, row   # gluon / cuDNN, / triton deterministic
+    gqa = next(ln for ln in text.splitlines() if ln.lstrip().startswith("4096"))
+    assert "16/2" in gqa and "1.50" in gqa, gqa                    # a GQA cell: Hq/Hkv and gluon / portable
+    assert all(len(cell) == 4 for cell in tool.TIMING_CELLS) and any(cell[3] for cell in tool.QUICK_CELLS)
 
 
 # ----- the tile schedule, emulated in float64 (CPU) -------------------------------------------

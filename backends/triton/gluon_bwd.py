@@ -23,10 +23,14 @@ warpgroups issuing asynchronous ``wgmma``, FA3's register split 240 / 24):
   tiles. Per tile: S = Q Kᵀ, dP = dO Vᵀ, dS = P ∘ (dP − delta), dQ += dS K — three products.
 
 Five products per tile pair plus the recomputed S and dP of the dQ pass (seven, as the Triton
-tutorial; FA3's atomic dQ would save two — not done here). GQA: the dK/dV grid runs over query
-heads; with ``Hq > Hkv`` each CTA writes its head's float32 share into a ``(B, Sk, Hq, D)``
-buffer, summed over the query heads of each KV head afterwards by one torch reduction (a fixed
-order: bit-identical across runs). Causal grids run the longest tiles first (dQ: the last query
+tutorial; FA3's atomic dQ would save two — not done here). GQA (``Hq > Hkv``, FA3's way): a
+dK/dV CTA owns a key tile of one KV head and walks, phase by phase, each query head of its group
+(h_kv·ratio … h_kv·ratio + ratio − 1) over the band — the producer streams every (head, query
+tile) pair through the one ring by a 3-D (head, row, D) descriptor, the consumers read each
+head's m / delta rows — so dK and dV sum over the group in registers and are stored once, in
+the output dtype; a fixed order, bit-identical across runs, no extra memory. Without GQA the
+kernel is the same as before the group walk existed (a constexpr; same TTGIR and PTX).
+Causal grids run the longest tiles first (dQ: the last query
 tiles; dK/dV under an anti-causal band: the last key tiles).
 
 The band logic is the forward's: key tiles of a query tile from :func:`gluon_fwd._key_phases`,
@@ -669,7 +673,7 @@ def gluon_bwd_reasons(spec, has_residual: bool = True) -> list[str]:
         if present:
             reasons.append(f"{name} is not implemented in the Gluon backward")
     if spec.batch * spec.num_heads_q > 65535:
-        reasons.append(f"batch × heads = {spec.batch * spec.num_heads_q} > 65535 (the grid's second dimension)")
+        reasons.append(f"batch × heads = {spec.batch * spec.num_heads_q} > 65535 (the dQ grid's second dimension)")
     if not spec.is_varlen and dev.type == "cuda":
         bad = [n for n, t in (("q", spec.q), ("k", spec.k), ("v", spec.v)) if not _tma_aligned(t)]
         if bad:
@@ -681,14 +685,16 @@ def gluon_bwd_reasons(spec, has_residual: bool = True) -> list[str]:
 #: keys. The H200 (2026-12-03, bf16, 16k tokens, hidden 2048, no GQA; benchmarks/results/
 #: triton-gluon-bwd-check-h200.*) timed it at D 128 1.04-1.39 x the deterministic portable
 #: backward and 1.12-1.34 x the atomic one from S 1k; at D 64 1.10-1.22 x from S 4k but 0.83-0.89 x
-#: at S 1k. GQA (each query head's float32 dK/dV share, summed by torch) and D 256 are untimed.
+#: at S 1k. GQA (the in-CTA group reduction; tools/triton_gluon_bwd_check.py's GQA cells time it)
+#: and D 256 are untimed: ``auto`` leaves GQA to the portable backward until an H200 run shows it
+#: faster.
 AUTO_MIN_SEQLEN = {128: 1024, 64: 4096}
 
 
 def auto_takes(spec) -> bool:
     """Whether ``auto`` would take the Gluon backward for ``spec``'s shape (before
     :func:`gluon_bwd_reasons`): a head dim of :data:`AUTO_MIN_SEQLEN`, at least that many query
-    rows and keys, and no GQA."""
+    rows and keys, and no GQA (its speed is untimed; the check tool's GQA cells will decide)."""
     need = AUTO_MIN_SEQLEN.get(spec.head_dim)
     return (need is not None and spec.head_dim_v == spec.head_dim and spec.num_heads_q == spec.num_heads_kv
             and min(spec.seqlen_q, spec.seqlen_k) >= need)
@@ -725,8 +731,8 @@ def gluon_backward(spec, dout: torch.Tensor, rowmax: torch.Tensor, delta: torch.
     written through their strides; q's dtype) of ``spec`` by the two Gluon kernels, from
     ``dout`` (O's shape) and the prep kernel's ``rowmax`` (= lse·log2(e), +inf for a row with
     no visible key) and ``delta`` (= rowsum(dO ∘ O) − dlse), both float32 ``spec.lse_shape``.
-    Deterministic: every output element is written by one program; with GQA the per-query-head
-    float32 dK/dV shares are summed by one torch reduction. Raises ValueError with
+    Deterministic: every output element is written by one program (with GQA the dK/dV program of
+    a KV head sums its group's query heads in a fixed order in registers). Raises ValueError with
     :func:`gluon_bwd_reasons` when the kernels cannot run the problem."""
     reasons = gluon_bwd_reasons(spec)
     if reasons:
