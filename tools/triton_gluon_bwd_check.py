@@ -6,15 +6,17 @@ and atomic dQ), SDPA flash (FA2) and cuDNN, inside a hard time limit.
 
 Phases (each writes its results before the next starts, so a run cut short still reports):
 
-1. compile: both kernels (dK/dV, dQ) for sm_90 at D 64 / 128 (shared memory, registers, spills,
-   setmaxnreg values, the PTX's wgmma / TMA counts, SASS HGMMA / UTMALDG);
+1. compile: both kernels (dK/dV, dQ) and the dK/dV kernel's GQA group walk for sm_90 at D 64 / 128
+   (shared memory, registers, spills, setmaxnreg values, the PTX's wgmma / TMA counts, SASS
+   HGMMA / UTMALDG);
 2. checks, in a child process with a timeout (a barrier deadlock there cannot hang this run):
    ``ops.backward`` under ``PORTATTN_TRITON_BACKWARD=gluon`` (the Gluon launch is seen) for every
    case, gradients written into NaN-poisoned buffers (an element the kernels do not write shows
    as NaN), against float64 autograd with ``portattn.numerics.compare`` (factor 3), rows with no
    visible key exactly 0, a second run bit-identical; then one launch at every timing shape;
-3. timings of the backward alone (bf16, B·S = 16k tokens, hidden 2048: D 128 H 16 and D 64 H 32;
-   S 1k / 4k / 16k; causal and not): the Gluon backward (only if phase 2 passed), the triton
+3. timings of the backward alone (bf16, B·S = 16k tokens, hidden 2048: first GQA at D 128 Hq 16
+   with Hkv 4 and 2, S 4k / 16k — the cells that decide whether ``auto`` takes the Gluon backward
+   with GQA —, then D 128 H 16 and D 64 H 32, S 1k / 4k / 16k; causal and not): the Gluon backward (only if phase 2 passed), the triton
    backward deterministic (two kernels) and with atomic dQ (``PORTATTN_TRITON_DQ=atomic``), SDPA
    flash and cuDNN (``autograd.grad`` of a saved graph); medians of ``triton.testing.do_bench``;
    TFLOP/s = 2.5 · 4·B·H·S²·D / t (halved for causal) and the Gluon kernel's ratios. No new cell
@@ -54,11 +56,18 @@ CHECK_CASES = [
     ("gqa8_d64", 2, 128, 1000, 8, 1, 64, "bfloat16", {}),
     ("sq1", 3, 1, 77, 2, 2, 128, "bfloat16", {}),
     ("long_causal_d128", 1, 2048, 2048, 2, 2, 128, "bfloat16", {"causal": True}),
+    # the dK/dV kernel's in-CTA GQA walk (ratios 2, 4, 8 beside gqa2 / gqa8 above)
+    ("gqa4_causal_tl_d128", 1, 300, 517, 8, 2, 128, "bfloat16", {"causal": True, "causal_alignment": "top_left"}),
+    ("gqa4_window_d64_fp16", 2, 333, 290, 8, 2, 64, "float16", {"window": (70, 9)}),
+    ("gqa8_causal_sq>sk_d128", 1, 700, 260, 16, 2, 128, "bfloat16", {"causal": True}),
 ]
 QUICK_CASES = CHECK_CASES[::2]
 
-#: (S, D, causal) of the timing table
-TIMING_CELLS = [(s, d, c) for d in (128, 64) for s in (1024, 4096, 16384) for c in (False, True)]
+#: (S, D, causal, Hkv) of the timing table (Hkv None: as many KV heads as query heads). The GQA
+#: cells (D 128, Hq 16, Hkv 4 and 2) come first: they decide whether ``auto`` takes the Gluon
+#: backward with GQA, and the MHA cells were timed on 2026-12-03 (a run cut short keeps the new ones)
+TIMING_CELLS = ([(s, 128, c, hkv) for hkv in (4, 2) for s in (4096, 16384) for c in (False, True)]
+                + [(s, d, c, None) for d in (128, 64) for s in (1024, 4096, 16384) for c in (False, True)])
 QUICK_CELLS = [cell for cell in TIMING_CELLS if cell[0] == 4096]
 
 
@@ -136,12 +145,13 @@ def child_main(quick: bool) -> int:
         except Exception as exc:   # a launch or compile error is a failed check, with its message
             row = {"case": case[0], "passed": False, "error": f"{type(exc).__name__}: {str(exc)[-800:]}"}
         print("CHECK " + json.dumps(row), flush=True)
-    for s, d, causal in (QUICK_CELLS if quick else TIMING_CELLS):
+    for s, d, causal, hkv in (QUICK_CELLS if quick else TIMING_CELLS):
         b, h = _shape(s, d)
-        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, s, hkv or h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         t0 = time.perf_counter()
-        row = {"S": s, "D": d, "causal": causal}
-        print(f"BEGIN launch S={s} D={d} causal={causal}", flush=True)
+        row = {"S": s, "D": d, "causal": causal, "Hkv": hkv or h}
+        print(f"BEGIN launch S={s} D={d} causal={causal} Hkv={hkv or h}", flush=True)
         try:
             grads, _ = _grads(build_spec(q, k, v, causal=causal), torch.randn_like(q))
             torch.cuda.synchronize()
@@ -178,8 +188,9 @@ def run_child(timeout: float, quick: bool) -> dict:
 
 # ----- phase 3: timings ---------------------------------------------------------------------------
 
-def time_cell(s: int, d: int, causal: bool, with_gluon: bool) -> dict:
-    """Backward-only TFLOP/s of every implementation at one cell (see the module docstring)."""
+def time_cell(s: int, d: int, causal: bool, with_gluon: bool, hkv: int | None = None) -> dict:
+    """Backward-only TFLOP/s of every implementation at one cell (see the module docstring);
+    ``hkv``: GQA with that many KV heads (SDPA with ``enable_gqa``)."""
     import torch
     import torch.nn.functional as F
     from portattn.backends.triton import ops
@@ -188,9 +199,11 @@ def time_cell(s: int, d: int, causal: bool, with_gluon: bool) -> dict:
     from portattn.spec import build_spec
     b, h = _shape(s, d)
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout = (torch.randn(b, s, h, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
+    hkv = hkv or h
+    q, dout = (torch.randn(b, s, h, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, s, hkv, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
     flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
-    row = {"S": s, "B": b, "H": h, "D": d, "causal": causal}
+    row = {"S": s, "B": b, "H": h, "Hkv": hkv, "D": d, "causal": causal}
     # (name, environment while built and timed): the spec reads PORTATTN_DETERMINISTIC when built
     variants = [("triton_det", {"PORTATTN_TRITON_BACKWARD": "portable", "PORTATTN_DETERMINISTIC": "1"}),
                 ("triton_atomic", {"PORTATTN_TRITON_BACKWARD": "portable", "PORTATTN_DETERMINISTIC": "0",
@@ -221,7 +234,8 @@ def time_cell(s: int, d: int, causal: bool, with_gluon: bool) -> dict:
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
             with sdpa_kernel(be):
-                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                gqa = {"enable_gqa": True} if hkv != h else {}
+                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa)
             fn = (lambda out=out: torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True))
             fn()
             torch.cuda.synchronize()
@@ -255,7 +269,7 @@ def report(res: dict) -> str:
             if not c.get("passed"):
                 lines += [f"       {c[k]}" for k in ("dq", "dk", "dv") if k in c]
         for x in ch["launches"]:
-            lines.append(f"  launch S={x['S']} D={x['D']} causal={x['causal']}: "
+            lines.append(f"  launch S={x['S']} D={x['D']} causal={x['causal']} Hkv={x.get('Hkv', '-')}: "
                          + (f"finite={x['finite']} {x['seconds']} s" if "finite" in x else x.get("error", "?")))
         if not ch["passed"] and ch["stderr_tail"]:
             lines += ["  child stderr (tail):"] + ["    " + ln for ln in ch["stderr_tail"].splitlines()[-15:]]
@@ -263,10 +277,11 @@ def report(res: dict) -> str:
     if cells:
         lines += ["", "backward TFLOP/s (bf16, 16k tokens, hidden 2048; 2.5 x 4·B·H·S²·D, halved for causal; "
                   "do_bench medians)",
-                  f"{'S':>6} {'D':>4} {'causal':>6} {'gluon':>7} {'tr_det':>7} {'tr_atom':>7} {'flash':>7} "
+                  f"{'S':>6} {'D':>4} {'causal':>6} {'Hq/Hkv':>6} {'gluon':>7} {'tr_det':>7} {'tr_atom':>7} {'flash':>7} "
                   f"{'cudnn':>7} {'g/cudnn':>8} {'g/flash':>8} {'g/tr_det':>8} {'g/tr_atom':>9}"]
         for r in cells:
-            lines.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {_fmt(r.get('gluon'))} "
+            heads = f"{r.get('H', '?')}/{r.get('Hkv', r.get('H', '?'))}"
+            lines.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {heads:>6} {_fmt(r.get('gluon'))} "
                          f"{_fmt(r.get('triton_det'))} {_fmt(r.get('triton_atomic'))} {_fmt(r.get('flash'))} "
                          f"{_fmt(r.get('cudnn'))} {_fmt(_ratio(r, 'gluon', 'cudnn'), 8, 2)} "
                          f"{_fmt(_ratio(r, 'gluon', 'flash'), 8, 2)} {_fmt(_ratio(r, 'gluon', 'triton_det'), 8, 2)} "
@@ -293,7 +308,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="directory for gluon_bwd_check.json / .txt")
     ap.add_argument("--time-limit", type=float, default=180.0, help="no new phase or cell starts after this (s)")
-    ap.add_argument("--child-timeout", type=float, default=120.0, help="phase 2's child process limit (s)")
+    ap.add_argument("--child-timeout", type=float, default=150.0, help="phase 2's child process limit (s)")
     ap.add_argument("--quick", action="store_true", help="D 128 compiles, half the checks, S 4k timings")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -319,12 +334,13 @@ def main(argv=None) -> int:
         res["compile"].append({"error": gluon_bwd.GLUON_ERROR})
     else:
         for d in ((128,) if a.quick else gluon_bwd.HEAD_DIMS):
-            for kernel in gluon_bwd.KERNELS:
+            for kernel, gqa in [(kernel, False) for kernel in gluon_bwd.KERNELS] + [("dkdv", True)]:
                 try:
-                    r = gluon_bwd.compile_report(kernel, d)
+                    r = gluon_bwd.compile_report(kernel, d, gqa=gqa)
                     compiled_ok &= r.get("HGMMA", 1) > 0 and r.get("UTMALDG", 1) > 0
                 except Exception as exc:
-                    r = {"kernel": kernel, "head_dim": d, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"}
+                    r = {"kernel": kernel, "head_dim": d, "gqa": gqa,
+                         "error": f"{type(exc).__name__}: {str(exc)[-600:]}"}
                     compiled_ok = False
                 res["compile"].append(r)
                 print(json.dumps(r), flush=True)
@@ -342,11 +358,11 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     if torch.cuda.is_available():
-        for s, d, causal in (QUICK_CELLS if a.quick else TIMING_CELLS):
+        for s, d, causal, hkv in (QUICK_CELLS if a.quick else TIMING_CELLS):
             if time.perf_counter() - start > a.time_limit:
-                res["skipped"].append(f"S={s} D={d} causal={causal}")
+                res["skipped"].append(f"S={s} D={d} causal={causal} Hkv={hkv or 'H'}")
                 continue
-            row = time_cell(s, d, causal, child_ok)
+            row = time_cell(s, d, causal, child_ok, hkv)
             res["timings"].append(row)
             print(json.dumps(row), flush=True)
             _write(a.out, res)

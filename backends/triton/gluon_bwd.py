@@ -23,10 +23,14 @@ warpgroups issuing asynchronous ``wgmma``, FA3's register split 240 / 24):
   tiles. Per tile: S = Q Kᵀ, dP = dO Vᵀ, dS = P ∘ (dP − delta), dQ += dS K — three products.
 
 Five products per tile pair plus the recomputed S and dP of the dQ pass (seven, as the Triton
-tutorial; FA3's atomic dQ would save two — not done here). GQA: the dK/dV grid runs over query
-heads; with ``Hq > Hkv`` each CTA writes its head's float32 share into a ``(B, Sk, Hq, D)``
-buffer, summed over the query heads of each KV head afterwards by one torch reduction (a fixed
-order: bit-identical across runs). Causal grids run the longest tiles first (dQ: the last query
+tutorial; FA3's atomic dQ would save two — not done here). GQA (``Hq > Hkv``, FA3's way): a
+dK/dV CTA owns a key tile of one KV head and walks, phase by phase, each query head of its group
+(h_kv·ratio … h_kv·ratio + ratio − 1) over the band — the producer streams every (head, query
+tile) pair through the one ring by a 3-D (head, row, D) descriptor, the consumers read each
+head's m / delta rows — so dK and dV sum over the group in registers and are stored once, in
+the output dtype; a fixed order, bit-identical across runs, no extra memory. Without GQA the
+kernel is the same as before the group walk existed (a constexpr; same TTGIR and PTX).
+Causal grids run the longest tiles first (dQ: the last query
 tiles; dK/dV under an anti-causal band: the last key tiles).
 
 The band logic is the forward's: key tiles of a query tile from :func:`gluon_fwd._key_phases`,
@@ -137,10 +141,38 @@ if gl is not None:
             i += 1
 
     @gluon.jit
+    def _stream_group(desc_a, desc_b, smem_a, smem_b, ready, empty, n_heads, phases,
+                      BLOCK: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        """:func:`_stream_pairs` over a GQA group, in the consumers' order
+        (:func:`_dkdv_group_band`): phase by phase (``phases`` = (lo, full_lo, full_hi, hi), the
+        same band for every head), within a phase the group's ``n_heads`` query heads in turn,
+        within a head its tiles; one ring count ``i`` across all. ``desc_a`` / ``desc_b`` are 3-D
+        (query head of the group, row, D) descriptors with (1, BLOCK, D) blocks, loaded into the
+        ring's 2-D (BLOCK, D) slots viewed as (1, BLOCK, D)."""
+        pair_bytes: gl.constexpr = 2 * BLOCK * HEAD_D * 2
+        lo, full_lo, full_hi, hi = phases
+        i = 0
+        for phase in gl.static_range(3):
+            start, stop = _phase_bounds(phase, lo, full_lo, full_hi, hi)
+            for hh in range(n_heads):
+                for n in range(start, stop, BLOCK):
+                    st = i % STAGES
+                    mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+                    mbarrier.expect(ready.index(st), pair_bytes)
+                    _tma_load(desc_a, [hh, n, 0], ready.index(st),
+                              smem_a.index(st).reshape([1, BLOCK, HEAD_D]))
+                    _tma_load(desc_b, [hh, n, 0], ready.index(st),
+                              smem_b.index(st).reshape([1, BLOCK, HEAD_D]))
+                    i += 1
+
+    @gluon.jit
     def _resident_producer(desc_a, desc_b, smem_a, smem_b, bar, m0, stream, lo, hi,
-                           BLOCK: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+                           BLOCK: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                           GROUP: gl.constexpr = False, n_heads=1, phases=None):
         """The load warp: the CTA's two resident (64, D) tiles of ``desc_a`` and ``desc_b`` per
-        warpgroup (K and V, or Q and dO) on ``bar[wg]``, then :func:`_stream_pairs` over the band.
+        warpgroup (K and V, or Q and dO) on ``bar[wg]``, then :func:`_stream_pairs` over the band
+        (``GROUP``: :func:`_stream_group` over the ``n_heads`` query heads of a GQA group and the
+        band's ``phases``).
         ``stream`` = (the streamed descriptors a and b, their rings, ready, empty)."""
         tile_bytes: gl.constexpr = _WG_M * HEAD_D * 2
         for wg in gl.static_range(2):
@@ -148,7 +180,11 @@ if gl is not None:
             _tma_load(desc_a, [m0 + wg * _WG_M, 0], bar.index(wg), smem_a.index(wg))
             _tma_load(desc_b, [m0 + wg * _WG_M, 0], bar.index(wg), smem_b.index(wg))
         s_desc_a, s_desc_b, ring_a, ring_b, ready, empty = stream
-        _stream_pairs(s_desc_a, s_desc_b, ring_a, ring_b, ready, empty, lo, hi, BLOCK, HEAD_D, STAGES)
+        if GROUP:
+            _stream_group(s_desc_a, s_desc_b, ring_a, ring_b, ready, empty, n_heads, phases,
+                          BLOCK, HEAD_D, STAGES)
+        else:
+            _stream_pairs(s_desc_a, s_desc_b, ring_a, ring_b, ready, empty, lo, hi, BLOCK, HEAD_D, STAGES)
 
     @gluon.jit
     def _store_rows(ptr, off, stride_s, acc, row0, nrows, layout: gl.constexpr,
@@ -207,13 +243,43 @@ if gl is not None:
         return dk, dv, i
 
     @gluon.jit
+    def _dkdv_group_band(dk, dv, i, start, stop, k, v, ring, m_base, d_base, stride_lh, n_heads, keys, qcols0,
+                         sq, sk, off, window_left, window_right, qk_scale2, st_layout: gl.constexpr,
+                         op_layout: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                         MASKED: gl.constexpr):
+        """:func:`_dkdv_band` over a GQA group: query tiles [start, stop) of one phase for each of
+        the ``n_heads`` query heads in turn (``m_base`` / ``d_base``: the first head's m and
+        delta rows, ``stride_lh`` apart) as one flat loop over the (head, tile) pairs with a
+        running (tile, head), so the loop nest is the MHA kernel's (a nested head loop spilled)."""
+        q_smem, do_smem, ready, empty = ring
+        m = start
+        for _ in range(n_heads * ((stop - start + BLOCK_M - 1) // BLOCK_M)):
+            st = i % STAGES
+            qrows = m + qcols0
+            in_q = qrows < sq
+            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_smem.index(st), do_smem.index(st), m_base + qrows, d_base + qrows,
+                                in_q, keys, qrows, sk, off, window_left, window_right, qk_scale2,
+                                st_layout, op_layout, BLOCK_M, MASKED)
+            mbarrier.arrive(empty.index(st), count=1)
+            i += 1
+            m += BLOCK_M
+            if m >= stop:   # the next head of the group, from the phase's first tile
+                m = start
+                m_base += stride_lh
+                d_base += stride_lh
+        return dk, dv, i
+
+    @gluon.jit
     def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, kv_bar, ring, DK, DV, dk_off, dv_off, stride_dks,
-                       stride_dvs, ROWMAX, DELTA, row_off, n0, sq, sk, off, lo, full_lo, full_hi, hi,
-                       window_left, window_right, qk_scale2, scale,
-                       BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+                       stride_dvs, ROWMAX, DELTA, row_off, stride_lh, n_heads, n0, sq, sk, off,
+                       lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2, scale,
+                       BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
         """One consumer warpgroup of the dK/dV kernel: keys ``n0 + WG·64 …``; walks every query
-        tile of the band (three phases) and writes its dK (scaled once) and dV rows — zeros
-        where no query sees the keys."""
+        tile of the band (three phases) — of one query head, or (``GROUP``) in each phase of each
+        of the ``n_heads`` query heads of the KV head's group in turn (``row_off``: the first one's
+        rows of ROWMAX / DELTA, ``stride_lh`` apart), accumulating dK and dV across them in
+        registers — and writes its dK (scaled once) and dV rows — zeros where no query sees the keys."""
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -230,9 +296,14 @@ if gl is not None:
         i = lo * 0
         for phase in gl.static_range(3):
             start, stop = _phase_bounds(phase, lo, full_lo, full_hi, hi)
-            dk, dv, i = _dkdv_band(dk, dv, i, start, stop, k, v, ring, ROWMAX + row_off, DELTA + row_off, keys,
-                                   qcols0, sq, sk, off, window_left, window_right, qk_scale2, st_layout, op_layout,
-                                   BLOCK_M, STAGES, phase != 1)
+            if GROUP:   # every query head of the KV head's group, in the producer's order
+                dk, dv, i = _dkdv_group_band(dk, dv, i, start, stop, k, v, ring, ROWMAX + row_off, DELTA + row_off,
+                                             stride_lh, n_heads, keys, qcols0, sq, sk, off, window_left, window_right,
+                                             qk_scale2, st_layout, op_layout, BLOCK_M, STAGES, phase != 1)
+            else:
+                dk, dv, i = _dkdv_band(dk, dv, i, start, stop, k, v, ring, ROWMAX + row_off, DELTA + row_off, keys,
+                                       qcols0, sq, sk, off, window_left, window_right, qk_scale2, st_layout,
+                                       op_layout, BLOCK_M, STAGES, phase != 1)
         _store_rows(DK, dk_off, stride_dks, dk * scale, key0, sk, acc_layout, _WG_M, HEAD_D)
         _store_rows(DV, dv_off, stride_dvs, dv, key0, sk, acc_layout, _WG_M, HEAD_D)
 
@@ -244,19 +315,26 @@ if gl is not None:
                             stride_lb, stride_lh,
                             num_heads_q, gqa_ratio, seqlen_q, seqlen_k, qk_scale2, scale, window_left, window_right,
                             HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                            BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr):
-        """dK, dV of 128 keys against one query head: grid (cdiv(Sk, 128), B·Hq), 4 warps
-        (consumer 0) + a 4-warp consumer + a 1-warp producer. DK/DV ``(B, Sk, H, D)`` with H the
-        query head's index (the output itself when Hq == Hkv, else the float32 per-query-head
-        buffer that the host sums); ROWMAX/DELTA ``(B, Hq, Sq)`` float32 from the prep kernel."""
+                            BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, GQA: gl.constexpr):
+        """dK, dV of 128 keys of one KV head: grid (cdiv(Sk, 128), B·Hq) without ``GQA``,
+        (cdiv(Sk, 128), Hkv, B) with it; 4 warps (consumer 0) +
+        a 4-warp consumer + a 1-warp producer. Without ``GQA`` (Hq == Hkv) against its one query
+        head; with ``GQA`` against each of the ``gqa_ratio`` query heads h_kv·ratio … of its group
+        in turn (fixed order, deterministic), the sums kept in registers. DK/DV ``(B, Sk, Hkv, D)``
+        (Q's dtype, one store per CTA); ROWMAX/DELTA ``(B, Hq, Sq)`` float32 from the prep kernel."""
         BLOCK_N: gl.constexpr = 2 * _WG_M
         pid = gl.program_id(0)
         if LONGEST_FIRST:   # an anti-causal band: the last key tiles see the most queries
             pid = gl.num_programs(0) - 1 - pid
-        pid_bh = gl.program_id(1)
-        b = pid_bh // num_heads_q
-        h = pid_bh % num_heads_q
-        h_kv = h // gqa_ratio
+        if GQA:   # grid (key tiles, Hkv, B); h: the first query head of the KV head's group
+            h_kv = gl.program_id(1)
+            b = gl.program_id(2)
+            h = h_kv * gqa_ratio
+        else:
+            pid_bh = gl.program_id(1)
+            b = pid_bh // num_heads_q
+            h = pid_bh % num_heads_q
+            h_kv = h // gqa_ratio
         sq = seqlen_q
         sk = seqlen_k
         n0 = pid * BLOCK_N
@@ -270,16 +348,27 @@ if gl is not None:
         h64 = h.to(gl.int64)
         hkv64 = h_kv.to(gl.int64)
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h64 * stride_qh, [sq, HEAD_D],
-                                            [stride_qs, 1], [BLOCK_M, HEAD_D], smem_layout)
-        do_desc = tma.make_tensor_descriptor(DO + b64 * stride_dob + h64 * stride_doh, [sq, HEAD_D],
-                                             [stride_dos, 1], [BLOCK_M, HEAD_D], smem_layout)
+        if GQA:   # (query head of the group, row, D): the producer walks the group's heads by coordinate
+            head_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+            q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h64 * stride_qh, [gqa_ratio, sq, HEAD_D],
+                                                [stride_qh, stride_qs, 1], [1, BLOCK_M, HEAD_D], head_layout)
+            do_desc = tma.make_tensor_descriptor(DO + b64 * stride_dob + h64 * stride_doh, [gqa_ratio, sq, HEAD_D],
+                                                 [stride_doh, stride_dos, 1], [1, BLOCK_M, HEAD_D], head_layout)
+        else:
+            q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h64 * stride_qh, [sq, HEAD_D],
+                                                [stride_qs, 1], [BLOCK_M, HEAD_D], smem_layout)
+            do_desc = tma.make_tensor_descriptor(DO + b64 * stride_dob + h64 * stride_doh, [sq, HEAD_D],
+                                                 [stride_dos, 1], [BLOCK_M, HEAD_D], smem_layout)
         k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + hkv64 * stride_kh, [sk, HEAD_D],
                                             [stride_ks, 1], [_WG_M, HEAD_D], smem_layout)
         v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + hkv64 * stride_vh, [sk, HEAD_D],
                                             [stride_vs, 1], [_WG_M, HEAD_D], smem_layout)
-        dk_off = b64 * stride_dkb + h64 * stride_dkh
-        dv_off = b64 * stride_dvb + h64 * stride_dvh
+        if GQA:
+            dk_off = b64 * stride_dkb + hkv64 * stride_dkh
+            dv_off = b64 * stride_dvb + hkv64 * stride_dvh
+        else:   # h == h_kv (the MHA kernel's text, unchanged)
+            dk_off = b64 * stride_dkb + h64 * stride_dkh
+            dv_off = b64 * stride_dvb + h64 * stride_dvh
         row_off = b64 * stride_lb + h64 * stride_lh
 
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -301,13 +390,13 @@ if gl is not None:
         stream = (q_desc, do_desc, q_smem, do_smem, ready, empty)
         gl.warp_specialize([
             (_dkdv_consumer, (0, k_smem, v_smem, kv_bar, ring, DK, DV, dk_off, dv_off, stride_dks, stride_dvs,
-                              ROWMAX, DELTA, row_off, n0, sq, sk, off, lo, full_lo, full_hi, hi,
-                              window_left, window_right, qk_scale2, scale, BLOCK_M, HEAD_D, STAGES)),
+                              ROWMAX, DELTA, row_off, stride_lh, gqa_ratio, n0, sq, sk, off, lo, full_lo, full_hi,
+                              hi, window_left, window_right, qk_scale2, scale, BLOCK_M, HEAD_D, STAGES, GQA)),
             (_dkdv_consumer, (1, k_smem, v_smem, kv_bar, ring, DK, DV, dk_off, dv_off, stride_dks, stride_dvs,
-                              ROWMAX, DELTA, row_off, n0, sq, sk, off, lo, full_lo, full_hi, hi,
-                              window_left, window_right, qk_scale2, scale, BLOCK_M, HEAD_D, STAGES)),
+                              ROWMAX, DELTA, row_off, stride_lh, gqa_ratio, n0, sq, sk, off, lo, full_lo, full_hi,
+                              hi, window_left, window_right, qk_scale2, scale, BLOCK_M, HEAD_D, STAGES, GQA)),
             (_resident_producer, (k_desc, v_desc, k_smem, v_smem, kv_bar, n0, stream, lo, hi,
-                                  BLOCK_M, HEAD_D, STAGES)),
+                                  BLOCK_M, HEAD_D, STAGES, GQA, gqa_ratio, (lo, full_lo, full_hi, hi))),
         ], [4, 1], [240, 24])
 
     # --- dQ ----------------------------------------------------------------------------------
@@ -453,12 +542,17 @@ LAUNCH_OPTIONS = dict(num_warps=4, num_stages=1)
 KERNELS = ("dkdv", "dq")
 
 
-def launch_constexprs(kernel: str, head_dim: int, bottom_right: bool = True, longest_first: bool = False) -> dict:
-    """The constexprs of one launch of ``kernel`` (``"dkdv"`` or ``"dq"``)."""
+def launch_constexprs(kernel: str, head_dim: int, bottom_right: bool = True, longest_first: bool = False,
+                      gqa: bool = False) -> dict:
+    """The constexprs of one launch of ``kernel`` (``"dkdv"`` or ``"dq"``); ``gqa`` (Hq > Hkv):
+    the dK/dV kernel's group walk (a CTA per KV head, its query heads reduced in registers)."""
     block, stages = tile_config(head_dim)[kernel]
     tile = "BLOCK_M" if kernel == "dkdv" else "BLOCK_N"
-    return {"HEAD_D": head_dim, tile: block, "STAGES": stages, "BOTTOM_RIGHT": bottom_right,
-            "LONGEST_FIRST": longest_first}
+    consts = {"HEAD_D": head_dim, tile: block, "STAGES": stages, "BOTTOM_RIGHT": bottom_right,
+              "LONGEST_FIRST": longest_first}
+    if kernel == "dkdv":
+        consts["GQA"] = gqa
+    return consts
 
 
 def _kernel(kernel: str):
@@ -470,7 +564,7 @@ def _kernel(kernel: str):
 def compile_for(kernel: str = "dkdv", head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                 causal: bool = False, gqa: bool = False, arch: int = 90):
     """``triton.compile`` of one kernel for ``GPUTarget("cuda", arch, 32)`` without a GPU (``gqa``:
-    the dK/dV kernel writing the float32 per-query-head buffer); returns the compiled kernel
+    the dK/dV kernel's GQA group walk, ``GQA=True``); returns the compiled kernel
     (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
     if GLUON_ERROR:
         raise RuntimeError(GLUON_ERROR)
@@ -481,15 +575,13 @@ def compile_for(kernel: str = "dkdv", head_dim: int = 128, dtype: torch.dtype = 
         raise ValueError(f"dtype={dtype}: only float16 and bfloat16")
     ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
     fn = _kernel(kernel)
-    consts = launch_constexprs(kernel, head_dim, longest_first=causal and kernel == "dq")
+    consts = launch_constexprs(kernel, head_dim, longest_first=causal and kernel == "dq", gqa=gqa)
     sig = {}
     for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
-        elif name in ("Q", "K", "V", "DO", "DQ"):
+        elif name in ("Q", "K", "V", "DO", "DQ", "DK", "DV"):
             sig[name] = ptr
-        elif name in ("DK", "DV"):
-            sig[name] = "*fp32" if gqa else ptr
         elif name in ("ROWMAX", "DELTA"):
             sig[name] = "*fp32"
         elif name in ("qk_scale2", "scale"):
@@ -529,7 +621,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", default=",".join(map(str, HEAD_DIMS)))
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--causal", choices=("on", "off", "both"), default="off")
-    ap.add_argument("--gqa", action="store_true", help="also the dK/dV kernel's float32 (GQA) output")
+    ap.add_argument("--gqa", action="store_true", help="also the dK/dV kernel's GQA group walk (GQA=True)")
     args = ap.parse_args(argv)
     if GLUON_ERROR:
         print(GLUON_ERROR)
@@ -581,7 +673,7 @@ def gluon_bwd_reasons(spec, has_residual: bool = True) -> list[str]:
         if present:
             reasons.append(f"{name} is not implemented in the Gluon backward")
     if spec.batch * spec.num_heads_q > 65535:
-        reasons.append(f"batch × heads = {spec.batch * spec.num_heads_q} > 65535 (the grid's second dimension)")
+        reasons.append(f"batch × heads = {spec.batch * spec.num_heads_q} > 65535 (the dQ grid's second dimension)")
     if not spec.is_varlen and dev.type == "cuda":
         bad = [n for n, t in (("q", spec.q), ("k", spec.k), ("v", spec.v)) if not _tma_aligned(t)]
         if bad:
@@ -593,14 +685,16 @@ def gluon_bwd_reasons(spec, has_residual: bool = True) -> list[str]:
 #: keys. The H200 (2026-12-03, bf16, 16k tokens, hidden 2048, no GQA; benchmarks/results/
 #: triton-gluon-bwd-check-h200.*) timed it at D 128 1.04-1.39 x the deterministic portable
 #: backward and 1.12-1.34 x the atomic one from S 1k; at D 64 1.10-1.22 x from S 4k but 0.83-0.89 x
-#: at S 1k. GQA (each query head's float32 dK/dV share, summed by torch) and D 256 are untimed.
+#: at S 1k. GQA (the in-CTA group reduction; tools/triton_gluon_bwd_check.py's GQA cells time it)
+#: and D 256 are untimed: ``auto`` leaves GQA to the portable backward until an H200 run shows it
+#: faster.
 AUTO_MIN_SEQLEN = {128: 1024, 64: 4096}
 
 
 def auto_takes(spec) -> bool:
     """Whether ``auto`` would take the Gluon backward for ``spec``'s shape (before
     :func:`gluon_bwd_reasons`): a head dim of :data:`AUTO_MIN_SEQLEN`, at least that many query
-    rows and keys, and no GQA."""
+    rows and keys, and no GQA (its speed is untimed; the check tool's GQA cells will decide)."""
     need = AUTO_MIN_SEQLEN.get(spec.head_dim)
     return (need is not None and spec.head_dim_v == spec.head_dim and spec.num_heads_q == spec.num_heads_kv
             and min(spec.seqlen_q, spec.seqlen_k) >= need)
@@ -637,8 +731,8 @@ def gluon_backward(spec, dout: torch.Tensor, rowmax: torch.Tensor, delta: torch.
     written through their strides; q's dtype) of ``spec`` by the two Gluon kernels, from
     ``dout`` (O's shape) and the prep kernel's ``rowmax`` (= lse·log2(e), +inf for a row with
     no visible key) and ``delta`` (= rowsum(dO ∘ O) − dlse), both float32 ``spec.lse_shape``.
-    Deterministic: every output element is written by one program; with GQA the per-query-head
-    float32 dK/dV shares are summed by one torch reduction. Raises ValueError with
+    Deterministic: every output element is written by one program (with GQA the dK/dV program of
+    a KV head sums its group's query heads in a fixed order in registers). Raises ValueError with
     :func:`gluon_bwd_reasons` when the kernels cannot run the problem."""
     reasons = gluon_bwd_reasons(spec)
     if reasons:
@@ -673,24 +767,15 @@ def gluon_backward(spec, dout: torch.Tensor, rowmax: torch.Tensor, delta: torch.
         delta = delta.contiguous()
         rowmax = rowmax.contiguous()
         lse_strides = rowmax.stride()[:2]
-    if gqa == 1:
-        dk_out, dv_out = dk, dv
-    else:   # each query head's share in float32, summed over the group below (a fixed order)
-        shape = (spec.batch, spec.seqlen_k, hq, spec.head_dim)
-        dk_out = torch.empty(shape, dtype=torch.float32, device=q.device)
-        dv_out = torch.empty(shape, dtype=torch.float32, device=q.device)
-    grid_kv = (-(-spec.seqlen_k // BLOCK), spec.batch * hq)
-    attn_bwd_dkdv_gluon[grid_kv](q, k, v, dout, dk_out, dv_out, rowmax, delta, *common,
-                                 *dk_out.stride()[:3], *dv_out.stride()[:3], *lse_strides, *ints,
-                                 **launch_constexprs("dkdv", spec.head_dim, bottom_right, anticausal_like),
+    ntile_k = -(-spec.seqlen_k // BLOCK)   # a CTA per (key tile, KV head)
+    grid_kv = (ntile_k, spec.batch * hq) if gqa == 1 else (ntile_k, hkv, spec.batch)
+    attn_bwd_dkdv_gluon[grid_kv](q, k, v, dout, dk, dv, rowmax, delta, *common,
+                                 *dk.stride()[:3], *dv.stride()[:3], *lse_strides, *ints,
+                                 **launch_constexprs("dkdv", spec.head_dim, bottom_right, anticausal_like, gqa > 1),
                                  **LAUNCH_OPTIONS)
     grid_q = (-(-spec.seqlen_q // BLOCK), spec.batch * hq)
     attn_bwd_dq_gluon[grid_q](q, k, v, dout, dq, rowmax, delta, *common, *dq.stride()[:3], *lse_strides, *ints,
                               **launch_constexprs("dq", spec.head_dim, bottom_right, causal_like), **LAUNCH_OPTIONS)
-    if gqa > 1:
-        b, sk, d = spec.batch, spec.seqlen_k, spec.head_dim
-        dk.copy_(dk_out.view(b, sk, hkv, gqa, d).sum(3))
-        dv.copy_(dv_out.view(b, sk, hkv, gqa, d).sum(3))
     return dq, dk, dv
 
 
