@@ -5,7 +5,12 @@ Without a GPU: :func:`gluon_reasons` refuses what the kernel cannot run with a c
 sm_90 under whichever triton is installed (skipped, with the reason, where Gluon's Hopper API is
 missing) into async wgmma + TMA + setmaxnreg code without spills, and a float64 emulation of the
 kernel's tile schedule (band phases, the first tile peeled, P V one tile behind) matches the
-reference. On an sm_90 GPU the kernel itself is compared with the float64 reference (§3 rule).
+reference. The training variant (``RESIDUAL``: O's rounding residual for the backward's delta)
+cross-compiles with the extra TMA stores and no spills, leaves the inference kernel as it was, is
+what ``ops.forward_for_backward`` takes where ``forward_choice`` says ``gluon``, and its residual
+arithmetic is checked in torch. On an sm_90 GPU the kernel itself is compared with the float64
+reference (§3 rule), the training variant with the inference one (bit for bit), the portable
+kernel's residual and float64 gradients.
 """
 
 from __future__ import annotations
@@ -110,6 +115,75 @@ def test_auto_takes_gluon_where_the_h200_timed_it_faster(monkeypatch, s, d, caus
     monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: ["no sm_90"])
     monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
     assert gluon_fwd.forward_choice(spec) == "triton"
+
+
+def _record_forwards(monkeypatch):
+    """Replace the Gluon forward and the portable one in ops by recorders; returns the list of
+    (kernel, residual) calls made. A CPU has no sm_90, so ``gluon_reasons`` is replaced too."""
+    from portattn.backends.triton import ops
+    calls = []
+
+    def fake_gluon(spec, **kw):
+        calls.append(("gluon", bool(kw.get("residual"))))
+        out = torch.empty(spec.out_shape, dtype=spec.dtype, device=spec.device)
+        lse = torch.empty(spec.lse_shape, device=spec.device)
+        return (out, lse, torch.empty_like(out)) if kw.get("residual") else (out, lse)
+
+    def fake_portable(spec, out, lse, residual):
+        calls.append(("triton", residual))
+        out = torch.empty(spec.out_shape, dtype=spec.dtype, device=spec.device)
+        return out, torch.empty(spec.lse_shape, device=spec.device), torch.empty_like(out) if residual else None
+
+    monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
+    monkeypatch.setattr(gluon_fwd, "gluon_forward", fake_gluon)
+    monkeypatch.setattr(ops, "_forward", fake_portable)
+    return calls
+
+
+@pytest.mark.parametrize("s, d, causal, auto", [
+    (1024, 128, False, "gluon"), (1024, 128, True, "triton"), (2048, 128, True, "gluon"),
+    (512, 128, False, "triton"), (16384, 64, False, "triton"), (4096, 256, True, "triton"),
+])
+def test_forward_for_backward_takes_gluon_where_forward_choice_says(monkeypatch, s, d, causal, auto):
+    """A training forward (``ops.forward_for_backward``) takes the Gluon kernel, with its residual,
+    exactly where forward_choice says ``gluon`` (auto: AUTO_MIN_SEQLEN_Q; ``gluon``: wherever it
+    can run; ``portable``: never), else the portable kernel with its residual; the residual comes
+    back either way, and float32 keeps none (and stays portable)."""
+    from portattn.backends.triton import ops
+    calls = _record_forwards(monkeypatch)
+    spec = _meta_spec(s, d, causal)
+    for value, expect in ((None, auto), ("gluon", "gluon"), ("portable", "triton")):
+        if value is None:
+            monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+        else:
+            monkeypatch.setenv(gluon_fwd.ENV_SWITCH, value)
+        calls.clear()
+        out, lse, res = ops.forward_for_backward(spec)
+        assert calls == [(expect, True)] and gluon_fwd.forward_choice(spec) == expect, (value, calls)
+        assert len(res) == 1 and res[0].shape == out.shape and res[0].dtype == out.dtype
+    monkeypatch.setenv(gluon_fwd.ENV_SWITCH, "fast")
+    with pytest.raises(ValueError, match="PORTATTN_TRITON_FORWARD"):
+        ops.forward_for_backward(spec)
+    monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+    x = torch.empty(1, s, 2, d, dtype=torch.float32, device="meta")
+    calls.clear()
+    assert ops.forward_for_backward(build_spec(x, x, x, causal=causal))[2] == ()
+    assert calls == [("triton", False)]
+
+
+def test_forward_for_backward_stays_portable_where_gluon_cannot_run(monkeypatch):
+    """Where gluon_reasons names a reason, even ``gluon`` keeps the portable training forward."""
+    from portattn.backends.triton import ops
+    calls = _record_forwards(monkeypatch)
+    monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: ["no sm_90"])
+    for value in (None, "gluon"):
+        if value is None:
+            monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+        else:
+            monkeypatch.setenv(gluon_fwd.ENV_SWITCH, value)
+        calls.clear()
+        ops.forward_for_backward(_meta_spec(4096, 128, False))
+        assert calls == [("triton", True)], (value, calls)
 
 
 _OPS_SWITCH = """

@@ -583,7 +583,7 @@ def _buffer(given, shape, dtype, device, name: str) -> torch.Tensor:
 
 
 def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                  pingpong: bool | None = None, residual: bool = False) -> tuple:
+                  pingpong: bool | None = None, residual: bool = False, ores: torch.Tensor | None = None) -> tuple:
     """``(out, lse)`` of ``spec`` by :func:`attn_fwd_gluon`: out ``(B, Sq, Hq, Dv)`` in q's dtype,
     lse ``(B, Hq, Sq)`` float32 natural log, as ``ops.forward`` returns them (written into ``out``
     / ``lse`` when given: views with a unit last stride, O's row stride 16-byte aligned). Raises
@@ -592,19 +592,26 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
 
     ``residual=True`` (a forward whose backward follows, as ``ops.forward_for_backward``):
     ``(out, lse, ores)`` with ``ores`` = O_f32 − round(O_f32) rounded to q's dtype, ``(B, Sq, Hq,
-    Dv)`` with out's strides (zeros for an empty problem), the residual the backward's delta
-    needs (docs/triton.md)."""
+    Dv)`` with out's strides (zeros for an empty problem; written into ``ores`` when given, which
+    must have out's strides), the residual the backward's delta needs (docs/triton.md)."""
     reasons = gluon_reasons(spec)
     if reasons:
         raise ValueError("the Gluon forward cannot run this problem: " + "; ".join(reasons))
     dev = spec.q.device
     out = _buffer(out, spec.out_shape, spec.dtype, dev, "out")
     lse = _buffer(lse, spec.lse_shape, torch.float32, dev, "lse")
-    ores = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=dev) if residual else None
+    if ores is not None and (not residual or ores.stride() != out.stride()):
+        raise ValueError("ores is written only with residual=True, and must have out's strides "
+                         f"{out.stride()}" + ("" if ores is None else f"; got {ores.stride()}"))
+    if residual:
+        if ores is None:
+            ores = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=dev)
+        ores = _buffer(ores, out.shape, out.dtype, dev, "ores")
     if spec.is_empty:
         return (out.zero_(), lse.fill_(float("-inf"))) + ((ores.zero_(),) if residual else ())
-    if not _tma_aligned(out):
-        raise ValueError(f"out (strides {out.stride()}) is not TMA-compatible: 16-byte aligned base and row strides")
+    for name, t in (("out", out), ("ores", ores)):
+        if t is not None and not _tma_aligned(t):
+            raise ValueError(f"{name} (strides {t.stride()}) is not TMA-compatible: 16-byte aligned base and row strides")
     q, k, v = spec.q, spec.k, spec.v
     window_left = _UNBOUNDED if spec.window_left is None else spec.window_left
     window_right = _UNBOUNDED if spec.window_right is None else spec.window_right
