@@ -14,9 +14,12 @@ Phases (each writes its results before the next starts, so a run cut short still
    poisoned with NaN first (an element the kernel does not write shows as NaN), fully-masked
    rows exactly 0 with lse -inf, two runs bit-identical; the training variant
    (``residual=True``, out / lse / ores poisoned): out and lse bit-identical to the inference
-   run, every residual written, and ores against float64's O − round(O): max |out + ores − O|
-   (``res_err``) below 1/16 of the rounding error max |out − O| (``round_err``) and at most twice
-   the portable kernel's (``portable_res_err``, ``ops.forward_for_backward``); then one launch at
+   run, every residual written and at most half an ulp of out, and ores against float64's
+   O − round(O): max |out + ores − O| (``res_err``) below the rounding error max |out − O|
+   (``round_err``) and at most twice the portable kernel's (``portable_res_err``,
+   ``ops.forward_for_backward``), max |ores − (O − out)| reported (``res_vs_f64``; P V takes P in
+   16 bits, so the float32 O itself is ~0.4 × round_err from float64 and the residual cannot be
+   held tighter to it); then one launch at
    every timing shape; all of it for the kernel with and without the consumers' ping-pong
    (``PINGPONG``);
 3. timings (bf16, B·S = 16k tokens, hidden 2048: H = 2048 / D; S 1k / 4k / 16k, D 128 / 256 / 64,
@@ -120,10 +123,11 @@ def _check_case(case, pingpong: bool) -> dict:
 
 def _check_residual(spec, out, lse, ref, pingpong: bool) -> dict:
     """The training variant on ``spec`` beside the inference run's ``out`` / ``lse``: out and lse
-    bit-identical, every element of out / lse / ores written (NaN-poisoned first), and ores
-    against float64's O − round(O) (``ref`` the float64 O, canonical layout): ``res_err`` = max
-    |out + ores − O| below ``round_err`` / 16 (``round_err`` = max |out − O|; 0 passes) and at
-    most twice the portable kernel's ``portable_res_err`` (+1e-6)."""
+    bit-identical, every element of out / lse / ores written (NaN-poisoned first), |ores| at most
+    half an ulp of out, and ores against float64's O − round(O) (``ref`` the float64 O, canonical
+    layout): ``res_err`` = max |out + ores − O| below ``round_err`` = max |out − O| (0 passes)
+    and at most twice the portable kernel's ``portable_res_err`` (+1e-6); ``res_vs_f64`` = max
+    |ores − (O − out)| is reported, not judged (the float32 O carries P's 16-bit rounding)."""
     import torch
     from portattn.backends.triton import gluon_fwd, ops
     o2 = torch.full_like(out, float("nan"))
@@ -136,11 +140,16 @@ def _check_residual(spec, out, lse, ref, pingpong: bool) -> dict:
     round_err = (out.double() - exact).abs().max().item() if out.numel() else 0.0
     res_err = (o2.double() + ores.double() - exact).abs().max().item() if out.numel() else 0.0
     portable = (p_out.double() + p_res.double() - exact).abs().max().item() if out.numel() else 0.0
+    bits = {torch.bfloat16: 8, torch.float16: 11}[out.dtype]
+    ulp = (out.double().abs().clamp_min(1e-30).log2().floor() - (bits - 1)).exp2()
+    step = torch.finfo(out.dtype).tiny * 2.0 ** -(bits - 1)
     row = dict(res_unwritten=int(torch.isnan(o2).sum() + torch.isnan(l2).sum() + torch.isnan(ores).sum()),
                res_same_out_lse=bool(torch.equal(o2, out) and torch.equal(l2, lse)),
-               round_err=round_err, res_err=res_err, portable_res_err=portable)
-    row["res_passed"] = bool(row["res_unwritten"] == 0 and row["res_same_out_lse"]
-                             and (res_err < round_err / 16 or round_err == 0) and res_err <= 2 * portable + 1e-6)
+               res_half_ulp=bool((ores.double().abs() <= torch.clamp(ulp / 2, min=step)).all()),
+               round_err=round_err, res_err=res_err, portable_res_err=portable,
+               res_vs_f64=(ores.double() - (exact - out.double())).abs().max().item() if out.numel() else 0.0)
+    row["res_passed"] = bool(row["res_unwritten"] == 0 and row["res_same_out_lse"] and row["res_half_ulp"]
+                             and (res_err < round_err or round_err == 0) and res_err <= 2 * portable + 1e-6)
     return row
 
 
@@ -274,8 +283,8 @@ def report(res: dict) -> str:
             if "res_passed" in c:
                 lines.append(f"       residual {'ok' if c['res_passed'] else 'FAIL'}: "
                              + " ".join(f"{k}={c[k]:.3g}" if isinstance(c[k], float) else f"{k}={c[k]}"
-                                        for k in ("res_unwritten", "res_same_out_lse", "round_err", "res_err",
-                                                  "portable_res_err")))
+                                        for k in ("res_unwritten", "res_same_out_lse", "res_half_ulp", "round_err",
+                                                  "res_err", "portable_res_err", "res_vs_f64") if k in c))
             if not c.get("passed"):
                 lines += [f"       {c.get('out', '')}", f"       {c.get('lse', '')}"]
         for x in ch["launches"]:
