@@ -5,7 +5,12 @@ Without a GPU: :func:`gluon_reasons` refuses what the kernel cannot run with a c
 sm_90 under whichever triton is installed (skipped, with the reason, where Gluon's Hopper API is
 missing) into async wgmma + TMA + setmaxnreg code without spills, and a float64 emulation of the
 kernel's tile schedule (band phases, the first tile peeled, P V one tile behind) matches the
-reference. On an sm_90 GPU the kernel itself is compared with the float64 reference (§3 rule).
+reference. The training variant (``RESIDUAL``: O's rounding residual for the backward's delta)
+cross-compiles with the extra TMA stores and no spills, leaves the inference kernel as it was, is
+what ``ops.forward_for_backward`` takes where ``forward_choice`` says ``gluon``, and its residual
+arithmetic is checked in torch. On an sm_90 GPU the kernel itself is compared with the float64
+reference (§3 rule), the training variant with the inference one (bit for bit), the portable
+kernel's residual and float64 gradients.
 """
 
 from __future__ import annotations
@@ -112,6 +117,75 @@ def test_auto_takes_gluon_where_the_h200_timed_it_faster(monkeypatch, s, d, caus
     assert gluon_fwd.forward_choice(spec) == "triton"
 
 
+def _record_forwards(monkeypatch):
+    """Replace the Gluon forward and the portable one in ops by recorders; returns the list of
+    (kernel, residual) calls made. A CPU has no sm_90, so ``gluon_reasons`` is replaced too."""
+    from portattn.backends.triton import ops
+    calls = []
+
+    def fake_gluon(spec, **kw):
+        calls.append(("gluon", bool(kw.get("residual"))))
+        out = torch.empty(spec.out_shape, dtype=spec.dtype, device=spec.device)
+        lse = torch.empty(spec.lse_shape, device=spec.device)
+        return (out, lse, torch.empty_like(out)) if kw.get("residual") else (out, lse)
+
+    def fake_portable(spec, out, lse, residual):
+        calls.append(("triton", residual))
+        out = torch.empty(spec.out_shape, dtype=spec.dtype, device=spec.device)
+        return out, torch.empty(spec.lse_shape, device=spec.device), torch.empty_like(out) if residual else None
+
+    monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
+    monkeypatch.setattr(gluon_fwd, "gluon_forward", fake_gluon)
+    monkeypatch.setattr(ops, "_forward", fake_portable)
+    return calls
+
+
+@pytest.mark.parametrize("s, d, causal, auto", [
+    (1024, 128, False, "gluon"), (1024, 128, True, "triton"), (2048, 128, True, "gluon"),
+    (512, 128, False, "triton"), (16384, 64, False, "triton"), (4096, 256, True, "triton"),
+])
+def test_forward_for_backward_takes_gluon_where_forward_choice_says(monkeypatch, s, d, causal, auto):
+    """A training forward (``ops.forward_for_backward``) takes the Gluon kernel, with its residual,
+    exactly where forward_choice says ``gluon`` (auto: AUTO_MIN_SEQLEN_Q; ``gluon``: wherever it
+    can run; ``portable``: never), else the portable kernel with its residual; the residual comes
+    back either way, and float32 keeps none (and stays portable)."""
+    from portattn.backends.triton import ops
+    calls = _record_forwards(monkeypatch)
+    spec = _meta_spec(s, d, causal)
+    for value, expect in ((None, auto), ("gluon", "gluon"), ("portable", "triton")):
+        if value is None:
+            monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+        else:
+            monkeypatch.setenv(gluon_fwd.ENV_SWITCH, value)
+        calls.clear()
+        out, lse, res = ops.forward_for_backward(spec)
+        assert calls == [(expect, True)] and gluon_fwd.forward_choice(spec) == expect, (value, calls)
+        assert len(res) == 1 and res[0].shape == out.shape and res[0].dtype == out.dtype
+    monkeypatch.setenv(gluon_fwd.ENV_SWITCH, "fast")
+    with pytest.raises(ValueError, match="PORTATTN_TRITON_FORWARD"):
+        ops.forward_for_backward(spec)
+    monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+    x = torch.empty(1, s, 2, d, dtype=torch.float32, device="meta")
+    calls.clear()
+    assert ops.forward_for_backward(build_spec(x, x, x, causal=causal))[2] == ()
+    assert calls == [("triton", False)]
+
+
+def test_forward_for_backward_stays_portable_where_gluon_cannot_run(monkeypatch):
+    """Where gluon_reasons names a reason, even ``gluon`` keeps the portable training forward."""
+    from portattn.backends.triton import ops
+    calls = _record_forwards(monkeypatch)
+    monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: ["no sm_90"])
+    for value in (None, "gluon"):
+        if value is None:
+            monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+        else:
+            monkeypatch.setenv(gluon_fwd.ENV_SWITCH, value)
+        calls.clear()
+        ops.forward_for_backward(_meta_spec(4096, 128, False))
+        assert calls == [("triton", True)], (value, calls)
+
+
 _OPS_SWITCH = """
 import torch
 from portattn.backends.triton import ops
@@ -147,19 +221,19 @@ def test_tile_table_fits_hopper_shared_memory():
 
 # ----- cross-compilation for sm_90 (CPU; a subprocess: the test process has the interpreter on) ----
 
-def _compile_rows(dims: str) -> list[dict]:
+def _compile_rows(dims: str, residual: str = "off") -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "portattn.backends.triton.gluon_fwd", "--json", "--dims", dims],
-                          capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "portattn.backends.triton.gluon_fwd", "--json", "--dims", dims,
+                           "--residual", residual], capture_output=True, text=True, env=env, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
     assert lines, f"no report (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1])
 
 
-def _check_compiled(rows, dims):
-    assert {(r["head_dim"], r["causal"], r["pingpong"]) for r in rows} == {
-        (d, c, p) for d in dims for c in (False, True) for p in (False, True)}
+def _check_compiled(rows, dims, residuals=(False,)):
+    assert {(r["head_dim"], r["causal"], r["pingpong"], r["residual"]) for r in rows} == {
+        (d, c, p, x) for d in dims for c in (False, True) for p in (False, True) for x in residuals}
     for r in rows:
         assert "error" not in r, r
         assert r["shared"] <= 232448, r
@@ -175,19 +249,49 @@ def _check_compiled(rows, dims):
                 assert r["stack"] == 0 and r["LDL/STL"] == 0, r
 
 
+@pytest.fixture(scope="module")
+def d128_rows():
+    """D 128, causal or not, ping-pong or not, inference and training (``RESIDUAL``) kernels:
+    8 compiles, ~1 min on a busy CPU (the triton cache makes a second run quick)."""
+    return _compile_rows("128", residual="both")
+
+
 @needs_gluon
-def test_cross_compiles_for_sm90_into_wgmma_and_tma():
-    """D 128, causal or not, ping-pong or not (4 compiles, ~30 s on a busy CPU)."""
-    _check_compiled(_compile_rows("128"), (128,))
+def test_cross_compiles_for_sm90_into_wgmma_and_tma(d128_rows):
+    """Both variants at D 128 compile to async wgmma, TMA and the register split, without
+    spills under either triton (the residual's stores included)."""
+    _check_compiled(d128_rows, (128,), residuals=(False, True))
+
+
+@needs_gluon
+def test_residual_adds_only_its_stores(d128_rows):
+    """The training kernel is the inference kernel plus ORES: one more parameter and one more
+    TMA store per consumer warpgroup (PTX and SASS), the same shared memory, products, loads and
+    register split. The inference kernel keeps the parameters and stores it had before RESIDUAL
+    existed (28 and 2: ORES is the constexpr None there, no parameter); its PTX and TTGIR were
+    compared before and after the change under triton 3.6 and 3.9 (identical but for debug
+    lines and SSA names, 2026-12-04)."""
+    by_key = {(r["causal"], r["pingpong"], r["residual"]): r for r in d128_rows}
+    for causal in (False, True):
+        for pp in (False, True):
+            inf, res = by_key[causal, pp, False], by_key[causal, pp, True]
+            assert inf["params"] == 28 and inf["tma_store"] == 2, inf
+            assert res["params"] == inf["params"] + 1, (inf, res)
+            assert res["tma_store"] == 2 * inf["tma_store"] and res["tma"] == inf["tma"] + inf["tma_store"], res
+            for key in ("shared", "num_warps", "wgmma", "setmaxnreg"):
+                assert res[key] == inf[key], (key, inf, res)
+            if res.get("regs") is not None:
+                assert res["UTMASTG"] == 2 * inf["UTMASTG"] and res["UTMALDG"] == inf["UTMALDG"], (inf, res)
+                assert res["HGMMA"] == inf["HGMMA"], (inf, res)
 
 
 @needs_gluon
 @pytest.mark.slow
 def test_cross_compiles_every_head_dim(request):
-    """12 compiles (~2 min on 2 cores): only with ``-m slow``."""
+    """24 compiles, inference and training (~4 min on 2 cores): only with ``-m slow``."""
     if "slow" not in (request.config.getoption("-m") or ""):
         pytest.skip("every head dim: run with -m slow, or python -m portattn.backends.triton.gluon_fwd")
-    _check_compiled(_compile_rows("64,128,256"), gluon_fwd.HEAD_DIMS)
+    _check_compiled(_compile_rows("64,128,256", residual="both"), gluon_fwd.HEAD_DIMS, residuals=(False, True))
 
 
 def test_check_tool_report_renders():
@@ -195,15 +299,19 @@ def test_check_tool_report_renders():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
     import triton_gluon_check as tool
     child = {"rc": 0, "hung": False, "passed": False, "seconds": 1.0, "timed_variants": [False],
-             "checks": [{"case": "plain_d128", "pingpong": True, "passed": False, "out": "out FAIL", "lse": "lse ok"}],
+             "checks": [{"case": "plain_d128", "pingpong": True, "passed": False, "out": "out FAIL", "lse": "lse ok",
+                         "res_passed": False, "res_unwritten": 3, "res_same_out_lse": True, "round_err": 0.002,
+                         "res_err": 1e-5, "portable_res_err": 2e-6}],
              "launches": [{"S": 1024, "D": 128, "causal": False, "pingpong": True, "error": "boom"}],
              "stderr_tail": "Traceback"}
     timings = [{"S": 1024, "B": 16, "H": 16, "D": 128, "causal": False, "gluon_nopp": 500.0, "triton": 400.0,
-                "flash": 450.0, "cudnn": 400.0, "gluon_pp_error": "x"}]
+                "flash": 450.0, "cudnn": 400.0, "gluon_pp_error": "x", "triton_train": 380.0, "gluon_train": 475.0}]
     text = tool.report({"compile": [{"head_dim": 128}], "child": child, "timings": timings, "verdict": "FAIL"})
     assert "FAIL plain_d128" in text and "boom" in text and "VERDICT: FAIL" in text
-    row = next(ln for ln in text.splitlines() if ln.lstrip().startswith("1024"))
-    assert "1.25" in row and "500.0" in row, row   # best Gluon / cuDNN and / triton
+    assert "residual FAIL: res_unwritten=3" in text and "res_err=1e-05" in text
+    rows = [ln for ln in text.splitlines() if ln.lstrip().startswith("1024")]
+    assert "1.25" in rows[0] and "500.0" in rows[0], rows   # best Gluon / cuDNN and / triton
+    assert "475.0" in rows[1] and "380.0" in rows[1] and "1.25" in rows[1], rows   # training: Gluon / portable
 
 
 # ----- the tile schedule, emulated in float64 (CPU) -------------------------------------------
@@ -311,6 +419,73 @@ def test_emulated_schedule_matches_reference(name, block_n):
     assert compare_lse(lse, ref_lse).passed
 
 
+# ----- the residual's arithmetic, emulated in torch (CPU) ----------------------------------------
+
+#: significant bits of each 16-bit dtype (the implicit one included)
+_MANTISSA = {torch.bfloat16: 8, torch.float16: 11}
+
+
+def _residual(o32: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RESIDUAL epilogue on a float32 O (any shape): ``out16 = O.to(dtype)`` and
+    ``res = (O − out16.to(float32)).to(dtype)``, both rounded to nearest even as the GPU's
+    ``cvt.rn`` (and torch) round. Returns (out16, res)."""
+    out16 = o32.to(dtype)
+    return out16, (o32 - out16.float()).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_residual_arithmetic(dtype):
+    """For float32 O across magnitudes (signs, exact values, zero, fp16's subnormals): the float32
+    subtraction O − round(O) is exact, so the residual is O − round(O) rounded once; it is at most
+    half an ulp of round(O) (or the dtype's smallest step, where it underflows) and adds back to
+    round(O) unless its own rounding reached exactly half an ulp (a tie, which rounds to even);
+    round(O) + residual (in float64) is never farther from O than round(O) alone, closer where O
+    was not representable, and within half an ulp of the residual of O."""
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(1 << 14, generator=g) * torch.logspace(-6, 4, 1 << 14)
+    o[:6] = torch.tensor([0.0, 1.0, -0.5, 3.0, 2.0 ** -10, -1.0e-7])
+    out16, res = _residual(o, dtype)
+    o64, r64, u64 = o.double(), res.double(), out16.double()
+    assert torch.equal((o - out16.float()).double(), o64 - u64)            # exact in float32
+    bits = _MANTISSA[dtype]
+    tiniest = torch.finfo(dtype).tiny * 2.0 ** -(bits - 1)     # the smallest subnormal step
+    ulp = (u64.abs().clamp_min(1e-300).log2().floor() - (bits - 1)).exp2()
+    assert bool((r64.abs() <= torch.clamp(ulp / 2, min=tiniest)).all())
+    below_half = r64.abs() < ulp / 2
+    assert below_half.float().mean() > 0.9    # not: ties, and fp16 residuals in its subnormal range
+    back = (out16.float() + res.float()).to(dtype)
+    assert torch.equal(back[below_half], out16[below_half])
+    err_round = (u64 - o64).abs()
+    err_pair = (u64 + r64 - o64).abs()
+    assert bool((err_pair <= err_round).all())
+    moved = err_round > 0
+    assert moved.float().mean() > 0.9
+    # the pair's error is the residual's own rounding: half an ulp of it (or of the dtype's tiniest)
+    res_ulp = (r64.abs().clamp_min(torch.finfo(dtype).tiny).log2().floor() - (bits - 1)).exp2()
+    assert bool((err_pair <= torch.maximum(res_ulp, torch.full_like(res_ulp, tiniest)) / 2 * (1 + 1e-12)).all())
+    normal = err_round >= torch.finfo(dtype).tiny   # fp16 residuals below 6e-5 (subnormal) keep fewer bits
+    assert bool((err_pair[normal] < err_round[normal]).all()) and normal.float().mean() > 0.3
+
+
+@pytest.mark.parametrize("name", ["plain_ragged", "causal_sq_gt_sk"])
+def test_residual_of_the_emulated_schedule(name):
+    """The residual on the emulated kernel's output (float64 schedule, normalised and rounded to
+    float32 as the accumulator is): round(O) + residual is closer to the float64 reference than
+    round(O) alone, and rows with no visible key get a zero residual (O is exactly 0 there)."""
+    shape, kw = EMULATED[name]
+    q, k, v = _qkv(*shape, dtype=torch.bfloat16, seed=4)
+    spec = build_spec(q, k, v, **kw)
+    out64, lse = _emulate(spec, 128)
+    out16, res = _residual(out64.float(), torch.bfloat16)
+    exact = reference_forward(spec)[0].double()
+    err_round = (out16.double() - exact).abs().max()
+    err_pair = (out16.double() + res.double() - exact).abs().max()
+    assert err_pair < err_round / 50, (err_pair, err_round)
+    empty = torch.isneginf(lse).transpose(1, 2)     # (B, Sq, Hq)
+    if bool(empty.any()):
+        assert bool((res[empty] == 0).all()) and bool((out16[empty] == 0).all())
+
+
 # ----- the kernel on the H200 ------------------------------------------------------------------
 
 GPU_CASES = {
@@ -395,6 +570,81 @@ def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal
     assert bool(ran) == (kernel == "gluon")
     spec = build_spec(q, k, v, causal=causal)
     assert compare("out", out, reference_forward(spec)[0], naive_forward(spec)[0]).passed
+
+
+#: GPU_CASES the training forward (RESIDUAL) is checked on: D 64/128/256, fp16, ragged, causal
+#: both alignments, fully-masked rows and GQA
+TRAINING_CASES = ["plain_d128", "plain_d64_fp16", "d256", "ragged_d128", "causal_sq_gt_sk", "causal_top_left",
+                  "sq1"]
+
+
+@requires_sm90
+@needs_gluon
+@pytest.mark.usefixtures("no_deadlock")
+@pytest.mark.parametrize("pingpong", [False, True])
+@pytest.mark.parametrize("name", TRAINING_CASES)
+def test_gpu_training_forward_is_inference_plus_residual(monkeypatch, name, pingpong):
+    """The Gluon training forward (``residual=True``) against the inference one and the portable
+    kernel's residual: out and lse bit-identical to the inference launch; every element of the
+    residual written (NaN-poisoned first); the residual at most half an ulp of out and adding back
+    to it (but at ties); out + residual closer to float64 than out (P V takes P in 16 bits, so the
+    float32 O is itself ~0.4 x the rounding error away: no tighter bound to float64 holds), and
+    as close as the portable kernel's out + residual (within 2 x; a zero residual is ~2.5 x)."""
+    from portattn.backends.triton import ops
+    shape, kw = GPU_CASES[name]
+    kw = dict(kw)
+    dtype = kw.pop("dtype", torch.bfloat16)
+    q, k, v = _qkv(*shape, dtype=dtype, device="cuda", seed=7)
+    spec = build_spec(q, k, v, **kw)
+    out, lse = gluon_fwd.gluon_forward(spec, pingpong=pingpong)
+    out2 = torch.full(spec.out_shape, float("nan"), dtype=dtype, device="cuda")
+    lse2 = torch.full(spec.lse_shape, float("nan"), device="cuda")
+    ores = torch.full_like(out2, float("nan"))
+    got = gluon_fwd.gluon_forward(spec, out=out2, lse=lse2, ores=ores, pingpong=pingpong, residual=True)
+    torch.cuda.synchronize()
+    assert len(got) == 3 and got[2] is ores
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    assert not bool(torch.isnan(ores).any())
+    o64, r64 = out.double(), ores.double()
+    bits = _MANTISSA[dtype]
+    ulp = (o64.abs().clamp_min(1e-30).log2().floor() - (bits - 1)).exp2()
+    assert bool((r64.abs() <= torch.clamp(ulp / 2, min=torch.finfo(dtype).tiny * 2.0 ** -(bits - 1))).all())
+    below_half = r64.abs() < ulp / 2            # a residual rounded to exactly half an ulp is a tie
+    assert torch.equal((out.float() + ores.float()).to(dtype)[below_half], out[below_half])
+    monkeypatch.setenv(gluon_fwd.ENV_SWITCH, "portable")
+    p_out, _, (p_res,) = ops.forward_for_backward(spec)
+    torch.cuda.synchronize()
+    exact = reference_forward(spec)[0].double()
+    err_round = (o64 - exact).abs().max().item()
+    err_pair = (o64 + r64 - exact).abs().max().item()
+    err_portable = (p_out.double() + p_res.double() - exact).abs().max().item()
+    assert err_pair < err_round or err_round == 0, (err_pair, err_round)
+    assert err_pair <= 2 * err_portable + 1e-6, (err_pair, err_portable)
+
+
+@requires_sm90
+@needs_gluon
+@pytest.mark.usefixtures("no_deadlock")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_training_step_takes_gluon_and_matches_float64(monkeypatch, causal):
+    """``portattn.attention`` with requires_grad at D 128, S 2048, default switches: the forward is
+    the Gluon one with its residual (one launch, seen), the backward the Gluon one, and out, lse
+    and the gradients pass the float64 rule (factor 3 for gradients)."""
+    from portattn.backends.triton import gluon_bwd
+
+    from portattn.testing import check_backend
+    monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(gluon_bwd.ENV_SWITCH, raising=False)
+    fwd, bwd = [], []
+    real_fwd, real_bwd = gluon_fwd.gluon_forward, gluon_bwd.gluon_backward
+    monkeypatch.setattr(gluon_fwd, "gluon_forward",
+                        lambda spec, **kw: fwd.append(bool(kw.get("residual"))) or real_fwd(spec, **kw))
+    monkeypatch.setattr(gluon_bwd, "gluon_backward", lambda spec, *a, **kw: bwd.append(spec) or real_bwd(spec, *a, **kw))
+    q, k, v = _qkv(1, 2048, 2048, 4, 4, 128, device="cuda", seed=13)
+    results = check_backend("triton", q, k, v, grad=True, causal=causal)
+    assert fwd == [True], fwd
+    assert len(bwd) == 1
+    assert all(r.passed for r in results), "\n".join(map(str, results))
 
 
 @pytest.mark.parametrize("value, expect", [(None, True), ("", True), ("1", True), ("on", True), ("0", False),

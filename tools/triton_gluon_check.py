@@ -6,19 +6,30 @@ cuDNN, inside a hard time limit.
 
 Phases (each writes its results before the next starts, so a run cut short still reports):
 
-1. compile: the kernel for sm_90 at D 64 / 128 / 256, with and without ping-pong (shared memory,
-   registers, spills, setmaxnreg values, the PTX's wgmma / TMA counts, SASS HGMMA / UTMALDG);
+1. compile: the kernel for sm_90 at D 64 / 128 / 256, with and without ping-pong, and the
+   training variant (``RESIDUAL``, ping-pong on) (shared memory, registers, spills, setmaxnreg
+   values, the PTX's wgmma / TMA counts, SASS HGMMA / UTMALDG / UTMASTG);
 2. checks, in a child process with a timeout (a barrier deadlock there cannot hang this run):
    every case against float64 with ``portattn.numerics.compare`` / ``compare_lse``, outputs
    poisoned with NaN first (an element the kernel does not write shows as NaN), fully-masked
-   rows exactly 0 with lse -inf, two runs bit-identical; then one launch at every timing shape;
-   all of it for the kernel with and without the consumers' ping-pong (``PINGPONG``);
+   rows exactly 0 with lse -inf, two runs bit-identical; the training variant
+   (``residual=True``, out / lse / ores poisoned): out and lse bit-identical to the inference
+   run, every residual written and at most half an ulp of out, and ores against float64's
+   O − round(O): max |out + ores − O| (``res_err``) below the rounding error max |out − O|
+   (``round_err``) and at most twice the portable kernel's (``portable_res_err``,
+   ``ops.forward_for_backward``), max |ores − (O − out)| reported (``res_vs_f64``; P V takes P in
+   16 bits, so the float32 O itself is ~0.4 × round_err from float64 and the residual cannot be
+   held tighter to it); then one launch at
+   every timing shape; all of it for the kernel with and without the consumers' ping-pong
+   (``PINGPONG``);
 3. timings (bf16, B·S = 16k tokens, hidden 2048: H = 2048 / D; S 1k / 4k / 16k, D 128 / 256 / 64,
    causal and not): the Gluon forward with and without ping-pong (each only if its phase-2
    checks and launches passed), the triton backend's forward
    (``ops.forward``, PORTATTN_TRITON_FORWARD=portable), SDPA flash and cuDNN; medians of
    ``triton.testing.do_bench`` (L2 flushed before each run); TFLOP/s = 4·B·H·S²·D / t (halved
-   for causal) and the ratios of the faster Gluon variant to cuDNN and to triton. No new cell starts after
+   for causal) and the ratios of the faster Gluon variant to cuDNN and to triton; at D 128 also
+   the training forwards (with the residual): Gluon's (ping-pong on) and the portable kernel's
+   (``ops.forward_for_backward``). No new cell starts after
    ``--time-limit`` seconds; a watchdog ends the process 60 s after it.
 
 Writes ``gluon_check.json`` and ``gluon_check.txt`` to ``--out``. Verdict PASS = compiled with
@@ -104,6 +115,41 @@ def _check_case(case, pingpong: bool) -> dict:
                empty_rows=int(empty.sum()), empty_rows_zero=empty_ok,
                repeatable=bool(torch.equal(out, out2) and torch.equal(lse, lse2)))
     row["passed"] = bool(c_out.passed and c_lse.passed and row["unwritten"] == 0 and empty_ok and row["repeatable"])
+    res = _check_residual(spec, out, lse, ref, pingpong)
+    row.update(res)
+    row["passed"] = bool(row["passed"] and res["res_passed"])
+    return row
+
+
+def _check_residual(spec, out, lse, ref, pingpong: bool) -> dict:
+    """The training variant on ``spec`` beside the inference run's ``out`` / ``lse``: out and lse
+    bit-identical, every element of out / lse / ores written (NaN-poisoned first), |ores| at most
+    half an ulp of out, and ores against float64's O − round(O) (``ref`` the float64 O, canonical
+    layout): ``res_err`` = max |out + ores − O| below ``round_err`` = max |out − O| (0 passes)
+    and at most twice the portable kernel's ``portable_res_err`` (+1e-6); ``res_vs_f64`` = max
+    |ores − (O − out)| is reported, not judged (the float32 O carries P's 16-bit rounding)."""
+    import torch
+    from portattn.backends.triton import gluon_fwd, ops
+    o2 = torch.full_like(out, float("nan"))
+    l2 = torch.full_like(lse, float("nan"))
+    ores = torch.full_like(out, float("nan"))
+    gluon_fwd.gluon_forward(spec, out=o2, lse=l2, ores=ores, pingpong=pingpong, residual=True)
+    p_out, _, (p_res,) = ops.forward_for_backward(spec)      # PORTATTN_TRITON_FORWARD=portable here
+    torch.cuda.synchronize()
+    exact = ref.double()
+    round_err = (out.double() - exact).abs().max().item() if out.numel() else 0.0
+    res_err = (o2.double() + ores.double() - exact).abs().max().item() if out.numel() else 0.0
+    portable = (p_out.double() + p_res.double() - exact).abs().max().item() if out.numel() else 0.0
+    bits = {torch.bfloat16: 8, torch.float16: 11}[out.dtype]
+    ulp = (out.double().abs().clamp_min(1e-30).log2().floor() - (bits - 1)).exp2()
+    step = torch.finfo(out.dtype).tiny * 2.0 ** -(bits - 1)
+    row = dict(res_unwritten=int(torch.isnan(o2).sum() + torch.isnan(l2).sum() + torch.isnan(ores).sum()),
+               res_same_out_lse=bool(torch.equal(o2, out) and torch.equal(l2, lse)),
+               res_half_ulp=bool((ores.double().abs() <= torch.clamp(ulp / 2, min=step)).all()),
+               round_err=round_err, res_err=res_err, portable_res_err=portable,
+               res_vs_f64=(ores.double() - (exact - out.double())).abs().max().item() if out.numel() else 0.0)
+    row["res_passed"] = bool(row["res_unwritten"] == 0 and row["res_same_out_lse"] and row["res_half_ulp"]
+                             and (res_err < round_err or round_err == 0) and res_err <= 2 * portable + 1e-6)
     return row
 
 
@@ -194,6 +240,10 @@ def time_cell(s: int, d: int, causal: bool, variants: list) -> dict:
     impls = [(f"gluon_{'pp' if pp else 'nopp'}", lambda pp=pp: gluon_fwd.gluon_forward(spec, pingpong=pp))
              for pp in variants]
     impls.append(("triton", lambda: ops.forward(spec)))
+    if d == 128:   # the training forwards (with O's rounding residual): Gluon's, if its checks passed
+        if True in variants:
+            impls.append(("gluon_train", lambda: gluon_fwd.gluon_forward(spec, pingpong=True, residual=True)))
+        impls.append(("triton_train", lambda: ops.forward_for_backward(spec)))
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         def sdpa(be=be):
@@ -230,6 +280,11 @@ def report(res: dict) -> str:
             lines.append(f"  {'ok  ' if c.get('passed') else 'FAIL'} {c['case']:<20} "
                          + " ".join(f"{k}={c[k]}" for k in ("pingpong", "dtype", "unwritten", "empty_rows", "empty_rows_zero",
                                                             "repeatable", "reasons", "error") if k in c))
+            if "res_passed" in c:
+                lines.append(f"       residual {'ok' if c['res_passed'] else 'FAIL'}: "
+                             + " ".join(f"{k}={c[k]:.3g}" if isinstance(c[k], float) else f"{k}={c[k]}"
+                                        for k in ("res_unwritten", "res_same_out_lse", "res_half_ulp", "round_err",
+                                                  "res_err", "portable_res_err", "res_vs_f64") if k in c))
             if not c.get("passed"):
                 lines += [f"       {c.get('out', '')}", f"       {c.get('lse', '')}"]
         for x in ch["launches"]:
@@ -253,6 +308,15 @@ def report(res: dict) -> str:
             errs = {k: v for k, v in r.items() if k.endswith("_error")}
             if errs:
                 lines.append("       " + json.dumps(errs))
+        train = [r for r in cells if "triton_train" in r or "gluon_train" in r]
+        if train:
+            lines += ["", "training forward TFLOP/s (with O's rounding residual; Gluon with ping-pong)",
+                      f"{'S':>6} {'D':>4} {'causal':>6} {'g_train':>7} {'t_train':>7} {'g_pp':>7} {'g/t':>6} "
+                      f"{'g_train/g_pp':>12}"]
+            for r in train:
+                g, t, pp = r.get("gluon_train"), r.get("triton_train"), r.get("gluon_pp")
+                lines.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {_fmt(g)} {_fmt(t)} {_fmt(pp)} "
+                             f"{_fmt(g / t if g and t else None, 6, 2)} {_fmt(g / pp if g and pp else None, 12, 2)}")
     if res.get("skipped"):
         lines.append(f"skipped at the time limit: {res['skipped']}")
     lines += ["", f"VERDICT: {res.get('verdict', '?')}"]
@@ -296,12 +360,13 @@ def main(argv=None) -> int:
         res["compile"].append({"error": gluon_fwd.GLUON_ERROR})
     else:
         for d in gluon_fwd.HEAD_DIMS:
-            for pp in PINGPONGS:
+            for pp, residual in [(pp, False) for pp in PINGPONGS] + [(True, True)]:
                 try:
-                    r = gluon_fwd.compile_report(d, False, pingpong=pp)
+                    r = gluon_fwd.compile_report(d, False, pingpong=pp, residual=residual)
                     compiled_ok &= r.get("HGMMA", 1) > 0 and r.get("UTMALDG", 1) > 0
                 except Exception as exc:
-                    r = {"head_dim": d, "pingpong": pp, "error": f"{type(exc).__name__}: {str(exc)[-600:]}"}
+                    r = {"head_dim": d, "pingpong": pp, "residual": residual,
+                         "error": f"{type(exc).__name__}: {str(exc)[-600:]}"}
                     compiled_ok = False
                 res["compile"].append(r)
                 print(json.dumps(r), flush=True)

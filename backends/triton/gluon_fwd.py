@@ -25,7 +25,11 @@ aligned row ``i + off``; key tiles in three phases (masked / unmasked / masked, 
 edge tiles pay for the element mask); GQA by the head index; a row with no visible key outputs 0
 and ``lse = -inf``. Out ``(B, Sq, Hq, Dv)`` and lse ``(B, Hq, Sq)`` are written through their
 strides; Q/K/V/O go through device-side tensor descriptors of each (sequence, head)'s ``(S, D)``
-slab, whose bounds zero-fill ragged tiles and clip the O store. Dense inputs only; float16 and
+slab, whose bounds zero-fill ragged tiles and clip the O store. With ``RESIDUAL`` (a training
+forward, ``ops.forward_for_backward``) the epilogue also stores O's rounding residual
+``O_f32 − round(O_f32)`` (O's dtype and strides; the backward's delta of the unrounded output,
+as ``kernels.attn_fwd``'s ``RESIDUAL``) through the same Q tile once O's store has read it;
+without it the kernel compiles to the same code as before the option. Dense inputs only; float16 and
 bfloat16; ``D == Dv`` in {64, 128, 256}; no softcap, ALiBi, bias or sliding window
 (:func:`gluon_reasons` says which problems it cannot run).
 
@@ -197,12 +201,15 @@ if gl is not None:
         return acc, m_i, l_i, p_prev, i
 
     @gluon.jit
-    def _consumer(WG: gl.constexpr, o_desc, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off,
+    def _consumer(WG: gl.constexpr, o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off,
                   lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2,
-                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-        """One consumer warpgroup: the 64 query rows ``m0 + WG·64 …``; writes their O and lse.
+                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                  RESIDUAL: gl.constexpr):
+        """One consumer warpgroup: the 64 query rows ``m0 + WG·64 …``; writes their O and lse, and
+        with ``RESIDUAL`` O's rounding residual (``o_descs`` = (O's descriptor,) or (O's, ORES's)).
         Every warpgroup issues products at the same points (the first tile's S, one step per
         further tile, the last P V), so the ping-pong turns pair up."""
+        o_desc = o_descs[0]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -258,21 +265,31 @@ if gl is not None:
         out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
         lse = gl.where(empty, float("-inf"), (m_i * qk_scale2 + gl.log2(l_safe)) * _LN2)
         gl.store(LSE + lse_off + rows, lse, mask=rows < sq)
-        q.store(out.to(q.dtype))            # Q's last reader (a wgmma) has completed
+        out16 = out.to(q.dtype)
+        q.store(out16)                      # Q's last reader (a wgmma) has completed
         fence_async_shared()
         _tma_store(o_desc, [row0, 0], q)    # the descriptor clips rows >= Sq
+        if RESIDUAL:   # O_f32 - round(O_f32), rounded: the backward's delta of the unrounded output
+            res = (out - out16.to(gl.float32)).to(q.dtype)
+            tma.store_wait(0)               # O has been read out of the tile before it takes the residual
+            q.store(res)
+            fence_async_shared()
+            _tma_store(o_descs[1], [row0, 0], q)
         tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=("seqlen_q", "seqlen_k", "stride_lb", "stride_lh"))
-    def attn_fwd_gluon(Q, K, V, O, LSE,
+    def attn_fwd_gluon(Q, K, V, O, LSE, ORES,
                        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                        stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                        stride_lb, stride_lh,
                        num_heads_q, gqa_ratio, seqlen_q, seqlen_k, qk_scale2, window_left, window_right,
                        HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr):
+                       BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
+                       RESIDUAL: gl.constexpr):
         """O = softmax(scale·QKᵀ)V for 128 query rows of one (batch, head): grid
-        (cdiv(Sq, 128), B·Hq), 4 warps (consumer 0) + a 4-warp consumer + a 1-warp producer."""
+        (cdiv(Sq, 128), B·Hq), 4 warps (consumer 0) + a 4-warp consumer + a 1-warp producer.
+        ``RESIDUAL``: also ORES = O_f32 − round(O_f32) in O's dtype, through O's strides (ORES is
+        None without it, a constexpr, so the inference kernel has no extra parameter)."""
         BLOCK_M: gl.constexpr = 2 * _WG_M
         pid = gl.program_id(0)
         if LONGEST_FIRST:   # causal: the last query tiles see the most keys, start them first
@@ -300,6 +317,12 @@ if gl is not None:
                                             [stride_vs, 1], [BLOCK_N, HEAD_D], smem_layout)
         o_desc = tma.make_tensor_descriptor(O + b64 * stride_ob + h.to(gl.int64) * stride_oh, [sq, HEAD_D],
                                             [stride_os, 1], [_WG_M, HEAD_D], smem_layout)
+        if RESIDUAL:   # ORES has O's shape and strides
+            r_desc = tma.make_tensor_descriptor(ORES + b64 * stride_ob + h.to(gl.int64) * stride_oh, [sq, HEAD_D],
+                                                [stride_os, 1], [_WG_M, HEAD_D], smem_layout)
+            o_descs = (o_desc, r_desc)
+        else:
+            o_descs = (o_desc,)
         lse_off = b64 * stride_lb + h.to(gl.int64) * stride_lh
 
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -326,10 +349,10 @@ if gl is not None:
         fence_async_shared()   # the inits (generic proxy) before the TMA engine (async proxy) signals them
         ring = (k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn)
         gl.warp_specialize([
-            (_consumer, (0, o_desc, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi,
-                         window_left, window_right, qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
-            (_consumer, (1, o_desc, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi,
-                         window_left, window_right, qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
+            (_consumer, (0, o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi,
+                         window_left, window_right, qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
+            (_consumer, (1, o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi,
+                         window_left, window_right, qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                          v_empty, m0, lo, hi, BLOCK_N, HEAD_D, STAGES)),
         ], [4, 1], [240, 24])
@@ -344,11 +367,13 @@ def _default_pingpong() -> bool:
     return config.triton_gluon_pingpong()
 
 
-def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pingpong: bool | None = None) -> dict:
-    """The constexprs of one launch (also what :func:`compile_for` specialises on)."""
+def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pingpong: bool | None = None,
+                      residual: bool = False) -> dict:
+    """The constexprs of one launch (also what :func:`compile_for` specialises on); ``residual``:
+    the training variant that also stores O's rounding residual."""
     block_n, stages = tile_config(head_dim)
     return dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=stages, BOTTOM_RIGHT=bottom_right, LONGEST_FIRST=causal,
-                PINGPONG=_default_pingpong() if pingpong is None else pingpong)
+                PINGPONG=_default_pingpong() if pingpong is None else pingpong, RESIDUAL=residual)
 
 
 #: launch options: 4 warps run the default partition (consumer 0); the workers add 5 warps
@@ -356,21 +381,25 @@ LAUNCH_OPTIONS = dict(num_warps=4, num_stages=1)
 
 
 def compile_for(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                arch: int = 90, pingpong: bool | None = None):
+                arch: int = 90, pingpong: bool | None = None, residual: bool = False):
     """``triton.compile`` of :func:`attn_fwd_gluon` for ``GPUTarget("cuda", arch, 32)`` without a GPU;
-    returns the compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
+    returns the compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
+    ``residual``: the training variant (``RESIDUAL``, an ORES pointer); without it ORES is the
+    constexpr None, as :func:`gluon_forward` launches it."""
     if GLUON_ERROR:
         raise RuntimeError(GLUON_ERROR)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
-    consts = launch_constexprs(head_dim, causal, pingpong=pingpong)
+    consts = launch_constexprs(head_dim, causal, pingpong=pingpong, residual=residual)
+    if not residual:
+        consts["ORES"] = None
     sig = {}
     for name in attn_fwd_gluon.arg_names:
         if name in consts:
             sig[name] = "constexpr"
-        elif name in ("Q", "K", "V", "O"):
+        elif name in ("Q", "K", "V", "O", "ORES"):
             sig[name] = ptr
         elif name == "LSE":
             sig[name] = "*fp32"
@@ -414,19 +443,22 @@ def _cubin_facts(cubin: bytes) -> dict:
 
 
 def compile_report(head_dim: int = 128, causal: bool = False, dtype: torch.dtype = torch.bfloat16,
-                   pingpong: bool | None = None) -> dict:
+                   pingpong: bool | None = None, residual: bool = False) -> dict:
     """Cross-compile one variant for sm_90 and describe it: shared bytes, PTX counts of
-    ``wgmma.mma_async`` / ``cp.async.bulk.tensor`` (TMA) / ``setmaxnreg`` and its values, and
-    :func:`_cubin_facts`."""
+    ``wgmma.mma_async`` / ``cp.async.bulk.tensor`` (TMA; ``tma_store`` the shared-to-global ones)
+    / ``setmaxnreg`` and its values, the kernel's parameter count, and :func:`_cubin_facts`."""
     import re
     import time
     start = time.perf_counter()
     pingpong = _default_pingpong() if pingpong is None else pingpong
-    c = compile_for(head_dim, dtype, causal, pingpong=pingpong)
+    c = compile_for(head_dim, dtype, causal, pingpong=pingpong, residual=residual)
     ptx = c.asm["ptx"]
-    row = dict(head_dim=head_dim, causal=causal, pingpong=pingpong, dtype=str(dtype).replace("torch.", ""),
+    row = dict(head_dim=head_dim, causal=causal, pingpong=pingpong, residual=residual,
+               dtype=str(dtype).replace("torch.", ""),
                shared=int(c.metadata.shared), num_warps=int(c.metadata.num_warps),
                wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor"),
+               tma_store=ptx.count("cp.async.bulk.tensor.2d.global.shared"),
+               params=len(set(re.findall(r"attn_fwd_gluon_param_(\d+)", ptx))),
                setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}))
     row.update(_cubin_facts(c.asm["cubin"]))
     row["seconds"] = round(time.perf_counter() - start, 1)
@@ -434,28 +466,34 @@ def compile_report(head_dim: int = 128, causal: bool = False, dtype: torch.dtype
 
 
 def main(argv=None) -> int:
-    """``python -m portattn.backends.triton.gluon_fwd [--json]``: cross-compile every head dim,
-    causal and not, for sm_90 and print what each compiled to (exit 1 on a compile error)."""
+    """``python -m portattn.backends.triton.gluon_fwd [--json] [--residual off|on|both]``:
+    cross-compile every head dim, causal and not, for sm_90 and print what each compiled to
+    (exit 1 on a compile error); ``--residual`` the inference kernel (default), the training one
+    (``RESIDUAL``) or both."""
     import argparse
     import json
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--json", action="store_true", help="one JSON list instead of the table")
     ap.add_argument("--dims", default=",".join(map(str, HEAD_DIMS)))
     ap.add_argument("--pingpong", choices=("on", "off", "both"), default="both")
+    ap.add_argument("--residual", choices=("on", "off", "both"), default="off")
     args = ap.parse_args(argv)
     if GLUON_ERROR:
         print(GLUON_ERROR)
         return 1
     rows, failed = [], False
     pingpongs = {"on": (True,), "off": (False,), "both": (False, True)}[args.pingpong]
+    residuals = {"on": (True,), "off": (False,), "both": (False, True)}[args.residual]
     for d in (int(x) for x in args.dims.split(",")):
         for causal in (False, True):
             for pp in pingpongs:
-                try:
-                    rows.append(compile_report(d, causal, pingpong=pp))
-                except Exception as exc:   # a compile error is a failed row, reported with its message
-                    failed = True
-                    rows.append(dict(head_dim=d, causal=causal, pingpong=pp, error=f"{type(exc).__name__}: {exc}"[-600:]))
+                for res in residuals:
+                    try:
+                        rows.append(compile_report(d, causal, pingpong=pp, residual=res))
+                    except Exception as exc:   # a compile error is a failed row, reported with its message
+                        failed = True
+                        rows.append(dict(head_dim=d, causal=causal, pingpong=pp, residual=res,
+                                         error=f"{type(exc).__name__}: {exc}"[-600:]))
     if args.json:
         print(json.dumps(rows))
     else:
@@ -545,22 +583,35 @@ def _buffer(given, shape, dtype, device, name: str) -> torch.Tensor:
 
 
 def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                  pingpong: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  pingpong: bool | None = None, residual: bool = False, ores: torch.Tensor | None = None) -> tuple:
     """``(out, lse)`` of ``spec`` by :func:`attn_fwd_gluon`: out ``(B, Sq, Hq, Dv)`` in q's dtype,
     lse ``(B, Hq, Sq)`` float32 natural log, as ``ops.forward`` returns them (written into ``out``
     / ``lse`` when given: views with a unit last stride, O's row stride 16-byte aligned). Raises
     ValueError with :func:`gluon_reasons` when the kernel cannot run the problem. ``pingpong``:
-    the consumers' ping-pong on or off (None: :data:`PINGPONG`)."""
+    the consumers' ping-pong on or off (None: :data:`PINGPONG`).
+
+    ``residual=True`` (a forward whose backward follows, as ``ops.forward_for_backward``):
+    ``(out, lse, ores)`` with ``ores`` = O_f32 − round(O_f32) rounded to q's dtype, ``(B, Sq, Hq,
+    Dv)`` with out's strides (zeros for an empty problem; written into ``ores`` when given, which
+    must have out's strides), the residual the backward's delta needs (docs/triton.md)."""
     reasons = gluon_reasons(spec)
     if reasons:
         raise ValueError("the Gluon forward cannot run this problem: " + "; ".join(reasons))
     dev = spec.q.device
     out = _buffer(out, spec.out_shape, spec.dtype, dev, "out")
     lse = _buffer(lse, spec.lse_shape, torch.float32, dev, "lse")
+    if ores is not None and (not residual or ores.stride() != out.stride()):
+        raise ValueError("ores is written only with residual=True, and must have out's strides "
+                         f"{out.stride()}" + ("" if ores is None else f"; got {ores.stride()}"))
+    if residual:
+        if ores is None:
+            ores = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=dev)
+        ores = _buffer(ores, out.shape, out.dtype, dev, "ores")
     if spec.is_empty:
-        return out.zero_(), lse.fill_(float("-inf"))
-    if not _tma_aligned(out):
-        raise ValueError(f"out (strides {out.stride()}) is not TMA-compatible: 16-byte aligned base and row strides")
+        return (out.zero_(), lse.fill_(float("-inf"))) + ((ores.zero_(),) if residual else ())
+    for name, t in (("out", out), ("ores", ores)):
+        if t is not None and not _tma_aligned(t):
+            raise ValueError(f"{name} (strides {t.stride()}) is not TMA-compatible: 16-byte aligned base and row strides")
     q, k, v = spec.q, spec.k, spec.v
     window_left = _UNBOUNDED if spec.window_left is None else spec.window_left
     window_right = _UNBOUNDED if spec.window_right is None else spec.window_right
@@ -569,13 +620,14 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
     causal_like = window_right != _UNBOUNDED
     _ensure_allocator()
     grid = (-(-spec.seqlen_q // (2 * WG_M)), spec.batch * spec.num_heads_q)
-    attn_fwd_gluon[grid](q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-                         *lse.stride()[:2], spec.num_heads_q, spec.num_heads_q // spec.num_heads_kv,
+    attn_fwd_gluon[grid](q, k, v, out, lse, ores, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                         *out.stride()[:3], *lse.stride()[:2], spec.num_heads_q, spec.num_heads_q // spec.num_heads_kv,
                          spec.seqlen_q, spec.seqlen_k, float(spec.scale) * 1.4426950408889634,
                          window_left, window_right,
-                         **launch_constexprs(spec.head_dim, causal_like, spec.alignment == "bottom_right", pingpong),
+                         **launch_constexprs(spec.head_dim, causal_like, spec.alignment == "bottom_right", pingpong,
+                                             residual),
                          **LAUNCH_OPTIONS)
-    return out, lse
+    return (out, lse, ores) if residual else (out, lse)
 
 
 

@@ -252,10 +252,19 @@ def forward_for_backward(spec) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """``(out, lse, residuals)`` for a call whose backward follows: 16-bit inputs also return O's
     rounding residual (``(ores,)``, O's shape, dtype and strides), which lets the backward take
     delta = rowsum(dO ∘ O) of the unrounded output in one cheap pass; float32 returns none (its
-    backward recomputes exact row statistics)."""
+    backward recomputes exact row statistics).
+
+    The kernel is :func:`forward`'s: the Gluon Hopper forward (with its ``RESIDUAL`` epilogue)
+    where ``gluon_fwd.forward_choice`` says ``"gluon"`` (``PORTATTN_TRITON_FORWARD``, its auto
+    rule and ``gluon_reasons``, which refuse anything but CUDA tensors on sm_90), else the
+    portable kernel."""
     if spec.dtype == torch.float32 or spec.is_empty:
         out, lse = forward(spec)
         return out, lse, ()
+    from . import gluon_fwd
+    if gluon_fwd.forward_choice(spec) == "gluon":   # an unknown PORTATTN_TRITON_FORWARD raises here
+        out, lse, ores = gluon_fwd.gluon_forward(spec, residual=True)
+        return out, lse, (ores,)
     out, lse, ores = _forward(spec, None, None, residual=True)
     return out, lse, (ores,)
 
