@@ -144,22 +144,24 @@ def _record_forwards(monkeypatch):
     (1024, 128, False, "gluon"), (1024, 128, True, "triton"), (2048, 128, True, "gluon"),
     (512, 128, False, "triton"), (16384, 64, False, "triton"), (4096, 256, True, "triton"),
 ])
-def test_forward_for_backward_takes_gluon_where_forward_choice_says(monkeypatch, s, d, causal, auto):
+@pytest.mark.parametrize("auto_training", [False, True])
+def test_forward_for_backward_takes_gluon_where_forward_choice_says(monkeypatch, s, d, causal, auto, auto_training):
     """A training forward (``ops.forward_for_backward``) takes the Gluon kernel, with its residual,
-    exactly where forward_choice says ``gluon`` (auto: AUTO_MIN_SEQLEN_Q; ``gluon``: wherever it
-    can run; ``portable``: never), else the portable kernel with its residual; the residual comes
-    back either way, and float32 keeps none (and stays portable)."""
+    with ``gluon`` wherever it can run, with ``auto`` only once AUTO_TRAINING is on (then where
+    AUTO_MIN_SEQLEN_Q says), with ``portable`` never; else the portable kernel with its residual;
+    the residual comes back either way, and float32 keeps none (and stays portable)."""
     from portattn.backends.triton import ops
     calls = _record_forwards(monkeypatch)
+    monkeypatch.setattr(gluon_fwd, "AUTO_TRAINING", auto_training)
     spec = _meta_spec(s, d, causal)
-    for value, expect in ((None, auto), ("gluon", "gluon"), ("portable", "triton")):
+    for value, expect in ((None, auto if auto_training else "triton"), ("gluon", "gluon"), ("portable", "triton")):
         if value is None:
             monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
         else:
             monkeypatch.setenv(gluon_fwd.ENV_SWITCH, value)
         calls.clear()
         out, lse, res = ops.forward_for_backward(spec)
-        assert calls == [(expect, True)] and gluon_fwd.forward_choice(spec) == expect, (value, calls)
+        assert calls == [(expect, True)], (value, calls)
         assert len(res) == 1 and res[0].shape == out.shape and res[0].dtype == out.dtype
     monkeypatch.setenv(gluon_fwd.ENV_SWITCH, "fast")
     with pytest.raises(ValueError, match="PORTATTN_TRITON_FORWARD"):
@@ -627,13 +629,14 @@ def test_gpu_training_forward_is_inference_plus_residual(monkeypatch, name, ping
 @pytest.mark.usefixtures("no_deadlock")
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_training_step_takes_gluon_and_matches_float64(monkeypatch, causal):
-    """``portattn.attention`` with requires_grad at D 128, S 2048, default switches: the forward is
-    the Gluon one with its residual (one launch, seen), the backward the Gluon one, and out, lse
-    and the gradients pass the float64 rule (factor 3 for gradients)."""
+    """``portattn.attention`` with requires_grad at D 128, S 2048, ``PORTATTN_TRITON_FORWARD=gluon``
+    (``auto`` keeps the portable training forward until this passes: AUTO_TRAINING) and the default
+    backward: the forward is the Gluon one with its residual (one launch, seen), the backward the
+    Gluon one, and out, lse and the gradients pass the float64 rule (factor 3 for gradients)."""
     from portattn.backends.triton import gluon_bwd
 
     from portattn.testing import check_backend
-    monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+    monkeypatch.setenv(gluon_fwd.ENV_SWITCH, "gluon")
     monkeypatch.delenv(gluon_bwd.ENV_SWITCH, raising=False)
     fwd, bwd = [], []
     real_fwd, real_bwd = gluon_fwd.gluon_forward, gluon_bwd.gluon_backward

@@ -548,6 +548,12 @@ def gluon_reasons(spec) -> list[str]:
 AUTO_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048}
 
 
+#: whether ``auto`` also takes the Gluon forward for training forwards (``ops.forward_for_backward``,
+#: the ``RESIDUAL`` epilogue): not until the H200 has run its checks (tools/triton_gluon_check.py's
+#: residual cases, tests/test_triton_gluon.py's GPU tests); ``PORTATTN_TRITON_FORWARD=gluon`` takes it
+AUTO_TRAINING = False
+
+
 def auto_takes(spec) -> bool:
     """Whether ``auto`` would take the Gluon forward for ``spec``'s shape (before
     :func:`gluon_reasons`): a row of :data:`AUTO_MIN_SEQLEN_Q` and at least its query rows."""

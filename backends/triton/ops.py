@@ -254,15 +254,16 @@ def forward_for_backward(spec) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     delta = rowsum(dO ∘ O) of the unrounded output in one cheap pass; float32 returns none (its
     backward recomputes exact row statistics).
 
-    The kernel is :func:`forward`'s: the Gluon Hopper forward (with its ``RESIDUAL`` epilogue)
-    where ``gluon_fwd.forward_choice`` says ``"gluon"`` (``PORTATTN_TRITON_FORWARD``, its auto
-    rule and ``gluon_reasons``, which refuse anything but CUDA tensors on sm_90), else the
-    portable kernel."""
+    The kernel: with ``PORTATTN_TRITON_FORWARD=gluon`` the Gluon Hopper forward (its ``RESIDUAL``
+    epilogue) where ``gluon_reasons`` is empty (CUDA tensors on sm_90 only), else the portable
+    kernel. ``auto`` keeps the portable kernel here (:data:`gluon_fwd.AUTO_TRAINING`) until the
+    H200 has checked and timed the residual epilogue; inference forwards follow its rule."""
     if spec.dtype == torch.float32 or spec.is_empty:
         out, lse = forward(spec)
         return out, lse, ()
     from . import gluon_fwd
-    if gluon_fwd.forward_choice(spec) == "gluon":   # an unknown PORTATTN_TRITON_FORWARD raises here
+    mode = config.triton_forward()   # an unknown PORTATTN_TRITON_FORWARD raises here
+    if (mode == "gluon" or gluon_fwd.AUTO_TRAINING) and gluon_fwd.forward_choice(spec) == "gluon":
         out, lse, ores = gluon_fwd.gluon_forward(spec, residual=True)
         return out, lse, (ores,)
     out, lse, ores = _forward(spec, None, None, residual=True)
