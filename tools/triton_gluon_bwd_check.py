@@ -33,14 +33,20 @@ import argparse
 import faulthandler
 import json
 import os
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from triton_gluon_check import _fmt, _median_ms, zlib_crc  # noqa: E402  (the forward tool's helpers)
+from triton_gluon_check import (  # noqa: E402  (the forward tool's helpers)
+    _fmt,
+    _median_ms,
+    _shape,
+    child_lines,
+    write_files,
+    zlib_crc,
+)
 
 #: (name, B, Sq, Sk, Hq, Hkv, D, dtype name, build_spec kwargs); the first of each pair runs in --quick
 CHECK_CASES = [
@@ -69,11 +75,6 @@ QUICK_CASES = CHECK_CASES[::2]
 TIMING_CELLS = ([(s, 128, c, hkv) for hkv in (4, 2) for s in (4096, 16384) for c in (False, True)]
                 + [(s, d, c, None) for d in (128, 64) for s in (1024, 4096, 16384) for c in (False, True)])
 QUICK_CELLS = [cell for cell in TIMING_CELLS if cell[0] == 4096]
-
-
-def _shape(seqlen: int, d: int) -> tuple[int, int]:
-    """(batch, heads) at 16k tokens and hidden 2048."""
-    return max(1, 16384 // seqlen), 2048 // d
 
 
 # ----- phase 2: the child ---------------------------------------------------------------------
@@ -164,26 +165,14 @@ def child_main(quick: bool) -> int:
 
 
 def run_child(timeout: float, quick: bool) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    t0 = time.perf_counter()
-    cmd = [sys.executable, os.path.abspath(__file__), "--child"] + (["--quick"] if quick else [])
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
-        stdout, stderr, rc, hung = proc.stdout, proc.stderr, proc.returncode, False
-    except subprocess.TimeoutExpired as exc:   # subprocess.run kills the child on timeout
-        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        rc, hung = None, True
-    checks = [json.loads(ln[6:]) for ln in stdout.splitlines() if ln.startswith("CHECK ")]
-    begun = [ln[6:] for ln in stdout.splitlines() if ln.startswith("BEGIN ")]
-    launches = [json.loads(ln[7:]) for ln in stdout.splitlines() if ln.startswith("LAUNCH ")]
+    c = child_lines(__file__, ["--quick"] if quick else [], timeout)
+    rc, hung, checks, begun, launches = c["rc"], c["hung"], c["checks"], c["begun"], c["launches"]
     n_checks = len(QUICK_CASES if quick else CHECK_CASES)
     n_cells = len(QUICK_CELLS if quick else TIMING_CELLS)
     ok = (not hung and rc == 0 and len(checks) == n_checks and all(c.get("passed") for c in checks)
           and len(launches) == n_cells and all(x.get("finite") for x in launches))
     return {"rc": rc, "hung": hung, "last_begun": begun[-1] if begun else None, "passed": ok,
-            "seconds": round(time.perf_counter() - t0, 1), "checks": checks, "launches": launches,
-            "stderr_tail": stderr[-3000:]}
+            "seconds": c["seconds"], "checks": checks, "launches": launches, "stderr_tail": c["stderr_tail"]}
 
 
 # ----- phase 3: timings ---------------------------------------------------------------------------
@@ -296,12 +285,7 @@ def report(res: dict) -> str:
 
 
 def _write(out_dir: str, res: dict) -> str:
-    text = report(res)
-    with open(os.path.join(out_dir, "gluon_bwd_check.json"), "w") as fh:
-        json.dump(res, fh, indent=1, default=str)
-    with open(os.path.join(out_dir, "gluon_bwd_check.txt"), "w") as fh:
-        fh.write(text + "\n")
-    return text
+    return write_files(out_dir, "gluon_bwd_check", res, report(res))
 
 
 def main(argv=None) -> int:

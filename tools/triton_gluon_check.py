@@ -190,20 +190,40 @@ def child_main() -> int:
     return 0
 
 
-def run_child(timeout: float) -> dict:
+def child_lines(script: str, args: list[str], timeout: float) -> dict:
+    """Run ``script --child *args`` from the repository root (killed at ``timeout`` s) and parse
+    its protocol: ``rc`` (None when it hung), ``hung``, ``checks`` (the CHECK lines' JSON),
+    ``begun`` (BEGIN names), ``launches`` (LAUNCH JSON), ``stderr_tail``, ``seconds``. The
+    Gluon forward's and backward's check tools share it."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], capture_output=True, text=True,
-                              env=env, timeout=timeout, cwd=ROOT)
+        proc = subprocess.run([sys.executable, os.path.abspath(script), "--child", *args], capture_output=True,
+                              text=True, env=env, timeout=timeout, cwd=ROOT)
         stdout, stderr, rc, hung = proc.stdout, proc.stderr, proc.returncode, False
     except subprocess.TimeoutExpired as exc:   # subprocess.run kills the child on timeout
         stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
         rc, hung = None, True
-    checks = [json.loads(ln[6:]) for ln in stdout.splitlines() if ln.startswith("CHECK ")]
-    begun = [ln[6:] for ln in stdout.splitlines() if ln.startswith("BEGIN ")]
-    launches = [json.loads(ln[7:]) for ln in stdout.splitlines() if ln.startswith("LAUNCH ")]
+    return {"rc": rc, "hung": hung, "seconds": round(time.perf_counter() - t0, 1),
+            "checks": [json.loads(ln[6:]) for ln in stdout.splitlines() if ln.startswith("CHECK ")],
+            "begun": [ln[6:] for ln in stdout.splitlines() if ln.startswith("BEGIN ")],
+            "launches": [json.loads(ln[7:]) for ln in stdout.splitlines() if ln.startswith("LAUNCH ")],
+            "stderr_tail": stderr[-3000:]}
+
+
+def write_files(out_dir: str, stem: str, res: dict, text: str) -> str:
+    """``stem``.json (``res``) and ``stem``.txt (``text``) into ``out_dir``; returns ``text``."""
+    with open(os.path.join(out_dir, stem + ".json"), "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    with open(os.path.join(out_dir, stem + ".txt"), "w") as fh:
+        fh.write(text + "\n")
+    return text
+
+
+def run_child(timeout: float) -> dict:
+    c = child_lines(__file__, [], timeout)
+    rc, hung, checks, begun, launches = c["rc"], c["hung"], c["checks"], c["begun"], c["launches"]
     n = len(PINGPONGS)
     ok = (not hung and rc == 0 and len(checks) == n * len(CHECK_CASES) and all(c.get("passed") for c in checks)
           and len(launches) == n * len(TIMING_CELLS) and all(x.get("finite") for x in launches))
@@ -213,8 +233,8 @@ def run_child(timeout: float) -> dict:
             and all(c.get("passed") for c in checks if c.get("pingpong") == pp)
             and sum(x.get("pingpong") == pp for x in launches) == len(TIMING_CELLS)
             and all(x.get("finite") for x in launches if x.get("pingpong") == pp)]
-    return {"rc": rc, "hung": hung, "last_begun": begun[-1] if begun else None, "passed": ok, "timed_variants": good, "seconds": round(time.perf_counter() - t0, 1),
-            "checks": checks, "launches": launches, "stderr_tail": stderr[-3000:]}
+    return {"rc": rc, "hung": hung, "last_begun": begun[-1] if begun else None, "passed": ok, "timed_variants": good,
+            "seconds": c["seconds"], "checks": checks, "launches": launches, "stderr_tail": c["stderr_tail"]}
 
 
 # ----- phase 3: timings ---------------------------------------------------------------------------
@@ -324,12 +344,7 @@ def report(res: dict) -> str:
 
 
 def _write(out_dir: str, res: dict) -> str:
-    text = report(res)
-    with open(os.path.join(out_dir, "gluon_check.json"), "w") as fh:
-        json.dump(res, fh, indent=1, default=str)
-    with open(os.path.join(out_dir, "gluon_check.txt"), "w") as fh:
-        fh.write(text + "\n")
-    return text
+    return write_files(out_dir, "gluon_check", res, report(res))
 
 
 def main(argv=None) -> int:
