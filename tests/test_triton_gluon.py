@@ -99,7 +99,8 @@ def _meta_spec(s, d, causal):
 @pytest.mark.parametrize("s, d, causal, auto", [
     (1024, 128, False, "gluon"), (1024, 128, True, "triton"), (2048, 128, True, "gluon"),
     (16384, 128, False, "gluon"), (512, 128, False, "triton"),    # D 128: where the H200 timed it faster
-    (16384, 64, False, "triton"), (4096, 256, True, "triton"),    # D 64 slower at short S, D 256 untimed
+    (16384, 64, False, "triton"), (1024, 256, True, "gluon"),     # D 64 slower at short S; D 256 from S 1k
+    (512, 256, False, "triton"),                                  # D 256 below S 1k: untimed
 ])
 def test_auto_takes_gluon_where_the_h200_timed_it_faster(monkeypatch, s, d, causal, auto):
     """``auto`` (the default) follows AUTO_MIN_SEQLEN_Q wherever gluon_reasons is empty (here
@@ -142,19 +143,19 @@ def _record_forwards(monkeypatch):
 
 @pytest.mark.parametrize("s, d, causal, auto", [
     (1024, 128, False, "gluon"), (1024, 128, True, "triton"), (2048, 128, True, "gluon"),
-    (512, 128, False, "triton"), (16384, 64, False, "triton"), (4096, 256, True, "triton"),
+    (512, 128, False, "triton"), (16384, 64, False, "triton"),
+    (4096, 256, True, "triton"),    # D 256: the inference forward takes Gluon, the training one is untimed
 ])
-@pytest.mark.parametrize("auto_training", [False, True])
-def test_forward_for_backward_takes_gluon_where_forward_choice_says(monkeypatch, s, d, causal, auto, auto_training):
+def test_forward_for_backward_takes_gluon_where_forward_choice_says(monkeypatch, s, d, causal, auto):
     """A training forward (``ops.forward_for_backward``) takes the Gluon kernel, with its residual,
-    with ``gluon`` wherever it can run, with ``auto`` only once AUTO_TRAINING is on (then where
-    AUTO_MIN_SEQLEN_Q says), with ``portable`` never; else the portable kernel with its residual;
-    the residual comes back either way, and float32 keeps none (and stays portable)."""
+    with ``gluon`` wherever it can run, with ``auto`` where AUTO_TRAINING_MIN_SEQLEN_Q says, with
+    ``portable`` never; else the portable kernel with its residual; the residual comes back either
+    way, and float32 keeps none (and stays portable)."""
     from portattn.backends.triton import ops
     calls = _record_forwards(monkeypatch)
-    monkeypatch.setattr(gluon_fwd, "AUTO_TRAINING", auto_training)
     spec = _meta_spec(s, d, causal)
-    for value, expect in ((None, auto if auto_training else "triton"), ("gluon", "gluon"), ("portable", "triton")):
+    assert gluon_fwd.auto_takes(spec, training=True) == (auto == "gluon")
+    for value, expect in ((None, auto), ("gluon", "gluon"), ("portable", "triton")):
         if value is None:
             monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
         else:
@@ -629,14 +630,14 @@ def test_gpu_training_forward_is_inference_plus_residual(monkeypatch, name, ping
 @pytest.mark.usefixtures("no_deadlock")
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_training_step_takes_gluon_and_matches_float64(monkeypatch, causal):
-    """``portattn.attention`` with requires_grad at D 128, S 2048, ``PORTATTN_TRITON_FORWARD=gluon``
-    (``auto`` keeps the portable training forward until this passes: AUTO_TRAINING) and the default
-    backward: the forward is the Gluon one with its residual (one launch, seen), the backward the
+    """``portattn.attention`` with requires_grad at D 128, S 2048 with the default switches (``auto``
+    takes the Gluon training forward there: AUTO_TRAINING_MIN_SEQLEN_Q) and the default backward:
+    the forward is the Gluon one with its residual (one launch, seen), the backward the
     Gluon one, and out, lse and the gradients pass the float64 rule (factor 3 for gradients)."""
     from portattn.backends.triton import gluon_bwd
 
     from portattn.testing import check_backend
-    monkeypatch.setenv(gluon_fwd.ENV_SWITCH, "gluon")
+    monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
     monkeypatch.delenv(gluon_bwd.ENV_SWITCH, raising=False)
     fwd, bwd = [], []
     real_fwd, real_bwd = gluon_fwd.gluon_forward, gluon_bwd.gluon_backward

@@ -681,23 +681,27 @@ def gluon_bwd_reasons(spec, has_residual: bool = True) -> list[str]:
     return reasons
 
 
-#: where ``auto`` (the default) takes the Gluon backward: head dim -> the fewest query rows and
-#: keys. The H200 (2026-12-03, bf16, 16k tokens, hidden 2048, no GQA; benchmarks/results/
-#: triton-gluon-bwd-check-h200.*) timed it at D 128 1.04-1.39 x the deterministic portable
-#: backward and 1.12-1.34 x the atomic one from S 1k; at D 64 1.10-1.22 x from S 4k but 0.83-0.89 x
-#: at S 1k. GQA (the in-CTA group reduction; tools/triton_gluon_bwd_check.py's GQA cells time it)
-#: and D 256 are untimed: ``auto`` leaves GQA to the portable backward until an H200 run shows it
-#: faster.
+#: where ``auto`` (the default) takes the Gluon backward without GQA: head dim -> the fewest query
+#: rows and keys. The H200 (2026-12-03, bf16, 16k tokens, hidden 2048; benchmarks/results/
+#: triton-gluon-bwd-check-h200.*) timed it at D 128 1.05-1.36 x the deterministic portable
+#: backward and 1.12-1.32 x the atomic one from S 1k; at D 64 1.11-1.23 x from S 4k but 0.84-0.90 x
+#: at S 1k. D 256 keeps the portable backward (the Gluon one has no D 256 variant).
 AUTO_MIN_SEQLEN = {128: 1024, 64: 4096}
+
+#: the same with GQA (the dK/dV kernel's in-CTA walk over the group's query heads): timed on the
+#: H200 at D 128, S 4k and 16k, Hq/Hkv 16/4 and 16/2 (the same run): 1.25-1.37 x the deterministic
+#: portable backward, 1.30-1.64 x the atomic one. Shorter sequences and D 64 with GQA are untimed
+#: and keep the portable backward.
+AUTO_GQA_MIN_SEQLEN = {128: 4096}
 
 
 def auto_takes(spec) -> bool:
     """Whether ``auto`` would take the Gluon backward for ``spec``'s shape (before
-    :func:`gluon_bwd_reasons`): a head dim of :data:`AUTO_MIN_SEQLEN`, at least that many query
-    rows and keys, and no GQA (its speed is untimed; the check tool's GQA cells will decide)."""
-    need = AUTO_MIN_SEQLEN.get(spec.head_dim)
-    return (need is not None and spec.head_dim_v == spec.head_dim and spec.num_heads_q == spec.num_heads_kv
-            and min(spec.seqlen_q, spec.seqlen_k) >= need)
+    :func:`gluon_bwd_reasons`): a head dim of :data:`AUTO_MIN_SEQLEN` (with GQA:
+    :data:`AUTO_GQA_MIN_SEQLEN`) and at least that many query rows and keys."""
+    table = AUTO_MIN_SEQLEN if spec.num_heads_q == spec.num_heads_kv else AUTO_GQA_MIN_SEQLEN
+    need = table.get(spec.head_dim)
+    return need is not None and spec.head_dim_v == spec.head_dim and min(spec.seqlen_q, spec.seqlen_k) >= need
 
 
 def backward_choice(spec, has_residual: bool = True) -> str:

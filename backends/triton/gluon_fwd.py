@@ -540,34 +540,38 @@ def gluon_reasons(spec) -> list[str]:
     return reasons
 
 
-#: where ``auto`` takes the Gluon forward: (head dim, causal) -> the fewest query rows at which the
-#: H200 timed it faster than the portable kernel (2026-12-03, tools/triton_gluon_check.py,
-#: benchmarks/results/triton-gluon-check-h200.txt, bf16, S = 1k/4k/16k with B·S = 16k tokens): D 128
-#: 1.10-1.26 x from S 1k, but 0.95 x at S 1k causal; D 64 0.60-1.07 x (faster only at S 16k) stays
-#: portable; D 256 was not timed.
-AUTO_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048}
+#: where ``auto`` takes the Gluon forward for a call that needs no gradient: (head dim, causal) ->
+#: the fewest query rows at which the H200 timed it faster than the portable kernel (2026-12-03,
+#: tools/triton_gluon_check.py, benchmarks/results/triton-gluon-check-h200.txt, bf16, S = 1k/4k/16k
+#: with B·S = 16k tokens): D 128 1.09-1.27 x from S 1k, but 0.94 x at S 1k causal; D 256
+#: 1.30-1.34 x from S 1k, causal and not; D 64 0.60-1.04 x (faster only at S 16k) stays portable.
+AUTO_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False): 1024, (256, True): 1024}
 
 
-#: whether ``auto`` also takes the Gluon forward for training forwards (``ops.forward_for_backward``,
-#: the ``RESIDUAL`` epilogue): not until the H200 has run its checks (tools/triton_gluon_check.py's
-#: residual cases, tests/test_triton_gluon.py's GPU tests); ``PORTATTN_TRITON_FORWARD=gluon`` takes it
-AUTO_TRAINING = False
+#: the same for training forwards (``ops.forward_for_backward``: the ``RESIDUAL`` epilogue, which
+#: also stores O's rounding residual). The H200 checked that epilogue (half-ulp residuals, same O
+#: and lse as the inference kernel, D 64/128/256) and timed it at D 128 only (the same tool and
+#: file, "training forward"): 1.03-1.21 x the portable training forward from S 1k, but 0.89 x at
+#: S 1k causal. D 256 (untimed) and D 64 keep the portable training forward.
+AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048}
 
 
-def auto_takes(spec) -> bool:
+def auto_takes(spec, training: bool = False) -> bool:
     """Whether ``auto`` would take the Gluon forward for ``spec``'s shape (before
-    :func:`gluon_reasons`): a row of :data:`AUTO_MIN_SEQLEN_Q` and at least its query rows."""
-    need = AUTO_MIN_SEQLEN_Q.get((spec.head_dim, bool(spec.causal)))
+    :func:`gluon_reasons`): a row of :data:`AUTO_MIN_SEQLEN_Q` (``training``:
+    :data:`AUTO_TRAINING_MIN_SEQLEN_Q`) and at least its query rows."""
+    table = AUTO_TRAINING_MIN_SEQLEN_Q if training else AUTO_MIN_SEQLEN_Q
+    need = table.get((spec.head_dim, bool(spec.causal)))
     return need is not None and spec.head_dim_v == spec.head_dim and spec.seqlen_q >= need
 
 
-def forward_choice(spec) -> str:
+def forward_choice(spec, training: bool = False) -> str:
     """``"gluon"`` or ``"triton"`` (the portable kernel) by ``PORTATTN_TRITON_FORWARD``: ``gluon``
-    where :func:`gluon_reasons` is empty; ``auto`` (the default) also only where :func:`auto_takes`;
-    ``portable`` never."""
+    where :func:`gluon_reasons` is empty; ``auto`` (the default) also only where :func:`auto_takes`
+    (``training``: a forward whose backward follows); ``portable`` never."""
     from portattn import config
     mode = config.triton_forward()
-    if mode == "portable" or (mode == "auto" and not auto_takes(spec)):
+    if mode == "portable" or (mode == "auto" and not auto_takes(spec, training)):
         return "triton"
     return "gluon" if not gluon_reasons(spec) else "triton"
 

@@ -254,16 +254,15 @@ def forward_for_backward(spec) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     delta = rowsum(dO ∘ O) of the unrounded output in one cheap pass; float32 returns none (its
     backward recomputes exact row statistics).
 
-    The kernel: with ``PORTATTN_TRITON_FORWARD=gluon`` the Gluon Hopper forward (its ``RESIDUAL``
-    epilogue) where ``gluon_reasons`` is empty (CUDA tensors on sm_90 only), else the portable
-    kernel. ``auto`` keeps the portable kernel here (:data:`gluon_fwd.AUTO_TRAINING`) until the
-    H200 has checked and timed the residual epilogue; inference forwards follow its rule."""
+    The kernel: the Gluon Hopper forward (its ``RESIDUAL`` epilogue) where
+    :func:`gluon_fwd.forward_choice` says so for a training forward (``auto``: the shapes of
+    :data:`gluon_fwd.AUTO_TRAINING_MIN_SEQLEN_Q`; ``gluon``: wherever ``gluon_reasons`` is empty,
+    CUDA tensors on sm_90 only), else the portable kernel."""
     if spec.dtype == torch.float32 or spec.is_empty:
         out, lse = forward(spec)
         return out, lse, ()
     from . import gluon_fwd
-    mode = config.triton_forward()   # an unknown PORTATTN_TRITON_FORWARD raises here
-    if (mode == "gluon" or gluon_fwd.AUTO_TRAINING) and gluon_fwd.forward_choice(spec) == "gluon":
+    if gluon_fwd.forward_choice(spec, training=True) == "gluon":   # an unknown PORTATTN_TRITON_FORWARD raises
         out, lse, ores = gluon_fwd.gluon_forward(spec, residual=True)
         return out, lse, (ores,)
     out, lse, ores = _forward(spec, None, None, residual=True)
