@@ -223,3 +223,32 @@ def test_check_is_wired_into_the_portattn_command():
     from portattn import cli
     assert cli.main(["check", "--backends", "reference", "--cases", "masked/bool-rows", "--no-progress"]) == 0
     assert cli.main(["conformance", "list", "--quick"]) == 0
+
+
+def test_catalogue_holds_every_hopper_default_kernel_to_the_reference():
+    """Each kernel the triton backend's ``auto`` takes on Hopper runs in some GPU-size catalogue case:
+    every row of the Gluon forward's tables (inference; training where a gradient is checked) and
+    the Gluon backward with and without GQA at each head dim of its tables. A new auto row without
+    a case fails here (add a ``large/hopper/`` case and bump CATALOGUE_VERSION)."""
+    from portattn.backends.triton import gluon_bwd, gluon_fwd
+
+    from portattn.spec import build_spec
+
+    covered_fwd, covered_bwd = set(), set()
+    for case in build_catalogue():
+        p = case.problem
+        if p.is_varlen or p.dtype not in ("float16", "bfloat16") or p.alibi or p.bias or p.softcap or p.window:
+            continue
+        q = torch.empty(p.batch, p.seqlen_q, p.heads_q, p.head_dim, dtype=p.torch_dtype, device="meta")
+        k = torch.empty(p.batch, p.seqlen_k, p.heads_kv, p.head_dim, dtype=p.torch_dtype, device="meta")
+        v = torch.empty(p.batch, p.seqlen_k, p.heads_kv, p.dv, dtype=p.torch_dtype, device="meta")
+        spec = build_spec(q, k, v, causal=p.causal)
+        if gluon_fwd.auto_takes(spec, training=p.grad):
+            covered_fwd.add((p.head_dim, p.causal, p.grad))
+        if p.grad and gluon_bwd.auto_takes(spec):
+            covered_bwd.add((p.head_dim, p.heads_q != p.heads_kv))
+    want_fwd = {(d, c, False) for d, c in gluon_fwd.AUTO_MIN_SEQLEN_Q if (d, c) not in gluon_fwd.AUTO_TRAINING_MIN_SEQLEN_Q}
+    want_fwd |= {(d, c, True) for d, c in gluon_fwd.AUTO_TRAINING_MIN_SEQLEN_Q}
+    want_bwd = {(d, False) for d in gluon_bwd.AUTO_MIN_SEQLEN} | {(d, True) for d in gluon_bwd.AUTO_GQA_MIN_SEQLEN}
+    assert want_fwd <= covered_fwd, sorted(want_fwd - covered_fwd)
+    assert want_bwd <= covered_bwd, sorted(want_bwd - covered_bwd)

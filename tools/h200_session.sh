@@ -41,12 +41,13 @@
 #   ncu[:D]             Nsight Compute (--clock-control none) on tools/ncu_attention.py --d D (128) [90]
 #
 # The next session's plan, one device call a line (priority order; ~30 minutes in all):
-#   bash tools/h200_session.sh par:catalogue par:tests:gluon,cupy          # the Gluon / wgmma backward
-#                                                                          # defaults through the catalogue
-#   FASTEST_LIMIT=560 bash tools/h200_session.sh fastest:inference          # alone; then fastest:training,
-#   FASTEST_LIMIT=560 bash tools/h200_session.sh fastest:training           # merged with bench_fastest --merge
-#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench gluonbwd  # the training grid, new defaults
-#   bash tools/h200_session.sh gluon ncu:128                                # D 256 Gluon forward; a profile
+#   bash tools/h200_session.sh par:catalogue par:tests:gluon,tests/test_lse_grad.py   # catalogue v3 (its
+#                                        # large/hopper/ cases) and the GPU tests on the new auto rows:
+#                                        # Gluon D 256 forward, D 128 training forward, GQA backward
+#   TESTS_LIMIT=400 bash tools/h200_session.sh par:tests:cupy par:tests:tests/test_triton.py  # cut last time
+#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench gluon       # the training grid on the
+#                                        # new defaults; the Gluon forward's D 256 training timing
+#   bash tools/h200_session.sh ncu:128 ncu:256                                # profiles of the Gluon kernels
 # and e.g. after a partial catalogue:
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:triton,cupy
 #

@@ -27,7 +27,7 @@ Phases (each writes its results before the next starts, so a run cut short still
    checks and launches passed), the triton backend's forward
    (``ops.forward``, PORTATTN_TRITON_FORWARD=portable), SDPA flash and cuDNN; medians of
    ``triton.testing.do_bench`` (L2 flushed before each run); TFLOP/s = 4·B·H·S²·D / t (halved
-   for causal) and the ratios of the faster Gluon variant to cuDNN and to triton; at D 128 also
+   for causal) and the ratios of the faster Gluon variant to cuDNN and to triton; at D 128 and 256 also
    the training forwards (with the residual): Gluon's (ping-pong on) and the portable kernel's
    (``ops.forward_for_backward``). No new cell starts after
    ``--time-limit`` seconds; a watchdog ends the process 60 s after it.
@@ -260,7 +260,7 @@ def time_cell(s: int, d: int, causal: bool, variants: list) -> dict:
     impls = [(f"gluon_{'pp' if pp else 'nopp'}", lambda pp=pp: gluon_fwd.gluon_forward(spec, pingpong=pp))
              for pp in variants]
     impls.append(("triton", lambda: ops.forward(spec)))
-    if d == 128:   # the training forwards (with O's rounding residual): Gluon's, if its checks passed
+    if d in (128, 256):   # the training forwards (with O's rounding residual): Gluon's, if its checks passed
         if True in variants:
             impls.append(("gluon_train", lambda: gluon_fwd.gluon_forward(spec, pingpong=True, residual=True)))
         impls.append(("triton_train", lambda: ops.forward_for_backward(spec)))

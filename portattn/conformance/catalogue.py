@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from .problems import Problem
 
-CATALOGUE_VERSION = "2"
+CATALOGUE_VERSION = "3"
 
 _DT = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -295,6 +295,23 @@ def _large(b: _Builder):
                                            bias="float", bias_grad=True, dtype="float16"), tier="large")
     b.add("large/alibi/causal", Problem(batch=2, seqlen_q=1024, seqlen_k=1024, heads_q=8, heads_kv=8, head_dim=128,
                                         alibi="head", causal=True, dtype="bfloat16"), tier="large")
+    _hopper_defaults(b)
+
+
+def _hopper_defaults(b: _Builder):
+    """GPU-only shapes on which the triton backend's ``auto`` takes its Hopper (Gluon) kernels
+    (``gluon_fwd.AUTO_MIN_SEQLEN_Q`` / ``AUTO_TRAINING_MIN_SEQLEN_Q``, ``gluon_bwd.AUTO_MIN_SEQLEN`` /
+    ``AUTO_GQA_MIN_SEQLEN``), so that the catalogue holds the kernels users get by default to the
+    float64 reference, not only the portable ones; elsewhere they are ordinary large cases."""
+    for d, s, causal, hq, hkv, dt in ((128, 1024, False, 4, 4, "bf16"), (128, 2048, True, 4, 4, "fp16"),
+                                      (64, 4096, True, 2, 2, "bf16"), (128, 4096, True, 8, 2, "bf16")):
+        b.add(f"large/hopper/train-d{d}-s{s}{'-causal' if causal else ''}-h{hq}x{hkv}-{dt}",
+              Problem(batch=1, seqlen_q=s, seqlen_k=s, heads_q=hq, heads_kv=hkv, head_dim=d, causal=causal,
+                      dtype=_DT[dt]), tier="large")
+    for d, s, causal in ((128, 1024, False), (256, 1024, True), (256, 2048, False)):
+        b.add(f"large/hopper/infer-d{d}-s{s}{'-causal' if causal else ''}",
+              Problem(batch=2, seqlen_q=s, seqlen_k=s, heads_q=4, heads_kv=2, head_dim=d, causal=causal,
+                      dtype="bfloat16", grad=False), tier="large")
 
 
 def build_catalogue() -> list[Case]:
