@@ -63,6 +63,79 @@ def test_parse_ptxas_log():
     assert reps["bar<2>"].registers == 40 and reps["bar<2>"].spill_stores is None
 
 
+
+def test_parse_ptxas_log_other_shapes():
+    """Log shapes the first parser (keyed on 'Function properties for (\\S+)') lost an entry's
+    registers in: a quoted name with a colon after it, and another function's properties block
+    between an entry's header and its "Used N registers" line (a non-inlined device function).
+    The other function's frame does not become the entry's, and an unknown entry takes nothing."""
+    low = {"foo<1>": "_Z3fooi", "bar<2>": "_Z3bari"}
+    quoted = ("ptxas info    : Compiling entry function '_Z3fooi' for 'sm_90a'\n"
+              "ptxas info    : Function properties for '_Z3fooi':\n"
+              "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+              "ptxas info    : Used 29 registers, used 0 barriers\n")
+    r = compile_check.parse_ptxas_log(quoted, low, "90a")[0]
+    assert (r.registers, r.stack, r.spill_stores) == (29, 0, 0), r
+    between = ("ptxas info    : Compiling entry function '_Z3bari' for 'sm_90a'\n"
+               "ptxas info    : Function properties for _Z3bari\n"
+               "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+               "ptxas info    : Function properties for _Z6helperv\n"
+               "ptxas         .     24 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
+               "ptxas info    : Used 212 registers, used 1 barriers\n"
+               "ptxas info    : Compiling entry function '_Z5otherv' for 'sm_90a'\n"
+               "ptxas info    : Used 7 registers\n")
+    reps = {r.name: r for r in compile_check.parse_ptxas_log(between, low, "90a")}
+    assert (reps["bar<2>"].registers, reps["bar<2>"].stack, reps["bar<2>"].spill_stores) == (212, 0, 0)
+    assert reps["foo<1>"].registers is None
+
+
+def test_log_context_and_report_message():
+    """An assertion message about a kernel's ptxas report: the lines around its lowered name, or
+    the whole log when no line names it; a PTX fallback's log is called one."""
+    lines = [f"line {i}" for i in range(30)]
+    lines[12] = "ptxas info    : Compiling entry function '_Z3fooi' for 'sm_90a'"
+    log = "\n".join(lines)
+    ctx = compile_check.log_context(log, "_Z3fooi", around=2)
+    assert ctx.splitlines()[1:6] == lines[10:15] and "line 9\n" not in ctx and "left out" in ctx
+    whole = compile_check.log_context(log, "_Z3bari")
+    assert "is in no line" in whole and "line 0" in whole and "line 29" in whole
+    rep = compile_check.KernelReport("bar<2>", "90a")
+    msg = compile_check.report_message(rep, {"bar<2>": "_Z3bari"}, "[no cubin for sm_90a, PTX ...]\n", "NVRTC 13.0")
+    assert "registers=None" in msg and "NVRTC 13.0" in msg and "PTX fallback" in msg
+
+
+def test_sm90a_compile_info_records_the_nvrtc_and_the_cache(tmp_path, monkeypatch):
+    """compile_info (no NVRTC needed: a fake binding): the NVRTC that made a cubin is kept beside
+    its log in the cache and reported, with whether the result came from the cache; a module
+    NVRTC cannot make a cubin of comes back as the PTX fallback, marked as one."""
+    from portattn.backends.cupy import sm90a
+
+    class Fake:
+        calls = []
+
+        def version(self):
+            return (13, 0)
+
+        def describe(self):
+            return "fake binding, NVRTC 13.0"
+
+        def compile(self, src, names, options):
+            Fake.calls.append(options)
+            if "fail" in src and any(o.startswith("--ptxas") for o in options):
+                raise sm90a.Sm90aCompileError("no sm_90a here")
+            return b"binary", {n: "_Z" + n for n in names}, "ptxas info    : Used 9 registers"
+
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sm90a, "nvrtc_binding", Fake)
+    first = sm90a.compile_info("src", ["k"])
+    assert not first["cached"] and first["nvrtc"] == "fake binding, NVRTC 13.0" and not first["ptx_fallback"]
+    again = sm90a.compile_info("src", ["k"])
+    assert again["cached"] and again["nvrtc"] == first["nvrtc"] and again["log"] == first["log"]
+    assert len(Fake.calls) == 1 and sm90a.compile_cubin("src", ["k"], with_log=True)[2] == first["log"]
+    ptx = sm90a.compile_info("fail", ["k"])
+    assert ptx["ptx_fallback"] and ptx["path"].endswith(".ptx") and ptx["log"].startswith("[no cubin")
+    assert sm90a.compile_info("fail", ["k"])["ptx_fallback"]
+
 # ----- configuration choice -------------------------------------------------------------------
 @pytest.mark.parametrize("d,dv,expected", [(1, 1, 32), (8, 8, 32), (32, 32, 32), (33, 16, 64), (64, 128, 128),
                                            (72, 72, 96), (128, 128, 128), (129, 64, 160), (200, 200, 224),

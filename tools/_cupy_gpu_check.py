@@ -90,6 +90,25 @@ def report_head(res: dict, warnings: bool = False) -> list:
         if warnings:
             for w in m.get("warnings", []):
                 L.append(f"  WARNING {key}: {w[:300]}")
+        L += _no_registers_lines(key, m)
+    return L
+
+
+def _no_registers_lines(key: str, m: dict) -> list:
+    """For a module some kernel of which parsed with no registers: which NVRTC made its log,
+    whether it came from the cache or is a PTX fallback's, and the log's lines about the kernel."""
+    missing = [k for k, v in m.get("kernels", {}).items() if v.get("registers") is None]
+    if not missing or "log" not in m:
+        return []
+    L = [f"  NO REGISTERS in {key} for {', '.join(missing)}: NVRTC {m.get('nvrtc', '?')}, cached {m.get('cached')}, "
+         f"PTX fallback {m.get('ptx_fallback')}"]
+    try:
+        from portattn.backends.cupy.compile_check import log_context
+
+        for k in missing[:1]:
+            L += ["    " + ln for ln in log_context(m["log"], m.get("lowered", {}).get(k, ""), limit=4000).splitlines()]
+    except Exception as exc:   # the report never fails for its diagnostics
+        L.append(f"    (no log context: {type(exc).__name__}: {exc})")
     return L
 
 

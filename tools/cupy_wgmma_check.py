@@ -79,20 +79,35 @@ TIME_CELLS = [(s, d, c) for s in (4096, 1024, 16384) for d in (128, 64, 256) for
 
 
 # ----- phase 1: compile ---------------------------------------------------------------------------
+#: the most of a module's NVRTC log kept in its compile info (the sm_90a modules' are 1-3 KB)
+LOG_LIMIT = 20000
+
+
 def _compile_sm90a(cfg_tuple):
+    """(config, seconds, error, info) of the sm_90a module of ``cfg_tuple``; info: "cubin",
+    "kernels" (each kernel's registers / spills / stack from ptxas -v, smem from the config),
+    "warnings", "nvrtc" (the binding and NVRTC version that made the cubin, and the libnvrtc
+    loaded), "cached" (read from the kernel cache: made by an earlier compile), "ptx_fallback"
+    (no cubin could be made: no ptxas report), "lowered" and "log" (NVRTC's log, at most
+    LOG_LIMIT characters: ptxas' lines, to see why a kernel would parse with no registers)."""
     from portattn.backends.cupy import compile_check, configs, sm90a
 
     cfg = configs.KernelConfig(*cfg_tuple)
     t0 = time.perf_counter()
     try:
-        path, lowered, log = sm90a.compile_cubin(configs.source(cfg.source_files), cfg.name_expressions(), cfg.arch,
-                                                 with_log=True)
+        got = sm90a.compile_info(configs.source(cfg.source_files), cfg.name_expressions(), cfg.arch)
+        log, lowered = got["log"], got["lowered"]
         reps = compile_check.parse_ptxas_log(log, lowered, 90)
         regs = {r.name: {"registers": r.registers, "spill_stores": r.spill_stores, "spill_loads": r.spill_loads,
                          "stack": r.stack, "smem": cfg.smem_bytes(role)}
                 for r, role in zip(reps, cfg.kernel_names())}
         warn = [ln for ln in log.splitlines() if "warning" in ln.lower()][:5]
-        return cfg_tuple, time.perf_counter() - t0, None, {"cubin": path, "kernels": regs, "warnings": warn}
+        info = {"cubin": got["path"], "kernels": regs, "warnings": warn, "nvrtc": got["nvrtc"],
+                "cached": got["cached"], "ptx_fallback": got["ptx_fallback"], "lowered": lowered,
+                "log": log if len(log) <= LOG_LIMIT else log[:LOG_LIMIT] + f"\n[... {len(log) - LOG_LIMIT} characters cut]"}
+        if got["nvrtc_now"] != got["nvrtc"]:
+            info["nvrtc_now"] = got["nvrtc_now"]
+        return cfg_tuple, time.perf_counter() - t0, None, info
     except Exception as exc:
         return cfg_tuple, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"[:3000], {}
 

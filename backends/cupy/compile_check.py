@@ -126,33 +126,80 @@ def ptx_for(names: list[str], arch: int = 90) -> str:
 
 
 # a kernel's lines start at "Compiling entry function '<name>'" or at "Function properties for <name>"
-# (keyed on both, so that a log whose blocks come in another order still names each kernel's lines)
-_FUNC_RE = re.compile(r"Compiling entry function '([^']+)'|Function properties for (\S+)")
+# (keyed on both, so that a log whose blocks come in another order still names each kernel's lines);
+# the name may come quoted and followed by punctuation ("for '<name>':" as well as "for <name>")
+_ENTRY_RE = re.compile(r"Compiling entry function '([^']+)'")
+_PROPS_FOR_RE = re.compile(r"Function properties for '?([^'\s:,]+)")
 _PROPS_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED_RE = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 
 
 def parse_ptxas_log(log: str, lowered: dict[str, str], arch: int) -> list[KernelReport]:
-    """Per-kernel resources from ptxas' verbose output (empty fields when it printed none)."""
+    """Per-kernel resources from ptxas' verbose output (empty fields when it printed none).
+
+    "Used N registers" goes to the entry function whose block it is in (the last "Compiling entry
+    function" or "Function properties for" one of ``lowered``); a stack / spill line to the function
+    named by the last "Function properties for" (none when that is not one of ``lowered``: a
+    non-inlined device function's frame is not its caller's), so a device function's block between
+    an entry's lines never takes the entry's registers away from it."""
     by_mangled = {v: KernelReport(k, arch) for k, v in lowered.items()}
-    current = None
+    entry = props = None
     for line in log.splitlines():
-        m = _FUNC_RE.search(line)
+        m = _ENTRY_RE.search(line)
         if m:
-            current = by_mangled.get(m.group(1) or m.group(2))
+            entry = props = by_mangled.get(m.group(1))
             continue
-        if current is None:
+        m = _PROPS_FOR_RE.search(line)
+        if m:
+            props = by_mangled.get(m.group(1))
+            if props is not None:
+                entry = props
             continue
         m = _PROPS_RE.search(line)
         if m:
-            current.stack, current.spill_stores, current.spill_loads = map(int, m.groups())
+            if props is not None:
+                props.stack, props.spill_stores, props.spill_loads = map(int, m.groups())
             continue
         m = _USED_RE.search(line)
-        if m:
-            current.registers = int(m.group(1))
+        if m and entry is not None:
+            entry.registers = int(m.group(1))
             if m.group(2):
-                current.smem_static = int(m.group(2))
+                entry.smem_static = int(m.group(2))
     return list(by_mangled.values())
+
+
+def log_context(log: str, lowered_name: str, around: int = 4, limit: int = 12000) -> str:
+    """The lines of an NVRTC / ptxas ``log`` that mention ``lowered_name``, each with ``around``
+    lines either side (for an assertion message: what ptxas printed about one kernel); the whole
+    log (its last ``limit`` characters) when no line names it."""
+    lines = log.splitlines()
+    hits = [i for i, ln in enumerate(lines) if lowered_name and lowered_name in ln]
+    if not hits:
+        text = log if len(log) <= limit else "[... " + str(len(log) - limit) + " characters cut]\n" + log[-limit:]
+        return f"[{lowered_name!r} is in no line of the log ({len(lines)} lines); the whole log:]\n{text}"
+    keep = sorted({j for i in hits for j in range(max(0, i - around), min(len(lines), i + around + 1))})
+    out, prev = [], -1
+    for j in keep:
+        if j != prev + 1:
+            out.append(f"[... lines {prev + 2}-{j} left out]" if prev >= 0 else f"[lines 1-{j} left out]")
+        out.append(lines[j])
+        prev = j
+    if prev < len(lines) - 1:
+        out.append(f"[... lines {prev + 2}-{len(lines)} left out]")
+    return "\n".join(out)[-limit:]
+
+
+def report_message(report: KernelReport, lowered: dict[str, str], log: str, nvrtc: str | None = None) -> str:
+    """An assertion message about one kernel's ptxas report: the parsed report, which NVRTC made
+    the log (``nvrtc``), whether the log is a PTX fallback's (no ptxas ran: no registers at all),
+    and the log's lines around the kernel's lowered name (the whole log when it is missing)."""
+    low = lowered.get(report.name, "")
+    head = [f"{report}", f"lowered name: {low!r}"]
+    if nvrtc:
+        head.append(f"NVRTC: {nvrtc}")
+    if log.startswith("[no cubin"):
+        head.append("the log is the PTX fallback's: NVRTC made no cubin, so ptxas printed nothing")
+    return "\n".join(head) + "\n--- ptxas log ---\n" + log_context(log, low)
 
 
 def _configs_for(arch) -> list:

@@ -43,6 +43,34 @@ def _wants_ptx(options) -> bool:
     return any(o.startswith("--gpu-architecture=compute_") for o in options)
 
 
+def loaded_nvrtc_libraries() -> list[str]:
+    """The libnvrtc files mapped into this process (Linux: /proc/self/maps; empty elsewhere):
+    two different ones mean two bindings loaded two NVRTCs."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            paths = {ln.split(None, 5)[-1].strip() for ln in f if "libnvrtc" in ln and "/" in ln}
+    except OSError:
+        return []
+    return sorted(p for p in paths if "builtins" not in p)
+
+
+def _dist_version(*dists) -> str:
+    from importlib import metadata
+
+    for d in dists:
+        try:
+            return f"{d} {metadata.version(d)}"
+        except Exception:
+            continue
+    return "version unknown"
+
+
+def _describe(binding: str, dist: str, version) -> str:
+    libs = loaded_nvrtc_libraries()
+    return (f"{binding} ({dist}), NVRTC {'.'.join(map(str, version))}"
+            + (f", {', '.join(libs)}" if libs else ""))
+
+
 class _CupyNvrtc:
     """CuPy's NVRTC binding (raises NVRTCError on failure; strings in, bytes out)."""
 
@@ -53,6 +81,9 @@ class _CupyNvrtc:
 
     def version(self):
         return tuple(self.n.getVersion())
+
+    def describe(self) -> str:
+        return _describe("CuPy's binding", _dist_version("cupy", "cupy-cuda13x", "cupy-cuda12x"), self.version())
 
     def compile(self, src, names, options):
         n = self.n
@@ -87,6 +118,9 @@ class _BindingsNvrtc:
     def version(self):
         r = self.n.nvrtcVersion()
         return (r[1], r[2])
+
+    def describe(self) -> str:
+        return _describe("cuda.bindings", _dist_version("cuda-bindings", "cuda-python"), self.version())
 
     def compile(self, src, names, options):
         n = self.n
@@ -139,8 +173,19 @@ def compile_cubin(source: str, names, arch: str = "sm_90a", with_log: bool = Fal
     the cache when there (``with_log``: also the NVRTC log of the compile that made it). When
     NVRTC cannot make a cubin for ``sm_<x>``, the PTX of ``compute_<x>`` instead (a ``.ptx``
     path; the driver assembles it at load; its log starts with why). Raises Sm90aCompileError."""
+    info = compile_info(source, names, arch)
+    return (info["path"], info["lowered"], info["log"]) if with_log else (info["path"], info["lowered"])
+
+
+def compile_info(source: str, names, arch: str = "sm_90a") -> dict:
+    """:func:`compile_cubin`'s result as a dict: "path", "lowered", "log" (NVRTC's, ptxas -v's
+    lines in it), "nvrtc" (which binding and NVRTC made it: :meth:`describe` of the one used,
+    recorded in the cache beside the log), "cached" (True: read from the cache, made by an earlier
+    compile), "ptx_fallback" (True: no cubin could be made, the PTX instead; no ptxas ran) and
+    "nvrtc_now" (the binding this process would use now)."""
     names = list(names)
     nv = nvrtc_binding()
+    now = nv.describe()
     options = (*OPTIONS, f"--gpu-architecture={arch}")
     key = hashlib.sha256(json.dumps([source, names, options, list(nv.version())]).encode()).hexdigest()[:32]
     d = _cache_dir()
@@ -150,7 +195,10 @@ def compile_cubin(source: str, names, arch: str = "sm_90a", with_log: bool = Fal
             with open(meta, encoding="utf-8") as f:
                 m = json.load(f)
             if os.path.exists(m.get("path", path)):
-                return (m.get("path", path), m["lowered"], m["log"]) if with_log else (m.get("path", path), m["lowered"])
+                p = m.get("path", path)
+                return {"path": p, "lowered": m["lowered"], "log": m["log"], "cached": True,
+                        "nvrtc": m.get("nvrtc", "not recorded (an older cache entry)"), "nvrtc_now": now,
+                        "ptx_fallback": p.endswith(".ptx")}
         try:
             cubin, lowered, log = nv.compile(source, names, options)
         except Sm90aCompileError as exc:
@@ -160,13 +208,16 @@ def compile_cubin(source: str, names, arch: str = "sm_90a", with_log: bool = Fal
             cubin, lowered, log = nv.compile(source, names, ptx_opts)
             log = f"[no cubin for {arch}, PTX for compute_{arch[3:]} instead: {str(exc)[:500]}]\n{log}"
             path = path[:-len(".cubin")] + ".ptx"
+        made_by = nv.describe()   # after the compile: the library paths of a binding that loads lazily
         for target, data, mode in ((path, cubin, "wb"),
-                                   (meta, json.dumps({"lowered": lowered, "log": log, "path": path}), "w")):
+                                   (meta, json.dumps({"lowered": lowered, "log": log, "path": path,
+                                                      "nvrtc": made_by}), "w")):
             fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
             with os.fdopen(fd, mode) as f:
                 f.write(data)
             os.replace(tmp, target)   # atomic: parallel processes never read half a file
-    return (path, lowered, log) if with_log else (path, lowered)
+    return {"path": path, "lowered": lowered, "log": log, "cached": False, "nvrtc": made_by, "nvrtc_now": made_by,
+            "ptx_fallback": path.endswith(".ptx")}
 
 
 def unavailable_reason(source: str, names, arch: str = "sm_90a") -> str | None:
