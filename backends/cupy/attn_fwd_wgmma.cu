@@ -72,6 +72,25 @@ __device__ __forceinline__ void wg_softmax_tile(float* sc, float* acc, float* m_
     }
 }
 
+// Steps 3 and 4 of a key tile once S = Q K^T (tile rows m0 ... m0 + BM - 1, keys n0 ...) is issued
+// into sc: wait for it, base-2 logits masked where the tile crosses a boundary, online softmax
+// (wg_softmax_tile), then O += P V with P re-packed from sc into pa (the caller's: declared there,
+// the PTX stays that of the kernels this was folded from) and V buffer buf of the SW128 tiles sv
+// (BN x HD each), waited for.
+template <typename T, int HD, int BM, int BN>
+__device__ __forceinline__ void wg_softmax_pv(float* sc, float* acc, float* m_i, float* l_i, pa_u32 (*pa)[4],
+                                              pa_u32 sv, int buf, const SeqInfo& s, int m0, int row0, int n0,
+                                              int t4, float scale_log2, int win_left, int win_right) {
+    wgmma_wait<0>();
+    wgmma_fence_acc<BN>(sc);
+    const bool need_mask = keys_need_mask(s, m0, BM, n0, BN, win_left, win_right);
+    wg_softmax_tile<BN, HD>(sc, acc, m_i, l_i, need_mask, s, row0, n0, t4, scale_log2, win_left, win_right);
+    acc_to_a_frags<T, BN>(pa, sc);
+    wg_pv<T, HD, BN>(acc, pa, sv + buf * (BN * HD * 2));
+    wgmma_wait<0>();
+    wgmma_fence_acc<HD>(acc);
+}
+
 // The epilogue of one warp (rows lrow0 = 16 q + ... of the tile; this thread's rows lrow, lrow + 8):
 // O / l (0 for a row with no visible key), lse = (m + log2 l) ln 2 (-inf for such a row); the
 // output is staged through the warp's own rows of the SW128 Q tile (gq, BM rows; no other warp
@@ -154,21 +173,11 @@ attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_
         // 1. tile n landed and is visible to wgmma; tile n + BN prefetched into the other buffer.
         kv_walk_step<T, BN, HD, NT>(sK, sV, KV_BYTES, buf, cta, n0 + BN, n_hi, k_ss, v_ss, head_dim, head_dim_v, tid);
 
-        // 2. S = Q K^T
+        // 2. S = Q K^T; 3. softmax; 4. O += P V
         wg_qk<T, HD, BM, BN>(sc, sQw, sK + buf * KV_BYTES);
-        wgmma_wait<0>();
-        wgmma_fence_acc<BN>(sc);
-
-        // 3. base-2 logits, masked where the tile crosses a boundary; online softmax.
-        const bool need_mask = keys_need_mask(s, m0, BM, n0, BN, win_left, win_right);
-        wg_softmax_tile<BN, HD>(sc, acc, m_i, l_i, need_mask, s, row0, n0, t4, scale_log2, win_left, win_right);
-
-        // 4. O += P V
         pa_u32 pa[BN / 16][4];
-        acc_to_a_frags<T, BN>(pa, sc);
-        wg_pv<T, HD, BN>(acc, pa, sV + buf * KV_BYTES);
-        wgmma_wait<0>();
-        wgmma_fence_acc<HD>(acc);
+        wg_softmax_pv<T, HD, BM, BN>(sc, acc, m_i, l_i, pa, sV, buf, s, m0, row0, n0, t4, scale_log2, win_left,
+                                     win_right);
     }
 
     // Epilogue. A CTA whose rows see no key skips the loop with its Q copies possibly in flight.

@@ -2,7 +2,7 @@
 // cp.async instead of TMA.
 //
 // attn_fwd_wgmma_ws<T, HD, BN, PINGPONG>  the same problems, arguments, outputs and arithmetic
-//   per tile as attn_fwd_wgmma (attn_fwd_wgmma.cu; its helpers wg_qk, wg_softmax_tile, wg_pv,
+//   per tile as attn_fwd_wgmma (attn_fwd_wgmma.cu; its helpers wg_qk, wg_softmax_pv,
 //   wg_epilogue), with the work split by warpgroup instead of one barrier per key tile:
 //   * warpgroup 0, the producer (setmaxnreg down to 40 registers): copies Q and the first K/V
 //     tile, then each next tile into a ring of 2 stages with cp.async; once a tile's copies
@@ -103,15 +103,9 @@ attn_fwd_wgmma_ws(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long
         if (PINGPONG) named_bar_sync(1 + c, 256);
         wg_qk<T, HD, BM, BN>(sc, sQw, sK + st * KV_BYTES);
         if (PINGPONG && !(c == 1 && it == n_tiles - 1)) named_bar_arrive(2 - c, 256);
-        wgmma_wait<0>();
-        wgmma_fence_acc<BN>(sc);
-        const bool need_mask = keys_need_mask(s, m0, BM, n0, BN, win_left, win_right);
-        wg_softmax_tile<BN, HD>(sc, acc, m_i, l_i, need_mask, s, row0, n0, t4, scale_log2, win_left, win_right);
         pa_u32 pa[BN / 16][4];
-        acc_to_a_frags<T, BN>(pa, sc);
-        wg_pv<T, HD, BN>(acc, pa, sV + st * KV_BYTES);
-        wgmma_wait<0>();
-        wgmma_fence_acc<HD>(acc);
+        wg_softmax_pv<T, HD, BM, BN>(sc, acc, m_i, l_i, pa, sV, st, s, m0, row0, n0, t4, scale_log2, win_left,
+                                     win_right);
         mbar_arrive(bar_empty + 8 * st);
     }
     wg_epilogue<T, HD, BM>(acc, m_i, l_i, gbase, lrow, c * 64 + wq * 16, m0, t4, lane, s, b, h, o, o_sb, o_ss, o_sh,

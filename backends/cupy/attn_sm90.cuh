@@ -94,7 +94,20 @@ __device__ __forceinline__ void wgmma_wait() {
 // it. The compiler knows nothing of that fence, so an empty asm that "modifies" each register sits in
 // front of it (CUTLASS's warpgroup_fence_operand): every earlier write or read of the register is
 // ordered before the asm, and the asm (volatile) before the fence. wgmma_fence_acc<N> does this for
-// accumulators (attn_wgmma_ops.cuh), fence_a_frags for the A fragments of P.
+// the N / 2 accumulators of an m64nNk16 wgmma (after its wait, too: the compiler then neither reads
+// nor moves them across an outstanding wgmma), fence_a_frags for the A fragments of P.
+// (Written as a fold over 0 ... N / 2 - 1, not a loop: straight-line code from the start, as the
+// asm statements it replaces were; an unrolled loop renames and reorders registers in the PTX.)
+__device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+template <int... I> struct PaIndexSeq {};
+template <int N, int... I> struct PaMakeIndexSeq : PaMakeIndexSeq<N - 1, N - 1, I...> {};
+template <int... I> struct PaMakeIndexSeq<0, I...> { typedef PaIndexSeq<I...> type; };
+template <int... I>
+__device__ __forceinline__ void fence_operands(float* d, PaIndexSeq<I...>) { (fence_operand(d[I]), ...); }
+template <int N>
+__device__ __forceinline__ void wgmma_fence_acc(float* d) {
+    fence_operands(d, typename PaMakeIndexSeq<N / 2>::type());
+}
 template <int NK>
 __device__ __forceinline__ void fence_a_frags(pa_u32 (*p)[4]) {
 #pragma unroll

@@ -5,8 +5,7 @@
 //   shared-memory matrix descriptors, both K-major (trans-a = trans-b = 0); scale_d = 0 overwrites d.
 // wgmma_rs<T, N>(d, a, desc_b, scale_d): d (+)= A * B, A from registers (4 x b32 per thread, the m16n8k16
 //   A-fragment layout per warp), B an MN-major descriptor (trans-b = 1: B stored [k][n]).
-// wgmma_fence_acc<N>(d): an empty asm on each of the N / 2 accumulators, so that the compiler
-//   neither reads nor moves them across an outstanding wgmma (CUTLASS's warpgroup_fence_operand).
+// (wgmma_fence_acc<N>(d), the empty asm on each of the N / 2 accumulators, is one loop: attn_sm90.cuh.)
 // d holds N / 2 floats per thread: d[4i + 0, 1] at (row 16 * warp + lane / 4, column 8i + 2 (lane % 4)
 //   + 0, 1), d[4i + 2, 3] at row + 8 (the PTX ISA's m64nNk16 D fragment).
 
@@ -14,42 +13,6 @@ template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss(float* d, unsigned long long da, unsigned long long db, int scale_d);
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float* d, const pa_u32* a, unsigned long long db, int scale_d);
-template <int N> __device__ __forceinline__ void wgmma_fence_acc(float* d);
-
-template <> __device__ __forceinline__ void wgmma_fence_acc<64>(float* d) {
-    asm volatile("" : "+f"(d[0])::"memory");
-    asm volatile("" : "+f"(d[1])::"memory");
-    asm volatile("" : "+f"(d[2])::"memory");
-    asm volatile("" : "+f"(d[3])::"memory");
-    asm volatile("" : "+f"(d[4])::"memory");
-    asm volatile("" : "+f"(d[5])::"memory");
-    asm volatile("" : "+f"(d[6])::"memory");
-    asm volatile("" : "+f"(d[7])::"memory");
-    asm volatile("" : "+f"(d[8])::"memory");
-    asm volatile("" : "+f"(d[9])::"memory");
-    asm volatile("" : "+f"(d[10])::"memory");
-    asm volatile("" : "+f"(d[11])::"memory");
-    asm volatile("" : "+f"(d[12])::"memory");
-    asm volatile("" : "+f"(d[13])::"memory");
-    asm volatile("" : "+f"(d[14])::"memory");
-    asm volatile("" : "+f"(d[15])::"memory");
-    asm volatile("" : "+f"(d[16])::"memory");
-    asm volatile("" : "+f"(d[17])::"memory");
-    asm volatile("" : "+f"(d[18])::"memory");
-    asm volatile("" : "+f"(d[19])::"memory");
-    asm volatile("" : "+f"(d[20])::"memory");
-    asm volatile("" : "+f"(d[21])::"memory");
-    asm volatile("" : "+f"(d[22])::"memory");
-    asm volatile("" : "+f"(d[23])::"memory");
-    asm volatile("" : "+f"(d[24])::"memory");
-    asm volatile("" : "+f"(d[25])::"memory");
-    asm volatile("" : "+f"(d[26])::"memory");
-    asm volatile("" : "+f"(d[27])::"memory");
-    asm volatile("" : "+f"(d[28])::"memory");
-    asm volatile("" : "+f"(d[29])::"memory");
-    asm volatile("" : "+f"(d[30])::"memory");
-    asm volatile("" : "+f"(d[31])::"memory");
-}
 
 template <> __device__ __forceinline__ void wgmma_ss<pa_half, 64>(float* d, unsigned long long da,
                                                                 unsigned long long db, int scale_d) {
@@ -87,73 +50,6 @@ template <> __device__ __forceinline__ void wgmma_rs<pa_bf16, 64>(float* d, cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
-template <> __device__ __forceinline__ void wgmma_fence_acc<128>(float* d) {
-    asm volatile("" : "+f"(d[0])::"memory");
-    asm volatile("" : "+f"(d[1])::"memory");
-    asm volatile("" : "+f"(d[2])::"memory");
-    asm volatile("" : "+f"(d[3])::"memory");
-    asm volatile("" : "+f"(d[4])::"memory");
-    asm volatile("" : "+f"(d[5])::"memory");
-    asm volatile("" : "+f"(d[6])::"memory");
-    asm volatile("" : "+f"(d[7])::"memory");
-    asm volatile("" : "+f"(d[8])::"memory");
-    asm volatile("" : "+f"(d[9])::"memory");
-    asm volatile("" : "+f"(d[10])::"memory");
-    asm volatile("" : "+f"(d[11])::"memory");
-    asm volatile("" : "+f"(d[12])::"memory");
-    asm volatile("" : "+f"(d[13])::"memory");
-    asm volatile("" : "+f"(d[14])::"memory");
-    asm volatile("" : "+f"(d[15])::"memory");
-    asm volatile("" : "+f"(d[16])::"memory");
-    asm volatile("" : "+f"(d[17])::"memory");
-    asm volatile("" : "+f"(d[18])::"memory");
-    asm volatile("" : "+f"(d[19])::"memory");
-    asm volatile("" : "+f"(d[20])::"memory");
-    asm volatile("" : "+f"(d[21])::"memory");
-    asm volatile("" : "+f"(d[22])::"memory");
-    asm volatile("" : "+f"(d[23])::"memory");
-    asm volatile("" : "+f"(d[24])::"memory");
-    asm volatile("" : "+f"(d[25])::"memory");
-    asm volatile("" : "+f"(d[26])::"memory");
-    asm volatile("" : "+f"(d[27])::"memory");
-    asm volatile("" : "+f"(d[28])::"memory");
-    asm volatile("" : "+f"(d[29])::"memory");
-    asm volatile("" : "+f"(d[30])::"memory");
-    asm volatile("" : "+f"(d[31])::"memory");
-    asm volatile("" : "+f"(d[32])::"memory");
-    asm volatile("" : "+f"(d[33])::"memory");
-    asm volatile("" : "+f"(d[34])::"memory");
-    asm volatile("" : "+f"(d[35])::"memory");
-    asm volatile("" : "+f"(d[36])::"memory");
-    asm volatile("" : "+f"(d[37])::"memory");
-    asm volatile("" : "+f"(d[38])::"memory");
-    asm volatile("" : "+f"(d[39])::"memory");
-    asm volatile("" : "+f"(d[40])::"memory");
-    asm volatile("" : "+f"(d[41])::"memory");
-    asm volatile("" : "+f"(d[42])::"memory");
-    asm volatile("" : "+f"(d[43])::"memory");
-    asm volatile("" : "+f"(d[44])::"memory");
-    asm volatile("" : "+f"(d[45])::"memory");
-    asm volatile("" : "+f"(d[46])::"memory");
-    asm volatile("" : "+f"(d[47])::"memory");
-    asm volatile("" : "+f"(d[48])::"memory");
-    asm volatile("" : "+f"(d[49])::"memory");
-    asm volatile("" : "+f"(d[50])::"memory");
-    asm volatile("" : "+f"(d[51])::"memory");
-    asm volatile("" : "+f"(d[52])::"memory");
-    asm volatile("" : "+f"(d[53])::"memory");
-    asm volatile("" : "+f"(d[54])::"memory");
-    asm volatile("" : "+f"(d[55])::"memory");
-    asm volatile("" : "+f"(d[56])::"memory");
-    asm volatile("" : "+f"(d[57])::"memory");
-    asm volatile("" : "+f"(d[58])::"memory");
-    asm volatile("" : "+f"(d[59])::"memory");
-    asm volatile("" : "+f"(d[60])::"memory");
-    asm volatile("" : "+f"(d[61])::"memory");
-    asm volatile("" : "+f"(d[62])::"memory");
-    asm volatile("" : "+f"(d[63])::"memory");
-}
-
 template <> __device__ __forceinline__ void wgmma_ss<pa_half, 128>(float* d, unsigned long long da,
                                                                 unsigned long long db, int scale_d) {
     asm volatile(
@@ -188,137 +84,6 @@ template <> __device__ __forceinline__ void wgmma_rs<pa_bf16, 128>(float* d, con
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
-
-template <> __device__ __forceinline__ void wgmma_fence_acc<256>(float* d) {
-    asm volatile("" : "+f"(d[0])::"memory");
-    asm volatile("" : "+f"(d[1])::"memory");
-    asm volatile("" : "+f"(d[2])::"memory");
-    asm volatile("" : "+f"(d[3])::"memory");
-    asm volatile("" : "+f"(d[4])::"memory");
-    asm volatile("" : "+f"(d[5])::"memory");
-    asm volatile("" : "+f"(d[6])::"memory");
-    asm volatile("" : "+f"(d[7])::"memory");
-    asm volatile("" : "+f"(d[8])::"memory");
-    asm volatile("" : "+f"(d[9])::"memory");
-    asm volatile("" : "+f"(d[10])::"memory");
-    asm volatile("" : "+f"(d[11])::"memory");
-    asm volatile("" : "+f"(d[12])::"memory");
-    asm volatile("" : "+f"(d[13])::"memory");
-    asm volatile("" : "+f"(d[14])::"memory");
-    asm volatile("" : "+f"(d[15])::"memory");
-    asm volatile("" : "+f"(d[16])::"memory");
-    asm volatile("" : "+f"(d[17])::"memory");
-    asm volatile("" : "+f"(d[18])::"memory");
-    asm volatile("" : "+f"(d[19])::"memory");
-    asm volatile("" : "+f"(d[20])::"memory");
-    asm volatile("" : "+f"(d[21])::"memory");
-    asm volatile("" : "+f"(d[22])::"memory");
-    asm volatile("" : "+f"(d[23])::"memory");
-    asm volatile("" : "+f"(d[24])::"memory");
-    asm volatile("" : "+f"(d[25])::"memory");
-    asm volatile("" : "+f"(d[26])::"memory");
-    asm volatile("" : "+f"(d[27])::"memory");
-    asm volatile("" : "+f"(d[28])::"memory");
-    asm volatile("" : "+f"(d[29])::"memory");
-    asm volatile("" : "+f"(d[30])::"memory");
-    asm volatile("" : "+f"(d[31])::"memory");
-    asm volatile("" : "+f"(d[32])::"memory");
-    asm volatile("" : "+f"(d[33])::"memory");
-    asm volatile("" : "+f"(d[34])::"memory");
-    asm volatile("" : "+f"(d[35])::"memory");
-    asm volatile("" : "+f"(d[36])::"memory");
-    asm volatile("" : "+f"(d[37])::"memory");
-    asm volatile("" : "+f"(d[38])::"memory");
-    asm volatile("" : "+f"(d[39])::"memory");
-    asm volatile("" : "+f"(d[40])::"memory");
-    asm volatile("" : "+f"(d[41])::"memory");
-    asm volatile("" : "+f"(d[42])::"memory");
-    asm volatile("" : "+f"(d[43])::"memory");
-    asm volatile("" : "+f"(d[44])::"memory");
-    asm volatile("" : "+f"(d[45])::"memory");
-    asm volatile("" : "+f"(d[46])::"memory");
-    asm volatile("" : "+f"(d[47])::"memory");
-    asm volatile("" : "+f"(d[48])::"memory");
-    asm volatile("" : "+f"(d[49])::"memory");
-    asm volatile("" : "+f"(d[50])::"memory");
-    asm volatile("" : "+f"(d[51])::"memory");
-    asm volatile("" : "+f"(d[52])::"memory");
-    asm volatile("" : "+f"(d[53])::"memory");
-    asm volatile("" : "+f"(d[54])::"memory");
-    asm volatile("" : "+f"(d[55])::"memory");
-    asm volatile("" : "+f"(d[56])::"memory");
-    asm volatile("" : "+f"(d[57])::"memory");
-    asm volatile("" : "+f"(d[58])::"memory");
-    asm volatile("" : "+f"(d[59])::"memory");
-    asm volatile("" : "+f"(d[60])::"memory");
-    asm volatile("" : "+f"(d[61])::"memory");
-    asm volatile("" : "+f"(d[62])::"memory");
-    asm volatile("" : "+f"(d[63])::"memory");
-    asm volatile("" : "+f"(d[64])::"memory");
-    asm volatile("" : "+f"(d[65])::"memory");
-    asm volatile("" : "+f"(d[66])::"memory");
-    asm volatile("" : "+f"(d[67])::"memory");
-    asm volatile("" : "+f"(d[68])::"memory");
-    asm volatile("" : "+f"(d[69])::"memory");
-    asm volatile("" : "+f"(d[70])::"memory");
-    asm volatile("" : "+f"(d[71])::"memory");
-    asm volatile("" : "+f"(d[72])::"memory");
-    asm volatile("" : "+f"(d[73])::"memory");
-    asm volatile("" : "+f"(d[74])::"memory");
-    asm volatile("" : "+f"(d[75])::"memory");
-    asm volatile("" : "+f"(d[76])::"memory");
-    asm volatile("" : "+f"(d[77])::"memory");
-    asm volatile("" : "+f"(d[78])::"memory");
-    asm volatile("" : "+f"(d[79])::"memory");
-    asm volatile("" : "+f"(d[80])::"memory");
-    asm volatile("" : "+f"(d[81])::"memory");
-    asm volatile("" : "+f"(d[82])::"memory");
-    asm volatile("" : "+f"(d[83])::"memory");
-    asm volatile("" : "+f"(d[84])::"memory");
-    asm volatile("" : "+f"(d[85])::"memory");
-    asm volatile("" : "+f"(d[86])::"memory");
-    asm volatile("" : "+f"(d[87])::"memory");
-    asm volatile("" : "+f"(d[88])::"memory");
-    asm volatile("" : "+f"(d[89])::"memory");
-    asm volatile("" : "+f"(d[90])::"memory");
-    asm volatile("" : "+f"(d[91])::"memory");
-    asm volatile("" : "+f"(d[92])::"memory");
-    asm volatile("" : "+f"(d[93])::"memory");
-    asm volatile("" : "+f"(d[94])::"memory");
-    asm volatile("" : "+f"(d[95])::"memory");
-    asm volatile("" : "+f"(d[96])::"memory");
-    asm volatile("" : "+f"(d[97])::"memory");
-    asm volatile("" : "+f"(d[98])::"memory");
-    asm volatile("" : "+f"(d[99])::"memory");
-    asm volatile("" : "+f"(d[100])::"memory");
-    asm volatile("" : "+f"(d[101])::"memory");
-    asm volatile("" : "+f"(d[102])::"memory");
-    asm volatile("" : "+f"(d[103])::"memory");
-    asm volatile("" : "+f"(d[104])::"memory");
-    asm volatile("" : "+f"(d[105])::"memory");
-    asm volatile("" : "+f"(d[106])::"memory");
-    asm volatile("" : "+f"(d[107])::"memory");
-    asm volatile("" : "+f"(d[108])::"memory");
-    asm volatile("" : "+f"(d[109])::"memory");
-    asm volatile("" : "+f"(d[110])::"memory");
-    asm volatile("" : "+f"(d[111])::"memory");
-    asm volatile("" : "+f"(d[112])::"memory");
-    asm volatile("" : "+f"(d[113])::"memory");
-    asm volatile("" : "+f"(d[114])::"memory");
-    asm volatile("" : "+f"(d[115])::"memory");
-    asm volatile("" : "+f"(d[116])::"memory");
-    asm volatile("" : "+f"(d[117])::"memory");
-    asm volatile("" : "+f"(d[118])::"memory");
-    asm volatile("" : "+f"(d[119])::"memory");
-    asm volatile("" : "+f"(d[120])::"memory");
-    asm volatile("" : "+f"(d[121])::"memory");
-    asm volatile("" : "+f"(d[122])::"memory");
-    asm volatile("" : "+f"(d[123])::"memory");
-    asm volatile("" : "+f"(d[124])::"memory");
-    asm volatile("" : "+f"(d[125])::"memory");
-    asm volatile("" : "+f"(d[126])::"memory");
-    asm volatile("" : "+f"(d[127])::"memory");
 }
 
 template <> __device__ __forceinline__ void wgmma_ss<pa_half, 256>(float* d, unsigned long long da,
