@@ -3,7 +3,8 @@
 
 * :mod:`.schema` — the ``OpSchema``s (inputs, attributes, types) and :func:`register_schema`;
 * :mod:`.function` — the ops' bodies, onnxscript functions sharing FlashAttention's tiled online
-  softmax (helper functions ``FlashAttentionLayout``/``Block``/``Finish``);
+  softmax (helper functions ``FlashAttentionLoop`` — the key loop — and the stages it calls,
+  ``FlashAttentionLayout``/``Block``/``Finish``);
 * :mod:`.model` — the bodies as model-local functions, and one-node models of the ops;
 * :mod:`.export` — translations of the torch ops ``portattn::attention`` and
   ``portattn::attention_with_kvcache`` for ``torch.onnx.export``;

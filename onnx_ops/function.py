@@ -6,16 +6,23 @@ carried state is the running row max ``m``, the running row sum ``l`` and the un
 output ``acc``. One iteration materialises scores for all query rows against one block of
 ``block_size`` keys, so peak memory grows as ``B·Hq·Sq·block_size``, never as ``Sq·Sk``.
 
-The ops share model-local helper functions (domain ``portattn``), so the algorithm is written once:
+The ops share model-local helper functions (domain ``portattn``), so each stage is written once:
 
-* :func:`FlashAttentionLayout` — Q, K, V in float32 in the grouped layout below (q pre-scaled);
+* :func:`FlashAttentionLayout` — stage 0: Q, K, V in float32 in the grouped layout below (q pre-scaled);
+* :func:`GroupedHeads` — bias, mask and ALiBi slopes grouped the same way (broadcast axes stay 1);
+* :func:`AttentionWindow` — the window ``[i' − left, i' + right]`` from the attributes;
 * :func:`FlashAttentionBlock` — stages 1–6 for one key block ``[j0, j1)``: scores, softcap,
   ALiBi, bias, window/causal, mask, key-length mask, then the online-softmax update;
 * :func:`FlashAttentionFinish` — stage 7: normalise, rows with no visible key → 0 and -inf LSE;
+* :func:`FlashAttentionLoop` — the algorithm over a key range: stage 0, the ``Loop`` over key
+  blocks applying stages 1–6, stage 7; every op calls it;
 * for the two KV-cache ops: :func:`KVCacheSlots` (where the append writes), :func:`KVCacheWrite`
   (the append, one ``ScatterND``), :func:`KVCacheBand` (per-sequence rows and the visible key
-  range) and :func:`KVCacheAttend` (the loop over the visible slots); the ops differ only in how
-  slots are addressed (``(b, p)`` or ``(block_table[b, p // page], p % page)``).
+  range) and :func:`KVCacheAttend` (the loop over the visible slots, no bias or mask); the ops
+  differ only in how slots are addressed (``(b, p)`` or ``(block_table[b, p // page], p % page)``).
+
+Helpers that consume attributes take them as function attributes (forwarded by reference), so each
+attribute becomes a tensor in one place only.
 
 Layout inside the bodies (GQA groups made explicit so that K/V are never repeated)::
 
@@ -74,6 +81,37 @@ def FlashAttentionLayout(Q, K, V, hq, hkv, scale_t):
     vf = op.Reshape(op.Cast(V, to=1), op.Concat(batch, seq_k, hkv, one1, head_dim_v, axis=0), allowzero=1)
     v5 = op.Transpose(vf, perm=[0, 2, 3, 1, 4])
     return q5, kT5, v5
+
+
+@script(portattn_opset, default_opset=op)
+def GroupedHeads(x, hkv):
+    """``x`` 4-D ``(xB, xH, xSq, xSk)``, broadcastable to the scores ``(B, Hq, Sq, Sk)`` (bias,
+    mask, ALiBi slopes as ``(B, Hq, 1, 1)``), grouped like a block's scores ``(B, Hkv, G, Sq, blk)``:
+    ``(xB, h, xH / h, xSq, xSk)`` with ``h = min(xH, Hkv)`` (``hkv`` 1-D int64 ``[1]``), so a
+    broadcast head axis stays 1 and ``Hq`` heads split as ``kv·G + g``; nothing is expanded."""
+    shape = op.Shape(x)
+    heads = op.Slice(shape, [1], [2])
+    heads_kv = op.Min(heads, hkv)
+    return op.Reshape(x, op.Concat(op.Slice(shape, [0], [1]), heads_kv, op.Div(heads, heads_kv),
+                                   op.Slice(shape, [2], [4]), axis=0))
+
+
+@script(portattn_opset, default_opset=op)
+def AttentionWindow(sq, sk, causal: int = 0, window_left: int = -1, window_right: int = -1):
+    """The window of aligned row ``i'``, keys ``[i' − left, i' + right]`` (int64 scalars), from the
+    attributes: ``causal`` forces ``right = 0``; an unbounded side (-1) becomes ``sq + sk``, wider
+    than any band of ``sq`` rows over at most ``sk`` keys. ``use_window``: a side is bounded."""
+    zero = op.Constant(value_int=0)
+    one = op.Constant(value_int=1)
+    causal_t = op.Constant(value_int=causal)
+    left_t = op.Constant(value_int=window_left)
+    right_t = op.Constant(value_int=window_right)
+    right_eff = op.Where(op.Equal(causal_t, one), zero, right_t)
+    use_window = op.Or(op.GreaterOrEqual(left_t, zero), op.GreaterOrEqual(right_eff, zero))
+    unbounded = op.Add(sq, sk)
+    left = op.Where(op.Less(left_t, zero), unbounded, left_t)
+    right = op.Where(op.Less(right_eff, zero), unbounded, right_eff)
+    return left, right, use_window
 
 
 @script(portattn_opset, default_opset=op)
@@ -163,8 +201,51 @@ def FlashAttentionFinish(acc, l, m, Q, hq):
     return Y, LSE
 
 
+@script(portattn_opset, default_opset=op)
+def FlashAttentionLoop(Q, K, V, hq, hkv, alibi_slopes, bias5, bias_cols, mask5, mask_cols, use_bias, use_mask,
+                       rows, alibi_rows, left, right, use_window, key_len, use_len, col_lo, col_hi,
+                       scale: float = 1.0, softcap: float = 0.0, block_size: int = 256):
+    """The whole algorithm over the keys ``[col_lo, col_hi)`` of K/V (int64 scalars): stage 0
+    (:func:`FlashAttentionLayout`), the ALiBi and softcap switches, then a ``Loop`` over blocks
+    of ``block_size`` keys applying :func:`FlashAttentionBlock` (stages 1–6) to the running
+    ``m, l (B, Hkv, G, Sq, 1)`` and ``acc (B, Hkv, G, Sq, Dv)``, then stage 7
+    (:func:`FlashAttentionFinish`): ``Y (B, Sq, Hq, Dv)`` in Q's type, ``LSE (B, Hq, Sq)``.
+
+    ``alibi_slopes (B, Hq)`` as given (zeros: off); ``bias5``/``mask5`` grouped by
+    :func:`GroupedHeads` with their key extent ``bias_cols``/``mask_cols`` (1-D ``[1]``) and their
+    switches; the band (``rows``, ``alibi_rows``, ``left``, ``right``, ``use_window``) and the
+    key length (``key_len``, ``use_len``) as :func:`FlashAttentionBlock` takes them.
+    """
+    one = op.Constant(value_int=1)
+    one1 = op.Constant(value_ints=[1])
+    zero_f = op.Constant(value_float=0.0)
+    neg_inf = op.Constant(value_float=float("-inf"))
+    scale_t = op.Constant(value_float=scale)
+    softcap_t = op.Constant(value_float=softcap)
+    block = op.Constant(value_int=block_size)
+    q5, kT5, v5 = FlashAttentionLayout(Q, K, V, hq, hkv, scale_t)
+    slopes5 = GroupedHeads(op.Unsqueeze(op.Cast(alibi_slopes, to=1), [2, 3]), hkv)     # (B, h, G, 1, 1)
+    use_softcap = op.Greater(softcap_t, zero_f)
+    use_alibi = op.Greater(op.ReduceMax(op.Abs(slopes5), keepdims=0), zero_f)
+    # running state: max m, sum l, unnormalised output acc
+    rows_shape = op.Shape(q5, start=0, end=4)                                           # (B, Hkv, G, Sq)
+    m = op.Expand(neg_inf, op.Concat(rows_shape, one1, axis=0))
+    l = op.Expand(zero_f, op.Concat(rows_shape, one1, axis=0))
+    acc = op.Expand(zero_f, op.Concat(rows_shape, op.Shape(v5, start=4, end=5), axis=0))
+    n_blocks = op.Div(op.Sub(op.Add(op.Sub(col_hi, col_lo), block), one), block)
+    for blk_index in range(n_blocks):
+        j0 = op.Add(col_lo, op.Mul(blk_index, block))
+        j1 = op.Min(op.Add(j0, block), col_hi)
+        m, l, acc = FlashAttentionBlock(q5, kT5, v5, m, l, acc, j0, j1, rows, alibi_rows, left, right, key_len,
+                                        bias5, bias_cols, mask5, mask_cols, slopes5, softcap_t,
+                                        use_softcap, use_alibi, use_bias, use_window, use_mask, use_len)
+    Y, LSE = FlashAttentionFinish(acc, l, m, Q, hq)
+    return Y, LSE
+
+
 #: the helper functions every model using one of the ops must carry
-HELPERS = (FlashAttentionLayout, FlashAttentionBlock, FlashAttentionFinish)
+HELPERS = (FlashAttentionLayout, GroupedHeads, AttentionWindow, FlashAttentionBlock, FlashAttentionFinish,
+           FlashAttentionLoop)
 
 
 # ----- portattn.FlashAttention ---------------------------------------------------------------
@@ -174,70 +255,33 @@ def FlashAttention(Q, K, V, bias, mask, alibi_slopes,
                    scale: float = 1.0, causal: int = 0, alignment: int = 0,
                    window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                    q_num_heads: int = 0, kv_num_heads: int = 0, block_size: int = 256):
-    # ---- attributes as scalar tensors ----------------------------------------------------
-    scale_t = op.Constant(value_float=scale)
-    softcap_t = op.Constant(value_float=softcap)
-    causal_t = op.Constant(value_int=causal)
+    # ---- attributes as scalar tensors (the others become tensors in the helpers that use them)
     alignment_t = op.Constant(value_int=alignment)
-    left_t = op.Constant(value_int=window_left)
-    right_t = op.Constant(value_int=window_right)
     hq_attr = op.Constant(value_int=q_num_heads)
     hkv_attr = op.Constant(value_int=kv_num_heads)
-    block = op.Constant(value_int=block_size)
     zero = op.Constant(value_int=0)
-    one1 = op.Constant(value_ints=[1])
     one = op.Constant(value_int=1)
     zero_f = op.Constant(value_float=0.0)
-    neg_inf = op.Constant(value_float=float("-inf"))
     no = op.Cast(zero, to=9)
 
-    # ---- sizes (heads from the attributes when given, else from the 4-D shapes) -----------
-    batch = op.Shape(Q, start=0, end=1)
-    seq_q = op.Shape(Q, start=1, end=2)
-    seq_k = op.Shape(K, start=1, end=2)
+    # ---- heads from the attributes when given, else from the 4-D shapes ---------------------
     hq = op.Where(op.Greater(hq_attr, zero), op.Reshape(hq_attr, [1]), op.Slice(op.Shape(Q), [2], [3]))
     hkv = op.Where(op.Greater(hkv_attr, zero), op.Reshape(hkv_attr, [1]), op.Slice(op.Shape(K), [2], [3]))
-    group = op.Div(hq, hkv)
 
-    # ---- stage 0: layouts in float32; q pre-scaled ---------------------------------------
-    q5, kT5, v5 = FlashAttentionLayout(Q, K, V, hq, hkv, scale_t)
-    head_dim_v = op.Shape(v5, start=4, end=5)
-
-    # ---- optional inputs, grouped like the scores (broadcast dims stay 1) ----------------
+    # ---- bias and mask grouped like the scores, each switched on when not neutral ------------
     bias_f = op.Cast(bias, to=1)
-    bias_shape = op.Shape(bias_f)
-    bias_heads = op.Slice(bias_shape, [1], [2])
-    bias_h1 = op.Min(bias_heads, hkv)          # 1 (broadcast heads) or Hkv (heads split as kv·G + g)
-    bias5 = op.Reshape(bias_f, op.Concat(op.Slice(bias_shape, [0], [1]), bias_h1, op.Div(bias_heads, bias_h1),
-                                         op.Slice(bias_shape, [2], [4]), axis=0))
+    bias5 = GroupedHeads(bias_f, hkv)
     bias_cols = op.Shape(bias_f, start=3, end=4)
-    mask_shape = op.Shape(mask)
-    mask_heads = op.Slice(mask_shape, [1], [2])
-    mask_h1 = op.Min(mask_heads, hkv)
-    mask5 = op.Reshape(mask, op.Concat(op.Slice(mask_shape, [0], [1]), mask_h1, op.Div(mask_heads, mask_h1),
-                                       op.Slice(mask_shape, [2], [4]), axis=0))
-    mask_cols = op.Shape(mask, start=3, end=4)
-    slopes_shape = op.Shape(alibi_slopes)
-    slopes_heads = op.Slice(slopes_shape, [1], [2])
-    slopes_h1 = op.Min(slopes_heads, hkv)
-    slopes5 = op.Reshape(op.Cast(alibi_slopes, to=1),
-                         op.Concat(op.Slice(slopes_shape, [0], [1]), slopes_h1, op.Div(slopes_heads, slopes_h1),
-                                   one1, one1, axis=0))
-
-    # ---- which features are on (scalars, evaluated once) -----------------------------------
-    use_softcap = op.Greater(softcap_t, zero_f)
-    use_alibi = op.Greater(op.ReduceMax(op.Abs(slopes5), keepdims=0), zero_f)
     use_bias = op.Greater(op.ReduceMax(op.Abs(bias_f), keepdims=0), zero_f)
+    mask5 = GroupedHeads(mask, hkv)
+    mask_cols = op.Shape(mask, start=3, end=4)
     use_mask = op.Not(op.Cast(op.ReduceMin(op.Cast(mask, to=6), keepdims=0), to=9))
-    right_eff = op.Where(op.Equal(causal_t, one), zero, right_t)
-    use_window = op.Or(op.GreaterOrEqual(left_t, zero), op.GreaterOrEqual(right_eff, zero))
 
     # ---- the visible band: rows i' = i + offset, keys in [i' - left, i' + right] -----------
-    sq = op.Squeeze(seq_q)
-    sk = op.Squeeze(seq_k)
-    unbounded = op.Add(sq, sk)
-    left = op.Where(op.Less(left_t, zero), unbounded, left_t)
-    right = op.Where(op.Less(right_eff, zero), unbounded, right_eff)
+    sq = op.Squeeze(op.Shape(Q, start=1, end=2))
+    sk = op.Squeeze(op.Shape(K, start=1, end=2))
+    left, right, use_window = AttentionWindow(sq, sk, causal=causal, window_left=window_left,
+                                              window_right=window_right)
     offset = op.Where(op.Equal(alignment_t, zero), op.Sub(sk, sq), zero)
     rows = op.Unsqueeze(op.Add(op.Range(zero, sq, one), offset), [1])                 # (Sq, 1)
     alibi_rows = op.Unsqueeze(op.Add(op.Range(zero, sq, one), op.Sub(sk, sq)), [1])   # ALiBi: always bottom-right
@@ -245,23 +289,11 @@ def FlashAttention(Q, K, V, bias, mask, alibi_slopes,
     col_lo = op.Max(zero, op.Sub(offset, left))
     col_hi = op.Min(sk, op.Add(op.Add(op.Sub(sq, one), offset), op.Add(right, one)))
     col_hi = op.Max(col_hi, col_lo)
-    n_blocks = op.Div(op.Sub(op.Add(op.Sub(col_hi, col_lo), block), one), block)
 
-    # ---- running state: max m, sum l, unnormalised output acc ----------------------------
-    state_shape = op.Concat(batch, hkv, group, seq_q, one1, axis=0)
-    m = op.Expand(neg_inf, state_shape)
-    l = op.Expand(zero_f, state_shape)
-    acc = op.Expand(zero_f, op.Concat(batch, hkv, group, seq_q, head_dim_v, axis=0))
-
-    for blk_index in range(n_blocks):
-        j0 = op.Add(col_lo, op.Mul(blk_index, block))
-        j1 = op.Min(op.Add(j0, block), col_hi)
-        m, l, acc = FlashAttentionBlock(q5, kT5, v5, m, l, acc, j0, j1, rows, alibi_rows, left, right, sk,
-                                        bias5, bias_cols, mask5, mask_cols, slopes5, softcap_t,
-                                        use_softcap, use_alibi, use_bias, use_window, use_mask, no)
-
-    # ---- stage 7: normalise; empty rows give 0 and lse = -inf ------------------------------
-    Y, LSE = FlashAttentionFinish(acc, l, m, Q, hq)
+    # ---- stages 0-7 over the keys [col_lo, col_hi) ---------------------------------------------
+    Y, LSE = FlashAttentionLoop(Q, K, V, hq, hkv, alibi_slopes, bias5, bias_cols, mask5, mask_cols, use_bias,
+                                use_mask, rows, alibi_rows, left, right, use_window, sk, no, col_lo, col_hi,
+                                scale=scale, softcap=softcap, block_size=block_size)
     return Y, LSE
 
 
@@ -302,21 +334,20 @@ def KVCacheWrite(cache, new, slots, src, fits):
 
 
 @script(portattn_opset, default_opset=op)
-def KVCacheBand(Q, n_keys, cap, causal_t, alignment_t, left_t, right_t):
+def KVCacheBand(Q, n_keys, cap, causal: int = 0, alignment: int = 0, window_left: int = -1, window_right: int = -1):
     """The per-sequence band (``Sk = L_b``): aligned rows ``i' = i + L_b - Sq`` (bottom-right) or
     ``i``, shaped ``(B, 1, 1, Sq, 1)``; ALiBi's rows; ``key_len (B, 1, 1, 1, 1)``; the effective
-    window; the key range ``[col_lo, col_hi)`` that some row of some sequence can see."""
+    window (:func:`AttentionWindow`); the key range ``[col_lo, col_hi)`` that some row of some
+    sequence can see."""
     zero = op.Constant(value_int=0)
     one = op.Constant(value_int=1)
     one1 = op.Constant(value_ints=[1])
+    alignment_t = op.Constant(value_int=alignment)
     batch = op.Shape(Q, start=0, end=1)
     seq_q = op.Shape(Q, start=1, end=2)
     sq = op.Squeeze(seq_q)
-    right_eff = op.Where(op.Equal(causal_t, one), zero, right_t)
-    use_window = op.Or(op.GreaterOrEqual(left_t, zero), op.GreaterOrEqual(right_eff, zero))
-    unbounded = op.Add(sq, cap)
-    left = op.Where(op.Less(left_t, zero), unbounded, left_t)
-    right = op.Where(op.Less(right_eff, zero), unbounded, right_eff)
+    left, right, use_window = AttentionWindow(sq, cap, causal=causal, window_left=window_left,
+                                              window_right=window_right)
     offset = op.Where(op.Equal(alignment_t, zero), op.Sub(n_keys, sq), op.Mul(n_keys, zero))   # (B,)
     rows5 = op.Concat(batch, one1, one1, seq_q, one1, axis=0)
     i = op.Unsqueeze(op.Range(zero, sq, one), [0])                                            # (1, Sq)
@@ -333,43 +364,21 @@ def KVCacheBand(Q, n_keys, cap, causal_t, alignment_t, left_t, right_t):
 
 @script(portattn_opset, default_opset=op)
 def KVCacheAttend(Q, k_vis, v_vis, alibi_slopes, rows, alibi_rows, key_len, left, right, col_lo, col_hi,
-                  use_window, scale_t, softcap_t, block):
+                  use_window, scale: float = 1.0, softcap: float = 0.0, block_size: int = 256):
     """Attention of Q over the visible cache slots ``k_vis``/``v_vis (B, >= col_hi, Hkv, D/Dv)``
-    with per-sequence key lengths: the loop over key blocks of ``[col_lo, col_hi)``."""
+    with per-sequence key lengths: :func:`FlashAttentionLoop` over ``[col_lo, col_hi)`` with the
+    band of :func:`KVCacheBand`, no bias and no mask."""
     zero = op.Constant(value_int=0)
     one = op.Constant(value_int=1)
     one1 = op.Constant(value_ints=[1])
     zero_f = op.Constant(value_float=0.0)
-    neg_inf = op.Constant(value_float=float("-inf"))
     yes = op.Cast(one, to=9)
     no = op.Cast(zero, to=9)
-    batch = op.Shape(Q, start=0, end=1)
-    seq_q = op.Shape(Q, start=1, end=2)
     hq = op.Shape(Q, start=2, end=3)
     hkv = op.Shape(k_vis, start=2, end=3)
-    group = op.Div(hq, hkv)
-    slopes_shape = op.Shape(alibi_slopes)
-    slopes_heads = op.Slice(slopes_shape, [1], [2])
-    slopes_h1 = op.Min(slopes_heads, hkv)
-    slopes5 = op.Reshape(op.Cast(alibi_slopes, to=1),
-                         op.Concat(op.Slice(slopes_shape, [0], [1]), slopes_h1, op.Div(slopes_heads, slopes_h1),
-                                   one1, one1, axis=0))
-    use_softcap = op.Greater(softcap_t, zero_f)
-    use_alibi = op.Greater(op.ReduceMax(op.Abs(slopes5), keepdims=0), zero_f)
-    n_blocks = op.Div(op.Sub(op.Add(op.Sub(col_hi, col_lo), block), one), block)
-    q5, kT5, v5 = FlashAttentionLayout(Q, k_vis, v_vis, hq, hkv, scale_t)
-    head_dim_v = op.Shape(v_vis, start=3, end=4)
-    state_shape = op.Concat(batch, hkv, group, seq_q, one1, axis=0)
-    m = op.Expand(neg_inf, state_shape)
-    l = op.Expand(zero_f, state_shape)
-    acc = op.Expand(zero_f, op.Concat(batch, hkv, group, seq_q, head_dim_v, axis=0))
-    for blk_index in range(n_blocks):
-        j0 = op.Add(col_lo, op.Mul(blk_index, block))
-        j1 = op.Min(op.Add(j0, block), col_hi)
-        m, l, acc = FlashAttentionBlock(q5, kT5, v5, m, l, acc, j0, j1, rows, alibi_rows, left, right, key_len,
-                                        zero_f, one1, yes, one1, slopes5, softcap_t,   # no bias, no mask
-                                        use_softcap, use_alibi, no, use_window, no, yes)
-    Y, LSE = FlashAttentionFinish(acc, l, m, Q, hq)
+    Y, LSE = FlashAttentionLoop(Q, k_vis, v_vis, hq, hkv, alibi_slopes, zero_f, one1, yes, one1, no, no,
+                                rows, alibi_rows, left, right, use_window, key_len, yes, col_lo, col_hi,
+                                scale=scale, softcap=softcap, block_size=block_size)
     return Y, LSE
 
 
@@ -380,13 +389,6 @@ def FlashAttentionKVCache(Q, K_cache, V_cache, K_new, V_new, cache_seqlens, alib
                           scale: float = 1.0, causal: int = 0, alignment: int = 0,
                           window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                           block_size: int = 256):
-    scale_t = op.Constant(value_float=scale)
-    softcap_t = op.Constant(value_float=softcap)
-    causal_t = op.Constant(value_int=causal)
-    alignment_t = op.Constant(value_int=alignment)
-    left_t = op.Constant(value_int=window_left)
-    right_t = op.Constant(value_int=window_right)
-    block = op.Constant(value_int=block_size)
     zero = op.Constant(value_int=0)
     one = op.Constant(value_int=1)
     cap = op.Squeeze(op.Shape(K_cache, start=1, end=2))
@@ -402,12 +404,12 @@ def FlashAttentionKVCache(Q, K_cache, V_cache, K_new, V_new, cache_seqlens, alib
 
     # ---- attend to the slots [0, col_hi) only: a decode step costs O(max_b L_b), not O(S_max) ---
     rows, alibi_rows, key_len, left, right, col_lo, col_hi, use_window = KVCacheBand(
-        Q, n_keys, cap, causal_t, alignment_t, left_t, right_t)
+        Q, n_keys, cap, causal=causal, alignment=alignment, window_left=window_left, window_right=window_right)
     hi_1d = op.Reshape(col_hi, [1])
     k_vis = op.Slice(K_present, [0], hi_1d, [1])
     v_vis = op.Slice(V_present, [0], hi_1d, [1])
     Y, LSE = KVCacheAttend(Q, k_vis, v_vis, alibi_slopes, rows, alibi_rows, key_len, left, right, col_lo, col_hi,
-                           use_window, scale_t, softcap_t, block)
+                           use_window, scale=scale, softcap=softcap, block_size=block_size)
     return Y, K_present, V_present, LSE
 
 
@@ -418,13 +420,6 @@ def FlashAttentionPagedKVCache(Q, K_cache, V_cache, K_new, V_new, cache_seqlens,
                                scale: float = 1.0, causal: int = 0, alignment: int = 0,
                                window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                                block_size: int = 256):
-    scale_t = op.Constant(value_float=scale)
-    softcap_t = op.Constant(value_float=softcap)
-    causal_t = op.Constant(value_int=causal)
-    alignment_t = op.Constant(value_int=alignment)
-    left_t = op.Constant(value_int=window_left)
-    right_t = op.Constant(value_int=window_right)
-    block = op.Constant(value_int=block_size)
     zero = op.Constant(value_int=0)
     one = op.Constant(value_int=1)
     num_pages = op.Squeeze(op.Shape(K_cache, start=0, end=1))
@@ -443,7 +438,7 @@ def FlashAttentionPagedKVCache(Q, K_cache, V_cache, K_new, V_new, cache_seqlens,
 
     # ---- gather the pages holding the slots [0, col_hi) into (B, pages · page_size, Hkv, D) ------
     rows, alibi_rows, key_len, left, right, col_lo, col_hi, use_window = KVCacheBand(
-        Q, n_keys, cap, causal_t, alignment_t, left_t, right_t)
+        Q, n_keys, cap, causal=causal, alignment=alignment, window_left=window_left, window_right=window_right)
     n_vis = op.Div(op.Sub(op.Add(col_hi, page_size), one), page_size)
     pages = op.Min(op.Max(op.Slice(table, [0], op.Reshape(n_vis, [1]), [1]), zero), last_page)   # (B, n_vis)
     k_pages = op.Gather(K_present, pages, axis=0)                             # (B, n_vis, page, Hkv, D)
@@ -453,7 +448,7 @@ def FlashAttentionPagedKVCache(Q, K_cache, V_cache, K_new, V_new, cache_seqlens,
     k_vis = op.Reshape(k_pages, op.Concat(flat, op.Shape(K_cache, start=2, end=4), axis=0), allowzero=1)
     v_vis = op.Reshape(v_pages, op.Concat(flat, op.Shape(V_cache, start=2, end=4), axis=0), allowzero=1)
     Y, LSE = KVCacheAttend(Q, k_vis, v_vis, alibi_slopes, rows, alibi_rows, key_len, left, right, col_lo, col_hi,
-                           use_window, scale_t, softcap_t, block)
+                           use_window, scale=scale, softcap=softcap, block_size=block_size)
     return Y, K_present, V_present, LSE
 
 

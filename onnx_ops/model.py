@@ -112,6 +112,22 @@ def attribute_values(*, scale: float, causal: bool = False, alignment: str = "bo
     }
 
 
+def _checked_model(node, graph_name: str, inputs: list, outputs: list, opset: int):
+    """The model of the graph ``graph_name`` holding ``node`` alone (``inputs``/``outputs``: its
+    value infos), importing opset ``opset`` and the portattn domain, with the functions of the
+    portattn ops attached, checked with ``onnx.checker`` (``full_check``)."""
+    import onnx
+    from onnx import helper
+
+    graph = helper.make_graph([node], graph_name, inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
+                                                    helper.make_opsetid(DOMAIN, VERSION)],
+                              producer_name="portattn", ir_version=IR_VERSION)
+    attach_function(model)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
 def one_node_model(*, dtype: str, bias_dtype: str, attributes: dict, opset: int = DEFAULT_OPSET,
                    with_lse: bool = True, packed_heads: bool = False):
     """A model holding a single ``FlashAttention`` node with dynamic shapes.
@@ -121,7 +137,6 @@ def one_node_model(*, dtype: str, bias_dtype: str, attributes: dict, opset: int 
     ``packed_heads=True`` declares Q, K, V as 3-D ``(B, S, H·D)`` (then the attributes
     ``q_num_heads`` and ``kv_num_heads`` must be given).
     """
-    import onnx
     from onnx import TensorProto, helper
 
     register_schema()
@@ -149,13 +164,7 @@ def one_node_model(*, dtype: str, bias_dtype: str, attributes: dict, opset: int 
         outputs.append(helper.make_tensor_value_info("LSE", TensorProto.FLOAT, ["B", "Hq", "Sq"]))
     node = helper.make_node(OP_NAME, [i.name for i in inputs], [o.name for o in outputs],
                             domain=DOMAIN, name="attention", **attributes)
-    graph = helper.make_graph([node], "portattn_flash_attention", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
-                                                    helper.make_opsetid(DOMAIN, VERSION)],
-                              producer_name="portattn", ir_version=IR_VERSION)
-    attach_function(model)
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    return _checked_model(node, "portattn_flash_attention", inputs, outputs, opset)
 
 
 def kv_attribute_values(*, scale: float, causal: bool = False, alignment: str = "bottom_right",
@@ -175,7 +184,6 @@ def kv_one_node_model(*, dtype: str, attributes: dict, opset: int = DEFAULT_OPSE
     Inputs Q, K_cache, V_cache, K_new, V_new, cache_seqlens, (block_table, int32,) alibi_slopes;
     outputs Y, K_present, V_present (and LSE). ``dtype`` is the element type name of Q and the caches.
     """
-    import onnx
     from onnx import TensorProto, helper
 
     register_schema()
@@ -207,10 +215,4 @@ def kv_one_node_model(*, dtype: str, attributes: dict, opset: int = DEFAULT_OPSE
         outputs.append(helper.make_tensor_value_info("LSE", TensorProto.FLOAT, ["B", "Hq", "Sq"]))
     node = helper.make_node(PAGED_KV_OP_NAME if paged else KV_OP_NAME, [i.name for i in inputs], [o.name for o in outputs],
                             domain=DOMAIN, name="attention_with_kvcache", **attributes)
-    graph = helper.make_graph([node], "portattn_flash_attention_kvcache", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
-                                                    helper.make_opsetid(DOMAIN, VERSION)],
-                              producer_name="portattn", ir_version=IR_VERSION)
-    attach_function(model)
-    onnx.checker.check_model(model, full_check=True)
-    return model
+    return _checked_model(node, "portattn_flash_attention_kvcache", inputs, outputs, opset)

@@ -54,15 +54,23 @@ NEUTRAL_DOC = ("neutral values for unused inputs: bias = float32 zeros of shape 
 _DOC = __doc__
 
 
-def op_schema():
-    """Build the :class:`onnx.defs.OpSchema` (not registered)."""
+def _schema_attributes(table: dict) -> list:
+    """The optional ``OpSchema.Attribute``s of an attribute table (:data:`ATTRIBUTES` or
+    :data:`KV_ATTRIBUTES`: name -> (python type, default, doc))."""
     from onnx import AttributeProto
     from onnx.defs import OpSchema
 
-    P = OpSchema.FormalParameter
     attr_types = {float: AttributeProto.FLOAT, int: AttributeProto.INT}
-    attributes = [OpSchema.Attribute(name, attr_types[typ], doc, required=False)
-                  for name, (typ, _default, doc) in ATTRIBUTES.items()]
+    return [OpSchema.Attribute(name, attr_types[typ], doc, required=False)
+            for name, (typ, _default, doc) in table.items()]
+
+
+def op_schema():
+    """Build the :class:`onnx.defs.OpSchema` (not registered)."""
+    from onnx.defs import OpSchema
+
+    P = OpSchema.FormalParameter
+    attributes = _schema_attributes(ATTRIBUTES)
     single = OpSchema.FormalParameterOption.Single
     optional = OpSchema.FormalParameterOption.Optional
     return OpSchema(
@@ -160,13 +168,10 @@ positions some query can see are gathered.
 def kv_op_schema(paged: bool = False):
     """Build the :class:`onnx.defs.OpSchema` of ``FlashAttentionKVCache`` (or, ``paged=True``,
     ``FlashAttentionPagedKVCache``); not registered."""
-    from onnx import AttributeProto
     from onnx.defs import OpSchema
 
     P = OpSchema.FormalParameter
-    attr_types = {float: AttributeProto.FLOAT, int: AttributeProto.INT}
-    attributes = [OpSchema.Attribute(name, attr_types[typ], doc, required=False)
-                  for name, (typ, _default, doc) in KV_ATTRIBUTES.items()]
+    attributes = _schema_attributes(KV_ATTRIBUTES)
     single = OpSchema.FormalParameterOption.Single
     optional = OpSchema.FormalParameterOption.Optional
     cache = "(num_pages, page_size, Hkv, {})" if paged else "(B, S_max, Hkv, {})"

@@ -215,9 +215,13 @@ def test_schema_and_functions():
         assert len(loops) == 1, name
         return calls(loops[0].attribute[0].g.node)
 
-    # one block step, called inside the key loop of the dense op and of the KV-cache attention
-    assert loop_calls(OP_NAME) == loop_calls("KVCacheAttend") == ["FlashAttentionBlock"]
-    assert "MatMul" not in [n.op_type for n in protos["KVCacheAttend"].node]
+    # one key loop with one block step inside, called by the dense op and by the KV-cache attention
+    assert loop_calls("FlashAttentionLoop") == ["FlashAttentionBlock"]
+    assert "MatMul" not in [n.op_type for n in protos["FlashAttentionLoop"].node]
+    assert calls(protos["KVCacheAttend"].node) == ["FlashAttentionLoop"]
+    assert calls(protos[OP_NAME].node).count("FlashAttentionLoop") == 1
+    for name in (OP_NAME, "KVCacheAttend"):
+        assert not {"Loop", "MatMul"} & {n.op_type for n in protos[name].node}, name
     for name in (KV_OP_NAME, PAGED_KV_OP_NAME):   # both KV ops: the same append and attention
         assert calls(protos[name].node) == ["KVCacheSlots", "KVCacheWrite", "KVCacheWrite", "KVCacheBand",
                                             "KVCacheAttend"], name

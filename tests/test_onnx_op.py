@@ -151,8 +151,11 @@ def test_function_body_is_a_loop_and_model_checks():
     assert register_schema() is False            # idempotent
     assert onnx.defs.has(OP_NAME, 1, DOMAIN)
     body = function_proto(23)
-    assert [n.op_type for n in body.node].count("Loop") == 1
-    assert "MatMul" not in [n.op_type for n in body.node]   # every MatMul is inside the loop over key blocks
+    assert [n.op_type for n in body.node if n.domain == DOMAIN].count("FlashAttentionLoop") == 1
+    assert not {"Loop", "MatMul"} & {n.op_type for n in body.node}
+    loop = function_proto(23, "FlashAttentionLoop")   # the key loop, shared with the KV-cache ops
+    assert [n.op_type for n in loop.node].count("Loop") == 1
+    assert "MatMul" not in [n.op_type for n in loop.node]   # every MatMul is inside the loop over key blocks
     model = one_node_model(dtype="float16", bias_dtype="float", attributes=attribute_values(scale=0.5, causal=True))
     onnx.checker.check_model(model, full_check=True)
     assert [(n.domain, n.op_type) for n in model.graph.node] == [(DOMAIN, OP_NAME)]
