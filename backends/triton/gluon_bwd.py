@@ -36,7 +36,9 @@ tiles; dK/dV under an anti-causal band: the last key tiles).
 The band logic is the forward's: key tiles of a query tile from :func:`gluon_fwd._key_phases`,
 query tiles of a key tile from :func:`_query_phases` (kernels._query_phases in Gluon), each in
 three phases masked / unmasked / masked, so sliding windows, both causal alignments and
-Sq ≠ Sk are covered. What it refuses, :func:`gluon_bwd_reasons` says.
+Sq ≠ Sk are covered. The dQ kernel's CTA prologue (tile order, heads, alignment, band) is the
+forward's own :func:`gluon_fwd._row_tile`; the dK/dV kernel's is its mirror :func:`_key_tile`.
+What it refuses, :func:`gluon_bwd_reasons` says.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ if gl is not None:
         warpgroup_mma_wait,
     )
 
-    from .gluon_fwd import _WG_M, _key_phases, _masked, _tma_load
+    from .gluon_fwd import _WG_M, _align_offset, _heads, _masked, _row_tile, _tile_index, _tma_load
 
 #: the environment switch of the triton backend's backward (read by :func:`backward_choice`)
 ENV_SWITCH = "PORTATTN_TRITON_BACKWARD"
@@ -104,6 +106,29 @@ if gl is not None:
             full_hi = full_lo
         full_hi = gl.maximum(full_hi, full_lo)
         return lo, full_lo, full_hi, hi
+
+    @gluon.jit
+    def _key_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right, BLOCK_M: gl.constexpr,
+                  BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, GQA: gl.constexpr):
+        """The prologue of a K/V-stationary (dK/dV) CTA, the mirror of :func:`gluon_fwd._row_tile`:
+        ``(b, h, h_kv, n0, off, (lo, full_lo, full_hi, hi))`` — its batch, query head (with ``GQA``
+        the first of its KV head's group, grid (cdiv(Sk, 128), Hkv, B); without it grid
+        (cdiv(Sk, 128), B·Hq) and :func:`gluon_fwd._heads`) and KV head, its first key ``n0`` of 128
+        (the last tile first with ``LONGEST_FIRST``, an anti-causal band), the alignment ``off`` and
+        the band of ``BLOCK_M``-row query tiles that see its keys in three phases
+        (:func:`_query_phases`)."""
+        BLOCK_N: gl.constexpr = 2 * _WG_M
+        pid = _tile_index(LONGEST_FIRST)
+        if GQA:
+            h_kv = gl.program_id(1)
+            b = gl.program_id(2)
+            h = h_kv * gqa_ratio
+        else:
+            b, h, h_kv = _heads(num_heads_q, gqa_ratio)
+        n0 = pid * BLOCK_N
+        off = _align_offset(sq, sk, BOTTOM_RIGHT)
+        lo, full_lo, full_hi, hi = _query_phases(n0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
+        return b, h, h_kv, n0, off, (lo, full_lo, full_hi, hi)
 
     @gluon.jit
     def _phase_bounds(phase: gl.constexpr, lo, full_lo, full_hi, hi):
@@ -322,27 +347,11 @@ if gl is not None:
         head; with ``GQA`` against each of the ``gqa_ratio`` query heads h_kv·ratio … of its group
         in turn (fixed order, deterministic), the sums kept in registers. DK/DV ``(B, Sk, Hkv, D)``
         (Q's dtype, one store per CTA); ROWMAX/DELTA ``(B, Hq, Sq)`` float32 from the prep kernel."""
-        BLOCK_N: gl.constexpr = 2 * _WG_M
-        pid = gl.program_id(0)
-        if LONGEST_FIRST:   # an anti-causal band: the last key tiles see the most queries
-            pid = gl.num_programs(0) - 1 - pid
-        if GQA:   # grid (key tiles, Hkv, B); h: the first query head of the KV head's group
-            h_kv = gl.program_id(1)
-            b = gl.program_id(2)
-            h = h_kv * gqa_ratio
-        else:
-            pid_bh = gl.program_id(1)
-            b = pid_bh // num_heads_q
-            h = pid_bh % num_heads_q
-            h_kv = h // gqa_ratio
         sq = seqlen_q
         sk = seqlen_k
-        n0 = pid * BLOCK_N
-        if BOTTOM_RIGHT:
-            off = sk - sq
-        else:
-            off = sk * 0
-        lo, full_lo, full_hi, hi = _query_phases(n0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
+        b, h, h_kv, n0, off, phases = _key_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right, BLOCK_M,
+                                                BOTTOM_RIGHT, LONGEST_FIRST, GQA)
+        lo, full_lo, full_hi, hi = phases
 
         b64 = b.to(gl.int64)
         h64 = h.to(gl.int64)
@@ -473,22 +482,11 @@ if gl is not None:
                           BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr):
         """dQ of 128 query rows of one (batch, head): grid (cdiv(Sq, 128), B·Hq), 4 warps
         (consumer 0) + a 4-warp consumer + a 1-warp producer."""
-        BLOCK_M: gl.constexpr = 2 * _WG_M
-        pid = gl.program_id(0)
-        if LONGEST_FIRST:   # causal: the last query tiles see the most keys, start them first
-            pid = gl.num_programs(0) - 1 - pid
-        pid_bh = gl.program_id(1)
-        b = pid_bh // num_heads_q
-        h = pid_bh % num_heads_q
-        h_kv = h // gqa_ratio
         sq = seqlen_q
         sk = seqlen_k
-        m0 = pid * BLOCK_M
-        if BOTTOM_RIGHT:
-            off = sk - sq
-        else:
-            off = sk * 0
-        lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
+        b, h, h_kv, m0, off, phases = _row_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right, BLOCK_N,
+                                                BOTTOM_RIGHT, LONGEST_FIRST)
+        lo, full_lo, full_hi, hi = phases
 
         b64 = b.to(gl.int64)
         h64 = h.to(gl.int64)

@@ -110,6 +110,52 @@ if gl is not None:
         return lo, full_lo, full_hi, hi
 
     @gluon.jit
+    def _tile_index(LONGEST_FIRST: gl.constexpr):
+        """This CTA's tile along grid dimension 0: ``program_id(0)``, reversed with ``LONGEST_FIRST``
+        (a causal-like band: the last tiles see the most keys, or queries, so they start first)."""
+        pid = gl.program_id(0)
+        if LONGEST_FIRST:
+            pid = gl.num_programs(0) - 1 - pid
+        return pid
+
+    @gluon.jit
+    def _heads(num_heads_q, gqa_ratio):
+        """(b, h, h_kv) of a CTA whose grid dimension 1 is B·Hq: its batch, query head and the KV
+        head it reads (GQA: ``gqa_ratio`` = Hq // Hkv query heads share one)."""
+        pid_bh = gl.program_id(1)
+        b = pid_bh // num_heads_q
+        h = pid_bh % num_heads_q
+        h_kv = h // gqa_ratio
+        return b, h, h_kv
+
+    @gluon.jit
+    def _align_offset(sq, sk, BOTTOM_RIGHT: gl.constexpr):
+        """``off``: query row ``i`` is aligned with key ``i + off`` (the causal diagonal and the
+        window's centre): ``Sk − Sq`` bottom-right, 0 top-left (docs/semantics.md)."""
+        if BOTTOM_RIGHT:
+            off = sk - sq
+        else:
+            off = sk * 0
+        return off
+
+    @gluon.jit
+    def _row_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right, BLOCK_N: gl.constexpr,
+                  BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+        """The prologue of a Q-stationary CTA (the forward, the backward's dQ) on grid
+        (cdiv(Sq, 128), B·Hq): ``(b, h, h_kv, m0, off, (lo, full_lo, full_hi, hi))`` — its batch,
+        query head and KV head (:func:`_heads`), its first query row ``m0`` of 128 (two consumer
+        warpgroups; the last tile first with ``LONGEST_FIRST``), the alignment ``off``
+        (:func:`_align_offset`) and the band of ``BLOCK_N``-key tiles its rows see in three
+        phases (:func:`_key_phases`)."""
+        BLOCK_M: gl.constexpr = 2 * _WG_M
+        pid = _tile_index(LONGEST_FIRST)
+        b, h, h_kv = _heads(num_heads_q, gqa_ratio)
+        m0 = pid * BLOCK_M
+        off = _align_offset(sq, sk, BOTTOM_RIGHT)
+        phases = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
+        return b, h, h_kv, m0, off, phases
+
+    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                   m0, lo, hi, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
         """The load warp: both Q tiles, then K and V of every key tile in [lo, hi) into the ring.
@@ -290,22 +336,11 @@ if gl is not None:
         (cdiv(Sq, 128), B·Hq), 4 warps (consumer 0) + a 4-warp consumer + a 1-warp producer.
         ``RESIDUAL``: also ORES = O_f32 − round(O_f32) in O's dtype, through O's strides (ORES is
         None without it, a constexpr, so the inference kernel has no extra parameter)."""
-        BLOCK_M: gl.constexpr = 2 * _WG_M
-        pid = gl.program_id(0)
-        if LONGEST_FIRST:   # causal: the last query tiles see the most keys, start them first
-            pid = gl.num_programs(0) - 1 - pid
-        pid_bh = gl.program_id(1)
-        b = pid_bh // num_heads_q
-        h = pid_bh % num_heads_q
-        h_kv = h // gqa_ratio
         sq = seqlen_q
         sk = seqlen_k
-        m0 = pid * BLOCK_M
-        if BOTTOM_RIGHT:
-            off = sk - sq
-        else:
-            off = sk * 0
-        lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
+        b, h, h_kv, m0, off, phases = _row_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right, BLOCK_N,
+                                                BOTTOM_RIGHT, LONGEST_FIRST)
+        lo, full_lo, full_hi, hi = phases
 
         b64 = b.to(gl.int64)
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
