@@ -9,6 +9,7 @@ version as the model); :func:`attach_function` adds it to any model that uses th
 from __future__ import annotations
 
 import functools
+import re
 
 from .schema import (
     ALIGNMENT_CODES,
@@ -36,11 +37,78 @@ def _function_bytes(name: str, opset: int) -> bytes:
     from . import function
 
     fn = function.OPS.get(name) or {h.name: h for h in function.HELPERS + function.KV_HELPERS}[name]
-    proto = fn.to_function_proto()
+    proto = _canonical(fn.to_function_proto())
     for imp in proto.opset_import:
         if imp.domain == "":
             imp.version = opset
     return proto.SerializeToString()
+
+
+_SUFFIX = re.compile(r"_\d+$")
+
+
+def _canonical(proto):
+    """``proto`` with the same computation in the same bytes in every process: onnxscript orders a
+    ``Loop``'s carried values by iterating a set of variable names, so their order, and the numbers
+    its value names get, follow ``PYTHONHASHSEED`` (one export, different bytes per process). Each
+    ``Loop``'s carried values are put in name order (its inputs, its outputs, its body's inputs and
+    outputs alike, so each still pairs with its own), then every value the function defines is
+    renumbered in order of definition. Names of the function's inputs and outputs stay."""
+    keep = set(proto.input) | set(proto.output)
+    new_names: dict[str, str] = {}
+
+    def name(old: str) -> str:
+        if not old or old in keep:
+            return old
+        if old not in new_names:
+            new_names[old] = f"{_SUFFIX.sub('', old)}_{len(new_names)}"
+        return new_names[old]
+
+    def permute(seq, at: int, order: list) -> None:
+        if not order:
+            return
+        if isinstance(seq[0], str):
+            seq[at:at + len(order)] = [seq[at + i] for i in order]
+            return
+        items = [type(seq[0])() for _ in order]
+        for k, i in enumerate(order):
+            items[k].CopyFrom(seq[at + i])
+        for k, item in enumerate(items):
+            seq[at + k].CopyFrom(item)
+
+    def by_name(names) -> list:
+        return sorted(range(len(names)), key=lambda i: _SUFFIX.sub("", names[i]))
+
+    def sort_control_flow(node) -> None:
+        graphs = {a.name: a.g for a in node.attribute if a.HasField("g")}
+        if node.op_type == "Loop":   # carried values: inputs[2:], the first outputs, body inputs[2:], outputs[1:]
+            order = by_name(node.input[2:])
+            permute(node.input, 2, order)
+            permute(node.output, 0, order)
+            permute(graphs["body"].input, 2, order)
+            permute(graphs["body"].output, 1, order)
+        elif node.op_type == "If":   # the outputs and each branch's outputs alike
+            order = by_name(node.output)
+            permute(node.output, 0, order)
+            for g in graphs.values():
+                permute(g.output, 0, order)
+
+    def walk(nodes, graph_inputs=()) -> None:
+        for vi in graph_inputs:
+            vi.name = name(vi.name)
+        for node in nodes:
+            if node.domain == "" and node.op_type in ("Loop", "If"):
+                sort_control_flow(node)
+            node.input[:] = [name(x) for x in node.input]
+            for attr in node.attribute:
+                for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    walk(g.node, g.input)
+                    for vi in g.output:
+                        vi.name = name(vi.name)
+            node.output[:] = [name(x) for x in node.output]
+
+    walk(proto.node)
+    return proto
 
 
 def _check_opset(opset: int) -> None:
