@@ -6,17 +6,18 @@ and atomic dQ), SDPA flash (FA2) and cuDNN, inside a hard time limit.
 
 Phases (each writes its results before the next starts, so a run cut short still reports):
 
-1. compile: both kernels (dK/dV, dQ) and the dK/dV kernel's GQA group walk for sm_90 at D 64 / 128
-   (shared memory, registers, spills, setmaxnreg values, the PTX's wgmma / TMA counts, SASS
+1. compile: both kernels (dK/dV, dQ) and the dK/dV kernel's GQA group walk for sm_90 at D 64 / 128,
+   and at D 256 the dK/dV kernel's two passes (dV, dK; ``gluon_bwd.kernels_for``) and dQ (shared memory, registers, spills, setmaxnreg values, the PTX's wgmma / TMA counts, SASS
    HGMMA / UTMALDG);
 2. checks, in a child process with a timeout (a barrier deadlock there cannot hang this run):
    ``ops.backward`` under ``PORTATTN_TRITON_BACKWARD=gluon`` (the Gluon launch is seen) for every
    case, gradients written into NaN-poisoned buffers (an element the kernels do not write shows
    as NaN), against float64 autograd with ``portattn.numerics.compare`` (factor 3), rows with no
    visible key exactly 0, a second run bit-identical; then one launch at every timing shape;
-3. timings of the backward alone (bf16, B·S = 16k tokens, hidden 2048: first GQA at D 128 Hq 16
-   with Hkv 4 and 2, S 4k / 16k — the cells that decide whether ``auto`` takes the Gluon backward
-   with GQA —, then D 128 H 16 and D 64 H 32, S 1k / 4k / 16k; causal and not): the Gluon backward (only if phase 2 passed), the triton
+3. timings of the backward alone (bf16, B·S = 16k tokens, hidden 2048: first D 256 H 8, S 1k /
+   4k / 16k — the cells that decide whether ``auto`` takes the D 256 Gluon backward (issue #14:
+   >= 1.0 x FA2) —, then GQA at D 128 Hq 16 with Hkv 4 and 2, S 4k / 16k, then D 128 H 16 and
+   D 64 H 32, S 1k / 4k / 16k; causal and not): the Gluon backward (only if phase 2 passed), the triton
    backward deterministic (two kernels) and with atomic dQ (``PORTATTN_TRITON_DQ=atomic``), SDPA
    flash and cuDNN (``autograd.grad`` of a saved graph); medians of ``triton.testing.do_bench``;
    TFLOP/s = 2.5 · 4·B·H·S²·D / t (halved for causal) and the Gluon kernel's ratios. No new cell
@@ -48,7 +49,8 @@ from triton_gluon_check import (  # noqa: E402  (the forward tool's helpers)
     zlib_crc,
 )
 
-#: (name, B, Sq, Sk, Hq, Hkv, D, dtype name, build_spec kwargs); the first of each pair runs in --quick
+#: (name, B, Sq, Sk, Hq, Hkv, D, dtype name, build_spec kwargs); every second one (from the first)
+#: runs in --quick
 CHECK_CASES = [
     ("plain_d128", 2, 256, 256, 4, 4, 128, "bfloat16", {}),
     ("plain_d64_fp16", 1, 384, 384, 2, 2, 64, "float16", {}),
@@ -66,13 +68,24 @@ CHECK_CASES = [
     ("gqa4_causal_tl_d128", 1, 300, 517, 8, 2, 128, "bfloat16", {"causal": True, "causal_alignment": "top_left"}),
     ("gqa4_window_d64_fp16", 2, 333, 290, 8, 2, 64, "float16", {"window": (70, 9)}),
     ("gqa8_causal_sq>sk_d128", 1, 700, 260, 16, 2, 128, "bfloat16", {"causal": True}),
+    # D 256: the dK/dV kernel as two passes (dV, then dK), then dQ
+    # (--quick: plain, causal Sq > Sk and the GQA walk)
+    ("ragged_d256", 1, 200, 333, 3, 3, 256, "bfloat16", {}),
+    ("plain_d256", 2, 256, 256, 4, 4, 256, "bfloat16", {}),
+    ("causal_sq<sk_d256", 1, 130, 517, 2, 2, 256, "bfloat16", {"causal": True}),
+    ("causal_sq>sk_d256", 1, 517, 130, 2, 2, 256, "bfloat16", {"causal": True}),   # fully-masked rows
+    ("window_d256_fp16", 1, 400, 420, 2, 2, 256, "float16", {"window": (100, 17)}),
+    ("gqa4_causal_tl_d256", 1, 300, 517, 8, 2, 256, "bfloat16", {"causal": True, "causal_alignment": "top_left"}),
+    ("plain_d256_fp16", 1, 256, 256, 2, 2, 256, "float16", {}),
 ]
 QUICK_CASES = CHECK_CASES[::2]
 
-#: (S, D, causal, Hkv) of the timing table (Hkv None: as many KV heads as query heads). The GQA
-#: cells (D 128, Hq 16, Hkv 4 and 2) come first: they decide whether ``auto`` takes the Gluon
-#: backward with GQA, and the MHA cells were timed on 2026-12-03 (a run cut short keeps the new ones)
-TIMING_CELLS = ([(s, 128, c, hkv) for hkv in (4, 2) for s in (4096, 16384) for c in (False, True)]
+#: (S, D, causal, Hkv) of the timing table (Hkv None: as many KV heads as query heads). The D 256
+#: cells come first: they decide whether ``auto`` takes the Gluon backward at D 256 (untimed so
+#: far); then the GQA cells (D 128, Hq 16, Hkv 4 and 2), then the MHA cells timed on 2026-12-03
+#: (a run cut short keeps the new ones)
+TIMING_CELLS = ([(s, 256, c, None) for s in (1024, 4096, 16384) for c in (False, True)]
+                + [(s, 128, c, hkv) for hkv in (4, 2) for s in (4096, 16384) for c in (False, True)]
                 + [(s, d, c, None) for d in (128, 64) for s in (1024, 4096, 16384) for c in (False, True)])
 QUICK_CELLS = [cell for cell in TIMING_CELLS if cell[0] == 4096]
 
@@ -318,7 +331,8 @@ def main(argv=None) -> int:
         res["compile"].append({"error": gluon_bwd.GLUON_ERROR})
     else:
         for d in ((128,) if a.quick else gluon_bwd.HEAD_DIMS):
-            for kernel, gqa in [(kernel, False) for kernel in gluon_bwd.KERNELS] + [("dkdv", True)]:
+            launches = gluon_bwd.kernels_for(d)   # dkdv, dq; at D 256 dv, dk, dq
+            for kernel, gqa in [(k, False) for k in launches] + [(k, True) for k in launches if k != "dq"]:
                 try:
                     r = gluon_bwd.compile_report(kernel, d, gqa=gqa)
                     compiled_ok &= r.get("HGMMA", 1) > 0 and r.get("UTMALDG", 1) > 0

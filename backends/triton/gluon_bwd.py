@@ -23,7 +23,12 @@ warpgroups issuing asynchronous ``wgmma``, FA3's register split 240 / 24):
   tiles. Per tile: S = Q Kᵀ, dP = dO Vᵀ, dS = P ∘ (dP − delta), dQ += dS K — three products.
 
 Five products per tile pair plus the recomputed S and dP of the dQ pass (seven, as the Triton
-tutorial; FA3's atomic dQ would save two — not done here). GQA (``Hq > Hkv``, FA3's way): a
+tutorial; FA3's atomic dQ would save two — not done here). At D 256 (:data:`SPLIT_HEAD_DIMS`)
+the two float32 accumulators of dK and dV (2 x 128 registers a thread) do not fit, so the dK/dV
+kernel runs as two launches (constexpr ``PART``, :func:`kernels_for`): a dV pass (Sᵀ, Pᵀ,
+dV += Pᵀ dO; no V loaded) and a dK pass (Sᵀ, dPᵀ, dSᵀ, dK += dSᵀ Q), one accumulator each;
+``PART`` 0 is the fused kernel of D 64 / 128, unchanged (same TTGIR and PTX). D 256 is opt-in
+only (``auto``'s tables leave it out until an H200 run times it). GQA (``Hq > Hkv``, FA3's way): a
 dK/dV CTA owns a key tile of one KV head and walks, phase by phase, each query head of its group
 (h_kv·ratio … h_kv·ratio + ratio − 1) over the band — the producer streams every (head, query
 tile) pair through the one ring by a 3-D (head, row, D) descriptor, the consumers read each
@@ -62,9 +67,12 @@ if gl is not None:
 
 #: the environment switch of the triton backend's backward (read by :func:`backward_choice`)
 ENV_SWITCH = "PORTATTN_TRITON_BACKWARD"
-#: the head dims the kernels are written for (``D == Dv``): D 256's two float32 accumulators
-#: (dK, dV: 2 x 128 registers a thread) do not fit a warpgroup's 240 registers
-HEAD_DIMS = (64, 128)
+#: the head dims the kernels are written for (``D == Dv``)
+HEAD_DIMS = (64, 128, 256)
+#: head dims whose dK/dV kernel runs as two launches (``PART`` 1 dV, then ``PART`` 2 dK): at D 256
+#: the fused kernel's two float32 accumulators (dK, dV: 2 x 128 registers a thread) do not fit a
+#: consumer warpgroup's 240 registers; each pass holds one
+SPLIT_HEAD_DIMS = (256,)
 #: keys per dK/dV CTA and query rows per dQ CTA: two consumer warpgroups of 64
 BLOCK = 2 * WG_M
 
@@ -80,8 +88,17 @@ def tile_config(head_dim: int) -> dict:
     96 KiB, D 128 -> 64 + 2 x 32 = 128 KiB. Registers of a consumer thread (64 rows a warpgroup):
     dK/dV holds dK + dV (D / 2 each) and Sᵀ, dPᵀ (BLOCK_M / 2 each): at D 128 BLOCK_M 64 spilled
     (~370 bytes of stack with triton 3.6 and 3.9), 32 does not; dQ holds dQ (D / 2) and S, dP
-    (BLOCK_N / 2 each). (FA3's D 128 backward tile is 64 x 128 with hand-placed registers.)"""
-    return {64: {"dkdv": (64, 3), "dq": (128, 2)}, 128: {"dkdv": (32, 3), "dq": (64, 2)}}[head_dim]
+    (BLOCK_N / 2 each). (FA3's D 128 backward tile is 64 x 128 with hand-placed registers.)
+
+    D 256 (:data:`SPLIT_HEAD_DIMS`; ``dkdv`` is the tile of both its passes): the dK pass holds K
+    and V (64 KiB each) plus 2 x (Q, dO) tiles of (32, 256): 128 + 2 x 32 = 192 KiB; the dV pass
+    the same less V (it loads none, so its buffer is dropped): 128 KiB; dQ holds Q and dO (64 KiB
+    each) plus 2 x (K, V) tiles of (32, 256): 192 KiB (the H200 allows 227 KiB a block). One
+    float32 (64, 256) accumulator a pass: 128 registers a thread, and BLOCK 32's Sᵀ / dPᵀ (S, dP)
+    16 each — no spills with triton 3.9; triton 3.6 leaves 24 bytes of stack in the dK pass (48
+    with GQA, a few reloads in its loop), which BLOCK_M 16 clears."""
+    return {64: {"dkdv": (64, 3), "dq": (128, 2)}, 128: {"dkdv": (32, 3), "dq": (64, 2)},
+            256: {"dkdv": (32, 2), "dq": (32, 2)}}[head_dim]
 
 
 # ----- the kernels ----------------------------------------------------------------------------
@@ -193,17 +210,22 @@ if gl is not None:
     @gluon.jit
     def _resident_producer(desc_a, desc_b, smem_a, smem_b, bar, m0, stream, lo, hi,
                            BLOCK: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                           GROUP: gl.constexpr = False, n_heads=1, phases=None):
+                           GROUP: gl.constexpr = False, n_heads=1, phases=None, LOAD_B: gl.constexpr = True):
         """The load warp: the CTA's two resident (64, D) tiles of ``desc_a`` and ``desc_b`` per
-        warpgroup (K and V, or Q and dO) on ``bar[wg]``, then :func:`_stream_pairs` over the band
+        warpgroup (K and V, or Q and dO) on ``bar[wg]`` (without ``LOAD_B`` only ``desc_a``'s: the
+        D 256 dV pass has no use for V), then :func:`_stream_pairs` over the band
         (``GROUP``: :func:`_stream_group` over the ``n_heads`` query heads of a GQA group and the
         band's ``phases``).
         ``stream`` = (the streamed descriptors a and b, their rings, ready, empty)."""
         tile_bytes: gl.constexpr = _WG_M * HEAD_D * 2
         for wg in gl.static_range(2):
-            mbarrier.expect(bar.index(wg), 2 * tile_bytes)
-            _tma_load(desc_a, [m0 + wg * _WG_M, 0], bar.index(wg), smem_a.index(wg))
-            _tma_load(desc_b, [m0 + wg * _WG_M, 0], bar.index(wg), smem_b.index(wg))
+            if LOAD_B:
+                mbarrier.expect(bar.index(wg), 2 * tile_bytes)
+                _tma_load(desc_a, [m0 + wg * _WG_M, 0], bar.index(wg), smem_a.index(wg))
+                _tma_load(desc_b, [m0 + wg * _WG_M, 0], bar.index(wg), smem_b.index(wg))
+            else:
+                mbarrier.expect(bar.index(wg), tile_bytes)
+                _tma_load(desc_a, [m0 + wg * _WG_M, 0], bar.index(wg), smem_a.index(wg))
         s_desc_a, s_desc_b, ring_a, ring_b, ready, empty = stream
         if GROUP:
             _stream_group(s_desc_a, s_desc_b, ring_a, ring_b, ready, empty, n_heads, phases,
@@ -249,20 +271,73 @@ if gl is not None:
         return dk, dv
 
     @gluon.jit
+    def _dv_tile(dv, k, q, do, m_ptrs, in_q, keys, qrows, sk, off, window_left, window_right, qk_scale2,
+                 st_layout: gl.constexpr, op_layout: gl.constexpr, BLOCK_M: gl.constexpr, MASKED: gl.constexpr):
+        """The dV half of :func:`_dkdv_tile` (the D 256 dV pass, ``PART`` 1): Sᵀ = K Qᵀ, Pᵀ,
+        dV += Pᵀ dO — two products, one accumulator."""
+        zero = gl.zeros([_WG_M, BLOCK_M], gl.float32, st_layout)
+        s_t = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+        m2 = gl.load(m_ptrs, mask=in_q, other=float("inf"))
+        s_t = warpgroup_mma_wait(0, deps=(s_t,))
+        if MASKED:
+            s_t = _masked_t(s_t, keys, qrows, sk, off, window_left, window_right)
+        p_t = gl.exp2(s_t * qk_scale2 - m2[None, :])
+        p_op = gl.convert_layout(p_t.to(q.dtype), op_layout)
+        dv = warpgroup_mma(p_op, do, dv, is_async=True)
+        dv, p_op = warpgroup_mma_wait(0, deps=(dv, p_op))
+        return dv
+
+    @gluon.jit
+    def _dk_tile(dk, k, v, q, do, m_ptrs, d_ptrs, in_q, keys, qrows, sk, off, window_left, window_right, qk_scale2,
+                 st_layout: gl.constexpr, op_layout: gl.constexpr, BLOCK_M: gl.constexpr, MASKED: gl.constexpr):
+        """The dK half of :func:`_dkdv_tile` (the D 256 dK pass, ``PART`` 2): Sᵀ = K Qᵀ and
+        dPᵀ = V dOᵀ together, Pᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q — three products."""
+        zero = gl.zeros([_WG_M, BLOCK_M], gl.float32, st_layout)
+        s_t = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+        m2 = gl.load(m_ptrs, mask=in_q, other=float("inf"))
+        delta = gl.load(d_ptrs, mask=in_q, other=0.0)
+        s_t = warpgroup_mma_wait(1, deps=(s_t,))
+        if MASKED:
+            s_t = _masked_t(s_t, keys, qrows, sk, off, window_left, window_right)
+        p_t = gl.exp2(s_t * qk_scale2 - m2[None, :])
+        dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
+        ds_op = gl.convert_layout((p_t * (dp_t - delta[None, :])).to(q.dtype), op_layout)
+        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+        dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
+        return dk
+
+    @gluon.jit
+    def _dkdv_step(dk, dv, k, v, q, do, m_ptrs, d_ptrs, in_q, keys, qrows, sk, off, window_left, window_right,
+                   qk_scale2, st_layout: gl.constexpr, op_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                   MASKED: gl.constexpr, PART: gl.constexpr):
+        """One tile pair of ``PART``: 0 both (:func:`_dkdv_tile`), 1 dV only, 2 dK only."""
+        if PART == 0:
+            dk, dv = _dkdv_tile(dk, dv, k, v, q, do, m_ptrs, d_ptrs, in_q, keys, qrows, sk, off, window_left,
+                                window_right, qk_scale2, st_layout, op_layout, BLOCK_M, MASKED)
+        elif PART == 1:
+            dv = _dv_tile(dv, k, q, do, m_ptrs, in_q, keys, qrows, sk, off, window_left, window_right, qk_scale2,
+                          st_layout, op_layout, BLOCK_M, MASKED)
+        else:
+            dk = _dk_tile(dk, k, v, q, do, m_ptrs, d_ptrs, in_q, keys, qrows, sk, off, window_left, window_right,
+                          qk_scale2, st_layout, op_layout, BLOCK_M, MASKED)
+        return dk, dv
+
+    @gluon.jit
     def _dkdv_band(dk, dv, i, start, stop, k, v, ring, m_base, d_base, keys, qcols0, sq, sk, off,
                    window_left, window_right, qk_scale2, st_layout: gl.constexpr, op_layout: gl.constexpr,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
-        """Query tiles [start, stop) of one phase; ``i`` counts the tiles taken from the ring
-        (``ring`` = (Q tiles, dO tiles, ready, empty))."""
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, PART: gl.constexpr = 0):
+        """Query tiles [start, stop) of one phase (``PART``: :func:`_dkdv_step`); ``i`` counts the
+        tiles taken from the ring (``ring`` = (Q tiles, dO tiles, ready, empty))."""
         q_smem, do_smem, ready, empty = ring
         for m in range(start, stop, BLOCK_M):
             st = i % STAGES
             qrows = m + qcols0
             in_q = qrows < sq
             mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_smem.index(st), do_smem.index(st), m_base + qrows, d_base + qrows,
+            dk, dv = _dkdv_step(dk, dv, k, v, q_smem.index(st), do_smem.index(st), m_base + qrows, d_base + qrows,
                                 in_q, keys, qrows, sk, off, window_left, window_right, qk_scale2,
-                                st_layout, op_layout, BLOCK_M, MASKED)
+                                st_layout, op_layout, BLOCK_M, MASKED, PART)
             mbarrier.arrive(empty.index(st), count=1)
             i += 1
         return dk, dv, i
@@ -271,7 +346,7 @@ if gl is not None:
     def _dkdv_group_band(dk, dv, i, start, stop, k, v, ring, m_base, d_base, stride_lh, n_heads, keys, qcols0,
                          sq, sk, off, window_left, window_right, qk_scale2, st_layout: gl.constexpr,
                          op_layout: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                         MASKED: gl.constexpr):
+                         MASKED: gl.constexpr, PART: gl.constexpr = 0):
         """:func:`_dkdv_band` over a GQA group: query tiles [start, stop) of one phase for each of
         the ``n_heads`` query heads in turn (``m_base`` / ``d_base``: the first head's m and
         delta rows, ``stride_lh`` apart) as one flat loop over the (head, tile) pairs with a
@@ -283,9 +358,9 @@ if gl is not None:
             qrows = m + qcols0
             in_q = qrows < sq
             mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_smem.index(st), do_smem.index(st), m_base + qrows, d_base + qrows,
+            dk, dv = _dkdv_step(dk, dv, k, v, q_smem.index(st), do_smem.index(st), m_base + qrows, d_base + qrows,
                                 in_q, keys, qrows, sk, off, window_left, window_right, qk_scale2,
-                                st_layout, op_layout, BLOCK_M, MASKED)
+                                st_layout, op_layout, BLOCK_M, MASKED, PART)
             mbarrier.arrive(empty.index(st), count=1)
             i += 1
             m += BLOCK_M
@@ -299,12 +374,14 @@ if gl is not None:
     def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, kv_bar, ring, DK, DV, dk_off, dv_off, stride_dks,
                        stride_dvs, ROWMAX, DELTA, row_off, stride_lh, n_heads, n0, sq, sk, off,
                        lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2, scale,
-                       BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+                       BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                       PART: gl.constexpr = 0):
         """One consumer warpgroup of the dK/dV kernel: keys ``n0 + WG·64 …``; walks every query
         tile of the band (three phases) — of one query head, or (``GROUP``) in each phase of each
         of the ``n_heads`` query heads of the KV head's group in turn (``row_off``: the first one's
         rows of ROWMAX / DELTA, ``stride_lh`` apart), accumulating dK and dV across them in
-        registers — and writes its dK (scaled once) and dV rows — zeros where no query sees the keys."""
+        registers — and writes its dK (scaled once) and dV rows — zeros where no query sees the keys.
+        ``PART`` 1 / 2 (D 256, one float32 accumulator a pass): dV only / dK only."""
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -324,13 +401,15 @@ if gl is not None:
             if GROUP:   # every query head of the KV head's group, in the producer's order
                 dk, dv, i = _dkdv_group_band(dk, dv, i, start, stop, k, v, ring, ROWMAX + row_off, DELTA + row_off,
                                              stride_lh, n_heads, keys, qcols0, sq, sk, off, window_left, window_right,
-                                             qk_scale2, st_layout, op_layout, BLOCK_M, STAGES, phase != 1)
+                                             qk_scale2, st_layout, op_layout, BLOCK_M, STAGES, phase != 1, PART)
             else:
                 dk, dv, i = _dkdv_band(dk, dv, i, start, stop, k, v, ring, ROWMAX + row_off, DELTA + row_off, keys,
                                        qcols0, sq, sk, off, window_left, window_right, qk_scale2, st_layout,
-                                       op_layout, BLOCK_M, STAGES, phase != 1)
-        _store_rows(DK, dk_off, stride_dks, dk * scale, key0, sk, acc_layout, _WG_M, HEAD_D)
-        _store_rows(DV, dv_off, stride_dvs, dv, key0, sk, acc_layout, _WG_M, HEAD_D)
+                                       op_layout, BLOCK_M, STAGES, phase != 1, PART)
+        if PART != 1:
+            _store_rows(DK, dk_off, stride_dks, dk * scale, key0, sk, acc_layout, _WG_M, HEAD_D)
+        if PART != 2:
+            _store_rows(DV, dv_off, stride_dvs, dv, key0, sk, acc_layout, _WG_M, HEAD_D)
 
     @gluon.jit(do_not_specialize=("seqlen_q", "seqlen_k", "stride_lb", "stride_lh"))
     def attn_bwd_dkdv_gluon(Q, K, V, DO, DK, DV, ROWMAX, DELTA,
@@ -340,8 +419,10 @@ if gl is not None:
                             stride_lb, stride_lh,
                             num_heads_q, gqa_ratio, seqlen_q, seqlen_k, qk_scale2, scale, window_left, window_right,
                             HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                            BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, GQA: gl.constexpr):
-        """dK, dV of 128 keys of one KV head: grid (cdiv(Sk, 128), B·Hq) without ``GQA``,
+                            BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, GQA: gl.constexpr,
+                            PART: gl.constexpr = 0):
+        """dK, dV (``PART`` 0; at D 256 two launches, ``PART`` 1 dV and ``PART`` 2 dK) of 128 keys
+        of one KV head: grid (cdiv(Sk, 128), B·Hq) without ``GQA``,
         (cdiv(Sk, 128), Hkv, B) with it; 4 warps (consumer 0) +
         a 4-warp consumer + a 1-warp producer. Without ``GQA`` (Hq == Hkv) against its one query
         head; with ``GQA`` against each of the ``gqa_ratio`` query heads h_kv·ratio … of its group
@@ -400,12 +481,12 @@ if gl is not None:
         gl.warp_specialize([
             (_dkdv_consumer, (0, k_smem, v_smem, kv_bar, ring, DK, DV, dk_off, dv_off, stride_dks, stride_dvs,
                               ROWMAX, DELTA, row_off, stride_lh, gqa_ratio, n0, sq, sk, off, lo, full_lo, full_hi,
-                              hi, window_left, window_right, qk_scale2, scale, BLOCK_M, HEAD_D, STAGES, GQA)),
+                              hi, window_left, window_right, qk_scale2, scale, BLOCK_M, HEAD_D, STAGES, GQA, PART)),
             (_dkdv_consumer, (1, k_smem, v_smem, kv_bar, ring, DK, DV, dk_off, dv_off, stride_dks, stride_dvs,
                               ROWMAX, DELTA, row_off, stride_lh, gqa_ratio, n0, sq, sk, off, lo, full_lo, full_hi,
-                              hi, window_left, window_right, qk_scale2, scale, BLOCK_M, HEAD_D, STAGES, GQA)),
+                              hi, window_left, window_right, qk_scale2, scale, BLOCK_M, HEAD_D, STAGES, GQA, PART)),
             (_resident_producer, (k_desc, v_desc, k_smem, v_smem, kv_bar, n0, stream, lo, hi,
-                                  BLOCK_M, HEAD_D, STAGES, GQA, gqa_ratio, (lo, full_lo, full_hi, hi))),
+                                  BLOCK_M, HEAD_D, STAGES, GQA, gqa_ratio, (lo, full_lo, full_hi, hi), PART != 1)),
         ], [4, 1], [240, 24])
 
     # --- dQ ----------------------------------------------------------------------------------
@@ -536,34 +617,48 @@ if gl is not None:
 
 #: launch options: 4 warps run the default partition (consumer 0); the workers add 5 warps
 LAUNCH_OPTIONS = dict(num_warps=4, num_stages=1)
-#: the two kernels, by the names :func:`compile_for` and the check tool use
-KERNELS = ("dkdv", "dq")
+#: the launches, by the names :func:`compile_for` and the check tool use: ``dkdv`` (the fused dK/dV
+#: kernel, D 64 / 128), ``dv`` and ``dk`` (its two D 256 passes, ``PART`` 1 and 2), ``dq``
+KERNELS = ("dkdv", "dv", "dk", "dq")
+#: the dK/dV kernel's ``PART`` of each of its launch names
+_PARTS = {"dkdv": 0, "dv": 1, "dk": 2}
+
+
+def kernels_for(head_dim: int) -> tuple[str, ...]:
+    """The launches of a backward at ``head_dim``, in :func:`gluon_backward`'s order."""
+    return ("dv", "dk", "dq") if head_dim in SPLIT_HEAD_DIMS else ("dkdv", "dq")
 
 
 def launch_constexprs(kernel: str, head_dim: int, bottom_right: bool = True, longest_first: bool = False,
                       gqa: bool = False) -> dict:
-    """The constexprs of one launch of ``kernel`` (``"dkdv"`` or ``"dq"``); ``gqa`` (Hq > Hkv):
-    the dK/dV kernel's group walk (a CTA per KV head, its query heads reduced in registers)."""
-    block, stages = tile_config(head_dim)[kernel]
-    tile = "BLOCK_M" if kernel == "dkdv" else "BLOCK_N"
+    """The constexprs of one launch of ``kernel`` (``"dkdv"``, ``"dv"``, ``"dk"`` or ``"dq"``, see
+    :func:`kernels_for`); ``gqa`` (Hq > Hkv): the dK/dV kernel's group walk (a CTA per KV head, its
+    query heads reduced in registers)."""
+    if kernel not in kernels_for(head_dim):
+        raise ValueError(f"kernel={kernel!r} at head dim {head_dim}: expected one of {kernels_for(head_dim)}")
+    dkdv = kernel in _PARTS
+    block, stages = tile_config(head_dim)["dkdv" if dkdv else "dq"]
+    tile = "BLOCK_M" if dkdv else "BLOCK_N"
     consts = {"HEAD_D": head_dim, tile: block, "STAGES": stages, "BOTTOM_RIGHT": bottom_right,
               "LONGEST_FIRST": longest_first}
-    if kernel == "dkdv":
+    if dkdv:
         consts["GQA"] = gqa
+        consts["PART"] = _PARTS[kernel]
     return consts
 
 
 def _kernel(kernel: str):
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
-    return attn_bwd_dkdv_gluon if kernel == "dkdv" else attn_bwd_dq_gluon
+    return attn_bwd_dkdv_gluon if kernel in _PARTS else attn_bwd_dq_gluon
 
 
 def compile_for(kernel: str = "dkdv", head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                 causal: bool = False, gqa: bool = False, arch: int = 90):
     """``triton.compile`` of one kernel for ``GPUTarget("cuda", arch, 32)`` without a GPU (``gqa``:
     the dK/dV kernel's GQA group walk, ``GQA=True``); returns the compiled kernel
-    (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
+    (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``). ``kernel``: one of
+    :func:`kernels_for` ``(head_dim)`` (at D 256 ``dv``, ``dk``, ``dq``)."""
     if GLUON_ERROR:
         raise RuntimeError(GLUON_ERROR)
     import triton
@@ -610,14 +705,15 @@ def compile_report(kernel: str = "dkdv", head_dim: int = 128, causal: bool = Fal
 
 
 def main(argv=None) -> int:
-    """``python -m portattn.backends.triton.gluon_bwd [--json]``: cross-compile both kernels at
-    every head dim for sm_90 and print what each compiled to (exit 1 on a compile error)."""
+    """``python -m portattn.backends.triton.gluon_bwd [--json]``: cross-compile every launch
+    (:func:`kernels_for`: dkdv and dq, at D 256 dv, dk and dq) at every head dim for sm_90 and
+    print what each compiled to (exit 1 on a compile error)."""
     import argparse
     import json
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--json", action="store_true", help="one JSON list instead of the table")
     ap.add_argument("--dims", default=",".join(map(str, HEAD_DIMS)))
-    ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--kernels", default=",".join(KERNELS), help="a subset of each head dim's kernels_for")
     ap.add_argument("--causal", choices=("on", "off", "both"), default="off")
     ap.add_argument("--gqa", action="store_true", help="also the dK/dV kernel's GQA group walk (GQA=True)")
     args = ap.parse_args(argv)
@@ -627,9 +723,9 @@ def main(argv=None) -> int:
     rows, failed = [], False
     causals = {"on": (True,), "off": (False,), "both": (False, True)}[args.causal]
     for d in (int(x) for x in args.dims.split(",")):
-        for kernel in args.kernels.split(","):
+        for kernel in (k for k in kernels_for(d) if k in args.kernels.split(",")):
             for causal in causals:
-                for gqa in ((False, True) if args.gqa and kernel == "dkdv" else (False,)):
+                for gqa in ((False, True) if args.gqa and kernel in _PARTS else (False,)):
                     try:
                         rows.append(compile_report(kernel, d, causal, gqa=gqa))
                     except Exception as exc:   # a compile error is a failed row, reported with its message
@@ -683,7 +779,8 @@ def gluon_bwd_reasons(spec, has_residual: bool = True) -> list[str]:
 #: rows and keys. The H200 (2026-12-03, bf16, 16k tokens, hidden 2048; benchmarks/results/
 #: triton-gluon-bwd-check-h200.*) timed it at D 128 1.05-1.36 x the deterministic portable
 #: backward and 1.12-1.32 x the atomic one from S 1k; at D 64 1.11-1.23 x from S 4k but 0.84-0.90 x
-#: at S 1k. D 256 keeps the portable backward (the Gluon one has no D 256 variant).
+#: at S 1k. D 256 keeps the portable backward here (its Gluon variant, two dK/dV passes, is
+#: opt-in through ``PORTATTN_TRITON_BACKWARD=gluon`` until an H200 run times it).
 AUTO_MIN_SEQLEN = {128: 1024, 64: 4096}
 
 #: the same with GQA (the dK/dV kernel's in-CTA walk over the group's query heads): timed on the
@@ -734,7 +831,8 @@ def gluon_backward(spec, dout: torch.Tensor, rowmax: torch.Tensor, delta: torch.
     ``dout`` (O's shape) and the prep kernel's ``rowmax`` (= lse·log2(e), +inf for a row with
     no visible key) and ``delta`` (= rowsum(dO ∘ O) − dlse), both float32 ``spec.lse_shape``.
     Deterministic: every output element is written by one program (with GQA the dK/dV program of
-    a KV head sums its group's query heads in a fixed order in registers). Raises ValueError with
+    a KV head sums its group's query heads in a fixed order in registers). At D 256 the dK/dV
+    kernel runs twice (:func:`kernels_for`: the dV pass, then the dK pass), then dQ. Raises ValueError with
     :func:`gluon_bwd_reasons` when the kernels cannot run the problem."""
     reasons = gluon_bwd_reasons(spec)
     if reasons:
@@ -771,10 +869,11 @@ def gluon_backward(spec, dout: torch.Tensor, rowmax: torch.Tensor, delta: torch.
         lse_strides = rowmax.stride()[:2]
     ntile_k = -(-spec.seqlen_k // BLOCK)   # a CTA per (key tile, KV head)
     grid_kv = (ntile_k, spec.batch * hq) if gqa == 1 else (ntile_k, hkv, spec.batch)
-    attn_bwd_dkdv_gluon[grid_kv](q, k, v, dout, dk, dv, rowmax, delta, *common,
-                                 *dk.stride()[:3], *dv.stride()[:3], *lse_strides, *ints,
-                                 **launch_constexprs("dkdv", spec.head_dim, bottom_right, anticausal_like, gqa > 1),
-                                 **LAUNCH_OPTIONS)
+    for part in (p for p in kernels_for(spec.head_dim) if p in _PARTS):   # dkdv, or (D 256) dv then dk
+        attn_bwd_dkdv_gluon[grid_kv](q, k, v, dout, dk, dv, rowmax, delta, *common,
+                                     *dk.stride()[:3], *dv.stride()[:3], *lse_strides, *ints,
+                                     **launch_constexprs(part, spec.head_dim, bottom_right, anticausal_like, gqa > 1),
+                                     **LAUNCH_OPTIONS)
     grid_q = (-(-spec.seqlen_q // BLOCK), spec.batch * hq)
     attn_bwd_dq_gluon[grid_q](q, k, v, dout, dq, rowmax, delta, *common, *dq.stride()[:3], *lse_strides, *ints,
                               **launch_constexprs("dq", spec.head_dim, bottom_right, causal_like), **LAUNCH_OPTIONS)
