@@ -31,7 +31,7 @@
 #   overhead            benchmarks/overhead.py, then tools/gpu_launcher_check.py [150]
 #   gluon               tools/triton_gluon_check.py: the Gluon forward's compile, numerics, timings [440]
 #   gluonbwd            tools/triton_gluon_bwd_check.py: the opt-in Gluon backward's compile, gradients,
-#                       timings; $GLUONBWD_ARGS (e.g. --quick) [200]
+#                       timings; $GLUONBWD_ARGS (e.g. --quick) [260]
 #   cupywgmma           tools/cupy_wgmma_check.py: cupy's sm_90a wgmma forward [170]
 #   cupybwd             tools/cupy_wgmma_bwd_check.py, its backward (skipped while the tree lacks it) [200]
 #   cupyfwd             tools/cupy_fwd_check.py: cupy's mma.sync forward [140]
@@ -47,6 +47,8 @@
 #   TESTS_LIMIT=400 bash tools/h200_session.sh par:tests:cupy par:tests:tests/test_triton.py  # cut last time
 #   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench gluon       # the training grid on the
 #                                        # new defaults; the Gluon forward's D 256 training timing
+#   bash tools/h200_session.sh gluonbwd tests:tests/test_triton_gluon_bwd.py  # the D 256 Gluon backward's
+#                                        # first GPU run (opt-in; its checks and timings decide auto)
 #   bash tools/h200_session.sh ncu:128 ncu:256                                # profiles of the Gluon kernels
 # and e.g. after a partial catalogue:
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:triton,cupy
@@ -353,7 +355,7 @@ step_gluon() { tool "$1" "$(limit "${GLUON_LIMIT:-440}")" 40 gluon_check.txt too
 step_gluonbwd() {
   local args=()
   split args "${GLUONBWD_ARGS:-}"
-  tool "$1" "$(limit "${GLUONBWD_LIMIT:-200}")" 20 gluon_bwd_check.txt tools/triton_gluon_bwd_check.py "${args[@]}"
+  tool "$1" "$(limit "${GLUONBWD_LIMIT:-260}")" 20 gluon_bwd_check.txt tools/triton_gluon_bwd_check.py "${args[@]}"
 }
 step_cupywgmma() { tool "$1" "$(limit "${CUPYWGMMA_LIMIT:-170}")" 20 wgmma_check.txt tools/cupy_wgmma_check.py; }
 step_cupyfwd() { tool "$1" "$(limit "${CUPYFWD_LIMIT:-140}")" 10 cupy_fwd_check.txt tools/cupy_fwd_check.py; }
