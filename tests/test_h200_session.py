@@ -98,7 +98,7 @@ def test_dry_gluonbwd_runs_the_backward_check_inside_its_limit(tmp_path):
     assert "--quick" in cmd
     out = cmd[cmd.index("--out") + 1]
     assert out.endswith("gluonbwd") or "gluonbwd" in Path(out).name, out
-    assert cmd[cmd.index("--time-limit") + 1] == "180", cmd
+    assert cmd[cmd.index("--time-limit") + 1] == "240", cmd
     p = session(tmp_path, "gluonbwd", GLUONBWD_LIMIT="90")
     (cmd,) = commands(p.stdout)
     assert cmd[0] == "90" and cmd[cmd.index("--time-limit") + 1] == "70" and "--quick" not in cmd, cmd
