@@ -49,10 +49,11 @@ _SUFFIX = re.compile(r"_\d+$")
 
 def _canonical(proto):
     """``proto`` with the same computation in the same bytes in every process: onnxscript orders a
-    ``Loop``'s carried values by iterating a set of variable names, so their order, and the numbers
-    its value names get, follow ``PYTHONHASHSEED`` (one export, different bytes per process). Each
-    ``Loop``'s carried values are put in name order (its inputs, its outputs, its body's inputs and
-    outputs alike, so each still pairs with its own), then every value the function defines is
+    ``Loop``'s carried values and an ``If``'s outputs by iterating a set of variable names, so their
+    order, and the numbers its value names get, follow ``PYTHONHASHSEED`` (one export, different
+    bytes per process). Each ``Loop``'s carried values (its inputs, its outputs, its body's inputs
+    and outputs alike) and each ``If``'s outputs (with both branches' outputs) are put in name
+    order, so each value still pairs with its own; then every value the function defines is
     renumbered in order of definition. Names of the function's inputs and outputs stay."""
     keep = set(proto.input) | set(proto.output)
     new_names: dict[str, str] = {}
