@@ -102,7 +102,8 @@ def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):
     assert err is None, err
     kernels = info["kernels"]
     assert set(kernels) == set(configs.KernelConfig("bwd_wgmma", "bfloat16", 64).name_expressions())
-    assert "NVRTC" in info["nvrtc"] and not info["cached"] and info["log"], info.get("nvrtc")
+    assert "NVRTC" in info["nvrtc"] and not info["cached"], info.get("nvrtc")
+    assert all(k["from"] == ("ptxas -v" if info["log"] else "cuobjdump -res-usage") for k in kernels.values()), kernels
     for name, k in kernels.items():
         # on a failure: the parsed report, which NVRTC made the log, and the log's lines about the
         # kernel (all of it when the kernel is in none): on the H200 (NVRTC 13.0) a kernel once
@@ -110,12 +111,38 @@ def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):
         rep = compile_check.KernelReport(name, "90a", k["registers"], k["spill_stores"], k["spill_loads"], k["stack"])
         why = compile_check.report_message(rep, info["lowered"], info["log"], f"{info['nvrtc']}; cached "
                                            f"{info['cached']}; PTX fallback {info['ptx_fallback']}")
-        assert k["registers"] and not k["spill_stores"] and not k["stack"], why
+        assert k["registers"] and not k["spill_stores"] and not k["stack"] and not k.get("local"), why
     if _cuobjdump() is None:
         pytest.skip("no cuobjdump")
     counts = sass_counts(info["cubin"])
     wg = {n: c for n, c in counts.items() if "wgmma" in n}
     assert len(wg) == 2 and all(c["HGMMA"] > 0 and c["LDL"] == 0 for c in wg.values()), counts
+
+
+@needs_nvrtc
+def test_registers_come_from_the_cubin_when_the_log_lacks_them(tmp_path, monkeypatch):
+    """A compile whose NVRTC log is empty (as on the H200 with NVRTC 13.0 through cuda.bindings)
+    still reports every kernel's registers and stack, read from the cubin by cuobjdump, and the
+    same numbers as ptxas -v's log gives."""
+    import cupy_wgmma_check as tool
+
+    if tool._cuobjdump() is None:
+        pytest.skip("no cuobjdump")
+    from portattn.backends.cupy import sm90a
+
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "with_log"))
+    cfg = ("bwd_wgmma", "bfloat16", 64, None)
+    _, _, err, with_log = tool._compile_sm90a(cfg)
+    assert err is None, err
+    real = sm90a.compile_info
+    monkeypatch.setattr(sm90a, "compile_info", lambda *a, **k: {**real(*a, **k), "log": ""})
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "no_log"))
+    _, _, err, no_log = tool._compile_sm90a(cfg)
+    assert err is None, err
+    assert no_log["log"] == "" and set(no_log["kernels"]) == set(with_log["kernels"])
+    for name, k in no_log["kernels"].items():
+        assert k["from"] == "cuobjdump -res-usage" and with_log["kernels"][name]["from"] == "ptxas -v"
+        assert k["registers"] == with_log["kernels"][name]["registers"] and k["stack"] == 0 and k["local"] == 0, k
 
 
 def test_error_blocks_locate_the_wrong_warpgroup():

@@ -144,7 +144,7 @@ def _record_forwards(monkeypatch):
 @pytest.mark.parametrize("s, d, causal, auto", [
     (1024, 128, False, "gluon"), (1024, 128, True, "triton"), (2048, 128, True, "gluon"),
     (512, 128, False, "triton"), (16384, 64, False, "triton"),
-    (4096, 256, True, "triton"),    # D 256: the inference forward takes Gluon, the training one is untimed
+    (4096, 256, True, "gluon"), (1024, 256, False, "gluon"), (512, 256, False, "triton"),  # D 256 from S 1k
 ])
 def test_forward_for_backward_takes_gluon_where_forward_choice_says(monkeypatch, s, d, causal, auto):
     """A training forward (``ops.forward_for_backward``) takes the Gluon kernel, with its residual,

@@ -114,8 +114,8 @@ def test_switch_takes_gluon_only_when_asked(monkeypatch, value, expect):
     (4096, 4096, 64, 4, "gluon"), (2048, 2048, 64, 4, "triton"),      # D 64 from S 4k (0.84-0.90 x at 1k)
     (4096, 4096, 128, 2, "gluon"), (16384, 16384, 128, 1, "gluon"),   # GQA at D 128 from S 4k
     (2048, 2048, 128, 2, "triton"), (4096, 4096, 64, 2, "triton"),    # GQA shorter or at D 64: untimed
-    (1024, 1024, 256, 4, "triton"), (16384, 16384, 256, 4, "triton"),  # D 256: opt-in only until timed
-    (16384, 16384, 256, 2, "triton"),
+    (1024, 1024, 256, 4, "gluon"), (16384, 16384, 256, 4, "gluon"),    # D 256 from S 1k
+    (512, 512, 256, 4, "triton"), (16384, 16384, 256, 2, "triton"),   # D 256 at S 512 or with GQA: untimed
 ])
 def test_auto_takes_gluon_where_the_h200_timed_it_faster(monkeypatch, sq, sk, d, hkv, auto):
     """``auto`` (the default) follows AUTO_MIN_SEQLEN wherever gluon_bwd_reasons is empty (here

@@ -85,7 +85,9 @@ LOG_LIMIT = 20000
 
 def _compile_sm90a(cfg_tuple):
     """(config, seconds, error, info) of the sm_90a module of ``cfg_tuple``; info: "cubin",
-    "kernels" (each kernel's registers / spills / stack from ptxas -v, smem from the config),
+    "kernels" (each kernel's registers / spills / stack from ptxas -v — or, where NVRTC's log lacks
+    them, registers / stack / local bytes from the cubin (:func:`_fill_from_cubin`); "from" says
+    which — smem from the config),
     "warnings", "nvrtc" (the binding and NVRTC version that made the cubin, and the libnvrtc
     loaded), "cached" (read from the kernel cache: made by an earlier compile), "ptx_fallback"
     (no cubin could be made: no ptxas report), "lowered" and "log" (NVRTC's log, at most
@@ -99,8 +101,10 @@ def _compile_sm90a(cfg_tuple):
         log, lowered = got["log"], got["lowered"]
         reps = compile_check.parse_ptxas_log(log, lowered, 90)
         regs = {r.name: {"registers": r.registers, "spill_stores": r.spill_stores, "spill_loads": r.spill_loads,
-                         "stack": r.stack, "smem": cfg.smem_bytes(role)}
+                         "stack": r.stack, "smem": cfg.smem_bytes(role), "from": "ptxas -v"}
                 for r, role in zip(reps, cfg.kernel_names())}
+        if not got["ptx_fallback"] and any(k["registers"] is None for k in regs.values()):
+            _fill_from_cubin(regs, lowered, got["path"])
         warn = [ln for ln in log.splitlines() if "warning" in ln.lower()][:5]
         info = {"cubin": got["path"], "kernels": regs, "warnings": warn, "nvrtc": got["nvrtc"],
                 "cached": got["cached"], "ptx_fallback": got["ptx_fallback"], "lowered": lowered,
@@ -110,6 +114,32 @@ def _compile_sm90a(cfg_tuple):
         return cfg_tuple, time.perf_counter() - t0, None, info
     except Exception as exc:
         return cfg_tuple, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"[:3000], {}
+
+
+def resource_usage(cubin: str) -> dict:
+    """``cuobjdump -res-usage`` of ``cubin``: {mangled name: {"registers", "stack", "local"}} (what
+    the cubin itself records, whatever NVRTC's log said), or {"error": why}."""
+    tool = _cuobjdump()
+    if tool is None:
+        return {"error": "no cuobjdump"}
+    try:
+        text = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, timeout=60).stdout
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    found = re.findall(r"Function (\S+?):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+    return {name: {"registers": int(r), "stack": int(st), "local": int(lo)} for name, r, st, lo in found}
+
+
+def _fill_from_cubin(regs: dict, lowered: dict, cubin: str) -> None:
+    """Registers and stack of the kernels ``regs`` has none for, from the cubin (:func:`resource_usage`):
+    on the H200 (NVRTC 13.0 through cuda.bindings) a fresh compile once returned an empty log, so
+    ptxas -v's lines were missing although the cubin was fine. Spill counts stay None there (the
+    cubin records stack and local bytes, "local", which are 0 when nothing spills)."""
+    usage = resource_usage(cubin)
+    for name, k in regs.items():
+        u = usage.get(lowered.get(name, name))
+        if k["registers"] is None and u:
+            k.update(registers=u["registers"], stack=u["stack"], local=u["local"], **{"from": "cuobjdump -res-usage"})
 
 
 def _cuobjdump() -> str | None:

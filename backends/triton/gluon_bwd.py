@@ -1,8 +1,9 @@
-"""An FA3-style attention backward for NVIDIA Hopper (sm_90) in Gluon, opt-in through
-``PORTATTN_TRITON_BACKWARD=gluon`` (:func:`backward_choice`). Not yet run on a GPU: everything
-here is verified on CPU only (cross-compilation for sm_90, a float64 emulation of the tile
-schedule in tests/test_triton_gluon_bwd.py); ``tools/triton_gluon_bwd_check.py`` is its first
-H200 run.
+"""An FA3-style attention backward for NVIDIA Hopper (sm_90) in Gluon. ``auto`` (the default,
+:func:`backward_choice`) takes it where the H200 timed it faster than the portable backward
+(:data:`AUTO_MIN_SEQLEN`, :data:`AUTO_GQA_MIN_SEQLEN`); ``PORTATTN_TRITON_BACKWARD=gluon`` takes it
+wherever :func:`gluon_bwd_reasons` is empty. ``tools/triton_gluon_bwd_check.py`` checks its
+gradients against float64 on a GPU and times it; the tile schedule is also emulated in float64 on
+the CPU (tests/test_triton_gluon_bwd.py).
 
 It takes over after the portable backward's prep kernel (``kernels.attn_bwd_prep``), which turns
 the forward's lse into ``m = lse·log2(e)`` (+inf for a row with no visible key) and computes the
@@ -27,8 +28,7 @@ tutorial; FA3's atomic dQ would save two — not done here). At D 256 (:data:`SP
 the two float32 accumulators of dK and dV (2 x 128 registers a thread) do not fit, so the dK/dV
 kernel runs as two launches (constexpr ``PART``, :func:`kernels_for`): a dV pass (Sᵀ, Pᵀ,
 dV += Pᵀ dO; no V loaded) and a dK pass (Sᵀ, dPᵀ, dSᵀ, dK += dSᵀ Q), one accumulator each;
-``PART`` 0 is the fused kernel of D 64 / 128, unchanged (same TTGIR and PTX). D 256 is opt-in
-only (``auto``'s tables leave it out until an H200 run times it). GQA (``Hq > Hkv``, FA3's way): a
+``PART`` 0 is the fused kernel of D 64 / 128, unchanged (same TTGIR and PTX). GQA (``Hq > Hkv``, FA3's way): a
 dK/dV CTA owns a key tile of one KV head and walks, phase by phase, each query head of its group
 (h_kv·ratio … h_kv·ratio + ratio − 1) over the band — the producer streams every (head, query
 tile) pair through the one ring by a 3-D (head, row, D) descriptor, the consumers read each
@@ -777,11 +777,12 @@ def gluon_bwd_reasons(spec, has_residual: bool = True) -> list[str]:
 
 #: where ``auto`` (the default) takes the Gluon backward without GQA: head dim -> the fewest query
 #: rows and keys. The H200 (2026-12-03, bf16, 16k tokens, hidden 2048; benchmarks/results/
-#: triton-gluon-bwd-check-h200.*) timed it at D 128 1.05-1.36 x the deterministic portable
-#: backward and 1.12-1.32 x the atomic one from S 1k; at D 64 1.11-1.23 x from S 4k but 0.84-0.90 x
-#: at S 1k. D 256 keeps the portable backward here (its Gluon variant, two dK/dV passes, is
-#: opt-in through ``PORTATTN_TRITON_BACKWARD=gluon`` until an H200 run times it).
-AUTO_MIN_SEQLEN = {128: 1024, 64: 4096}
+#: triton-gluon-bwd-check-h200.*) timed it at D 128 1.04-1.36 x the deterministic portable
+#: backward and 1.11-1.32 x the atomic one from S 1k; at D 64 1.08-1.25 x from S 4k but 0.83-0.90 x
+#: at S 1k; at D 256 (two dK/dV passes, then dQ) 1.35-1.86 x the deterministic and 1.18-1.49 x the
+#: atomic backward from S 1k, causal and not (1.22-1.36 x FA2). S 512 is untimed and keeps the
+#: portable backward.
+AUTO_MIN_SEQLEN = {128: 1024, 64: 4096, 256: 1024}
 
 #: the same with GQA (the dK/dV kernel's in-CTA walk over the group's query heads): timed on the
 #: H200 at D 128, S 4k and 16k, Hq/Hkv 16/4 and 16/2 (the same run): 1.25-1.37 x the deterministic
