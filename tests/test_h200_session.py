@@ -235,3 +235,32 @@ def test_merge_shards_drops_repeats_lists_lost_shards_and_completes_prev(tmp_pat
     assert sorted(r["case"] for r in merged["results"]) == sorted(small)
     assert "not_run" not in merged and "interrupted" not in merged
     assert merge_shards.main([str(d2), "--out", str(tmp_path / "full.json"), "--prev", str(out)]) == 0
+
+
+def test_merge_shards_carries_an_older_catalogue_forward_only_when_its_cases_are_unchanged(tmp_path):
+    """A PREV of an older catalogue version is relabelled (``carried_from`` records it) when every
+    case it has is in the current catalogue with the same problem; a changed case refuses it."""
+    from portattn.conformance.catalogue import CATALOGUE_VERSION
+    merge_shards = load_script("merge_shards", "tools")
+    small = [c.id for c in select_cases(patterns=["core/fp32/sq1-sk1/*"])][:2]
+    d = tmp_path / "shards"
+    d.mkdir()
+    _shard(d, "old", "reference", small[:1])
+    old = json.loads((d / "old.json").read_text())
+    (d / "old.json").unlink()
+    (d / "old.sel").unlink()
+    old["catalogue_version"] = str(int(CATALOGUE_VERSION) - 1)
+    prev = tmp_path / "prev.json"
+    prev.write_text(json.dumps(old))
+    _shard(d, "new", "reference", small[1:])
+    merged, notes = merge_shards.merge(str(d), prev=str(prev))
+    assert merged["catalogue_version"] == CATALOGUE_VERSION
+    assert merged["carried_from"]["catalogue_version"] == old["catalogue_version"]
+    assert sorted(r["case"] for r in merged["results"]) == sorted(small)
+    assert any("carried" in n for n in notes)
+
+    old["cases"][small[0]]["problem"]["seed"] += 1     # the older catalogue had other inputs there
+    prev.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="cannot be carried"):
+        merge_shards.merge(str(d), prev=str(prev))
+    assert merge_shards.main([str(d), "--out", str(tmp_path / "m.json"), "--prev", str(prev)]) == 2
