@@ -103,7 +103,9 @@ def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):
     kernels = info["kernels"]
     assert set(kernels) == set(configs.KernelConfig("bwd_wgmma", "bfloat16", 64).name_expressions())
     assert "NVRTC" in info["nvrtc"] and not info["cached"], info.get("nvrtc")
-    assert all(k["from"] == ("ptxas -v" if info["log"] else "cuobjdump -res-usage") for k in kernels.values()), kernels
+    # ptxas -v's lines where NVRTC's log has them, the cubin's resource usage where it lacks them
+    assert all(k["from"] in ("ptxas -v", "cuobjdump -res-usage") for k in kernels.values()), kernels
+    assert info["log"] or all(k["from"] == "cuobjdump -res-usage" for k in kernels.values()), kernels
     for name, k in kernels.items():
         # on a failure: the parsed report, which NVRTC made the log, and the log's lines about the
         # kernel (all of it when the kernel is in none): on the H200 (NVRTC 13.0) a kernel once
@@ -121,9 +123,10 @@ def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):
 
 @needs_nvrtc
 def test_registers_come_from_the_cubin_when_the_log_lacks_them(tmp_path, monkeypatch):
-    """A compile whose NVRTC log is empty (as on the H200 with NVRTC 13.0 through cuda.bindings)
-    still reports every kernel's registers and stack, read from the cubin by cuobjdump, and the
-    same numbers as ptxas -v's log gives."""
+    """A compile whose NVRTC log is empty (as on the H200 with NVRTC 13.0 through cuda.bindings,
+    now and then) still reports every kernel's registers and stack, read from the cubin by
+    cuobjdump: the same numbers as the unpatched compile gives (ptxas -v's log where NVRTC kept
+    the kernel's lines; on the H200 that log, too, may lack them, and then the cubin again)."""
     import cupy_wgmma_check as tool
 
     if tool._cuobjdump() is None:
@@ -141,7 +144,8 @@ def test_registers_come_from_the_cubin_when_the_log_lacks_them(tmp_path, monkeyp
     assert err is None, err
     assert no_log["log"] == "" and set(no_log["kernels"]) == set(with_log["kernels"])
     for name, k in no_log["kernels"].items():
-        assert k["from"] == "cuobjdump -res-usage" and with_log["kernels"][name]["from"] == "ptxas -v"
+        assert k["from"] == "cuobjdump -res-usage"
+        assert with_log["kernels"][name]["from"] in ("ptxas -v", "cuobjdump -res-usage")
         assert k["registers"] == with_log["kernels"][name]["registers"] and k["stack"] == 0 and k["local"] == 0, k
 
 
