@@ -733,7 +733,8 @@ def compile_report(head_dim: int = 128, causal: bool = False, dtype: torch.dtype
                     bottom_right=bottom_right)
     ptx = c.asm["ptx"]
     row = dict(head_dim=head_dim, causal=causal, pingpong=pingpong, residual=residual,
-               **(dict(persistent=True, bottom_right=bottom_right) if persistent else {}),
+               **(dict(persistent=True, bottom_right=bottom_right, tma_4d=ptx.count("cp.async.bulk.tensor.4d"))
+                  if persistent else {}),
                dtype=str(dtype).replace("torch.", ""),
                shared=int(c.metadata.shared), num_warps=int(c.metadata.num_warps),
                wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor"),
