@@ -123,6 +123,9 @@ def _check_case(case, pingpong: bool, persistent: bool = False) -> dict:
                empty_rows=int(empty.sum()), empty_rows_zero=empty_ok,
                repeatable=bool(torch.equal(out, out2) and torch.equal(lse, lse2)))
     row["passed"] = bool(c_out.passed and c_lse.passed and row["unwritten"] == 0 and empty_ok and row["repeatable"])
+    if persistent:   # reported, not judged: the same arithmetic per tile as the one-tile kernel (ping-pong on)
+        one, one_lse = gluon_fwd.gluon_forward(spec, pingpong=True, persistent=False)
+        row["same_as_one_tile"] = bool(torch.equal(out, one) and torch.equal(lse, one_lse))
     res = _check_residual(spec, out, lse, ref, pingpong, persistent)
     row.update(res)
     row["passed"] = bool(row["passed"] and res["res_passed"])
@@ -330,8 +333,9 @@ def report(res: dict) -> str:
                   f" rc={ch['rc']}"]
         for c in ch["checks"]:
             lines.append(f"  {'ok  ' if c.get('passed') else 'FAIL'} {c['case']:<20} "
-                         + " ".join(f"{k}={c[k]}" for k in ("variant", "pingpong", "persistent", "dtype", "unwritten", "empty_rows", "empty_rows_zero",
-                                                            "repeatable", "reasons", "error") if k in c))
+                         + " ".join(f"{k}={c[k]}" for k in ("variant", "pingpong", "persistent", "dtype", "unwritten",
+                                                            "empty_rows", "empty_rows_zero", "repeatable",
+                                                            "same_as_one_tile", "reasons", "error") if k in c))
             if "res_passed" in c:
                 lines.append(f"       residual {'ok' if c['res_passed'] else 'FAIL'}: "
                              + " ".join(f"{k}={c[k]:.3g}" if isinstance(c[k], float) else f"{k}={c[k]}"
