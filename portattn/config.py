@@ -51,6 +51,9 @@ VARIABLES = {
                                "(wherever gluon_reasons is empty) or portable (never Gluon); read on every forward",
     "PORTATTN_TRITON_GLUON_PINGPONG": "0/false/no/off = the Gluon forward's consumer warpgroups do not take turns issuing their "
                                       "matrix products (FA3's ping-pong off; default 1)",
+    "PORTATTN_TRITON_GLUON_PERSISTENT": "1/true/yes/on = the Gluon forward runs its persistent variant at D 64/128 "
+                                        "(one CTA per SM walking (query tile, head) work items; default 0; opt-in, "
+                                        "auto never turns it on)",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
 }
@@ -203,6 +206,13 @@ def triton_gluon_pingpong() -> bool:
     off; anything else but a boolean raises ``ValueError``)."""
     return _parsed("PORTATTN_TRITON_GLUON_PINGPONG",
                    lambda name, text: True if not text.strip() else _parse_flag(name, text), True)
+
+
+def triton_gluon_persistent() -> bool:
+    """``PORTATTN_TRITON_GLUON_PERSISTENT`` (default off; empty is the default; 1/true/yes/on turn
+    it on; anything else but a boolean raises ``ValueError``): the Gluon forward's persistent
+    variant (``gluon_fwd.PERSISTENT_HEAD_DIMS``), opt-in only."""
+    return _flag("PORTATTN_TRITON_GLUON_PERSISTENT")
 
 
 TRITON_DQ_MODES = ("auto", "atomic", "kernel")

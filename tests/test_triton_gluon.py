@@ -10,7 +10,10 @@ cross-compiles with the extra TMA stores and no spills, leaves the inference ker
 what ``ops.forward_for_backward`` takes where ``forward_choice`` says ``gluon``, and its residual
 arithmetic is checked in torch. On an sm_90 GPU the kernel itself is compared with the float64
 reference (§3 rule), the training variant with the inference one (bit for bit), the portable
-kernel's residual and float64 gradients.
+kernel's residual and float64 gradients. The opt-in persistent variant (``PERSISTENT``,
+``PORTATTN_TRITON_GLUON_PERSISTENT``) is checked on CPU: its switch, that ``auto`` and the default
+launch never take it, the launch plumbing (grid, ``batch``), its work walk and running counts in
+Python, and its sm_90 cross-compile; the GPU checks of it live in tools/triton_gluon_check.py.
 """
 
 from __future__ import annotations
@@ -301,20 +304,54 @@ def test_check_tool_report_renders():
     """tools/triton_gluon_check.py's report on a made-up result (the H200 run must not die there)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
     import triton_gluon_check as tool
-    child = {"rc": 0, "hung": False, "passed": False, "seconds": 1.0, "timed_variants": [False],
+    child = {"rc": 0, "hung": False, "passed": False, "seconds": 1.0, "timed_variants": ["nopp"],
              "checks": [{"case": "plain_d128", "pingpong": True, "passed": False, "out": "out FAIL", "lse": "lse ok",
                          "res_passed": False, "res_unwritten": 3, "res_same_out_lse": True, "round_err": 0.002,
                          "res_err": 1e-5, "portable_res_err": 2e-6}],
              "launches": [{"S": 1024, "D": 128, "causal": False, "pingpong": True, "error": "boom"}],
              "stderr_tail": "Traceback"}
     timings = [{"S": 1024, "B": 16, "H": 16, "D": 128, "causal": False, "gluon_nopp": 500.0, "triton": 400.0,
-                "flash": 450.0, "cudnn": 400.0, "gluon_pp_error": "x", "triton_train": 380.0, "gluon_train": 475.0}]
+                "flash": 450.0, "cudnn": 400.0, "gluon_pp_error": "x", "triton_train": 380.0, "gluon_train": 475.0},
+               {"S": 2048, "B": 8, "H": 16, "D": 128, "causal": True, "gluon_pp": 400.0, "gluon_nopp": 390.0,
+                "gluon_pers": 440.0, "triton": 400.0, "cudnn": 500.0, "triton_train": 300.0, "gluon_train": 360.0,
+                "gluon_pers_train": 396.0}]
     text = tool.report({"compile": [{"head_dim": 128}], "child": child, "timings": timings, "verdict": "FAIL"})
     assert "FAIL plain_d128" in text and "boom" in text and "VERDICT: FAIL" in text
     assert "residual FAIL: res_unwritten=3" in text and "res_err=1e-05" in text
     rows = [ln for ln in text.splitlines() if ln.lstrip().startswith("1024")]
     assert "1.25" in rows[0] and "500.0" in rows[0], rows   # best Gluon / cuDNN and / triton
     assert "475.0" in rows[1] and "380.0" in rows[1] and "1.25" in rows[1], rows   # training: Gluon / portable
+    pers = [ln for ln in text.splitlines() if ln.lstrip().startswith("2048")]
+    assert "440.0" in pers[0] and "0.88" in pers[0] and "1.10" in pers[0], pers   # g_pers, best/cudnn, pers/pp
+    assert "396.0" in pers[1] and "1.10" in pers[1], pers                          # g_pers_train, pers/g_train
+
+
+def test_check_tool_runs_the_persistent_variant_in_its_own_child(monkeypatch):
+    """tools/triton_gluon_check.py checks every case for the one-tile variants (``nopp``, ``pp``) in
+    one child and the persistent one (``pers``) in a second, so a deadlock there (killed at its own
+    timeout) leaves the others checked and timed."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import triton_gluon_check as tool
+    assert [v for v in tool.VARIANTS if v[2]] == [("pers", True, True)]
+    calls = []
+
+    def fake_child_lines(script, args, timeout):
+        names = args[args.index("--variants") + 1].split(",")
+        calls.append(names)
+        hung = names == ["pers"]
+        checks = [] if hung else [{"case": c[0], "variant": n, "passed": True} for n in names for c in tool.CHECK_CASES]
+        launches = [] if hung else [{"variant": n, "finite": True} for n in names for _ in tool.TIMING_CELLS]
+        return {"rc": None if hung else 0, "hung": hung, "seconds": 1.0, "checks": checks,
+                "begun": ["check plain_d128 variant=pers"] if hung else [], "launches": launches, "stderr_tail": ""}
+    monkeypatch.setattr(tool, "child_lines", fake_child_lines)
+    first = tool.run_child(100.0, ["nopp", "pp"])
+    second = tool.run_child(100.0, ["pers"])
+    merged = tool._merge_children(first, second)
+    assert calls == [["nopp", "pp"], ["pers"]]
+    assert first["passed"] and first["timed_variants"] == ["nopp", "pp"]
+    assert not merged["passed"] and merged["hung"] and merged["timed_variants"] == ["nopp", "pp"]
+    assert merged["last_begun"] == "check plain_d128 variant=pers"
+    assert len(merged["checks"]) == 2 * len(tool.CHECK_CASES)
 
 
 # ----- the tile schedule, emulated in float64 (CPU) -------------------------------------------
@@ -664,3 +701,219 @@ def test_pingpong_switch_reads_a_boolean(monkeypatch, value, expect):
             config.triton_gluon_pingpong()
     else:
         assert config.triton_gluon_pingpong() is expect
+
+
+# ----- the persistent variant (opt-in; CPU: the switch, the launch plumbing, the walk, compiles) --
+
+@pytest.mark.parametrize("value, expect", [(None, False), ("", False), ("0", False), ("off", False), ("1", True),
+                                           ("true", True), ("on", True), ("maybe", ValueError)])
+def test_persistent_switch_reads_a_boolean(monkeypatch, value, expect):
+    from portattn import config
+    if value is None:
+        monkeypatch.delenv("PORTATTN_TRITON_GLUON_PERSISTENT", raising=False)
+    else:
+        monkeypatch.setenv("PORTATTN_TRITON_GLUON_PERSISTENT", value)
+    if expect is ValueError:
+        with pytest.raises(ValueError, match="PORTATTN_TRITON_GLUON_PERSISTENT"):
+            config.triton_gluon_persistent()
+    else:
+        assert config.triton_gluon_persistent() is expect
+        assert gluon_fwd.persistent_for(128) is expect and gluon_fwd.persistent_for(64) is expect
+        assert gluon_fwd.persistent_for(256) is False            # D 256 keeps the one-tile kernel
+
+
+def test_persistent_constexprs_and_head_dims():
+    assert gluon_fwd.launch_constexprs(128, True)["PERSISTENT"] is False   # the default launch
+    assert gluon_fwd.launch_constexprs(64, False, persistent=True)["PERSISTENT"] is True
+    with pytest.raises(ValueError, match="persistent"):
+        gluon_fwd.launch_constexprs(256, False, persistent=True)
+    assert gluon_fwd.PERSISTENT_HEAD_DIMS == (64, 128)
+    # its O tiles fit beside Q and the ring at D 64/128 (not at D 256)
+    for d in gluon_fwd.HEAD_DIMS:
+        block_n, stages = gluon_fwd.tile_config(d)
+        smem = 2 * 2 * gluon_fwd.WG_M * d * 2 + 2 * stages * block_n * d * 2
+        assert (smem + 1024 <= 232448) == (d in gluon_fwd.PERSISTENT_HEAD_DIMS), (d, smem)
+    params = list(gluon_fwd.attn_fwd_gluon.arg_names)
+    assert params[-8:] == ["HEAD_D", "BLOCK_N", "STAGES", "BOTTOM_RIGHT", "LONGEST_FIRST", "PINGPONG", "RESIDUAL",
+                           "PERSISTENT"] and "batch" in params and gluon_fwd._PERSISTENT_ONLY_ARGS == ("batch",)
+
+
+class _Recorder:
+    """Stands for attn_fwd_gluon: ``[grid](*args, **kw)`` records the launch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((grid, args, kw))
+
+
+@pytest.mark.parametrize("env, arg, d, expect", [
+    (None, None, 128, False), ("1", None, 128, True), ("1", None, 64, True), ("1", None, 256, False),
+    ("1", False, 128, False), (None, True, 64, True), ("0", True, 256, False)])
+def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, env, arg, d, expect):
+    """The launch plumbing on CPU (the kernel replaced by a recorder): ``auto`` / the default never
+    takes the persistent variant; the switch or ``persistent=True`` does at D 64/128, with grid
+    (min(#SMs, tiles),) and ``batch`` = B; otherwise grid (cdiv(Sq, 128), B·Hq) and ``batch`` None."""
+    if env is None:
+        monkeypatch.delenv("PORTATTN_TRITON_GLUON_PERSISTENT", raising=False)
+    else:
+        monkeypatch.setenv("PORTATTN_TRITON_GLUON_PERSISTENT", env)
+    rec = _Recorder()
+    monkeypatch.setattr(gluon_fwd, "attn_fwd_gluon", rec)
+    monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
+    monkeypatch.setattr(gluon_fwd, "_ensure_allocator", lambda: None)
+    monkeypatch.setattr(gluon_fwd, "_sm_count", lambda dev: 132)
+    for b, sq, h in ((3, 300, 4), (2, 8192, 16)):     # 36 tiles (grid 36), 2048 tiles (grid 132)
+        q, k, v = _qkv(b, sq, sq, h, h // 2, d)
+        gluon_fwd.gluon_forward(build_spec(q, k, v, causal=True), persistent=arg)
+        grid, args, kw = rec.launches[-1]
+        tiles = -(-sq // 128) * b * h
+        assert kw["PERSISTENT"] is expect and kw["LONGEST_FIRST"] is True and kw["HEAD_D"] == d
+        assert args[-1] == (b if expect else None)      # batch, the last runtime argument
+        assert grid == ((min(132, tiles),) if expect else (-(-sq // 128), b * h)), grid
+    # the choice between the Gluon and the portable forward is not the switch's
+    monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
+    monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+    assert gluon_fwd.forward_choice(_meta_spec(1024, 64, False)) == "triton"
+
+
+def _work_item(w, sq, batch, hq, longest_first):
+    """gluon_fwd._work_item in Python: (b, h, m0)."""
+    num_m, num_bh = -(-sq // 128), batch * hq
+    m, bh = (num_m - 1 - w // num_bh, w % num_bh) if longest_first else (w % num_m, w // num_m)
+    return bh // hq, bh % hq, m * 128
+
+
+@pytest.mark.parametrize("sq, batch, hq, grid", [(300, 3, 4, 36), (1024, 16, 16, 132), (4096, 1, 3, 132),
+                                                 (129, 2, 5, 7)])
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_persistent_walk_covers_every_tile_once_longest_first(sq, batch, hq, grid, longest_first):
+    """Every (query tile, head) is one CTA's item exactly once; with ``LONGEST_FIRST`` each round of
+    the walk (item j of every CTA) starts no shorter tile before a longer one; and the running
+    counts of the consumers (ring tiles, non-empty bands: the ping-pong turn count ``kv + bands``)
+    give every issue point of a CTA a distinct consecutive turn number, as the producer's ring
+    count gives the same tiles (a causal band, bottom-right)."""
+    seen = {}
+    for pid in range(grid):
+        kv = bands = turns = 0
+        last_m = None
+        for w in range(pid, -(-sq // 128) * batch * hq, grid):
+            b, h, m0 = _work_item(w, sq, batch, hq, longest_first)
+            assert (b, h, m0) not in seen and 0 <= b < batch and 0 <= h < hq and 0 <= m0 < sq
+            seen[b, h, m0] = pid
+            if longest_first:
+                assert last_m is None or m0 <= last_m
+                last_m = m0
+            lo, full_lo, full_hi, hi = _key_phases(m0, sq, sq, 0, gluon_fwd._UNBOUNDED, 0, 128, 128)
+            n = len(range(lo, hi, 128))
+            if n:   # turn numbers of this band's n + 1 issue points: kv + bands + (0 … n)
+                assert kv + bands == turns
+                turns += n + 1
+                kv += n
+                bands += 1
+    assert len(seen) == -(-sq // 128) * batch * hq
+
+
+def test_persistent_helpers_are_shared_by_both_kernels():
+    """The persistent kernel is the one-tile kernel's stages in a loop, not a copy: both partitions'
+    bodies call the same helpers."""
+    import inspect
+    for one, walk, stages in ((gluon_fwd._producer, gluon_fwd._persistent_producer, ("_load_q(", "_load_kv(")),
+                              (gluon_fwd._consumer, gluon_fwd._persistent_consumer, ("_attend(", "_epilogue("))):
+        for fn in (one, walk):
+            src = inspect.getsource(fn.fn)
+            assert all(s in src for s in stages), (fn, stages)
+
+
+@pytest.fixture(scope="module")
+def d128_persistent_rows():
+    """The persistent kernel at D 128, causal or not, inference and training (4 compiles)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-m", "portattn.backends.triton.gluon_fwd", "--json", "--dims", "128",
+                           "--residual", "both", "--pingpong", "on", "--persistent", "on"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+    assert lines, f"no report (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+@needs_gluon
+def test_persistent_cross_compiles_for_sm90(d128_persistent_rows, d128_rows):
+    """The persistent kernel compiles to the one-tile kernel's products, register split and
+    warps, with rank-4 TMA copies, one more parameter (``batch``) and O's own tiles (+32 KiB of
+    shared memory); no spills under triton 3.6 (3.9: see below)."""
+    rows = d128_persistent_rows
+    assert {(r["causal"], r["residual"]) for r in rows} == {(c, x) for c in (False, True) for x in (False, True)}
+    one = {(r["causal"], r["residual"]): r for r in d128_rows if r["pingpong"]}
+    for r in rows:
+        assert "error" not in r, r
+        assert r["persistent"] is True and r["num_warps"] == 12 and r["tma_4d"] == r["tma"] > 0, r
+        base = one[r["causal"], r["residual"]]
+        assert r["shared"] <= 232448 and r["shared"] - base["shared"] >= 2 * 64 * 128 * 2, (r, base)
+        assert r["params"] == base["params"] + 1 and r["tma_store"] == base["tma_store"], (r, base)
+        assert r["wgmma"] == base["wgmma"] and r["setmaxnreg"] == base["setmaxnreg"], (r, base)
+        if r.get("regs") is not None:
+            assert r["HGMMA"] > 0 and r["UTMALDG"] > 0 and r["UTMASTG"] > 0, r
+            # no spills with the H200's triton 3.6; triton 3.9 keeps the inference kernel clean but
+            # spills 8 bytes in the training one (2026-12-03: two values live across the item loop,
+            # stored and reloaded once per item in the epilogue, not in the key loop)
+            if triton.__version__.startswith("3.6") or not r["residual"]:
+                assert r["stack"] == 0 and r["LDL/STL"] == 0, r
+            else:
+                assert r["stack"] <= 8, r
+
+
+_PERSISTENT_CHILD = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+import test_triton_gluon as t
+from portattn.backends.triton import gluon_fwd
+from portattn.numerics import compare, compare_lse
+from portattn.reference import naive_forward, reference_forward
+from portattn.spec import build_spec
+for name, (shape, kw) in t.GPU_CASES.items():
+    kw = dict(kw)
+    dtype = kw.pop("dtype", torch.bfloat16)
+    q, k, v = t._qkv(*shape, dtype=dtype, device="cuda", seed=7)
+    spec = build_spec(q, k, v, **kw)
+    out = torch.full(spec.out_shape, float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full(spec.lse_shape, float("nan"), device="cuda")
+    ores = torch.full_like(out, float("nan"))
+    gluon_fwd.gluon_forward(spec, out=out, lse=lse, persistent=True)
+    o2, l2, r2 = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
+    one, one_lse, one_res = gluon_fwd.gluon_forward(spec, residual=True, pingpong=True, persistent=False)
+    torch.cuda.synchronize()
+    ref, ref_lse = reference_forward(spec)
+    c_out, c_lse = compare("out", out, ref, naive_forward(spec)[0]), compare_lse(lse, ref_lse)
+    row = dict(case=name, out=bool(c_out.passed), lse=bool(c_lse.passed), detail=str(c_out) + " " + str(c_lse),
+               unwritten=int(torch.isnan(out).sum() + torch.isnan(lse).sum() + torch.isnan(r2).sum()),
+               training_same=bool(torch.equal(o2, out) and torch.equal(l2, lse)),
+               same_as_one_tile=bool(torch.equal(out, one) and torch.equal(lse, one_lse) and torch.equal(r2, one_res)))
+    print("ROW " + json.dumps(row), flush=True)
+print("PERSISTENT OK")
+"""
+
+
+@requires_sm90
+@needs_gluon
+def test_gpu_persistent_matches_reference():
+    """The persistent variant on every GPU case, in a child with a timeout (never run on a GPU
+    before: a barrier deadlock fails this test instead of hanging the run): out and lse against
+    float64 (NaN-poisoned first), the training launch's out / lse bit-identical to the inference
+    one and its residual written; whether it is bit-identical to the one-tile kernel (ping-pong
+    on) is printed, not judged. D 256 cases run the one-tile kernel (PERSISTENT_HEAD_DIMS)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PERSISTENT_CHILD], capture_output=True, text=True, timeout=300,
+                              env=env, cwd=root)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the persistent Gluon forward hung (killed after 300 s): a barrier deadlock")
+    rows = [json.loads(ln[4:]) for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+    print("\n".join(f"{r['case']}: same_as_one_tile={r['same_as_one_tile']}" for r in rows))
+    assert "PERSISTENT OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(rows) == len(GPU_CASES)
+    for r in rows:
+        assert r["out"] and r["lse"] and r["unwritten"] == 0 and r["training_same"], r

@@ -7,9 +7,11 @@ cuDNN, inside a hard time limit.
 Phases (each writes its results before the next starts, so a run cut short still reports):
 
 1. compile: the kernel for sm_90 at D 64 / 128 / 256, with and without ping-pong, and the
-   training variant (``RESIDUAL``, ping-pong on) (shared memory, registers, spills, setmaxnreg
-   values, the PTX's wgmma / TMA counts, SASS HGMMA / UTMALDG / UTMASTG);
-2. checks, in a child process with a timeout (a barrier deadlock there cannot hang this run):
+   training variant (``RESIDUAL``, ping-pong on), and at D 64 / 128 the persistent variant
+   (``PERSISTENT``, ping-pong on, inference and training) (shared memory, registers, spills,
+   setmaxnreg values, the PTX's wgmma / TMA counts, SASS HGMMA / UTMALDG / UTMASTG);
+2. checks, in a child process with a timeout (a barrier deadlock there cannot hang this run; the
+   persistent variant in a second child with its own, ``--pers-timeout``):
    every case against float64 with ``portattn.numerics.compare`` / ``compare_lse``, outputs
    poisoned with NaN first (an element the kernel does not write shows as NaN), fully-masked
    rows exactly 0 with lse -inf, two runs bit-identical; the training variant
@@ -20,16 +22,17 @@ Phases (each writes its results before the next starts, so a run cut short still
    ``ops.forward_for_backward``), max |ores − (O − out)| reported (``res_vs_f64``; P V takes P in
    16 bits, so the float32 O itself is ~0.4 × round_err from float64 and the residual cannot be
    held tighter to it); then one launch at
-   every timing shape; all of it for the kernel with and without the consumers' ping-pong
-   (``PINGPONG``);
+   every timing shape; all of it for each of :data:`VARIANTS`: the kernel with and without the
+   consumers' ping-pong (``PINGPONG``), and the opt-in persistent kernel (``PERSISTENT``, ping-pong
+   on; at D 256 it runs the one-tile kernel);
 3. timings (bf16, B·S = 16k tokens, hidden 2048: H = 2048 / D; S 1k / 4k / 16k, D 128 / 256 / 64,
-   causal and not): the Gluon forward with and without ping-pong (each only if its phase-2
-   checks and launches passed), the triton backend's forward
+   causal and not): the Gluon forward with and without ping-pong and the persistent one (D 64 /
+   128) (each only if its phase-2 checks and launches passed), the triton backend's forward
    (``ops.forward``, PORTATTN_TRITON_FORWARD=portable), SDPA flash and cuDNN; medians of
    ``triton.testing.do_bench`` (L2 flushed before each run); TFLOP/s = 4·B·H·S²·D / t (halved
    for causal) and the ratios of the faster Gluon variant to cuDNN and to triton; at D 128 and 256 also
-   the training forwards (with the residual): Gluon's (ping-pong on) and the portable kernel's
-   (``ops.forward_for_backward``). No new cell starts after
+   the training forwards (with the residual): Gluon's (ping-pong on; and persistent at D 128) and
+   the portable kernel's (``ops.forward_for_backward``). No new cell starts after
    ``--time-limit`` seconds; a watchdog ends the process 60 s after it.
 
 Writes ``gluon_check.json`` and ``gluon_check.txt`` to ``--out``. Verdict PASS = compiled with
@@ -72,6 +75,10 @@ CHECK_CASES = [
 #: the consumers' ping-pong off and on (gluon_fwd._turn_wait): both are checked and timed
 PINGPONGS = (False, True)
 
+#: the kernels checked and timed: (name, ping-pong, persistent); the timing columns are
+#: ``gluon_<name>`` (g_<name> in the table)
+VARIANTS = [("nopp", False, False), ("pp", True, False), ("pers", True, True)]
+
 #: (S, D, causal) of the timing table
 TIMING_CELLS = [(s, d, c) for d in (128, 256, 64) for s in (1024, 4096, 16384) for c in (False, True)]
 
@@ -83,7 +90,7 @@ def _shape(seqlen: int, d: int) -> tuple[int, int]:
 
 # ----- phase 2: the child ---------------------------------------------------------------------
 
-def _check_case(case, pingpong: bool) -> dict:
+def _check_case(case, pingpong: bool, persistent: bool = False) -> dict:
     import torch
     from portattn.backends.triton import gluon_fwd
 
@@ -97,14 +104,15 @@ def _check_case(case, pingpong: bool) -> dict:
     k = torch.randn(b, sk, hkv, d, generator=g, device="cuda").to(dtype)
     v = torch.randn(b, sk, hkv, d, generator=g, device="cuda").to(dtype)
     spec = build_spec(q, k, v, **kw)
-    row = {"case": name, "pingpong": pingpong, "dtype": dt, "reasons": gluon_fwd.gluon_reasons(spec)}
+    row = {"case": name, "pingpong": pingpong, "persistent": persistent, "dtype": dt,
+           "reasons": gluon_fwd.gluon_reasons(spec)}
     if row["reasons"]:
         row["passed"] = False
         return row
     out = torch.full(spec.out_shape, float("nan"), dtype=dtype, device="cuda")
     lse = torch.full(spec.lse_shape, float("nan"), dtype=torch.float32, device="cuda")
-    gluon_fwd.gluon_forward(spec, out=out, lse=lse, pingpong=pingpong)
-    out2, lse2 = gluon_fwd.gluon_forward(spec, pingpong=pingpong)
+    gluon_fwd.gluon_forward(spec, out=out, lse=lse, pingpong=pingpong, persistent=persistent)
+    out2, lse2 = gluon_fwd.gluon_forward(spec, pingpong=pingpong, persistent=persistent)
     torch.cuda.synchronize()
     ref, ref_lse = reference_forward(spec)
     c_out = compare("out", out, ref, naive_forward(spec)[0])
@@ -115,13 +123,16 @@ def _check_case(case, pingpong: bool) -> dict:
                empty_rows=int(empty.sum()), empty_rows_zero=empty_ok,
                repeatable=bool(torch.equal(out, out2) and torch.equal(lse, lse2)))
     row["passed"] = bool(c_out.passed and c_lse.passed and row["unwritten"] == 0 and empty_ok and row["repeatable"])
-    res = _check_residual(spec, out, lse, ref, pingpong)
+    if persistent:   # reported, not judged: the same arithmetic per tile as the one-tile kernel (ping-pong on)
+        one, one_lse = gluon_fwd.gluon_forward(spec, pingpong=True, persistent=False)
+        row["same_as_one_tile"] = bool(torch.equal(out, one) and torch.equal(lse, one_lse))
+    res = _check_residual(spec, out, lse, ref, pingpong, persistent)
     row.update(res)
     row["passed"] = bool(row["passed"] and res["res_passed"])
     return row
 
 
-def _check_residual(spec, out, lse, ref, pingpong: bool) -> dict:
+def _check_residual(spec, out, lse, ref, pingpong: bool, persistent: bool = False) -> dict:
     """The training variant on ``spec`` beside the inference run's ``out`` / ``lse``: out and lse
     bit-identical, every element of out / lse / ores written (NaN-poisoned first), |ores| at most
     half an ulp of out, and ores against float64's O − round(O) (``ref`` the float64 O, canonical
@@ -133,7 +144,7 @@ def _check_residual(spec, out, lse, ref, pingpong: bool) -> dict:
     o2 = torch.full_like(out, float("nan"))
     l2 = torch.full_like(lse, float("nan"))
     ores = torch.full_like(out, float("nan"))
-    gluon_fwd.gluon_forward(spec, out=o2, lse=l2, ores=ores, pingpong=pingpong, residual=True)
+    gluon_fwd.gluon_forward(spec, out=o2, lse=l2, ores=ores, pingpong=pingpong, residual=True, persistent=persistent)
     p_out, _, (p_res,) = ops.forward_for_backward(spec)      # PORTATTN_TRITON_FORWARD=portable here
     torch.cuda.synchronize()
     exact = ref.double()
@@ -158,30 +169,34 @@ def zlib_crc(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-def child_main() -> int:
-    """Run the checks and one launch per timing shape; print one JSON line per result."""
+def child_main(names: list[str]) -> int:
+    """Run the checks and one launch per timing shape of the :data:`VARIANTS` named ``names``;
+    print one JSON line per result."""
     import torch
     from portattn.backends.triton import gluon_fwd
 
     from portattn.spec import build_spec
-    for pingpong in PINGPONGS:
+    variants = [v for v in VARIANTS if v[0] in names]
+    for variant, pingpong, persistent in variants:
         for case in CHECK_CASES:
-            print(f"BEGIN check {case[0]} pingpong={pingpong}", flush=True)
+            print(f"BEGIN check {case[0]} variant={variant}", flush=True)
             try:
-                row = _check_case(case, pingpong)
+                row = _check_case(case, pingpong, persistent)
             except Exception as exc:   # a launch or compile error is a failed check, with its message
-                row = {"case": case[0], "pingpong": pingpong, "passed": False,
+                row = {"case": case[0], "pingpong": pingpong, "persistent": persistent, "passed": False,
                        "error": f"{type(exc).__name__}: {str(exc)[-800:]}"}
+            row["variant"] = variant
             print("CHECK " + json.dumps(row), flush=True)
-    for pingpong in PINGPONGS:
+    for variant, pingpong, persistent in variants:
         for s, d, causal in TIMING_CELLS:
             b, h = _shape(s, d)
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             t0 = time.perf_counter()
-            row = {"S": s, "D": d, "causal": causal, "pingpong": pingpong}
-            print(f"BEGIN launch S={s} D={d} causal={causal} pingpong={pingpong}", flush=True)
+            row = {"S": s, "D": d, "causal": causal, "pingpong": pingpong, "variant": variant}
+            print(f"BEGIN launch S={s} D={d} causal={causal} variant={variant}", flush=True)
             try:
-                out, _ = gluon_fwd.gluon_forward(build_spec(q, k, v, causal=causal), pingpong=pingpong)
+                out, _ = gluon_fwd.gluon_forward(build_spec(q, k, v, causal=causal), pingpong=pingpong,
+                                                 persistent=persistent)
                 torch.cuda.synchronize()
                 row.update(finite=bool(torch.isfinite(out).all()), seconds=round(time.perf_counter() - t0, 2))
             except Exception as exc:
@@ -221,20 +236,32 @@ def write_files(out_dir: str, stem: str, res: dict, text: str) -> str:
     return text
 
 
-def run_child(timeout: float) -> dict:
-    c = child_lines(__file__, [], timeout)
+def run_child(timeout: float, names: list[str] | None = None) -> dict:
+    """Phase 2 for the :data:`VARIANTS` named ``names`` (all by default) in one child process."""
+    names = [v[0] for v in VARIANTS] if names is None else names
+    c = child_lines(__file__, ["--variants", ",".join(names)], timeout)
     rc, hung, checks, begun, launches = c["rc"], c["hung"], c["checks"], c["begun"], c["launches"]
-    n = len(PINGPONGS)
+    n = len(names)
     ok = (not hung and rc == 0 and len(checks) == n * len(CHECK_CASES) and all(c.get("passed") for c in checks)
           and len(launches) == n * len(TIMING_CELLS) and all(x.get("finite") for x in launches))
-    # a variant whose checks and launches all passed may be timed even if the other failed
-    good = [pp for pp in PINGPONGS
-            if any(c.get("pingpong") == pp for c in checks) and len(checks) >= n * len(CHECK_CASES)
-            and all(c.get("passed") for c in checks if c.get("pingpong") == pp)
-            and sum(x.get("pingpong") == pp for x in launches) == len(TIMING_CELLS)
-            and all(x.get("finite") for x in launches if x.get("pingpong") == pp)]
+    # a variant whose checks and launches all passed may be timed even if another failed
+    good = [name for name in names
+            if sum(c.get("variant") == name for c in checks) == len(CHECK_CASES)
+            and all(c.get("passed") for c in checks if c.get("variant") == name)
+            and sum(x.get("variant") == name for x in launches) == len(TIMING_CELLS)
+            and all(x.get("finite") for x in launches if x.get("variant") == name)]
     return {"rc": rc, "hung": hung, "last_begun": begun[-1] if begun else None, "passed": ok, "timed_variants": good,
             "seconds": c["seconds"], "checks": checks, "launches": launches, "stderr_tail": c["stderr_tail"]}
+
+
+def _merge_children(a: dict, b: dict) -> dict:
+    """Two :func:`run_child` results as one (checks and launches in order, passed if both did)."""
+    hung = b if b["hung"] else a
+    return {"rc": a["rc"] or b["rc"], "hung": a["hung"] or b["hung"], "last_begun": hung["last_begun"],
+            "passed": a["passed"] and b["passed"], "timed_variants": a["timed_variants"] + b["timed_variants"],
+            "seconds": round(a["seconds"] + b["seconds"], 1), "checks": a["checks"] + b["checks"],
+            "launches": a["launches"] + b["launches"],
+            "stderr_tail": "\n".join(x["stderr_tail"] for x in (a, b) if x["stderr_tail"])[-3000:]}
 
 
 # ----- phase 3: timings ---------------------------------------------------------------------------
@@ -245,6 +272,7 @@ def _median_ms(fn) -> float:
 
 
 def time_cell(s: int, d: int, causal: bool, variants: list) -> dict:
+    """One timing row; ``variants``: the names of :data:`VARIANTS` whose checks passed."""
     import torch
     import torch.nn.functional as F
     from portattn.backends.triton import gluon_fwd, ops
@@ -257,12 +285,19 @@ def time_cell(s: int, d: int, causal: bool, variants: list) -> dict:
     spec = build_spec(q, k, v, causal=causal)
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
     row = {"S": s, "B": b, "H": h, "D": d, "causal": causal}
-    impls = [(f"gluon_{'pp' if pp else 'nopp'}", lambda pp=pp: gluon_fwd.gluon_forward(spec, pingpong=pp))
-             for pp in variants]
+    # the persistent kernel only where it exists (at D 256 it would time the one-tile kernel again)
+    timed = [(name, pp, pers) for name, pp, pers in VARIANTS
+             if name in variants and (not pers or d in gluon_fwd.PERSISTENT_HEAD_DIMS)]
+    impls = [(f"gluon_{name}", lambda pp=pp, pers=pers: gluon_fwd.gluon_forward(spec, pingpong=pp, persistent=pers))
+             for name, pp, pers in timed]
     impls.append(("triton", lambda: ops.forward(spec)))
     if d in (128, 256):   # the training forwards (with O's rounding residual): Gluon's, if its checks passed
-        if True in variants:
-            impls.append(("gluon_train", lambda: gluon_fwd.gluon_forward(spec, pingpong=True, residual=True)))
+        if "pp" in variants:
+            impls.append(("gluon_train", lambda: gluon_fwd.gluon_forward(spec, pingpong=True, residual=True,
+                                                                         persistent=False)))
+        if any(pers for _, _, pers in timed):
+            impls.append(("gluon_pers_train", lambda: gluon_fwd.gluon_forward(spec, pingpong=True, residual=True,
+                                                                              persistent=True)))
         impls.append(("triton_train", lambda: ops.forward_for_backward(spec)))
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -298,8 +333,9 @@ def report(res: dict) -> str:
                   f" rc={ch['rc']}"]
         for c in ch["checks"]:
             lines.append(f"  {'ok  ' if c.get('passed') else 'FAIL'} {c['case']:<20} "
-                         + " ".join(f"{k}={c[k]}" for k in ("pingpong", "dtype", "unwritten", "empty_rows", "empty_rows_zero",
-                                                            "repeatable", "reasons", "error") if k in c))
+                         + " ".join(f"{k}={c[k]}" for k in ("variant", "pingpong", "persistent", "dtype", "unwritten",
+                                                            "empty_rows", "empty_rows_zero", "repeatable",
+                                                            "same_as_one_tile", "reasons", "error") if k in c))
             if "res_passed" in c:
                 lines.append(f"       residual {'ok' if c['res_passed'] else 'FAIL'}: "
                              + " ".join(f"{k}={c[k]:.3g}" if isinstance(c[k], float) else f"{k}={c[k]}"
@@ -308,35 +344,42 @@ def report(res: dict) -> str:
             if not c.get("passed"):
                 lines += [f"       {c.get('out', '')}", f"       {c.get('lse', '')}"]
         for x in ch["launches"]:
-            lines.append(f"  launch S={x['S']} D={x['D']} causal={x['causal']} pingpong={x['pingpong']}: "
+            lines.append(f"  launch S={x['S']} D={x['D']} causal={x['causal']} "
+                         f"{x.get('variant', 'pingpong=' + str(x.get('pingpong')))}: "
                          + (f"finite={x['finite']} {x['seconds']} s" if "finite" in x else x.get("error", "?")))
         if not ch["passed"] and ch["stderr_tail"]:
             lines += ["  child stderr (tail):"] + ["    " + ln for ln in ch["stderr_tail"].splitlines()[-15:]]
     cells = res.get("timings", [])
     if cells:
         lines += ["", "forward TFLOP/s (bf16, 16k tokens, hidden 2048; do_bench medians, L2 flushed)",
-                  f"{'S':>6} {'D':>4} {'causal':>6} {'g_pp':>7} {'g_nopp':>7} {'triton':>7} {'flash':>7} "
-                  f"{'cudnn':>7} {'best/cudnn':>10} {'best/triton':>11}",
-                  "  (g_pp / g_nopp: the Gluon forward with / without the consumers' ping-pong; best = the faster)"]
+                  f"{'S':>6} {'D':>4} {'causal':>6} {'g_pp':>7} {'g_nopp':>7} {'g_pers':>7} {'triton':>7} "
+                  f"{'flash':>7} {'cudnn':>7} {'best/cudnn':>10} {'best/triton':>11} {'pers/pp':>7}",
+                  "  (g_pp / g_nopp: the Gluon forward with / without the consumers' ping-pong; g_pers: the "
+                  "persistent one (opt-in, ping-pong on, D 64/128); best = the fastest of the three)"]
         for r in cells:
-            best = max((r[k] for k in ("gluon_pp", "gluon_nopp") if k in r), default=None)
+            best = max((r[k] for k in ("gluon_pp", "gluon_nopp", "gluon_pers") if k in r), default=None)
             gc = best / r["cudnn"] if best and r.get("cudnn") else None
             gt = best / r["triton"] if best and r.get("triton") else None
+            pers, pp = r.get("gluon_pers"), r.get("gluon_pp")
             lines.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {_fmt(r.get('gluon_pp'))} "
-                         f"{_fmt(r.get('gluon_nopp'))} {_fmt(r.get('triton'))} {_fmt(r.get('flash'))} "
-                         f"{_fmt(r.get('cudnn'))} {_fmt(gc, 10, 2)} {_fmt(gt, 11, 2)}")
+                         f"{_fmt(r.get('gluon_nopp'))} {_fmt(pers)} {_fmt(r.get('triton'))} {_fmt(r.get('flash'))} "
+                         f"{_fmt(r.get('cudnn'))} {_fmt(gc, 10, 2)} {_fmt(gt, 11, 2)} "
+                         f"{_fmt(pers / pp if pers and pp else None, 7, 2)}")
             errs = {k: v for k, v in r.items() if k.endswith("_error")}
             if errs:
                 lines.append("       " + json.dumps(errs))
         train = [r for r in cells if "triton_train" in r or "gluon_train" in r]
         if train:
-            lines += ["", "training forward TFLOP/s (with O's rounding residual; Gluon with ping-pong)",
-                      f"{'S':>6} {'D':>4} {'causal':>6} {'g_train':>7} {'t_train':>7} {'g_pp':>7} {'g/t':>6} "
-                      f"{'g_train/g_pp':>12}"]
+            lines += ["", "training forward TFLOP/s (with O's rounding residual; Gluon with ping-pong; g_pers_train "
+                      "the persistent one, D 128)",
+                      f"{'S':>6} {'D':>4} {'causal':>6} {'g_train':>7} {'g_pers_train':>12} {'t_train':>7} {'g_pp':>7} "
+                      f"{'g/t':>6} {'g_train/g_pp':>12} {'pers/g_train':>12}"]
             for r in train:
                 g, t, pp = r.get("gluon_train"), r.get("triton_train"), r.get("gluon_pp")
-                lines.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {_fmt(g)} {_fmt(t)} {_fmt(pp)} "
-                             f"{_fmt(g / t if g and t else None, 6, 2)} {_fmt(g / pp if g and pp else None, 12, 2)}")
+                gp = r.get("gluon_pers_train")
+                lines.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {_fmt(g)} {_fmt(gp, 12)} {_fmt(t)} "
+                             f"{_fmt(pp)} {_fmt(g / t if g and t else None, 6, 2)} "
+                             f"{_fmt(g / pp if g and pp else None, 12, 2)} {_fmt(gp / g if gp and g else None, 12, 2)}")
     if res.get("skipped"):
         lines.append(f"skipped at the time limit: {res['skipped']}")
     lines += ["", f"VERDICT: {res.get('verdict', '?')}"]
@@ -352,10 +395,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="directory for gluon_check.json / .txt")
     ap.add_argument("--time-limit", type=float, default=500.0, help="no new phase or cell starts after this (s)")
     ap.add_argument("--child-timeout", type=float, default=300.0, help="phase 2's child process limit (s)")
+    ap.add_argument("--pers-timeout", type=float, default=150.0,
+                    help="the persistent variant's own child process limit (s): a deadlock there costs this much")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        return child_main()
+        return child_main(a.variants.split(","))
     if not a.out:
         ap.error("--out DIR is required")
     os.makedirs(a.out, exist_ok=True)
@@ -375,12 +421,15 @@ def main(argv=None) -> int:
         res["compile"].append({"error": gluon_fwd.GLUON_ERROR})
     else:
         for d in gluon_fwd.HEAD_DIMS:
-            for pp, residual in [(pp, False) for pp in PINGPONGS] + [(True, True)]:
+            rows = [(pp, False, False) for pp in PINGPONGS] + [(True, True, False)]
+            if d in gluon_fwd.PERSISTENT_HEAD_DIMS:
+                rows += [(True, False, True), (True, True, True)]
+            for pp, residual, persistent in rows:
                 try:
-                    r = gluon_fwd.compile_report(d, False, pingpong=pp, residual=residual)
+                    r = gluon_fwd.compile_report(d, False, pingpong=pp, residual=residual, persistent=persistent)
                     compiled_ok &= r.get("HGMMA", 1) > 0 and r.get("UTMALDG", 1) > 0
                 except Exception as exc:
-                    r = {"head_dim": d, "pingpong": pp, "residual": residual,
+                    r = {"head_dim": d, "pingpong": pp, "residual": residual, "persistent": persistent,
                          "error": f"{type(exc).__name__}: {str(exc)[-600:]}"}
                     compiled_ok = False
                 res["compile"].append(r)
@@ -390,8 +439,12 @@ def main(argv=None) -> int:
 
     child_ok, variants = False, []
     if compiled_ok and torch.cuda.is_available():
+        # the one-tile kernels first, then the persistent one in a child of its own (not yet run on a
+        # GPU: a deadlock there must not cost the others their checks and timings)
         limit = max(30.0, min(a.child_timeout, a.time_limit - (time.perf_counter() - start)))
-        res["child"] = run_child(limit)
+        first = run_child(limit, [v[0] for v in VARIANTS if not v[2]])
+        limit = max(30.0, min(a.pers_timeout, a.time_limit - (time.perf_counter() - start)))
+        res["child"] = _merge_children(first, run_child(limit, [v[0] for v in VARIANTS if v[2]]))
         child_ok = res["child"]["passed"]
         variants = res["child"]["timed_variants"]
         res["seconds"]["checks"] = res["child"]["seconds"]

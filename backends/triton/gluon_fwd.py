@@ -33,6 +33,15 @@ without it the kernel compiles to the same code as before the option. Dense inpu
 bfloat16; ``D == Dv`` in {64, 128, 256}; no softcap, ALiBi, bias or sliding window
 (:func:`gluon_reasons` says which problems it cannot run).
 
+``PERSISTENT`` (opt-in, ``PORTATTN_TRITON_GLUON_PERSISTENT=1``, D 64/128; not yet run on a GPU)
+is FA3's persistent schedule against the one-tile CTA's fixed cost (pipeline fill, epilogue,
+descriptor set-up): one CTA per SM walks (query tile, head) work items (:func:`_work_item`,
+longest first for causal-like bands) with rank-4 descriptors made once, the producer's ring count
+running on across items, Q handed back before the epilogue (``q_empty``) and O stored through its
+own shared tiles, so the next item's loads overlap the current one's epilogue. The same stage
+helpers (:func:`_load_q`, :func:`_load_kv`, :func:`_attend`, :func:`_epilogue`) run both; with it
+off every variant compiles to the same code as before it existed.
+
 The module imports without triton's Gluon (``GLUON_ERROR`` then says why, and every problem is
 refused). Between triton 3.6 (the H200's) and 3.9 the pieces used here keep their signatures
 but for the TMA copies, renamed in 3.9 (``async_copy_global_to_shared`` / ``_shared_to_global``
@@ -70,6 +79,12 @@ HEAD_DIMS = (64, 128, 256)
 _UNBOUNDED = 1 << 30
 #: query rows per consumer warpgroup (wgmma's M is 64 per warpgroup); a CTA holds two
 WG_M = 64
+#: the head dims of the opt-in persistent variant (``PERSISTENT``, ``PORTATTN_TRITON_GLUON_PERSISTENT=1``):
+#: its O tiles take 2 x (64, D) more shared memory, which D 256 does not have (64 + 128 + 64 KiB >
+#: 227 KiB); D 256 runs the one-tile kernel
+PERSISTENT_HEAD_DIMS = (64, 128)
+#: kernel arguments only the persistent variant reads (the constexpr None otherwise, as ORES)
+_PERSISTENT_ONLY_ARGS = ("batch",)
 
 
 @functools.lru_cache(maxsize=8)
@@ -156,27 +171,102 @@ if gl is not None:
         return b, h, h_kv, m0, off, phases
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                  m0, lo, hi, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-        """The load warp: both Q tiles, then K and V of every key tile in [lo, hi) into the ring.
-        A slot is refilled once both consumers released it (``*_empty``, waited on the parity
-        before the current round's: a fresh barrier passes at once)."""
+    def _work_item(w, sq, batch, num_heads_q, gqa_ratio, LONGEST_FIRST: gl.constexpr):
+        """``(b, h, h_kv, m0)`` of work item ``w`` of the persistent forward (:data:`PERSISTENT_HEAD_DIMS`):
+        the items are the cdiv(Sq, 128) query tiles of every (batch, head), numbered head-major (a
+        head's tiles run side by side and share its K and V in L2), or with ``LONGEST_FIRST``
+        tile-major from the last tile (a causal-like band: the tiles that see the most keys start
+        first, as :func:`_tile_index`)."""
+        num_m = (sq + 2 * _WG_M - 1) // (2 * _WG_M)
+        num_bh = batch * num_heads_q
+        if LONGEST_FIRST:
+            m = num_m - 1 - w // num_bh
+            bh = w % num_bh
+        else:
+            m = w % num_m
+            bh = w // num_m
+        b = bh // num_heads_q
+        h = bh % num_heads_q
+        return b, h, h // gqa_ratio, m * (2 * _WG_M)
+
+    @gluon.jit
+    def _tma_load_rows(desc, row, b, h, bar, dst, PERSISTENT: gl.constexpr):
+        """TMA load of the ``(rows, D)`` tile at sequence position ``row`` into ``dst``: through a
+        descriptor of one (sequence, head)'s ``(S, D)`` slab, or (``PERSISTENT``) of the whole
+        ``(B, S, H, D)`` tensor at ``[b, row, h, 0]`` (its S bound zero-fills ragged tiles)."""
+        if PERSISTENT:
+            _tma_load(desc, [b, row, h, 0], bar, dst.reshape([1, dst.shape[0], 1, dst.shape[1]]))
+        else:
+            _tma_load(desc, [row, 0], bar, dst)
+
+    @gluon.jit
+    def _tma_store_rows(desc, row, b, h, src, PERSISTENT: gl.constexpr):
+        """TMA store of ``src`` at sequence position ``row`` (as :func:`_tma_load_rows`); the
+        descriptor's S bound clips rows >= S."""
+        if PERSISTENT:
+            _tma_store(desc, [b, row, h, 0], src.reshape([1, src.shape[0], 1, src.shape[1]]))
+        else:
+            _tma_store(desc, [row, 0], src)
+
+    @gluon.jit
+    def _load_q(q_desc, q_smem, q_bar, q_empty, c, m0, b, h, HEAD_D: gl.constexpr, PERSISTENT: gl.constexpr):
+        """The producer's first stage of a tile: both 64-row Q tiles. ``PERSISTENT``: the ``c``-th
+        tile of this CTA, loaded once its warpgroup released the previous one (``q_empty``, waited
+        on the parity before the current round's: a fresh barrier passes at once)."""
         tile_bytes: gl.constexpr = _WG_M * HEAD_D * 2
         for wg in gl.static_range(2):
+            if PERSISTENT:
+                mbarrier.wait(q_empty.index(wg), (c & 1) ^ 1)
             mbarrier.expect(q_bar.index(wg), tile_bytes)
-            _tma_load(q_desc, [m0 + wg * _WG_M, 0], q_bar.index(wg), q_smem.index(wg))
+            _tma_load_rows(q_desc, m0 + wg * _WG_M, b, h, q_bar.index(wg), q_smem.index(wg), PERSISTENT)
+
+    @gluon.jit
+    def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, i, lo, hi, b, h_kv,
+                 BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+        """The producer's second stage: K and V of every key tile in [lo, hi) into the ring, ``i``
+        counting the ring's tiles (0 at a CTA's start, running on across a persistent CTA's
+        tiles); returns the count after the band. A slot is refilled once both consumers released
+        it (``*_empty``, waited on the parity before the current round's)."""
         kv_bytes: gl.constexpr = BLOCK_N * HEAD_D * 2
-        i = 0
         for n in range(lo, hi, BLOCK_N):
             st = i % STAGES
             ph = (i // STAGES) & 1
             mbarrier.wait(k_empty.index(st), ph ^ 1)
             mbarrier.expect(k_ready.index(st), kv_bytes)
-            _tma_load(k_desc, [n, 0], k_ready.index(st), k_smem.index(st))
+            _tma_load_rows(k_desc, n, b, h_kv, k_ready.index(st), k_smem.index(st), PERSISTENT)
             mbarrier.wait(v_empty.index(st), ph ^ 1)
             mbarrier.expect(v_ready.index(st), kv_bytes)
-            _tma_load(v_desc, [n, 0], v_ready.index(st), v_smem.index(st))
+            _tma_load_rows(v_desc, n, b, h_kv, v_ready.index(st), v_smem.index(st), PERSISTENT)
             i += 1
+        return i
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                  m0, lo, hi, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        """The load warp of one CTA's tile: both Q tiles (:func:`_load_q`), then K and V of every key
+        tile in [lo, hi) into the ring (:func:`_load_kv`)."""
+        _load_q(q_desc, q_smem, q_bar, None, 0, m0, 0, 0, HEAD_D, False)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo * 0, lo, hi, 0, 0,
+                 BLOCK_N, HEAD_D, STAGES, False)
+
+    @gluon.jit
+    def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, batch, num_heads_q, gqa_ratio, sq, sk, off, window_left, window_right,
+                             BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                             LONGEST_FIRST: gl.constexpr):
+        """The load warp of a persistent CTA: :func:`_producer`'s two stages for each of its work
+        items (:func:`_work_item`: every ``num_programs``-th from ``program_id``), the ring count
+        running on across items, so the next item's Q and first K/V tiles load while the
+        consumers still finish (and store) the current one."""
+        kv = sq * 0
+        c = sq * 0
+        for w in range(gl.program_id(0), gl.cdiv(sq, 2 * _WG_M) * batch * num_heads_q, gl.num_programs(0)):
+            b, h, h_kv, m0 = _work_item(w, sq, batch, num_heads_q, gqa_ratio, LONGEST_FIRST)
+            lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, 2 * _WG_M, BLOCK_N)
+            _load_q(q_desc, q_smem, q_bar, q_empty, c, m0, b, h, HEAD_D, True)
+            kv = _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv, lo, hi, b, h_kv,
+                          BLOCK_N, HEAD_D, STAGES, True)
+            c += 1
 
     @gluon.jit
     def _masked(s, rows, cols, sk, off, window_left, window_right):
@@ -214,13 +304,13 @@ if gl is not None:
             mbarrier.arrive(turn.index(1 - WG), count=1)
 
     @gluon.jit
-    def _band(acc, m_i, l_i, p_prev, i, start, stop, q, ring, rows, cols0, sk, off, window_left, window_right,
+    def _band(acc, m_i, l_i, p_prev, i, turn_off, start, stop, q, ring, rows, cols0, sk, off, window_left, window_right,
               qk_scale2, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
               MASKED: gl.constexpr):
         """Key tiles [start, stop) of one phase. ``ring`` = (K tiles, V tiles, k_ready, v_ready,
-        k_empty, v_empty, turn); ``i`` counts the tiles this warpgroup has taken from it and
-        ``p_prev`` is tile i-1's P, whose P V is still to be added. Each step issues
+        k_empty, v_empty, turn); ``i`` counts the tiles this warpgroup has taken from it (``i +
+        turn_off`` its ping-pong turns, :func:`_attend`) and ``p_prev`` is tile i-1's P, whose P V is still to be added. Each step issues
         S_i = Q K_iᵀ and acc += P_{i-1} V_{i-1} (both async), waits for S_i only, does its
         softmax while P V runs, then waits for P V and rescales acc by this tile's alpha."""
         k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn = ring
@@ -229,7 +319,7 @@ if gl is not None:
             pst = (i - 1) % STAGES
             mbarrier.wait(k_ready.index(st), (i // STAGES) & 1)
             mbarrier.wait(v_ready.index(pst), ((i - 1) // STAGES) & 1)
-            _turn_wait(turn, i, WG, PINGPONG)
+            _turn_wait(turn, i + turn_off, WG, PINGPONG)
             s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), gl.zeros([_WG_M, BLOCK_N], gl.float32, s_layout),
                               use_acc=False, is_async=True)
             acc = warpgroup_mma(p_prev, v_smem.index(pst), acc, is_async=True)
@@ -247,6 +337,83 @@ if gl is not None:
         return acc, m_i, l_i, p_prev, i
 
     @gluon.jit
+    def _attend(acc, m_i, l_i, i0, turn_off, q, ring, rows, cols0, sk, off, lo, full_lo, full_hi, hi,
+                window_left, window_right, qk_scale2, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
+                PINGPONG: gl.constexpr):
+        """A consumer's main loop over a non-empty band [lo, hi): the first tile (always masked: it
+        may be an edge tile) starts the pipeline, :func:`_band` runs the three phases, the last
+        tile's P V ends it; returns ``(acc, m_i, l_i, i)``. ``i0`` is the ring count at the band's
+        first tile (0 in a CTA of one tile, running on in a persistent CTA) and ``i`` the count
+        after it; ``turn_off`` is added to the ring count to number the ping-pong turns (the
+        bands before this one: each has one more issue point than tiles)."""
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn = ring
+        st0 = i0 % STAGES
+        mbarrier.wait(k_ready.index(st0), (i0 // STAGES) & 1)
+        _turn_wait(turn, i0 + turn_off, WG, PINGPONG)
+        s = warpgroup_mma(q, k_smem.index(st0).permute((1, 0)), gl.zeros([_WG_M, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(st0), count=1)
+        s = _masked(s, rows, lo + cols0, sk, off, window_left, window_right)
+        m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, qk_scale2)
+        p_prev = gl.convert_layout(p.to(q.dtype), p_layout)
+        i = lo * 0 + (i0 + 1)
+        nxt = lo + BLOCK_N
+        for phase in gl.static_range(3):   # masked / unmasked / masked, as kernels._phase_range
+            if phase == 0:
+                start = nxt
+                stop = gl.maximum(full_lo, nxt)
+            elif phase == 1:
+                start = gl.maximum(full_lo, nxt)
+                stop = gl.maximum(full_hi, nxt)
+            else:
+                start = gl.maximum(full_hi, nxt)
+                stop = hi
+            acc, m_i, l_i, p_prev, i = _band(acc, m_i, l_i, p_prev, i, turn_off, start, stop, q, ring, rows, cols0,
+                                             sk, off, window_left, window_right, qk_scale2, s_layout, o_layout,
+                                             p_layout, BLOCK_N, STAGES, WG, PINGPONG, phase != 1)
+        # the last tile's P V
+        pst = (i - 1) % STAGES
+        mbarrier.wait(v_ready.index(pst), ((i - 1) // STAGES) & 1)
+        _turn_wait(turn, i + turn_off, WG, PINGPONG)
+        acc = warpgroup_mma(p_prev, v_smem.index(pst), acc, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+        mbarrier.arrive(v_empty.index(pst), count=1)
+        return acc, m_i, l_i, i
+
+    @gluon.jit
+    def _epilogue(acc, m_i, l_i, o_descs, o_tile, LSE, lse_off, rows, row0, b, h, sq, qk_scale2,
+                  o_layout: gl.constexpr, RESIDUAL: gl.constexpr, PERSISTENT: gl.constexpr):
+        """Normalise once (rows with no visible key output 0 and lse = -inf), store lse, and O
+        (with ``RESIDUAL`` then O's rounding residual) through the shared tile ``o_tile`` by TMA
+        (:func:`_tma_store_rows`; the descriptor clips rows >= Sq). One tile a CTA: ``o_tile`` is
+        the Q tile (its last reader, a wgmma, has completed) and the stores drain before the CTA
+        ends. ``PERSISTENT``: ``o_tile`` is O's own buffer; the previous item's stores must have
+        read it before it is rewritten, and this item's drain while the next item runs."""
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+        lse = gl.where(empty, float("-inf"), (m_i * qk_scale2 + gl.log2(l_safe)) * _LN2)
+        gl.store(LSE + lse_off + rows, lse, mask=rows < sq)
+        out16 = out.to(o_tile.dtype)
+        if PERSISTENT:
+            tma.store_wait(0)               # the previous item's O (or residual) has been read out
+        o_tile.store(out16)
+        fence_async_shared()
+        _tma_store_rows(o_descs[0], row0, b, h, o_tile, PERSISTENT)
+        if RESIDUAL:   # O_f32 - round(O_f32), rounded: the backward's delta of the unrounded output
+            res = (out - out16.to(gl.float32)).to(o_tile.dtype)
+            tma.store_wait(0)               # O has been read out of the tile before it takes the residual
+            o_tile.store(res)
+            fence_async_shared()
+            _tma_store_rows(o_descs[1], row0, b, h, o_tile, PERSISTENT)
+        if not PERSISTENT:
+            tma.store_wait(0)
+
+    @gluon.jit
     def _consumer(WG: gl.constexpr, o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off,
                   lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2,
                   BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
@@ -255,13 +422,11 @@ if gl is not None:
         with ``RESIDUAL`` O's rounding residual (``o_descs`` = (O's descriptor,) or (O's, ORES's)).
         Every warpgroup issues products at the same points (the first tile's S, one step per
         further tile, the last P V), so the ping-pong turns pair up."""
-        o_desc = o_descs[0]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn = ring
         row0 = m0 + WG * _WG_M
         rows = row0 + gl.arange(0, _WG_M, layout=gl.SliceLayout(1, s_layout))
         cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -271,94 +436,131 @@ if gl is not None:
         q = q_smem.index(WG)
         mbarrier.wait(q_bar.index(WG), 0)   # also before the O store reuses the tile
         if lo < hi:
-            # the band's first tile (always masked: it may be an edge tile) starts the pipeline
-            mbarrier.wait(k_ready.index(0), 0)
-            _turn_wait(turn, 0, WG, PINGPONG)
-            s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([_WG_M, BLOCK_N], gl.float32, s_layout),
-                              use_acc=False, is_async=True)
-            _turn_pass(turn, WG, PINGPONG)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            mbarrier.arrive(k_empty.index(0), count=1)
-            s = _masked(s, rows, lo + cols0, sk, off, window_left, window_right)
-            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, qk_scale2)
-            p_prev = gl.convert_layout(p.to(q.dtype), p_layout)
-            i = lo * 0 + 1
-            nxt = lo + BLOCK_N
-            for phase in gl.static_range(3):   # masked / unmasked / masked, as kernels._phase_range
-                if phase == 0:
-                    start = nxt
-                    stop = gl.maximum(full_lo, nxt)
-                elif phase == 1:
-                    start = gl.maximum(full_lo, nxt)
-                    stop = gl.maximum(full_hi, nxt)
-                else:
-                    start = gl.maximum(full_hi, nxt)
-                    stop = hi
-                acc, m_i, l_i, p_prev, i = _band(acc, m_i, l_i, p_prev, i, start, stop, q, ring, rows, cols0, sk,
-                                                 off, window_left, window_right, qk_scale2, s_layout, o_layout,
-                                                 p_layout, BLOCK_N, STAGES, WG, PINGPONG, phase != 1)
-            # the last tile's P V
-            pst = (i - 1) % STAGES
-            mbarrier.wait(v_ready.index(pst), ((i - 1) // STAGES) & 1)
-            _turn_wait(turn, i, WG, PINGPONG)
-            acc = warpgroup_mma(p_prev, v_smem.index(pst), acc, is_async=True)
-            _turn_pass(turn, WG, PINGPONG)
-            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-            mbarrier.arrive(v_empty.index(pst), count=1)
-        # normalise once; rows with no visible key output 0 and lse = -inf
-        empty = l_i == 0.0
-        l_safe = gl.where(empty, 1.0, l_i)
-        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-        lse = gl.where(empty, float("-inf"), (m_i * qk_scale2 + gl.log2(l_safe)) * _LN2)
-        gl.store(LSE + lse_off + rows, lse, mask=rows < sq)
-        out16 = out.to(q.dtype)
-        q.store(out16)                      # Q's last reader (a wgmma) has completed
-        fence_async_shared()
-        _tma_store(o_desc, [row0, 0], q)    # the descriptor clips rows >= Sq
-        if RESIDUAL:   # O_f32 - round(O_f32), rounded: the backward's delta of the unrounded output
-            res = (out - out16.to(gl.float32)).to(q.dtype)
-            tma.store_wait(0)               # O has been read out of the tile before it takes the residual
-            q.store(res)
-            fence_async_shared()
-            _tma_store(o_descs[1], [row0, 0], q)
+            acc, m_i, l_i, i = _attend(acc, m_i, l_i, 0, 0, q, ring, rows, cols0, sk, off, lo, full_lo, full_hi, hi,
+                                       window_left, window_right, qk_scale2, s_layout, o_layout, p_layout, BLOCK_N,
+                                       STAGES, WG, PINGPONG)
+        _epilogue(acc, m_i, l_i, o_descs, q, LSE, lse_off, rows, row0, 0, 0, sq, qk_scale2, o_layout, RESIDUAL,
+                  False)
+
+    @gluon.jit
+    def _persistent_consumer(WG: gl.constexpr, o_descs, q_smem, o_smem, q_bar, q_empty, ring, LSE,
+                             stride_lb, stride_lh, batch, num_heads_q, gqa_ratio, sq, sk, off,
+                             window_left, window_right, qk_scale2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                             STAGES: gl.constexpr, PINGPONG: gl.constexpr, RESIDUAL: gl.constexpr,
+                             LONGEST_FIRST: gl.constexpr):
+        """One consumer warpgroup of a persistent CTA: :func:`_consumer`'s stages for each work
+        item the producer loads (:func:`_persistent_producer`, the same walk). Q is given back
+        (``q_empty``) as soon as the band's last product has read it, before the epilogue, so the
+        next item's Q loads while this one's O is normalised and stored (O has its own buffer,
+        ``o_smem``). Three counts run across items: ``c`` the items (``q_bar``'s parity), ``kv``
+        the ring's tiles, ``bands`` the non-empty bands (each has one more ping-pong turn than
+        tiles: the turn count is ``kv + bands``)."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        q = q_smem.index(WG)
+        o_tile = o_smem.index(WG)
+        kv = sq * 0
+        c = sq * 0
+        bands = sq * 0
+        for w in range(gl.program_id(0), gl.cdiv(sq, 2 * _WG_M) * batch * num_heads_q, gl.num_programs(0)):
+            b, h, h_kv, m0 = _work_item(w, sq, batch, num_heads_q, gqa_ratio, LONGEST_FIRST)
+            lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, 2 * _WG_M, BLOCK_N)
+            row0 = m0 + WG * _WG_M
+            rows = row0 + gl.arange(0, _WG_M, layout=gl.SliceLayout(1, s_layout))
+            m_i = gl.full([_WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([_WG_M], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([_WG_M, HEAD_D], gl.float32, o_layout)
+            mbarrier.wait(q_bar.index(WG), c & 1)
+            if lo < hi:
+                acc, m_i, l_i, kv = _attend(acc, m_i, l_i, kv, bands, q, ring, rows, cols0, sk, off, lo, full_lo,
+                                            full_hi, hi, window_left, window_right, qk_scale2, s_layout, o_layout,
+                                            p_layout, BLOCK_N, STAGES, WG, PINGPONG)
+                bands += 1
+            mbarrier.arrive(q_empty.index(WG), count=1)   # Q's last reader (a wgmma) has completed
+            lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+            _epilogue(acc, m_i, l_i, o_descs, o_tile, LSE, lse_off, rows, row0, b, h, sq, qk_scale2, o_layout,
+                      RESIDUAL, True)
+            c += 1
         tma.store_wait(0)
 
-    @gluon.jit(do_not_specialize=("seqlen_q", "seqlen_k", "stride_lb", "stride_lh"))
+    @gluon.jit
+    def _global_descriptors(Q, K, V, O, ORES, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, batch, num_heads_q,
+                            gqa_ratio, sq, sk, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, RESIDUAL: gl.constexpr):
+        """``(q_desc, k_desc, v_desc, o_descs)`` of a persistent CTA, made once for all its work
+        items: rank-4 descriptors of the whole ``(B, S, H, D)`` tensors through their strides
+        (boxes of one batch and head), whose per-dimension bounds do what the per-(sequence, head)
+        slabs' do: zero-fill rows >= Sq and keys >= Sk on load, clip rows >= Sq on store
+        (:func:`_tma_load_rows`, :func:`_tma_store_rows`). ``o_descs`` as :func:`_consumer`'s."""
+        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+        num_heads_kv = num_heads_q // gqa_ratio
+        q_desc = tma.make_tensor_descriptor(Q, [batch, sq, num_heads_q, HEAD_D], [stride_qb, stride_qs, stride_qh, 1],
+                                            [1, _WG_M, 1, HEAD_D], layout)
+        k_desc = tma.make_tensor_descriptor(K, [batch, sk, num_heads_kv, HEAD_D], [stride_kb, stride_ks, stride_kh, 1],
+                                            [1, BLOCK_N, 1, HEAD_D], layout)
+        v_desc = tma.make_tensor_descriptor(V, [batch, sk, num_heads_kv, HEAD_D], [stride_vb, stride_vs, stride_vh, 1],
+                                            [1, BLOCK_N, 1, HEAD_D], layout)
+        o_desc = tma.make_tensor_descriptor(O, [batch, sq, num_heads_q, HEAD_D], [stride_ob, stride_os, stride_oh, 1],
+                                            [1, _WG_M, 1, HEAD_D], layout)
+        if RESIDUAL:   # ORES has O's shape and strides
+            r_desc = tma.make_tensor_descriptor(ORES, [batch, sq, num_heads_q, HEAD_D],
+                                                [stride_ob, stride_os, stride_oh, 1], [1, _WG_M, 1, HEAD_D], layout)
+            o_descs = (o_desc, r_desc)
+        else:
+            o_descs = (o_desc,)
+        return q_desc, k_desc, v_desc, o_descs
+
+    @gluon.jit(do_not_specialize=("seqlen_q", "seqlen_k", "stride_lb", "stride_lh", "batch"))
     def attn_fwd_gluon(Q, K, V, O, LSE, ORES,
                        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                        stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                        stride_lb, stride_lh,
-                       num_heads_q, gqa_ratio, seqlen_q, seqlen_k, qk_scale2, window_left, window_right,
+                       num_heads_q, gqa_ratio, seqlen_q, seqlen_k, qk_scale2, window_left, window_right, batch,
                        HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
-                       RESIDUAL: gl.constexpr):
+                       RESIDUAL: gl.constexpr, PERSISTENT: gl.constexpr):
         """O = softmax(scale·QKᵀ)V for 128 query rows of one (batch, head): grid
         (cdiv(Sq, 128), B·Hq), 4 warps (consumer 0) + a 4-warp consumer + a 1-warp producer.
         ``RESIDUAL``: also ORES = O_f32 − round(O_f32) in O's dtype, through O's strides (ORES is
-        None without it, a constexpr, so the inference kernel has no extra parameter)."""
+        None without it, a constexpr, so the inference kernel has no extra parameter).
+        ``PERSISTENT`` (:data:`PERSISTENT_HEAD_DIMS`): grid (min(#SMs, tiles),), each CTA walks
+        work items (:func:`_work_item`) with rank-4 descriptors of the whole (B, S, H, D) tensors
+        made once, and O in its own shared buffer; ``batch`` is B there (the constexpr None
+        otherwise, as ORES)."""
         sq = seqlen_q
         sk = seqlen_k
-        b, h, h_kv, m0, off, phases = _row_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right, BLOCK_N,
-                                                BOTTOM_RIGHT, LONGEST_FIRST)
-        lo, full_lo, full_hi, hi = phases
-
-        b64 = b.to(gl.int64)
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h.to(gl.int64) * stride_qh, [sq, HEAD_D],
-                                            [stride_qs, 1], [_WG_M, HEAD_D], smem_layout)
-        k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + h_kv.to(gl.int64) * stride_kh, [sk, HEAD_D],
-                                            [stride_ks, 1], [BLOCK_N, HEAD_D], smem_layout)
-        v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + h_kv.to(gl.int64) * stride_vh, [sk, HEAD_D],
-                                            [stride_vs, 1], [BLOCK_N, HEAD_D], smem_layout)
-        o_desc = tma.make_tensor_descriptor(O + b64 * stride_ob + h.to(gl.int64) * stride_oh, [sq, HEAD_D],
-                                            [stride_os, 1], [_WG_M, HEAD_D], smem_layout)
-        if RESIDUAL:   # ORES has O's shape and strides
-            r_desc = tma.make_tensor_descriptor(ORES + b64 * stride_ob + h.to(gl.int64) * stride_oh, [sq, HEAD_D],
-                                                [stride_os, 1], [_WG_M, HEAD_D], smem_layout)
-            o_descs = (o_desc, r_desc)
+        if PERSISTENT:
+            off = _align_offset(sq, sk, BOTTOM_RIGHT)
+            q_desc, k_desc, v_desc, o_descs = _global_descriptors(
+                Q, K, V, O, ORES, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
+                stride_vs, stride_vh, stride_ob, stride_os, stride_oh, batch, num_heads_q, gqa_ratio, sq, sk,
+                HEAD_D, BLOCK_N, RESIDUAL)
         else:
-            o_descs = (o_desc,)
-        lse_off = b64 * stride_lb + h.to(gl.int64) * stride_lh
+            b, h, h_kv, m0, off, phases = _row_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right,
+                                                    BLOCK_N, BOTTOM_RIGHT, LONGEST_FIRST)
+            lo, full_lo, full_hi, hi = phases
+
+            b64 = b.to(gl.int64)
+            q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + h.to(gl.int64) * stride_qh, [sq, HEAD_D],
+                                                [stride_qs, 1], [_WG_M, HEAD_D], smem_layout)
+            k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + h_kv.to(gl.int64) * stride_kh, [sk, HEAD_D],
+                                                [stride_ks, 1], [BLOCK_N, HEAD_D], smem_layout)
+            v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + h_kv.to(gl.int64) * stride_vh, [sk, HEAD_D],
+                                                [stride_vs, 1], [BLOCK_N, HEAD_D], smem_layout)
+            o_desc = tma.make_tensor_descriptor(O + b64 * stride_ob + h.to(gl.int64) * stride_oh, [sq, HEAD_D],
+                                                [stride_os, 1], [_WG_M, HEAD_D], smem_layout)
+            if RESIDUAL:   # ORES has O's shape and strides
+                r_desc = tma.make_tensor_descriptor(ORES + b64 * stride_ob + h.to(gl.int64) * stride_oh,
+                                                    [sq, HEAD_D], [stride_os, 1], [_WG_M, HEAD_D], smem_layout)
+                o_descs = (o_desc, r_desc)
+            else:
+                o_descs = (o_desc,)
+            lse_off = b64 * stride_lb + h.to(gl.int64) * stride_lh
 
         dtype: gl.constexpr = Q.dtype.element_ty
         q_smem = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], smem_layout)
@@ -381,16 +583,34 @@ if gl is not None:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         for j in gl.static_range(2):
             mbarrier.init(turn.index(j), count=1)
+        if PERSISTENT:   # O's own tiles, so the next item's Q can load while O is stored; Q given back
+            o_smem = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], smem_layout)
+            q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+            for j in gl.static_range(2):
+                mbarrier.init(q_empty.index(j), count=1)
         fence_async_shared()   # the inits (generic proxy) before the TMA engine (async proxy) signals them
         ring = (k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn)
-        gl.warp_specialize([
-            (_consumer, (0, o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi,
-                         window_left, window_right, qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
-            (_consumer, (1, o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi,
-                         window_left, window_right, qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                         v_empty, m0, lo, hi, BLOCK_N, HEAD_D, STAGES)),
-        ], [4, 1], [240, 24])
+        if PERSISTENT:
+            gl.warp_specialize([
+                (_persistent_consumer, (0, o_descs, q_smem, o_smem, q_bar, q_empty, ring, LSE, stride_lb, stride_lh,
+                                        batch, num_heads_q, gqa_ratio, sq, sk, off, window_left, window_right,
+                                        qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
+                (_persistent_consumer, (1, o_descs, q_smem, o_smem, q_bar, q_empty, ring, LSE, stride_lb, stride_lh,
+                                        batch, num_heads_q, gqa_ratio, sq, sk, off, window_left, window_right,
+                                        qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
+                (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                                        v_ready, k_empty, v_empty, batch, num_heads_q, gqa_ratio, sq, sk, off,
+                                        window_left, window_right, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST)),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer, (0, o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi,
+                             hi, window_left, window_right, qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
+                (_consumer, (1, o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi,
+                             hi, window_left, window_right, qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                             v_empty, m0, lo, hi, BLOCK_N, HEAD_D, STAGES)),
+            ], [4, 1], [240, 24])
 
 
 # ----- cross-compilation (no GPU needed) ----------------------------------------------------
@@ -402,13 +622,30 @@ def _default_pingpong() -> bool:
     return config.triton_gluon_pingpong()
 
 
+def _default_persistent() -> bool:
+    """The persistent variant only with ``PORTATTN_TRITON_GLUON_PERSISTENT=1`` (read per call;
+    default off, and ``auto`` never turns it on: the H200 has not timed it yet)."""
+    from portattn import config
+    return config.triton_gluon_persistent()
+
+
+def persistent_for(head_dim: int, persistent: bool | None = None) -> bool:
+    """Whether a launch at ``head_dim`` runs the persistent variant: ``persistent`` (None: the
+    environment switch, :func:`_default_persistent`) at a head dim of :data:`PERSISTENT_HEAD_DIMS`."""
+    return bool(_default_persistent() if persistent is None else persistent) and head_dim in PERSISTENT_HEAD_DIMS
+
+
 def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pingpong: bool | None = None,
-                      residual: bool = False) -> dict:
+                      residual: bool = False, persistent: bool = False) -> dict:
     """The constexprs of one launch (also what :func:`compile_for` specialises on); ``residual``:
-    the training variant that also stores O's rounding residual."""
+    the training variant that also stores O's rounding residual; ``persistent``: the persistent
+    variant (:data:`PERSISTENT_HEAD_DIMS` only; ValueError elsewhere)."""
+    if persistent and head_dim not in PERSISTENT_HEAD_DIMS:
+        raise ValueError(f"the persistent Gluon forward runs D in {PERSISTENT_HEAD_DIMS}, not {head_dim}")
     block_n, stages = tile_config(head_dim)
     return dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=stages, BOTTOM_RIGHT=bottom_right, LONGEST_FIRST=causal,
-                PINGPONG=_default_pingpong() if pingpong is None else pingpong, RESIDUAL=residual)
+                PINGPONG=_default_pingpong() if pingpong is None else pingpong, RESIDUAL=residual,
+                PERSISTENT=persistent)
 
 
 #: launch options: 4 warps run the default partition (consumer 0); the workers add 5 warps
@@ -416,20 +653,25 @@ LAUNCH_OPTIONS = dict(num_warps=4, num_stages=1)
 
 
 def compile_for(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                arch: int = 90, pingpong: bool | None = None, residual: bool = False):
+                arch: int = 90, pingpong: bool | None = None, residual: bool = False, persistent: bool = False,
+                bottom_right: bool = True):
     """``triton.compile`` of :func:`attn_fwd_gluon` for ``GPUTarget("cuda", arch, 32)`` without a GPU;
     returns the compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
     ``residual``: the training variant (``RESIDUAL``, an ORES pointer); without it ORES is the
-    constexpr None, as :func:`gluon_forward` launches it."""
+    constexpr None, as :func:`gluon_forward` launches it. ``persistent``: the persistent variant
+    (``batch`` an int32 argument; the constexpr None without it)."""
     if GLUON_ERROR:
         raise RuntimeError(GLUON_ERROR)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
-    consts = launch_constexprs(head_dim, causal, pingpong=pingpong, residual=residual)
+    consts = launch_constexprs(head_dim, causal, bottom_right, pingpong=pingpong, residual=residual,
+                               persistent=persistent)
     if not residual:
         consts["ORES"] = None
+    if not persistent:
+        consts.update(dict.fromkeys(_PERSISTENT_ONLY_ARGS))
     sig = {}
     for name in attn_fwd_gluon.arg_names:
         if name in consts:
@@ -478,7 +720,8 @@ def _cubin_facts(cubin: bytes) -> dict:
 
 
 def compile_report(head_dim: int = 128, causal: bool = False, dtype: torch.dtype = torch.bfloat16,
-                   pingpong: bool | None = None, residual: bool = False) -> dict:
+                   pingpong: bool | None = None, residual: bool = False, persistent: bool = False,
+                   bottom_right: bool = True) -> dict:
     """Cross-compile one variant for sm_90 and describe it: shared bytes, PTX counts of
     ``wgmma.mma_async`` / ``cp.async.bulk.tensor`` (TMA; ``tma_store`` the shared-to-global ones)
     / ``setmaxnreg`` and its values, the kernel's parameter count, and :func:`_cubin_facts`."""
@@ -486,13 +729,17 @@ def compile_report(head_dim: int = 128, causal: bool = False, dtype: torch.dtype
     import time
     start = time.perf_counter()
     pingpong = _default_pingpong() if pingpong is None else pingpong
-    c = compile_for(head_dim, dtype, causal, pingpong=pingpong, residual=residual)
+    c = compile_for(head_dim, dtype, causal, pingpong=pingpong, residual=residual, persistent=persistent,
+                    bottom_right=bottom_right)
     ptx = c.asm["ptx"]
     row = dict(head_dim=head_dim, causal=causal, pingpong=pingpong, residual=residual,
+               **(dict(persistent=True, bottom_right=bottom_right, tma_4d=ptx.count("cp.async.bulk.tensor.4d"))
+                  if persistent else {}),
                dtype=str(dtype).replace("torch.", ""),
                shared=int(c.metadata.shared), num_warps=int(c.metadata.num_warps),
                wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor"),
-               tma_store=ptx.count("cp.async.bulk.tensor.2d.global.shared"),
+               tma_store=ptx.count("cp.async.bulk.tensor.2d.global.shared")
+               + ptx.count("cp.async.bulk.tensor.4d.global.shared"),
                params=len(set(re.findall(r"attn_fwd_gluon_param_(\d+)", ptx))),
                setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}))
     row.update(_cubin_facts(c.asm["cubin"]))
@@ -501,10 +748,12 @@ def compile_report(head_dim: int = 128, causal: bool = False, dtype: torch.dtype
 
 
 def main(argv=None) -> int:
-    """``python -m portattn.backends.triton.gluon_fwd [--json] [--residual off|on|both]``:
-    cross-compile every head dim, causal and not, for sm_90 and print what each compiled to
-    (exit 1 on a compile error); ``--residual`` the inference kernel (default), the training one
-    (``RESIDUAL``) or both."""
+    """``python -m portattn.backends.triton.gluon_fwd [--json] [--residual off|on|both]
+    [--persistent off|on|both] [--top-left]``: cross-compile every head dim, causal and not, for
+    sm_90 and print what each compiled to (exit 1 on a compile error); ``--residual`` the
+    inference kernel (default), the training one (``RESIDUAL``) or both; ``--persistent`` the
+    one-tile kernel (default), the persistent one (``PERSISTENT``, its head dims only) or both;
+    ``--top-left`` top-left causal alignment instead of bottom-right."""
     import argparse
     import json
     ap = argparse.ArgumentParser(description=main.__doc__)
@@ -512,6 +761,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", default=",".join(map(str, HEAD_DIMS)))
     ap.add_argument("--pingpong", choices=("on", "off", "both"), default="both")
     ap.add_argument("--residual", choices=("on", "off", "both"), default="off")
+    ap.add_argument("--persistent", choices=("on", "off", "both"), default="off")
+    ap.add_argument("--top-left", action="store_true", help="BOTTOM_RIGHT off (top-left causal alignment)")
     args = ap.parse_args(argv)
     if GLUON_ERROR:
         print(GLUON_ERROR)
@@ -519,16 +770,22 @@ def main(argv=None) -> int:
     rows, failed = [], False
     pingpongs = {"on": (True,), "off": (False,), "both": (False, True)}[args.pingpong]
     residuals = {"on": (True,), "off": (False,), "both": (False, True)}[args.residual]
+    persistents = {"on": (True,), "off": (False,), "both": (False, True)}[args.persistent]
     for d in (int(x) for x in args.dims.split(",")):
         for causal in (False, True):
             for pp in pingpongs:
                 for res in residuals:
-                    try:
-                        rows.append(compile_report(d, causal, pingpong=pp, residual=res))
-                    except Exception as exc:   # a compile error is a failed row, reported with its message
-                        failed = True
-                        rows.append(dict(head_dim=d, causal=causal, pingpong=pp, residual=res,
-                                         error=f"{type(exc).__name__}: {exc}"[-600:]))
+                    for pers in persistents:
+                        if pers and d not in PERSISTENT_HEAD_DIMS:
+                            continue
+                        try:
+                            rows.append(compile_report(d, causal, pingpong=pp, residual=res, persistent=pers,
+                                                       bottom_right=not args.top_left))
+                        except Exception as exc:   # a compile error is a failed row, reported with its message
+                            failed = True
+                            rows.append(dict(head_dim=d, causal=causal, pingpong=pp, residual=res,
+                                             **(dict(persistent=True) if pers else {}),
+                                             error=f"{type(exc).__name__}: {exc}"[-600:]))
     if args.json:
         print(json.dumps(rows))
     else:
@@ -619,6 +876,12 @@ def _ensure_allocator() -> None:
     ops._ensure_allocator()
 
 
+@functools.lru_cache(maxsize=16)
+def _sm_count(device) -> int:
+    """The persistent grid's size: one CTA per SM (a CTA holds ~190 KiB of shared memory)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _buffer(given, shape, dtype, device, name: str) -> torch.Tensor:
     if given is None:
         return torch.empty(shape, dtype=dtype, device=device)
@@ -629,12 +892,15 @@ def _buffer(given, shape, dtype, device, name: str) -> torch.Tensor:
 
 
 def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                  pingpong: bool | None = None, residual: bool = False, ores: torch.Tensor | None = None) -> tuple:
+                  pingpong: bool | None = None, residual: bool = False, ores: torch.Tensor | None = None,
+                  persistent: bool | None = None) -> tuple:
     """``(out, lse)`` of ``spec`` by :func:`attn_fwd_gluon`: out ``(B, Sq, Hq, Dv)`` in q's dtype,
     lse ``(B, Hq, Sq)`` float32 natural log, as ``ops.forward`` returns them (written into ``out``
     / ``lse`` when given: views with a unit last stride, O's row stride 16-byte aligned). Raises
     ValueError with :func:`gluon_reasons` when the kernel cannot run the problem. ``pingpong``:
-    the consumers' ping-pong on or off (None: :data:`PINGPONG`).
+    the consumers' ping-pong on or off (None: :data:`PINGPONG`). ``persistent``: the persistent
+    variant on or off (None: ``PORTATTN_TRITON_GLUON_PERSISTENT``, default off; D 256 always runs
+    the one-tile kernel, :func:`persistent_for`).
 
     ``residual=True`` (a forward whose backward follows, as ``ops.forward_for_backward``):
     ``(out, lse, ores)`` with ``ores`` = O_f32 − round(O_f32) rounded to q's dtype, ``(B, Sq, Hq,
@@ -665,13 +931,15 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
         window_right = 0
     causal_like = window_right != _UNBOUNDED
     _ensure_allocator()
-    grid = (-(-spec.seqlen_q // (2 * WG_M)), spec.batch * spec.num_heads_q)
+    persistent = persistent_for(spec.head_dim, persistent)
+    tiles = (-(-spec.seqlen_q // (2 * WG_M)), spec.batch * spec.num_heads_q)
+    grid = (min(_sm_count(dev), tiles[0] * tiles[1]),) if persistent else tiles
     attn_fwd_gluon[grid](q, k, v, out, lse, ores, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                          *out.stride()[:3], *lse.stride()[:2], spec.num_heads_q, spec.num_heads_q // spec.num_heads_kv,
                          spec.seqlen_q, spec.seqlen_k, float(spec.scale) * 1.4426950408889634,
-                         window_left, window_right,
+                         window_left, window_right, spec.batch if persistent else None,
                          **launch_constexprs(spec.head_dim, causal_like, spec.alignment == "bottom_right", pingpong,
-                                             residual),
+                                             residual, persistent),
                          **LAUNCH_OPTIONS)
     return (out, lse, ores) if residual else (out, lse)
 
