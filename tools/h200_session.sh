@@ -41,15 +41,16 @@
 #   ncu[:D]             Nsight Compute (--clock-control none) on tools/ncu_attention.py --d D (128) [90]
 #
 # The next session's plan, one device call a line (priority order; ~30 minutes in all):
-#   bash tools/h200_session.sh par:catalogue par:tests:gluon,tests/test_lse_grad.py   # catalogue v3 (its
-#                                        # large/hopper/ cases) and the GPU tests on the new auto rows:
-#                                        # Gluon D 256 forward, D 128 training forward, GQA backward
-#   TESTS_LIMIT=400 bash tools/h200_session.sh par:tests:cupy par:tests:tests/test_triton.py  # cut last time
-#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench gluon       # the training grid on the
-#                                        # new defaults; the Gluon forward's D 256 training timing
-#   bash tools/h200_session.sh gluonbwd tests:tests/test_triton_gluon_bwd.py  # the D 256 Gluon backward's
-#                                        # first GPU run (opt-in; its checks and timings decide auto)
-#   bash tools/h200_session.sh ncu:128 ncu:256                                # profiles of the Gluon kernels
+#   bash tools/h200_session.sh gluon                                          # the persistent Gluon forward's
+#                                        # first GPU run (PORTATTN_TRITON_GLUON_PERSISTENT, D 64/128: its
+#                                        # child process has its own timeout) beside the one-tile kernel;
+#                                        # its g_pers columns decide whether auto takes it (short sequences)
+#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench            # the training grid on the D 256
+#                                        # Gluon backward and training forward (auto since 2026-12-03)
+#   bash tools/h200_session.sh par:tests:gluon par:tests:tests/test_cupy_wgmma_bwd_tool.py,tests/test_lse_grad.py
+#                                        # the persistent GPU test, the cupy compile-report fallback test
+#   then, if auto's rows change: PREV=benchmarks/results/conformance-h200.json CASES='large/hopper/' \
+#        bash tools/h200_session.sh catalogue                                # the Hopper cases on the new rows
 # and e.g. after a partial catalogue:
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:triton,cupy
 #
