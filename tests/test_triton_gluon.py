@@ -772,6 +772,12 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
         assert kw["PERSISTENT"] is expect and kw["LONGEST_FIRST"] is True and kw["HEAD_D"] == d
         assert args[-1] == (b if expect else None)      # batch, the last runtime argument
         assert grid == ((min(132, tiles),) if expect else (-(-sq // 128), b * h)), grid
+        # a zero stride (K and V broadcast over heads) keeps the one-tile kernel, whose descriptors
+        # take the head offset in their base: a rank-4 descriptor would need a stride of 0
+        kx, vx = (t[:, :, :1].expand(-1, -1, h // 2, -1) for t in (k, v))
+        gluon_fwd.gluon_forward(build_spec(q, kx, vx, causal=True), persistent=arg)
+        grid, args, kw = rec.launches[-1]
+        assert kw["PERSISTENT"] is False and grid == (-(-sq // 128), b * h) and args[-1] is None
     # the choice between the Gluon and the portable forward is not the switch's
     monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
     monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)

@@ -635,6 +635,13 @@ def persistent_for(head_dim: int, persistent: bool | None = None) -> bool:
     return bool(_default_persistent() if persistent is None else persistent) and head_dim in PERSISTENT_HEAD_DIMS
 
 
+def _rank4_strides(*tensors: torch.Tensor) -> bool:
+    """Whether the persistent variant's rank-4 descriptors can describe ``tensors`` (B, S, H, D):
+    no zero stride among B, S and H (an expanded tensor, e.g. K broadcast over heads). The one-tile
+    kernel puts the batch and head offsets into its descriptors' base instead, so it takes them."""
+    return all(x != 0 for t in tensors for x in t.stride()[:3])
+
+
 def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pingpong: bool | None = None,
                       residual: bool = False, persistent: bool = False) -> dict:
     """The constexprs of one launch (also what :func:`compile_for` specialises on); ``residual``:
@@ -931,7 +938,7 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
         window_right = 0
     causal_like = window_right != _UNBOUNDED
     _ensure_allocator()
-    persistent = persistent_for(spec.head_dim, persistent)
+    persistent = persistent_for(spec.head_dim, persistent) and _rank4_strides(q, k, v, out)
     tiles = (-(-spec.seqlen_q // (2 * WG_M)), spec.batch * spec.num_heads_q)
     grid = (min(_sm_count(dev), tiles[0] * tiles[1]),) if persistent else tiles
     attn_fwd_gluon[grid](q, k, v, out, lse, ores, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
