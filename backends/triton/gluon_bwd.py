@@ -324,22 +324,37 @@ if gl is not None:
         return dk, dv
 
     @gluon.jit
+    def _dkdv_ring_step(dk, dv, i, m, k, v, ring, m_base, d_base, keys, qcols0, sq, sk, off, window_left,
+                        window_right, qk_scale2, st_layout: gl.constexpr, op_layout: gl.constexpr,
+                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, PART: gl.constexpr):
+        """The ``i``-th tile pair taken from the ring, query rows ``m … m+BLOCK_M-1``: wait until
+        slot ``i % STAGES`` holds its Q and dO tiles (``ready``, on round ``i // STAGES``'s
+        parity), one :func:`_dkdv_step` (``PART``) on them with the rows' m and delta
+        (``m_base`` / ``d_base`` + rows; rows >= ``sq`` masked), then hand the slot back to the
+        producer (``empty``, one arrival per consumer warpgroup). ``ring`` = (Q tiles, dO tiles,
+        ready, empty); returns ``(dk, dv, i + 1)``."""
+        q_smem, do_smem, ready, empty = ring
+        st = i % STAGES
+        qrows = m + qcols0
+        in_q = qrows < sq
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_smem.index(st), do_smem.index(st), m_base + qrows, d_base + qrows,
+                            in_q, keys, qrows, sk, off, window_left, window_right, qk_scale2,
+                            st_layout, op_layout, BLOCK_M, MASKED, PART)
+        mbarrier.arrive(empty.index(st), count=1)
+        i += 1
+        return dk, dv, i
+
+    @gluon.jit
     def _dkdv_band(dk, dv, i, start, stop, k, v, ring, m_base, d_base, keys, qcols0, sq, sk, off,
                    window_left, window_right, qk_scale2, st_layout: gl.constexpr, op_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, PART: gl.constexpr = 0):
-        """Query tiles [start, stop) of one phase (``PART``: :func:`_dkdv_step`); ``i`` counts the
+        """Query tiles [start, stop) of one phase, each a :func:`_dkdv_ring_step`; ``i`` counts the
         tiles taken from the ring (``ring`` = (Q tiles, dO tiles, ready, empty))."""
-        q_smem, do_smem, ready, empty = ring
         for m in range(start, stop, BLOCK_M):
-            st = i % STAGES
-            qrows = m + qcols0
-            in_q = qrows < sq
-            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-            dk, dv = _dkdv_step(dk, dv, k, v, q_smem.index(st), do_smem.index(st), m_base + qrows, d_base + qrows,
-                                in_q, keys, qrows, sk, off, window_left, window_right, qk_scale2,
-                                st_layout, op_layout, BLOCK_M, MASKED, PART)
-            mbarrier.arrive(empty.index(st), count=1)
-            i += 1
+            dk, dv, i = _dkdv_ring_step(dk, dv, i, m, k, v, ring, m_base, d_base, keys, qcols0, sq, sk, off,
+                                        window_left, window_right, qk_scale2, st_layout, op_layout, BLOCK_M,
+                                        STAGES, MASKED, PART)
         return dk, dv, i
 
     @gluon.jit
@@ -351,18 +366,11 @@ if gl is not None:
         the ``n_heads`` query heads in turn (``m_base`` / ``d_base``: the first head's m and
         delta rows, ``stride_lh`` apart) as one flat loop over the (head, tile) pairs with a
         running (tile, head), so the loop nest is the MHA kernel's (a nested head loop spilled)."""
-        q_smem, do_smem, ready, empty = ring
         m = start
         for _ in range(n_heads * ((stop - start + BLOCK_M - 1) // BLOCK_M)):
-            st = i % STAGES
-            qrows = m + qcols0
-            in_q = qrows < sq
-            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-            dk, dv = _dkdv_step(dk, dv, k, v, q_smem.index(st), do_smem.index(st), m_base + qrows, d_base + qrows,
-                                in_q, keys, qrows, sk, off, window_left, window_right, qk_scale2,
-                                st_layout, op_layout, BLOCK_M, MASKED, PART)
-            mbarrier.arrive(empty.index(st), count=1)
-            i += 1
+            dk, dv, i = _dkdv_ring_step(dk, dv, i, m, k, v, ring, m_base, d_base, keys, qcols0, sq, sk, off,
+                                        window_left, window_right, qk_scale2, st_layout, op_layout, BLOCK_M,
+                                        STAGES, MASKED, PART)
             m += BLOCK_M
             if m >= stop:   # the next head of the group, from the phase's first tile
                 m = start
