@@ -247,21 +247,30 @@ if gl is not None:
     # --- dK / dV ---------------------------------------------------------------------------
 
     @gluon.jit
+    def _p_t(s_t, m2, keys, qrows, sk, off, window_left, window_right, qk_scale2, MASKED: gl.constexpr):
+        """Pᵀ (64 keys, BLOCK_M queries, float32, Sᵀ's layout) from the finished Sᵀ = K Qᵀ:
+        Pᵀ = exp2(Sᵀ·scale·log2e − m), ``qk_scale2`` = scale·log2e and ``m2`` the query rows' m
+        (= lse·log2e; +inf for a row with no visible key or past Sq, so its column is 0); with
+        ``MASKED`` (the band's edge tiles) Sᵀ is first set to −inf where a key is invisible to a
+        query row or past Sk (:func:`_masked_t`), so Pᵀ is 0 there."""
+        if MASKED:
+            s_t = _masked_t(s_t, keys, qrows, sk, off, window_left, window_right)
+        return gl.exp2(s_t * qk_scale2 - m2[None, :])
+
+    @gluon.jit
     def _dkdv_tile(dk, dv, k, v, q, do, m_ptrs, d_ptrs, in_q, keys, qrows, sk, off, window_left, window_right,
                    qk_scale2, st_layout: gl.constexpr, op_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                    MASKED: gl.constexpr):
         """One (64 keys, BLOCK_M queries) tile pair of a consumer warpgroup: Sᵀ = K Qᵀ and
         dPᵀ = V dOᵀ issued together; while they run, the rows' m and delta load; then
-        Pᵀ, dV += Pᵀ dO (async, overlapping dSᵀ), dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q."""
+        Pᵀ (:func:`_p_t`), dV += Pᵀ dO (async, overlapping dSᵀ), dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q."""
         zero = gl.zeros([_WG_M, BLOCK_M], gl.float32, st_layout)
         s_t = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
         m2 = gl.load(m_ptrs, mask=in_q, other=float("inf"))     # +inf: no visible key / past Sq -> P = 0
         delta = gl.load(d_ptrs, mask=in_q, other=0.0)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))                 # Sᵀ done, dPᵀ may still run
-        if MASKED:
-            s_t = _masked_t(s_t, keys, qrows, sk, off, window_left, window_right)
-        p_t = gl.exp2(s_t * qk_scale2 - m2[None, :])
+        p_t = _p_t(s_t, m2, keys, qrows, sk, off, window_left, window_right, qk_scale2, MASKED)
         p_op = gl.convert_layout(p_t.to(q.dtype), op_layout)
         dv = warpgroup_mma(p_op, do, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dp_t,))               # dPᵀ done, dV may still run
@@ -279,9 +288,7 @@ if gl is not None:
         s_t = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
         m2 = gl.load(m_ptrs, mask=in_q, other=float("inf"))
         s_t = warpgroup_mma_wait(0, deps=(s_t,))
-        if MASKED:
-            s_t = _masked_t(s_t, keys, qrows, sk, off, window_left, window_right)
-        p_t = gl.exp2(s_t * qk_scale2 - m2[None, :])
+        p_t = _p_t(s_t, m2, keys, qrows, sk, off, window_left, window_right, qk_scale2, MASKED)
         p_op = gl.convert_layout(p_t.to(q.dtype), op_layout)
         dv = warpgroup_mma(p_op, do, dv, is_async=True)
         dv, p_op = warpgroup_mma_wait(0, deps=(dv, p_op))
@@ -298,9 +305,7 @@ if gl is not None:
         m2 = gl.load(m_ptrs, mask=in_q, other=float("inf"))
         delta = gl.load(d_ptrs, mask=in_q, other=0.0)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))
-        if MASKED:
-            s_t = _masked_t(s_t, keys, qrows, sk, off, window_left, window_right)
-        p_t = gl.exp2(s_t * qk_scale2 - m2[None, :])
+        p_t = _p_t(s_t, m2, keys, qrows, sk, off, window_left, window_right, qk_scale2, MASKED)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
         ds_op = gl.convert_layout((p_t * (dp_t - delta[None, :])).to(q.dtype), op_layout)
         dk = warpgroup_mma(ds_op, q, dk, is_async=True)
