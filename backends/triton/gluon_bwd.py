@@ -247,21 +247,30 @@ if gl is not None:
     # --- dK / dV ---------------------------------------------------------------------------
 
     @gluon.jit
+    def _p_t(s_t, m2, keys, qrows, sk, off, window_left, window_right, qk_scale2, MASKED: gl.constexpr):
+        """Pᵀ (64 keys, BLOCK_M queries, float32, Sᵀ's layout) from the finished Sᵀ = K Qᵀ:
+        Pᵀ = exp2(Sᵀ·scale·log2e − m), ``qk_scale2`` = scale·log2e and ``m2`` the query rows' m
+        (= lse·log2e; +inf for a row with no visible key or past Sq, so its column is 0); with
+        ``MASKED`` (the band's edge tiles) Sᵀ is first set to −inf where a key is invisible to a
+        query row or past Sk (:func:`_masked_t`), so Pᵀ is 0 there."""
+        if MASKED:
+            s_t = _masked_t(s_t, keys, qrows, sk, off, window_left, window_right)
+        return gl.exp2(s_t * qk_scale2 - m2[None, :])
+
+    @gluon.jit
     def _dkdv_tile(dk, dv, k, v, q, do, m_ptrs, d_ptrs, in_q, keys, qrows, sk, off, window_left, window_right,
                    qk_scale2, st_layout: gl.constexpr, op_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                    MASKED: gl.constexpr):
         """One (64 keys, BLOCK_M queries) tile pair of a consumer warpgroup: Sᵀ = K Qᵀ and
         dPᵀ = V dOᵀ issued together; while they run, the rows' m and delta load; then
-        Pᵀ, dV += Pᵀ dO (async, overlapping dSᵀ), dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q."""
+        Pᵀ (:func:`_p_t`), dV += Pᵀ dO (async, overlapping dSᵀ), dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q."""
         zero = gl.zeros([_WG_M, BLOCK_M], gl.float32, st_layout)
         s_t = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
         m2 = gl.load(m_ptrs, mask=in_q, other=float("inf"))     # +inf: no visible key / past Sq -> P = 0
         delta = gl.load(d_ptrs, mask=in_q, other=0.0)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))                 # Sᵀ done, dPᵀ may still run
-        if MASKED:
-            s_t = _masked_t(s_t, keys, qrows, sk, off, window_left, window_right)
-        p_t = gl.exp2(s_t * qk_scale2 - m2[None, :])
+        p_t = _p_t(s_t, m2, keys, qrows, sk, off, window_left, window_right, qk_scale2, MASKED)
         p_op = gl.convert_layout(p_t.to(q.dtype), op_layout)
         dv = warpgroup_mma(p_op, do, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dp_t,))               # dPᵀ done, dV may still run
@@ -279,9 +288,7 @@ if gl is not None:
         s_t = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
         m2 = gl.load(m_ptrs, mask=in_q, other=float("inf"))
         s_t = warpgroup_mma_wait(0, deps=(s_t,))
-        if MASKED:
-            s_t = _masked_t(s_t, keys, qrows, sk, off, window_left, window_right)
-        p_t = gl.exp2(s_t * qk_scale2 - m2[None, :])
+        p_t = _p_t(s_t, m2, keys, qrows, sk, off, window_left, window_right, qk_scale2, MASKED)
         p_op = gl.convert_layout(p_t.to(q.dtype), op_layout)
         dv = warpgroup_mma(p_op, do, dv, is_async=True)
         dv, p_op = warpgroup_mma_wait(0, deps=(dv, p_op))
@@ -298,9 +305,7 @@ if gl is not None:
         m2 = gl.load(m_ptrs, mask=in_q, other=float("inf"))
         delta = gl.load(d_ptrs, mask=in_q, other=0.0)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))
-        if MASKED:
-            s_t = _masked_t(s_t, keys, qrows, sk, off, window_left, window_right)
-        p_t = gl.exp2(s_t * qk_scale2 - m2[None, :])
+        p_t = _p_t(s_t, m2, keys, qrows, sk, off, window_left, window_right, qk_scale2, MASKED)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
         ds_op = gl.convert_layout((p_t * (dp_t - delta[None, :])).to(q.dtype), op_layout)
         dk = warpgroup_mma(ds_op, q, dk, is_async=True)
@@ -324,22 +329,37 @@ if gl is not None:
         return dk, dv
 
     @gluon.jit
+    def _dkdv_ring_step(dk, dv, i, m, k, v, ring, m_base, d_base, keys, qcols0, sq, sk, off, window_left,
+                        window_right, qk_scale2, st_layout: gl.constexpr, op_layout: gl.constexpr,
+                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, PART: gl.constexpr):
+        """The ``i``-th tile pair taken from the ring, query rows ``m … m+BLOCK_M-1``: wait until
+        slot ``i % STAGES`` holds its Q and dO tiles (``ready``, on round ``i // STAGES``'s
+        parity), one :func:`_dkdv_step` (``PART``) on them with the rows' m and delta
+        (``m_base`` / ``d_base`` + rows; rows >= ``sq`` masked), then hand the slot back to the
+        producer (``empty``, one arrival per consumer warpgroup). ``ring`` = (Q tiles, dO tiles,
+        ready, empty); returns ``(dk, dv, i + 1)``."""
+        q_smem, do_smem, ready, empty = ring
+        st = i % STAGES
+        qrows = m + qcols0
+        in_q = qrows < sq
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_smem.index(st), do_smem.index(st), m_base + qrows, d_base + qrows,
+                            in_q, keys, qrows, sk, off, window_left, window_right, qk_scale2,
+                            st_layout, op_layout, BLOCK_M, MASKED, PART)
+        mbarrier.arrive(empty.index(st), count=1)
+        i += 1
+        return dk, dv, i
+
+    @gluon.jit
     def _dkdv_band(dk, dv, i, start, stop, k, v, ring, m_base, d_base, keys, qcols0, sq, sk, off,
                    window_left, window_right, qk_scale2, st_layout: gl.constexpr, op_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, PART: gl.constexpr = 0):
-        """Query tiles [start, stop) of one phase (``PART``: :func:`_dkdv_step`); ``i`` counts the
+        """Query tiles [start, stop) of one phase, each a :func:`_dkdv_ring_step`; ``i`` counts the
         tiles taken from the ring (``ring`` = (Q tiles, dO tiles, ready, empty))."""
-        q_smem, do_smem, ready, empty = ring
         for m in range(start, stop, BLOCK_M):
-            st = i % STAGES
-            qrows = m + qcols0
-            in_q = qrows < sq
-            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-            dk, dv = _dkdv_step(dk, dv, k, v, q_smem.index(st), do_smem.index(st), m_base + qrows, d_base + qrows,
-                                in_q, keys, qrows, sk, off, window_left, window_right, qk_scale2,
-                                st_layout, op_layout, BLOCK_M, MASKED, PART)
-            mbarrier.arrive(empty.index(st), count=1)
-            i += 1
+            dk, dv, i = _dkdv_ring_step(dk, dv, i, m, k, v, ring, m_base, d_base, keys, qcols0, sq, sk, off,
+                                        window_left, window_right, qk_scale2, st_layout, op_layout, BLOCK_M,
+                                        STAGES, MASKED, PART)
         return dk, dv, i
 
     @gluon.jit
@@ -351,18 +371,11 @@ if gl is not None:
         the ``n_heads`` query heads in turn (``m_base`` / ``d_base``: the first head's m and
         delta rows, ``stride_lh`` apart) as one flat loop over the (head, tile) pairs with a
         running (tile, head), so the loop nest is the MHA kernel's (a nested head loop spilled)."""
-        q_smem, do_smem, ready, empty = ring
         m = start
         for _ in range(n_heads * ((stop - start + BLOCK_M - 1) // BLOCK_M)):
-            st = i % STAGES
-            qrows = m + qcols0
-            in_q = qrows < sq
-            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-            dk, dv = _dkdv_step(dk, dv, k, v, q_smem.index(st), do_smem.index(st), m_base + qrows, d_base + qrows,
-                                in_q, keys, qrows, sk, off, window_left, window_right, qk_scale2,
-                                st_layout, op_layout, BLOCK_M, MASKED, PART)
-            mbarrier.arrive(empty.index(st), count=1)
-            i += 1
+            dk, dv, i = _dkdv_ring_step(dk, dv, i, m, k, v, ring, m_base, d_base, keys, qcols0, sq, sk, off,
+                                        window_left, window_right, qk_scale2, st_layout, op_layout, BLOCK_M,
+                                        STAGES, MASKED, PART)
             m += BLOCK_M
             if m >= stop:   # the next head of the group, from the phase's first tile
                 m = start
