@@ -58,6 +58,7 @@ import tempfile
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -174,8 +175,27 @@ def _driver_version() -> int | None:
         return None
 
 
+def kernel_sources_digest() -> str:
+    """sha256 (16 hex digits) of the kernel sources every backend runs (``portattn.backends`` and
+    ``onnx_ops``: their .py, .cu, .cuh files, by relative path and content). A timing belongs to
+    the kernels that made it, and portattn's version string stays the same between commits, so a
+    checkout whose kernels changed (an ``auto`` row, a tile, a new kernel) times anew."""
+    import onnx_ops
+
+    from . import backends
+    h = hashlib.sha256()
+    for pkg in (backends, onnx_ops):
+        for root in map(Path, pkg.__path__):
+            for f in sorted(root.rglob("*")):
+                if f.suffix in (".py", ".cu", ".cuh") and "__pycache__" not in f.parts:
+                    h.update(f"{pkg.__name__}/{f.relative_to(root).as_posix()}\0".encode())
+                    h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def software_versions(device: torch.device) -> dict:
-    """What a timing depends on besides the problem: device, driver, and library versions."""
+    """What a timing depends on besides the problem: device, driver, library versions and the
+    kernels' own sources (:func:`kernel_sources_digest`)."""
     dev = device_name(device)
     cached = _versions_cache.get(dev)
     if cached is not None:
@@ -186,6 +206,7 @@ def software_versions(device: torch.device) -> dict:
         "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
         "triton": _dist_version("triton", "pytorch-triton", "triton-rocm"),
         "cupy": _dist_version("cupy-cuda13x", "cupy-cuda12x", "cupy"),
+        "kernels": kernel_sources_digest(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

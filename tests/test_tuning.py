@@ -1101,3 +1101,38 @@ def test_no_second_look_for_a_clear_winner_or_where_timing_is_forbidden(toys, cl
     n = len(clock.log)
     assert tuning.recheck(spec2, force=True) is None and tuning.choose(spec2, ["toy_slow", "toy_fast"]) == "toy_fast"
     assert len(clock.log) == n and tuning.recheck_due(spec2)      # nothing timed; still provisional
+
+
+def test_the_cache_file_follows_the_kernel_sources(toys, monkeypatch, tmp_path):
+    """The versions a timing is filed under include a digest of the backends' kernel sources:
+    the same portattn version with changed kernels (another commit) gets another cache file,
+    while the digest itself is stable and covers the .py, .cu and .cuh files of both packages."""
+    digest = tuning.kernel_sources_digest()
+    assert len(digest) == 16 and int(digest, 16) >= 0 and digest == tuning.kernel_sources_digest()
+    spec = _spec(sq=16, sk=96)
+    versions = tuning.software_versions(spec.device)
+    assert versions["kernels"] == digest
+    path = tuning.cache_path(spec.device)
+    monkeypatch.setitem(tuning._versions_cache, "cpu", dict(versions, kernels="0" * 16))
+    assert tuning.cache_path(spec.device) != path
+    # the digest reads every kernel source: one changed byte in a copy of a package changes it
+    import shutil
+
+    from portattn import backends
+    src = Path(backends.__path__[0])
+    copy = tmp_path / "backends"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(backends, "__path__", [str(copy)])
+    assert tuning.kernel_sources_digest() == digest
+    cu = next(copy.rglob("*.cu"))
+    cu.write_bytes(cu.read_bytes() + b"\n")
+    changed = tuning.kernel_sources_digest()
+    assert changed != digest
+    import onnx_ops
+    ops_copy = tmp_path / "onnx_ops"
+    shutil.copytree(Path(onnx_ops.__path__[0]), ops_copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(onnx_ops, "__path__", [str(ops_copy)])
+    assert tuning.kernel_sources_digest() == changed
+    py = next(ops_copy.rglob("*.py"))
+    py.write_bytes(py.read_bytes() + b"\n")
+    assert tuning.kernel_sources_digest() != changed
