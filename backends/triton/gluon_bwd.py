@@ -52,7 +52,17 @@ import functools
 
 import torch
 
-from .gluon_fwd import _UNBOUNDED, GLUON_ERROR, WG_M, _cubin_facts, _tma_aligned, gl, gluon
+from .gluon_fwd import (
+    _UNBOUNDED,
+    GLUON_ERROR,
+    WG_M,
+    _cubin_facts,
+    _device_reasons,
+    _tma_aligned,
+    _tma_reasons,
+    gl,
+    gluon,
+)
 
 if gl is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -754,16 +764,7 @@ def gluon_bwd_reasons(spec, has_residual: bool = True) -> list[str]:
     """Why :func:`gluon_backward` cannot run ``spec``'s backward (empty when it can), one
     sentence each. ``has_residual``: the forward kept O's rounding residual (ops.forward_for_backward
     does for 16-bit inputs; without it the portable backward recomputes exact row statistics)."""
-    reasons = []
-    if GLUON_ERROR:
-        reasons.append(GLUON_ERROR)
-    dev = spec.q.device
-    if dev.type != "cuda" or getattr(torch.version, "hip", None):
-        reasons.append(f"needs an NVIDIA CUDA device (sm_90), got {dev.type}"
-                       + (" (ROCm)" if dev.type == "cuda" else ""))
-    elif torch.cuda.get_device_capability(dev) != (9, 0):
-        major, minor = torch.cuda.get_device_capability(dev)
-        reasons.append(f"written for Hopper sm_90 (wgmma, TMA, setmaxnreg), got sm_{major}{minor}")
+    reasons = _device_reasons(spec)
     if spec.q.dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"dtype {spec.q.dtype}: only float16 and bfloat16")
     elif not has_residual:
@@ -776,10 +777,7 @@ def gluon_bwd_reasons(spec, has_residual: bool = True) -> list[str]:
             reasons.append(f"{name} is not implemented in the Gluon backward")
     if spec.batch * spec.num_heads_q > 65535:
         reasons.append(f"batch × heads = {spec.batch * spec.num_heads_q} > 65535 (the dQ grid's second dimension)")
-    if not spec.is_varlen and dev.type == "cuda":
-        bad = [n for n, t in (("q", spec.q), ("k", spec.k), ("v", spec.v)) if not _tma_aligned(t)]
-        if bad:
-            reasons.append(f"{', '.join(bad)} not TMA-compatible (16-byte aligned base and strides, unit last stride)")
+    reasons += _tma_reasons(spec)
     return reasons
 
 
