@@ -52,7 +52,17 @@ import functools
 
 import torch
 
-from .gluon_fwd import _UNBOUNDED, GLUON_ERROR, WG_M, _cubin_facts, _tma_aligned, gl, gluon
+from .gluon_fwd import (
+    _UNBOUNDED,
+    GLUON_ERROR,
+    WG_M,
+    _cubin_facts,
+    _device_reasons,
+    _tma_aligned,
+    _tma_reasons,
+    gl,
+    gluon,
+)
 
 if gl is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -232,6 +242,31 @@ if gl is not None:
                           BLOCK, HEAD_D, STAGES)
         else:
             _stream_pairs(s_desc_a, s_desc_b, ring_a, ring_b, ready, empty, lo, hi, BLOCK, HEAD_D, STAGES)
+
+    @gluon.jit
+    def _smem_ring(desc_a, desc_b, dtype: gl.constexpr, layout: gl.constexpr, BLOCK: gl.constexpr,
+                   HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        """The shared memory and barriers of both kernels, initialised and fenced:
+        ``(res_a, res_b, bar, ring, stream)`` — the two resident (2, 64, D) tiles per warpgroup
+        (K and V, or Q and dO) with their load barriers ``bar`` (2, 1); the ``ring`` =
+        (a tiles, b tiles, ready, empty) of ``STAGES`` (BLOCK, D) slot pairs streamed from
+        ``desc_a`` / ``desc_b``, ``ready`` one TMA arrival, ``empty`` one arrival per consumer
+        warpgroup; ``stream`` = (desc_a, desc_b, the ring) for :func:`_resident_producer`."""
+        res_a = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], layout)
+        res_b = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], layout)
+        ring_a = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_D], layout)
+        ring_b = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_D], layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        for j in gl.static_range(2):
+            mbarrier.init(bar.index(j), count=1)
+        for j in gl.static_range(STAGES):
+            mbarrier.init(ready.index(j), count=1)
+            mbarrier.init(empty.index(j), count=2)   # one arrival per consumer warpgroup
+        fence_async_shared()   # the inits (generic proxy) before the TMA engine (async proxy) signals them
+        return res_a, res_b, bar, (ring_a, ring_b, ready, empty), (desc_a, desc_b, ring_a, ring_b, ready, empty)
 
     @gluon.jit
     def _store_rows(ptr, off, stride_s, acc, row0, nrows, layout: gl.constexpr,
@@ -474,23 +509,8 @@ if gl is not None:
             dv_off = b64 * stride_dvb + h64 * stride_dvh
         row_off = b64 * stride_lb + h64 * stride_lh
 
-        dtype: gl.constexpr = Q.dtype.element_ty
-        k_smem = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], smem_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], smem_layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], smem_layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], smem_layout)
-        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-        kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-        for j in gl.static_range(2):
-            mbarrier.init(kv_bar.index(j), count=1)
-        for j in gl.static_range(STAGES):
-            mbarrier.init(ready.index(j), count=1)
-            mbarrier.init(empty.index(j), count=2)   # one arrival per consumer warpgroup
-        fence_async_shared()   # the inits (generic proxy) before the TMA engine (async proxy) signals them
-        ring = (q_smem, do_smem, ready, empty)
-        stream = (q_desc, do_desc, q_smem, do_smem, ready, empty)
+        k_smem, v_smem, kv_bar, ring, stream = _smem_ring(q_desc, do_desc, Q.dtype.element_ty, smem_layout,
+                                                          BLOCK_M, HEAD_D, STAGES)
         gl.warp_specialize([
             (_dkdv_consumer, (0, k_smem, v_smem, kv_bar, ring, DK, DV, dk_off, dv_off, stride_dks, stride_dvs,
                               ROWMAX, DELTA, row_off, stride_lh, gqa_ratio, n0, sq, sk, off, lo, full_lo, full_hi,
@@ -597,23 +617,8 @@ if gl is not None:
         dq_off = b64 * stride_dqb + h64 * stride_dqh
         row_off = b64 * stride_lb + h64 * stride_lh
 
-        dtype: gl.constexpr = Q.dtype.element_ty
-        q_smem = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], smem_layout)
-        do_smem = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], smem_layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_layout)
-        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-        qd_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-        for j in gl.static_range(2):
-            mbarrier.init(qd_bar.index(j), count=1)
-        for j in gl.static_range(STAGES):
-            mbarrier.init(ready.index(j), count=1)
-            mbarrier.init(empty.index(j), count=2)
-        fence_async_shared()
-        ring = (k_smem, v_smem, ready, empty)
-        stream = (k_desc, v_desc, k_smem, v_smem, ready, empty)
+        q_smem, do_smem, qd_bar, ring, stream = _smem_ring(k_desc, v_desc, Q.dtype.element_ty, smem_layout,
+                                                           BLOCK_N, HEAD_D, STAGES)
         gl.warp_specialize([
             (_dq_consumer, (0, q_smem, do_smem, qd_bar, ring, DQ, dq_off, stride_dqs, ROWMAX, DELTA, row_off,
                             m0, sq, sk, off, lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2, scale,
@@ -759,16 +764,7 @@ def gluon_bwd_reasons(spec, has_residual: bool = True) -> list[str]:
     """Why :func:`gluon_backward` cannot run ``spec``'s backward (empty when it can), one
     sentence each. ``has_residual``: the forward kept O's rounding residual (ops.forward_for_backward
     does for 16-bit inputs; without it the portable backward recomputes exact row statistics)."""
-    reasons = []
-    if GLUON_ERROR:
-        reasons.append(GLUON_ERROR)
-    dev = spec.q.device
-    if dev.type != "cuda" or getattr(torch.version, "hip", None):
-        reasons.append(f"needs an NVIDIA CUDA device (sm_90), got {dev.type}"
-                       + (" (ROCm)" if dev.type == "cuda" else ""))
-    elif torch.cuda.get_device_capability(dev) != (9, 0):
-        major, minor = torch.cuda.get_device_capability(dev)
-        reasons.append(f"written for Hopper sm_90 (wgmma, TMA, setmaxnreg), got sm_{major}{minor}")
+    reasons = _device_reasons(spec)
     if spec.q.dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"dtype {spec.q.dtype}: only float16 and bfloat16")
     elif not has_residual:
@@ -781,10 +777,7 @@ def gluon_bwd_reasons(spec, has_residual: bool = True) -> list[str]:
             reasons.append(f"{name} is not implemented in the Gluon backward")
     if spec.batch * spec.num_heads_q > 65535:
         reasons.append(f"batch × heads = {spec.batch * spec.num_heads_q} > 65535 (the dQ grid's second dimension)")
-    if not spec.is_varlen and dev.type == "cuda":
-        bad = [n for n, t in (("q", spec.q), ("k", spec.k), ("v", spec.v)) if not _tma_aligned(t)]
-        if bad:
-            reasons.append(f"{', '.join(bad)} not TMA-compatible (16-byte aligned base and strides, unit last stride)")
+    reasons += _tma_reasons(spec)
     return reasons
 
 

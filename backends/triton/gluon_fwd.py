@@ -809,8 +809,9 @@ def _tma_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and st[-1] == 1 and all((x * e) % 16 == 0 for x in st[:-1])
 
 
-def gluon_reasons(spec) -> list[str]:
-    """Why :func:`gluon_forward` cannot run ``spec`` (empty when it can), one sentence each."""
+def _device_reasons(spec) -> list[str]:
+    """The first of :func:`gluon_reasons` and ``gluon_bwd.gluon_bwd_reasons``: Gluon's Hopper API
+    missing (:data:`GLUON_ERROR`), ``spec``'s device not an NVIDIA sm_90 one."""
     reasons = []
     if GLUON_ERROR:
         reasons.append(GLUON_ERROR)
@@ -821,6 +822,22 @@ def gluon_reasons(spec) -> list[str]:
     elif torch.cuda.get_device_capability(dev) != (9, 0):
         major, minor = torch.cuda.get_device_capability(dev)
         reasons.append(f"written for Hopper sm_90 (wgmma, TMA, setmaxnreg), got sm_{major}{minor}")
+    return reasons
+
+
+def _tma_reasons(spec) -> list[str]:
+    """The last of both: q, k or v (a CUDA tensor, not varlen) that a TMA descriptor cannot take
+    (:func:`_tma_aligned`)."""
+    if not spec.is_varlen and spec.q.device.type == "cuda":
+        bad = [n for n, t in (("q", spec.q), ("k", spec.k), ("v", spec.v)) if not _tma_aligned(t)]
+        if bad:
+            return [f"{', '.join(bad)} not TMA-compatible (16-byte aligned base and strides, unit last stride)"]
+    return []
+
+
+def gluon_reasons(spec) -> list[str]:
+    """Why :func:`gluon_forward` cannot run ``spec`` (empty when it can), one sentence each."""
+    reasons = _device_reasons(spec)
     if spec.q.dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"dtype {spec.q.dtype}: only float16 and bfloat16")
     if spec.head_dim != spec.head_dim_v or spec.head_dim not in HEAD_DIMS:
@@ -832,10 +849,7 @@ def gluon_reasons(spec) -> list[str]:
             reasons.append(f"{name} is not implemented in the Gluon forward")
     if spec.batch * spec.num_heads_q > 65535:
         reasons.append(f"batch × heads = {spec.batch * spec.num_heads_q} > 65535 (the grid's second dimension)")
-    if not spec.is_varlen and dev.type == "cuda":
-        bad = [n for n, t in (("q", spec.q), ("k", spec.k), ("v", spec.v)) if not _tma_aligned(t)]
-        if bad:
-            reasons.append(f"{', '.join(bad)} not TMA-compatible (16-byte aligned base and strides, unit last stride)")
+    reasons += _tma_reasons(spec)
     return reasons
 
 

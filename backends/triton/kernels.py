@@ -322,6 +322,52 @@ def _tile_order(pid, n_tiles, LONGEST_FIRST: tl.constexpr):
         return pid
 
 
+@triton.jit
+def _query_tile(CU_Q, CU_K, num_heads_q, gqa_ratio, seqlen_q, seqlen_k, total_q, total_k,
+                BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr, LONGEST_FIRST: tl.constexpr):
+    """The prologue of a Q-stationary program (forward, dQ), grid (cdiv(Sq, BLOCK_M), B·Hq):
+    ``(b, h, h_kv, q_start, sq, k_start, sk, m0)`` — its batch, query head and KV head (GQA/MQA:
+    K/V are shared, never copied), its sequence's bounds (:func:`_seq_bounds`) and the first row
+    ``m0`` of its query tile (:func:`_tile_order`). The kernel returns where ``m0 >= sq``."""
+    pid_m = _tile_order(tl.program_id(0), tl.num_programs(0), LONGEST_FIRST)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads_q
+    h = pid_bh % num_heads_q
+    h_kv = h // gqa_ratio
+    q_start, sq, k_start, sk = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    return b, h, h_kv, q_start, sq, k_start, sk, m0
+
+
+@triton.jit
+def _causal_offset(sq, sk, BOTTOM_RIGHT: tl.constexpr):
+    """``off``, the key a query row ``i`` is aligned with is ``i + off``: Sk − Sq with bottom-right
+    alignment (the last query row sees the last key), 0 with top-left."""
+    if BOTTOM_RIGHT:
+        off = sk - sq
+    else:
+        off = sk * 0
+    return off
+
+
+@triton.jit
+def _kv_bases(K, V, b64, k_start, h_kv, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh):
+    """``(k_base, v_base)``: the first element of K's and V's ``(S, D)`` slab of sequence ``b64``
+    (its first packed row ``k_start``) and KV head ``h_kv``."""
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv.to(tl.int64) * stride_vh
+    return k_base, v_base
+
+
+@triton.jit
+def _alibi_slope2(SLOPES, b, h, num_heads_q, ALIBI: tl.constexpr):
+    """ALiBi's slope of (batch ``b``, query head ``h``) from ``SLOPES`` (float32 ``(B, Hq)``,
+    contiguous) times log2(e), for the base-2 scores; 0.0 without ``ALIBI``."""
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
+    return slope2
+
 # ----- forward ------------------------------------------------------------------------------
 
 @triton.jit
@@ -409,33 +455,23 @@ def attn_fwd(
     (same values: zero fill on loads, clipped stores); ``WS`` asks for warp-specialised key loops
     (cross-compiled for sm_90 with triton 3.6 and 3.9: ignored at 8 warps, and the Hopper pass
     fails on the three phase loops at 4). With both off the kernel is the portable pointer version."""
-    pid_m = _tile_order(tl.program_id(0), tl.num_programs(0), LONGEST_FIRST)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // num_heads_q
-    h = pid_bh % num_heads_q
-    h_kv = h // gqa_ratio            # GQA/MQA: K/V are shared, never copied
-    q_start, sq, k_start, sk = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN)
-    m0 = pid_m * BLOCK_M
+    b, h, h_kv, q_start, sq, k_start, sk, m0 = _query_tile(CU_Q, CU_K, num_heads_q, gqa_ratio, seqlen_q, seqlen_k,
+                                                           total_q, total_k, BLOCK_M, IS_VARLEN, LONGEST_FIRST)
     if m0 >= sq:
         return
-    if BOTTOM_RIGHT:
-        off = sk - sq
-    else:
-        off = sk * 0
+    off = _causal_offset(sq, sk, BOTTOM_RIGHT)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     b64 = b.to(tl.int64)
     q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
-    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv.to(tl.int64) * stride_kh
-    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv.to(tl.int64) * stride_vh
+    k_base, v_base = _kv_bases(K, V, b64, k_start, h_kv, stride_kb, stride_ks, stride_kh,
+                               stride_vb, stride_vs, stride_vh)
     k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
     v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]
     bias_ptrs = BIAS + b64 * stride_bb + h.to(tl.int64) * stride_bh
-    slope2 = 0.0
-    if ALIBI:
-        slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
+    slope2 = _alibi_slope2(SLOPES, b, h, num_heads_q, ALIBI)
 
     # the query tile stays resident for the whole key loop
     if TMA:
@@ -719,19 +755,11 @@ def attn_bwd_dq(
     visible key tiles. With ``EXACT_STATS`` (float32) a first pass recomputes the row max m, sum
     l and delta = Σ_j P_ij dP_ij (minus ``DLSE`` when ``HAS_DLSE``) and stores (m, 1/l, delta)
     for the dK/dV kernel; otherwise it reads what :func:`attn_bwd_prep` stored."""
-    pid_m = _tile_order(tl.program_id(0), tl.num_programs(0), LONGEST_FIRST)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // num_heads_q
-    h = pid_bh % num_heads_q
-    h_kv = h // gqa_ratio
-    q_start, sq, k_start, sk = _seq_bounds(CU_Q, CU_K, b, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN)
-    m0 = pid_m * BLOCK_M
+    b, h, h_kv, q_start, sq, k_start, sk, m0 = _query_tile(CU_Q, CU_K, num_heads_q, gqa_ratio, seqlen_q, seqlen_k,
+                                                           total_q, total_k, BLOCK_M, IS_VARLEN, LONGEST_FIRST)
     if m0 >= sq:
         return
-    if BOTTOM_RIGHT:
-        off = sk - sq
-    else:
-        off = sk * 0
+    off = _causal_offset(sq, sk, BOTTOM_RIGHT)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
@@ -742,15 +770,13 @@ def attn_bwd_dq(
               + offs_m[:, None] * stride_qs + offs_d[None, :])
     do_ptrs = (DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h64 * stride_doh
                + offs_m[:, None] * stride_dos + offs_d[None, :])
-    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv.to(tl.int64) * stride_kh
-    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv.to(tl.int64) * stride_vh
+    k_base, v_base = _kv_bases(K, V, b64, k_start, h_kv, stride_kb, stride_ks, stride_kh,
+                               stride_vb, stride_vs, stride_vh)
     k_ptrs = k_base + offs_n0[:, None] * stride_ks + offs_d[None, :]
     v_ptrs = v_base + offs_n0[:, None] * stride_vs + offs_d[None, :]
     bias_ptrs = BIAS + b64 * stride_bb + h64 * stride_bh
     dbias_ptrs = DBIAS + b64 * stride_dbb + h64 * stride_dbh
-    slope2 = 0.0
-    if ALIBI:
-        slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
+    slope2 = _alibi_slope2(SLOPES, b, h, num_heads_q, ALIBI)
 
     q = _load_tile(q_ptrs, offs_m, sq, offs_d, HEAD_D, BLOCK_D, True)
     do = _load_tile(do_ptrs, offs_m, sq, offs_d, HEAD_DV, BLOCK_D, True)
@@ -882,17 +908,14 @@ def attn_bwd_dkdv(
     n0 = pid_n * BLOCK_N
     if n0 >= sk:
         return
-    if BOTTOM_RIGHT:
-        off = sk - sq
-    else:
-        off = sk * 0
+    off = _causal_offset(sq, sk, BOTTOM_RIGHT)
 
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     b64 = b.to(tl.int64)
-    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + h_kv.to(tl.int64) * stride_kh
-    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + h_kv.to(tl.int64) * stride_vh
+    k_base, v_base = _kv_bases(K, V, b64, k_start, h_kv, stride_kb, stride_ks, stride_kh,
+                               stride_vb, stride_vs, stride_vh)
     # the K/V tile stays resident for every query head and query tile
     k = _load_tile(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, sk, offs_d, HEAD_D, BLOCK_D, True)
     if PART == 1:
@@ -916,9 +939,7 @@ def attn_bwd_dkdv(
         dqt_ptrs = (DQ_ACC + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h.to(tl.int64) * stride_dqh
                     + offs_m0[None, :] * stride_dqs + offs_d[:, None])
         bias_ptrs = BIAS + b64 * stride_bb + h.to(tl.int64) * stride_bh
-        slope2 = 0.0
-        if ALIBI:
-            slope2 = tl.load(SLOPES + b * num_heads_q + h) * LOG2E
+        slope2 = _alibi_slope2(SLOPES, b, h, num_heads_q, ALIBI)
         for phase in tl.static_range(3):
             start, stop = _phase_range(phase, lo, full_lo, full_hi, hi)
             dk, dv = _dkdv_band(dk, dv, k, v, qt_ptrs, do_ptrs, dqt_ptrs, ROWMAX, ROWINV, DELTA, row_base, bias_ptrs,
