@@ -232,8 +232,8 @@ __device__ __forceinline__ KeyCta<T> key_cta(int bn, const int* cu_q, const int*
     if (cta.empty()) return;                                                        \
     const SeqInfo& s = cta.s
 
-// The prologue of the tensor-core row kernels (mma.sync / wgmma forwards and dQ) that walk key
-// tiles of BN: PA_ROW_CTA_PROLOGUE, and b, h, m0, n_hi and n_first (the first key tile).
+// The prologue of the tensor-core row kernels (the forwards and dQ, mma.sync and sm_90a) that
+// walk key tiles of BN: PA_ROW_CTA_PROLOGUE, and b, h, m0, n_hi and n_first (the first key tile).
 #define PA_ROW_TILE_PROLOGUE(BM, BN)                                                \
     PA_ROW_CTA_PROLOGUE(BM);                                                        \
     const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi, n_first = cta.n_first(BN)
