@@ -5,8 +5,9 @@ the query tiles of ``row_range`` of its keys, the dQ CTA the key tiles of ``key_
 rows; a warpgroup skips a tile when ``tile_any_visible`` (attn_bwd_wgmma.cu, new) says none of its
 (row, key) pairs is visible, and masks element by element only when ``tile_needs_mask`` says the
 tile crosses a boundary. A skip that drops a visible pair, or a missing mask, is a wrong gradient.
-This test extracts those functions (and ``SeqInfo``, ``is_visible``, ``keys_need_mask``) from the
-backend source, compiles them for the host with ``__device__`` defined away, and checks them by
+This test extracts those functions (and ``SeqInfo``, ``is_visible``, ``keys_need_mask``, the dK/dV
+walk ``QueryTileWalk``) from the backend source, compiles them for the host with ``__device__``
+defined away, and checks them by
 brute force over random geometries (Sq, Sk, both causal alignments, windows, tile positions):
 ``tile_any_visible`` is exactly "some pair visible", ``tile_needs_mask`` false means every pair of
 the tile is visible, and the walks cover every visible pair of a CTA.
@@ -92,15 +93,17 @@ int main() {
                     ++checked;
                 }
         }
-        // the dK/dV CTA's walk (128 keys, 64-row tiles) covers every row that sees one of its keys
+        // the dK/dV CTA's walk (128 keys, 64-row tiles: QueryTileWalk, one query head) covers every
+        // row that sees one of its keys
         for (int n0 = 0; n0 < s.sk; n0 += 128) {
             int r_lo, r_hi;
             row_range(s, n0, n0 + 127, left, right, &r_lo, &r_hi);
-            const int m_first = (r_lo / 64) * 64;
-            const int n_mt = r_hi > r_lo ? (r_hi - m_first + 63) / 64 : 0;
+            const QueryTileWalk<64> walk(0, 1, r_lo, r_hi);
+            const int w_lo = walk.n_iter > 0 ? walk.row0(0) : 0;
+            const int w_hi = walk.n_iter > 0 ? walk.row0(walk.n_iter - 1) + 64 : 0;
             for (int i = 0; i < s.sq; ++i)
                 for (int j = n0; j < min(n0 + 128, s.sk); ++j)
-                    if (is_visible(s, i, j, left, right) && !(i >= m_first && i < m_first + n_mt * 64)) {
+                    if (is_visible(s, i, j, left, right) && !(i >= w_lo && i < w_hi)) {
                         printf("FAIL dK/dV walk misses row %%d of key %%d\n", i, j);
                         return 1;
                     }
@@ -129,7 +132,7 @@ int main() {
 def _code() -> str:
     parts = [_extract("struct SeqInfo {"), _extract("void key_range("), _extract("void row_range("),
              _extract("bool keys_need_mask("), _extract("bool is_visible("), _extract("bool tile_needs_mask("),
-             _extract("bool tile_any_visible(")]
+             _extract("bool tile_any_visible("), "template <int BM>\n" + _extract("struct QueryTileWalk {")]
     return "\n".join(parts)
 
 

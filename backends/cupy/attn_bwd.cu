@@ -124,15 +124,13 @@ attn_bwd_stats(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lo
     double dsum = 0.0;
     for (int n0 = n_first; n0 < n_hi; n0 += BN) {
         __syncthreads();
-        load_rows_f32<T, BN, HD, LD, NT>(sK, cta.k_seq + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);
-        load_rows_f32<T, BN, HD, LD, NT>(sV, cta.v_seq + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
+        load_kv_rows_f32<T, BN, HD, LD, LD, NT>(sK, sV, cta, n0, k_ss, v_ss, head_dim, head_dim_v, tid);
         __syncthreads();
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
             const int jl = sub + 16 * c, j = n0 + jl;
             const float dot = score_dot<T, HD>(&sQ[row * LD], &sK[jl * LD]);
-            float dpv = 0.f;
-            for (int d = 0; d < HD; ++d) dpv = fmaf(sdO[row * LD + d], sV[jl * LD + d], dpv);
+            const float dpv = dot_f32<HD>(&sdO[row * LD], &sV[jl * LD]);
             if (!is_visible(s, i, j, win_left, win_right) || !(l_f > 0.f)) continue;
             float th;
             const float p = expf(score_nat(dot, mods, s, i, j, &th) - m) / l_f;
@@ -172,10 +170,8 @@ attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lon
     const bool exact = row_m != nullptr;
 
     const int tid = threadIdx.x, key_l = tid / 8, sub = tid % 8;
-    const KeyCta<T> cta = PA_KEY_CTA(BN);
-    if (cta.empty()) return;
-    const SeqInfo& s = cta.s;
-    const int b = cta.b, hk = cta.hk, n0 = cta.n0, r_lo = cta.r_lo, r_hi = cta.r_hi;
+    PA_KEY_CTA_PROLOGUE(BN);
+    const int r_lo = cta.r_lo, r_hi = cta.r_hi;
     const int j = n0 + key_l;
 
     // Stage 0: this CTA's K and V tiles stay in shared memory for the whole walk.
@@ -207,8 +203,7 @@ attn_bwd_dkdv(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, lon
             for (int rr = 0; rr < 2; ++rr) {
                 const int il = sub + 8 * rr;
                 const float dot = score_dot<T, HD>(&sQ[il * LD], &sK[key_l * LD]);
-                float dpv = 0.f;
-                for (int d = 0; d < HD; ++d) dpv = fmaf(sdO[il * LD + d], sV[key_l * LD + d], dpv);
+                const float dpv = dot_f32<HD>(&sdO[il * LD], &sV[key_l * LD]);
                 float p, ddot;
                 const RowStats row = {sRow[il], sRow[2 * BM + il], sRow[3 * BM + il], sRow[BM + il]};
                 grad_entry(dot, dpv, row, exact, mods, s, m0 + il, j, win_left, win_right, &p, &ddot);
@@ -277,8 +272,7 @@ attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long 
     for (int n0 = cta.n_first(BN); n0 < n_hi; n0 += BN) {
         // Stage 1: K and V tiles.
         __syncthreads();
-        load_rows_f32<T, BN, HD, LD, NT>(sK, cta.k_seq + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);
-        load_rows_f32<T, BN, HD, LD, NT>(sV, cta.v_seq + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
+        load_kv_rows_f32<T, BN, HD, LD, LD, NT>(sK, sV, cta, n0, k_ss, v_ss, head_dim, head_dim_v, tid);
         __syncthreads();
 
         // Stage 2: score gradient of row i against keys sub and sub + 16.
@@ -286,8 +280,7 @@ attn_bwd_dq(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long 
         for (int c = 0; c < 2; ++c) {
             const int jl = sub + 16 * c;
             const float dot = score_dot<T, HD>(&sQ[row * LD], &sK[jl * LD]);
-            float dpv = 0.f;
-            for (int d = 0; d < HD; ++d) dpv = fmaf(sdO[row * LD + d], sV[jl * LD + d], dpv);
+            const float dpv = dot_f32<HD>(&sdO[row * LD], &sV[jl * LD]);
             float p, ddot;
             grad_entry(dot, dpv, stats, exact, mods, s, i, n0 + jl, win_left, win_right, &p, &ddot);
             sdS[row * (BN + 1) + jl] = ddot;

@@ -92,6 +92,20 @@ __device__ __forceinline__ void store_acc_rows(T* base, long long row_stride, co
     }
 }
 
+// lse2 (lse_log2) and delta of a thread's two accumulator rows i0 and i0 + 8 of head h into
+// registers (the dQ kernels; +inf and 0 past the sequence end).
+__device__ __forceinline__ void load_row_stats2(float* lse2, float* delta_r, const float* lse, const float* delta,
+                                                long long lse_sb, long long lse_sh, const SeqInfo& s, int b, int h,
+                                                int i0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = i0 + 8 * r;
+        const long long idx = row_index(b, h, lse_sb, lse_sh, s, i);
+        lse2[r] = lse_log2(lse, idx, i < s.sq);
+        delta_r[r] = i < s.sq ? delta[idx] : 0.f;
+    }
+}
+
 // ----- dK, dV --------------------------------------------------------------------------------
 // Issue the copies of one query tile (Q, dO rows m0..m0+BM-1 of head h) into buffer `buf`, and
 // write its rows' lse2 / delta into shared memory (plain stores, visible after the next barrier);
@@ -174,21 +188,16 @@ attn_bwd_dkdv_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
 
     const auto [tid, warp, lane, g, t4] = warp_lane();
     const int kg = warp / NSPLIT, col0 = (warp % NSPLIT) * HDS;   // key group, first head-dim column
-    const KeyCta<T> cta = PA_KEY_CTA(BN);
-    if (cta.empty()) return;
-    const SeqInfo& s = cta.s;
-    const int b = cta.b, hk = cta.hk, n0 = cta.n0;
+    PA_KEY_CTA_PROLOGUE(BN);
     const float scale_log2 = scale * PA_LOG2E;
 
     // Stage 0: this CTA's K and V tiles (resident for the whole walk) and the first query tile.
     load_tile_async<T, BN, HD, LDS, NT>(sK, cta.k_tile, k_ss, s.sk - n0, head_dim, tid);
     load_tile_async<T, BN, HD, LDS, NT>(sV, cta.v_tile, v_ss, s.sk - n0, head_dim_v, tid);
-    // Query rows that can see any of these keys, walked in BM tiles, for each head of the group:
-    // iteration `it` is (head hk*gqa_ratio + it / n_mt, rows m_first + (it % n_mt) * BM).
-    const int m_first = (cta.r_lo / BM) * BM;
-    const int n_mt = cta.r_hi > cta.r_lo ? (cta.r_hi - m_first + BM - 1) / BM : 0;
-    const int n_iter = n_mt * gqa_ratio;
-    if (n_iter > 0) PA_DKDV_LOAD_QUERY_TILE(sQ, sdO, sL, hk * gqa_ratio, m_first);
+    // Query rows that can see any of these keys, walked in BM tiles, for each head of the group.
+    const QueryTileWalk<BM> walk(hk, gqa_ratio, cta.r_lo, cta.r_hi);
+    const int n_iter = walk.n_iter;
+    if (n_iter > 0) PA_DKDV_LOAD_QUERY_TILE(sQ, sdO, sL, walk.h_first, walk.m_first);
     cp_async_commit();
 
     float dk_acc[NT_D][4], dv_acc[NT_D][4];
@@ -205,13 +214,13 @@ attn_bwd_dkdv_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
 
     for (int it = 0; it < n_iter; ++it) {
         const int buf = it & 1;
-        const int h = hk * gqa_ratio + it / n_mt, m0 = m_first + (it % n_mt) * BM;
+        const int h = walk.head(it), m0 = walk.row0(it);
         // Stage 1: tile `it` landed, and every warp is done with the other buffer (and with its
         // partner's partials of the last tile): prefetch it + 1.
         cp_async_wait_all();
         __syncthreads();
         if (it + 1 < n_iter) {
-            const int h1 = hk * gqa_ratio + (it + 1) / n_mt, m1 = m_first + ((it + 1) % n_mt) * BM;
+            const int h1 = walk.head(it + 1), m1 = walk.row0(it + 1);
             PA_DKDV_LOAD_QUERY_TILE(sQ + (buf ^ 1) * BM * LDS, sdO + (buf ^ 1) * BM * LDS, sL + (buf ^ 1) * 2 * BM, h1, m1);
             cp_async_commit();
         }
@@ -278,32 +287,20 @@ attn_bwd_dq_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, l
     T* sV = sm.take<T>(2 * BN * LDS);          // [2][BN][LDS]
 
     const auto [tid, warp, lane, g, t4] = warp_lane();
-    const RowCta<T> cta = PA_ROW_CTA(BM);
-    if (cta.empty()) return;
-    const SeqInfo& s = cta.s;
-    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi, n_first = cta.n_first(BN);
+    PA_ROW_TILE_PROLOGUE(BM, BN);
     const float scale_log2 = scale * PA_LOG2E;
     const ScoreMods mods = PA_MODS_IF(EXTRAS, b, h);
 
     // Stage 0: Q and dO rows (resident) and the first K/V tile.
     load_tile_async<T, BM, HD, LDS, NT>(sQ, PA_Q_ROW(s, b, h, m0), q_ss, s.sq - m0, head_dim, tid);
     load_tile_async<T, BM, HD, LDS, NT>(sdO, PA_DO_ROW(s, b, h, m0), do_ss, s.sq - m0, head_dim_v, tid);
-    if (n_first < n_hi) {
-        load_tile_async<T, BN, HD, LDS, NT>(sK, cta.k_seq + n_first * k_ss, k_ss, s.sk - n_first, head_dim, tid);
-        load_tile_async<T, BN, HD, LDS, NT>(sV, cta.v_seq + n_first * v_ss, v_ss, s.sk - n_first, head_dim_v, tid);
-    }
+    if (n_first < n_hi) load_kv_async<T, BN, HD, LDS, NT>(sK, sV, cta, n_first, k_ss, v_ss, head_dim, head_dim_v, tid);
     cp_async_commit();
 
     // This lane's rows: i0 = row_w + g and i0 + 8 (accumulator elements e / 2 = 0, 1).
     const int row_w = m0 + warp * 16;
     float lse2[2], delta_r[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int i = row_w + g + 8 * r;
-        const long long idx = row_index(b, h, lse_sb, lse_sh, s, i);
-        lse2[r] = lse_log2(lse, idx, i < s.sq);
-        delta_r[r] = i < s.sq ? delta[idx] : 0.f;
-    }
+    load_row_stats2(lse2, delta_r, lse, delta, lse_sb, lse_sh, s, b, h, row_w + g);
 
     float dq_acc[NT_D][4];
     zero_acc<NT_D>(dq_acc);
@@ -317,11 +314,8 @@ attn_bwd_dq_mma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, l
         cp_async_wait_all();
         __syncthreads();
         if (n0 + BN < n_hi) {
-            const int n1 = n0 + BN;
-            load_tile_async<T, BN, HD, LDS, NT>(sK + (buf ^ 1) * BN * LDS, cta.k_seq + n1 * k_ss, k_ss, s.sk - n1,
-                                                head_dim, tid);
-            load_tile_async<T, BN, HD, LDS, NT>(sV + (buf ^ 1) * BN * LDS, cta.v_seq + n1 * v_ss, v_ss, s.sk - n1,
-                                                head_dim_v, tid);
+            load_kv_async<T, BN, HD, LDS, NT>(sK + (buf ^ 1) * BN * LDS, sV + (buf ^ 1) * BN * LDS, cta, n0 + BN, k_ss,
+                                              v_ss, head_dim, head_dim_v, tid);
             cp_async_commit();
         }
         const pa_u32 k_addr = smem_addr(sK + buf * BN * LDS), v_addr = smem_addr(sV + buf * BN * LDS);

@@ -150,20 +150,15 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
 
     const WgLane w = wg_lane();
     const int tid = w.tid, wg = w.wg, wq = w.wq, g = w.g, t4 = w.t4;
-    const KeyCta<T> cta = PA_KEY_CTA(BN);
-    if (cta.empty()) return;
-    const SeqInfo& s = cta.s;
-    const int b = cta.b, hk = cta.hk, n0 = cta.n0;
+    PA_KEY_CTA_PROLOGUE(BN);
     const float scale_log2 = scale * PA_LOG2E;
 
-    // K and V (resident for the whole walk) and the first query tile. Iteration `it` is head
-    // hk * gqa_ratio + it / n_mt, rows m_first + (it % n_mt) * BM.
+    // K and V (resident for the whole walk) and the first query tile (the walk: QueryTileWalk).
     load_tile_sw128<T, BN, HD, NT>(sK, cta.k_tile, k_ss, s.sk - n0, head_dim, tid);
     load_tile_sw128<T, BN, HD, NT>(sV, cta.v_tile, v_ss, s.sk - n0, head_dim_v, tid);
-    const int m_first = (cta.r_lo / BM) * BM;
-    const int n_mt = cta.r_hi > cta.r_lo ? (cta.r_hi - m_first + BM - 1) / BM : 0;
-    const int n_iter = n_mt * gqa_ratio;
-    if (n_iter > 0) PA_DKDV_WG_LOAD_QUERY_TILE(sQ, sdO, sL, hk * gqa_ratio, m_first);
+    const QueryTileWalk<BM> walk(hk, gqa_ratio, cta.r_lo, cta.r_hi);
+    const int n_iter = walk.n_iter;
+    if (n_iter > 0) PA_DKDV_WG_LOAD_QUERY_TILE(sQ, sdO, sL, walk.h_first, walk.m_first);
     cp_async_commit();
 
     float dk_acc[HD / 2], dv_acc[HD / 2];      // rows (keys) g, g + 8 of the warp's 16, as the forward's O
@@ -175,14 +170,14 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
 
     for (int it = 0; it < n_iter; ++it) {
         const int buf = it & 1;
-        const int m0 = m_first + (it % n_mt) * BM;
+        const int m0 = walk.row0(it);
         // 1. tile `it` landed (this thread's copies), visible to the async proxy; every thread's
         //    copies done and every warpgroup finished with the other buffer: prefetch it + 1.
         cp_async_wait_all();
         fence_proxy_async();
         __syncthreads();
         if (it + 1 < n_iter) {
-            const int h1 = hk * gqa_ratio + (it + 1) / n_mt, m1 = m_first + ((it + 1) % n_mt) * BM;
+            const int h1 = walk.head(it + 1), m1 = walk.row0(it + 1);
             PA_DKDV_WG_LOAD_QUERY_TILE(sQ + (buf ^ 1) * QT_BYTES, sdO + (buf ^ 1) * QT_BYTES, sL + (buf ^ 1) * 2 * BM,
                                        h1, m1);
             cp_async_commit();
@@ -252,10 +247,7 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
 
     const WgLane w = wg_lane();
     const int tid = w.tid, wg = w.wg, wq = w.wq, g = w.g, t4 = w.t4;
-    const RowCta<T> cta = PA_ROW_CTA(BM);
-    if (cta.empty()) return;
-    const SeqInfo& s = cta.s;
-    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi, n_first = cta.n_first(BN);
+    PA_ROW_TILE_PROLOGUE(BM, BN);
     const float scale_log2 = scale * PA_LOG2E;
 
     // Q and dO rows (resident) and the first K/V tile.
@@ -267,13 +259,7 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
     const int mw0 = m0 + wg * 64;              // the warpgroup's first row
     const int i0 = mw0 + wq * 16 + g;          // this thread's rows: i0, i0 + 8
     float lse2[2], delta_r[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int i = i0 + 8 * r;
-        const long long idx = row_index(b, h, lse_sb, lse_sh, s, i);
-        lse2[r] = lse_log2(lse, idx, i < s.sq);
-        delta_r[r] = i < s.sq ? delta[idx] : 0.f;
-    }
+    load_row_stats2(lse2, delta_r, lse, delta, lse_sb, lse_sh, s, b, h, i0);
     float dq_acc[HD / 2];
     zero_floats<HD / 2>(dq_acc);
     const pa_u32 sQw = sQ + wg * 64 * 128, sdOw = sdO + wg * 64 * 128;

@@ -225,16 +225,52 @@ __device__ __forceinline__ KeyCta<T> key_cta(int bn, const int* cu_q, const int*
 // plain kernels read nothing else, and must not read alibi / bias).
 #define PA_MODS_IF(EXTRAS, B, H) ((EXTRAS) ? PA_MODS(B, H) : plain_mods(scale))
 
+// The prologue of every row kernel: its RowCta of BM query rows; declares cta and s (its
+// sequence), and returns from a CTA past its sequence's rows.
+#define PA_ROW_CTA_PROLOGUE(BM)                                                     \
+    const RowCta<T> cta = PA_ROW_CTA(BM);                                           \
+    if (cta.empty()) return;                                                        \
+    const SeqInfo& s = cta.s
+
+// The prologue of the tensor-core row kernels (the forwards and dQ, mma.sync and sm_90a) that
+// walk key tiles of BN: PA_ROW_CTA_PROLOGUE, and b, h, m0, n_hi and n_first (the first key tile).
+#define PA_ROW_TILE_PROLOGUE(BM, BN)                                                \
+    PA_ROW_CTA_PROLOGUE(BM);                                                        \
+    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi, n_first = cta.n_first(BN)
+
+// The prologue of the dK/dV kernels: their KeyCta of BN keys; declares cta, s, b, hk and n0 (the
+// first key), and returns from a CTA past its sequence's keys.
+#define PA_KEY_CTA_PROLOGUE(BN)                                                     \
+    const KeyCta<T> cta = PA_KEY_CTA(BN);                                           \
+    if (cta.empty()) return;                                                        \
+    const SeqInfo& s = cta.s;                                                       \
+    const int b = cta.b, hk = cta.hk, n0 = cta.n0
+
 // The prologue of the FMA row kernels (float32 forward, stats, dQ): TPR threads per query row,
 // thread tid owns row i = m0 + tid / TPR with sub = tid % TPR; declares tid, row, sub, cta, s, b,
 // h, m0, n_hi, i and mods, and returns from a CTA past its sequence's rows.
 #define PA_FMA_ROW_PROLOGUE(BM, TPR)                                                \
     const int tid = threadIdx.x, row = tid / (TPR), sub = tid % (TPR);              \
-    const RowCta<T> cta = PA_ROW_CTA(BM);                                           \
-    if (cta.empty()) return;                                                        \
-    const SeqInfo& s = cta.s;                                                       \
+    PA_ROW_CTA_PROLOGUE(BM);                                                        \
     const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi, i = m0 + row;     \
     const ScoreMods mods = PA_MODS(b, h)
+
+// The query tiles a dK/dV CTA walks: for each of the gqa_ratio query heads of kv head hk, the
+// BM-row tiles from m_first (r_lo rounded down to BM) that cover the rows [r_lo, r_hi) seeing
+// its keys. Iteration it (0 <= it < n_iter, n_iter = 0 when no row sees them) is head head(it),
+// rows row0(it) ... row0(it) + BM - 1.
+template <int BM>
+struct QueryTileWalk {
+    int h_first, m_first, n_mt, n_iter;
+    __device__ __forceinline__ QueryTileWalk(int hk, int gqa_ratio, int r_lo, int r_hi) {
+        h_first = hk * gqa_ratio;
+        m_first = (r_lo / BM) * BM;
+        n_mt = r_hi > r_lo ? (r_hi - m_first + BM - 1) / BM : 0;
+        n_iter = n_mt * gqa_ratio;
+    }
+    __device__ __forceinline__ int head(int it) const { return h_first + it / n_mt; }
+    __device__ __forceinline__ int row0(int it) const { return m_first + (it % n_mt) * BM; }
+};
 
 // Row r of the query-side tensors q / dO (head h, batch b) in a row CTA's sequence.
 #define PA_Q_ROW(S, B, H, R) tok_ptr(q, (B), q_sb, (S).q0 + (R), q_ss, (H), q_sh)
@@ -445,6 +481,33 @@ __device__ __forceinline__ void load_rows_f32(float* sm, const T* g, long long r
         const int r = c / HD, d = c % HD;
         sm[r * LD + d] = (r < rows_valid && d < cols_valid) ? Elem<T>::to_float(g[r * row_stride + d]) : 0.f;
     }
+}
+
+// The K and V rows [n, n + ROWS) of a row CTA's sequence into shared float32 rows of pitch LDK
+// (sk) and LDV (sv), zero-filled past the keys and the head dims (load_rows_f32).
+template <typename T, int ROWS, int HD, int LDK, int LDV, int NT>
+__device__ __forceinline__ void load_kv_rows_f32(float* sk, float* sv, const RowCta<T>& cta, int n, long long k_ss,
+                                                 long long v_ss, int head_dim, int head_dim_v, int tid) {
+    load_rows_f32<T, ROWS, HD, LDK, NT>(sk, cta.k_seq + n * k_ss, k_ss, cta.s.sk - n, head_dim, tid);
+    load_rows_f32<T, ROWS, HD, LDV, NT>(sv, cta.v_seq + n * v_ss, v_ss, cta.s.sk - n, head_dim_v, tid);
+}
+
+// The copies (load_tile_async, not committed) of the K and V rows [n, n + ROWS) of a row CTA's
+// sequence into the [ROWS][LDS] tiles sk and sv, zero-filled past the keys and the head dims.
+template <typename T, int ROWS, int HD, int LDS, int NT>
+__device__ __forceinline__ void load_kv_async(T* sk, T* sv, const RowCta<T>& cta, int n, long long k_ss,
+                                              long long v_ss, int head_dim, int head_dim_v, int tid) {
+    load_tile_async<T, ROWS, HD, LDS, NT>(sk, cta.k_seq + n * k_ss, k_ss, cta.s.sk - n, head_dim, tid);
+    load_tile_async<T, ROWS, HD, LDS, NT>(sv, cta.v_seq + n * v_ss, v_ss, cta.s.sk - n, head_dim_v, tid);
+}
+
+// a . b over N floats of two shared-memory rows: one float32 fmaf chain, d = 0, 1, ... (the FMA
+// backward's dP = dO_i . v_j, in attn_bwd_preprocess's order).
+template <int N>
+__device__ __forceinline__ float dot_f32(const float* a, const float* b) {
+    float acc = 0.f;
+    for (int d = 0; d < N; ++d) acc = fmaf(a[d], b[d], acc);
+    return acc;
 }
 
 // ----- warp-level tile matmuls (mma.m16n8k16 fragments) -------------------------------------

@@ -34,10 +34,7 @@ attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     T* sV = sm.take<T>(KV_STAGES * KV_TILE);   // [KV_STAGES][BN][LDS]
 
     const auto [tid, warp, lane, g, t4] = warp_lane();
-    const RowCta<T> cta = PA_ROW_CTA(BM);
-    if (cta.empty()) return;
-    const SeqInfo& s = cta.s;
-    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi, n_first = cta.n_first(BN);
+    PA_ROW_TILE_PROLOGUE(BM, BN);
     const ScoreMods mods = PA_MODS_IF(EXTRAS, b, h);
     const float scale_log2 = scale * PA_LOG2E;
 
@@ -82,11 +79,8 @@ attn_fwd_mma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
             load_tile_async<T, BN, HD, LDS, NT>(sV, cta.v_seq + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
             cp_async_commit();
         } else if (n0 + BN < n_hi) {
-            const int n1 = n0 + BN;
-            load_tile_async<T, BN, HD, LDS, NT>(sK + (buf ^ 1) * KV_TILE, cta.k_seq + n1 * k_ss, k_ss, s.sk - n1,
-                                                head_dim, tid);
-            load_tile_async<T, BN, HD, LDS, NT>(sV + (buf ^ 1) * KV_TILE, cta.v_seq + n1 * v_ss, v_ss, s.sk - n1,
-                                                head_dim_v, tid);
+            load_kv_async<T, BN, HD, LDS, NT>(sK + (buf ^ 1) * KV_TILE, sV + (buf ^ 1) * KV_TILE, cta, n0 + BN, k_ss, v_ss,
+                                              head_dim, head_dim_v, tid);
             cp_async_commit();
         }
 
@@ -235,8 +229,7 @@ attn_fwd_fma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss
     for (int n0 = cta.n_first(BN); n0 < n_hi; n0 += BN) {
         // Stage 1: K and V tiles into shared memory (float32, zero outside the sequence).
         __syncthreads();
-        load_rows_f32<T, BN, HD, LDK, NT>(sK, cta.k_seq + n0 * k_ss, k_ss, s.sk - n0, head_dim, tid);
-        load_rows_f32<T, BN, HD, HD, NT>(sV, cta.v_seq + n0 * v_ss, v_ss, s.sk - n0, head_dim_v, tid);
+        load_kv_rows_f32<T, BN, HD, LDK, HD, NT>(sK, sV, cta, n0, k_ss, v_ss, head_dim, head_dim_v, tid);
         __syncthreads();
 
         // Stage 2: this thread's scores s = q_i . k_j, turned into masked logits.

@@ -149,10 +149,7 @@ attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_
 
     const WgLane w = wg_lane();
     const int tid = w.tid, wg = w.wg, wq = w.wq, lane = w.lane, g = w.g, t4 = w.t4;
-    const RowCta<T> cta = PA_ROW_CTA(BM);
-    if (cta.empty()) return;
-    const SeqInfo& s = cta.s;
-    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi, n_first = cta.n_first(BN);
+    PA_ROW_TILE_PROLOGUE(BM, BN);
     const float scale_log2 = scale * PA_LOG2E;
 
     load_tile_sw128<T, BM, HD, NT>(sQ, PA_Q_ROW(s, b, h, m0), q_ss, s.sq - m0, head_dim, tid);
@@ -210,17 +207,11 @@ attn_wgmma_probe(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     wgmma_wait<0>();
     wgmma_fence_acc<BN>(sc);
     const int r0 = wq * 16 + g;
-#pragma unroll
-    for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s_out[(r0 + (e / 2) * 8) * BN + nb * 8 + 2 * t4 + (e % 2)] = sc[4 * nb + e];
+    store_acc_f32<BN>(s_out, sc, r0, t4);
     pa_u32 pa[BN / 16][4];
     acc_to_a_frags<T, BN>(pa, sc);
     wg_pv<T, HD, BN>(acc, pa, sV, (pa_u32)v_lbo, (pa_u32)v_sbo);
     wgmma_wait<0>();
     wgmma_fence_acc<HD>(acc);
-#pragma unroll
-    for (int nb = 0; nb < HD / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o_out[(r0 + (e / 2) * 8) * HD + nb * 8 + 2 * t4 + (e % 2)] = acc[4 * nb + e];
+    store_acc_f32<HD>(o_out, acc, r0, t4);
 }

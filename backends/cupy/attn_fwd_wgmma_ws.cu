@@ -37,10 +37,7 @@ attn_fwd_wgmma_ws(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long
     const pa_u32 bar_full = bar_q + 8, bar_empty = bar_full + 8 * STAGES;
 
     const int tid = threadIdx.x, wg = tid / 128;
-    const RowCta<T> cta = PA_ROW_CTA(BM);
-    if (cta.empty()) return;
-    const SeqInfo& s = cta.s;
-    const int b = cta.b, h = cta.h, m0 = cta.m0, n_hi = cta.n_hi, n_first = cta.n_first(BN);
+    PA_ROW_TILE_PROLOGUE(BM, BN);
     const int n_tiles = n_first < n_hi ? (n_hi - n_first + BN - 1) / BN : 0;
     if (tid == 0) {
         mbar_init(bar_q, 128);

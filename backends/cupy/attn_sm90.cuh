@@ -40,6 +40,17 @@ __device__ __forceinline__ void zero_floats(float* x) {
     for (int i = 0; i < N; ++i) x[i] = 0.f;
 }
 
+// A thread's part of a 16-row x N float accumulator in the wgmma / mma layout (element 4 nb + e:
+// row r0 + 8 (e / 2), column 8 nb + 2 t4 + e % 2; r0 = the thread's first row) into the row-major
+// float32 matrix out of N columns (the layout probe's S and O).
+template <int N>
+__device__ __forceinline__ void store_acc_f32(float* out, const float* acc, int r0, int t4) {
+#pragma unroll
+    for (int nb = 0; nb < N / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out[(r0 + (e / 2) * 8) * N + nb * 8 + 2 * t4 + (e % 2)] = acc[4 * nb + e];
+}
+
 // Byte offset of (row r, column col) in a SW128 tile of ROWS rows; col a multiple of 8.
 template <int ROWS>
 __device__ __forceinline__ pa_u32 sw128_offset(int r, int col) {

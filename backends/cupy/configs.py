@@ -32,8 +32,8 @@ NVRTC_OPTIONS = ("--std=c++17",)
 #: CuPy's RawModule cannot ask for: runtime.py compiles it with NVRTC directly).
 #: The wgmma backward (family "bwd_wgmma", attn_bwd_wgmma.cu) is in the same unit, with the
 #: mma.sync backward's sources for the preprocess and the helpers it shares (load_row_stats,
-#: store_acc_rows, lse_log2, tile_needs_mask); templates only, nothing of theirs is instantiated
-#: unless named.
+#: load_row_stats2, store_acc_rows, lse_log2, tile_needs_mask); templates only, nothing of theirs
+#: is instantiated unless named.
 WGMMA_SOURCE_FILES = ("attn_common.cuh", "attn_wgmma_ops.cuh", "attn_sm90.cuh", "attn_fwd_wgmma.cu",
                       "attn_fwd_wgmma_ws.cu", "attn_bwd.cu", "attn_bwd_mma.cu", "attn_bwd_wgmma.cu")
 #: The sm_90a families: the wgmma forward, its warp-specialized variant, the layout probe, the
