@@ -47,13 +47,15 @@ VARIABLES = {
                           "padded block; read on every backward",
     "PORTATTN_TRITON_FORWARD": "triton's forward: auto (default: the Hopper Gluon kernel, "
                                "backends/triton/gluon_fwd.py, where the H200 timed it faster - D 128 from 1k queries, "
-                               "2k when causal - and gluon_reasons is empty; the portable kernel elsewhere), gluon "
+                               "D 256 from 1k, D 64 non-causal from 4k (persistent) - and gluon_reasons is empty; the "
+                               "portable kernel elsewhere), gluon "
                                "(wherever gluon_reasons is empty) or portable (never Gluon); read on every forward",
     "PORTATTN_TRITON_GLUON_PINGPONG": "0/false/no/off = the Gluon forward's consumer warpgroups do not take turns issuing their "
                                       "matrix products (FA3's ping-pong off; default 1)",
-    "PORTATTN_TRITON_GLUON_PERSISTENT": "1/true/yes/on = the Gluon forward runs its persistent variant at D 64/128 "
-                                        "(one CTA per SM walking (query tile, head) work items; default 0; opt-in, "
-                                        "auto never turns it on)",
+    "PORTATTN_TRITON_GLUON_PERSISTENT": "the Gluon forward's persistent variant at D 64/128 (one CTA per SM walking "
+                                        "(query tile, head) work items): unset or empty = auto (where the H200 timed "
+                                        "it faster, gluon_fwd.AUTO_PERSISTENT), 1/true/yes/on = always, 0/false/no/off "
+                                        "= never; read on every forward",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
 }
@@ -208,11 +210,13 @@ def triton_gluon_pingpong() -> bool:
                    lambda name, text: True if not text.strip() else _parse_flag(name, text), True)
 
 
-def triton_gluon_persistent() -> bool:
-    """``PORTATTN_TRITON_GLUON_PERSISTENT`` (default off; empty is the default; 1/true/yes/on turn
-    it on; anything else but a boolean raises ``ValueError``): the Gluon forward's persistent
-    variant (``gluon_fwd.PERSISTENT_HEAD_DIMS``), opt-in only."""
-    return _flag("PORTATTN_TRITON_GLUON_PERSISTENT")
+def triton_gluon_persistent() -> bool | None:
+    """``PORTATTN_TRITON_GLUON_PERSISTENT``: None when unset or empty (``auto``: the Gluon forward
+    runs its persistent variant where ``gluon_fwd.AUTO_PERSISTENT`` says the H200 timed it
+    faster), True for 1/true/yes/on (always, at ``gluon_fwd.PERSISTENT_HEAD_DIMS``), False for
+    0/false/no/off (never); anything else raises ``ValueError``."""
+    return _parsed("PORTATTN_TRITON_GLUON_PERSISTENT",
+                   lambda name, text: None if not text.strip() else _parse_flag(name, text), None)
 
 
 TRITON_DQ_MODES = ("auto", "atomic", "kernel")

@@ -227,14 +227,15 @@ def test_check_is_wired_into_the_portattn_command():
 
 def test_catalogue_holds_every_hopper_default_kernel_to_the_reference():
     """Each kernel the triton backend's ``auto`` takes on Hopper runs in some GPU-size catalogue case:
-    every row of the Gluon forward's tables (inference; training where a gradient is checked) and
+    every row of the Gluon forward's tables (inference; training where a gradient is checked; the
+    persistent variant's, ``AUTO_PERSISTENT``) and
     the Gluon backward with and without GQA at each head dim of its tables. A new auto row without
     a case fails here (add a ``large/hopper/`` case and bump CATALOGUE_VERSION)."""
     from portattn.backends.triton import gluon_bwd, gluon_fwd
 
     from portattn.spec import build_spec
 
-    covered_fwd, covered_bwd = set(), set()
+    covered_fwd, covered_bwd, covered_pers = set(), set(), set()
     for case in build_catalogue():
         p = case.problem
         if p.is_varlen or p.dtype not in ("float16", "bfloat16") or p.alibi or p.bias or p.softcap or p.window:
@@ -245,6 +246,8 @@ def test_catalogue_holds_every_hopper_default_kernel_to_the_reference():
         spec = build_spec(q, k, v, causal=p.causal)
         if gluon_fwd.auto_takes(spec, training=p.grad):
             covered_fwd.add((p.head_dim, p.causal, p.grad))
+        if gluon_fwd.auto_persistent(spec, training=p.grad):
+            covered_pers.add((p.head_dim, p.causal, p.grad))
         if p.grad and gluon_bwd.auto_takes(spec):
             covered_bwd.add((p.head_dim, p.heads_q != p.heads_kv))
     want_fwd = {(d, c, False) for d, c in gluon_fwd.AUTO_MIN_SEQLEN_Q if (d, c) not in gluon_fwd.AUTO_TRAINING_MIN_SEQLEN_Q}
@@ -252,3 +255,5 @@ def test_catalogue_holds_every_hopper_default_kernel_to_the_reference():
     want_bwd = {(d, False) for d in gluon_bwd.AUTO_MIN_SEQLEN} | {(d, True) for d in gluon_bwd.AUTO_GQA_MIN_SEQLEN}
     assert want_fwd <= covered_fwd, sorted(want_fwd - covered_fwd)
     assert want_bwd <= covered_bwd, sorted(want_bwd - covered_bwd)
+    # the persistent variant's rows, (head dim, causal, training)
+    assert set(gluon_fwd.AUTO_PERSISTENT) <= covered_pers, sorted(set(gluon_fwd.AUTO_PERSISTENT) - covered_pers)

@@ -100,14 +100,18 @@ def _meta_spec(s, d, causal):
 
 
 @pytest.mark.parametrize("s, d, causal, auto", [
-    (1024, 128, False, "gluon"), (1024, 128, True, "triton"), (2048, 128, True, "gluon"),
+    (1024, 128, False, "gluon"), (1024, 128, True, "gluon"), (2048, 128, True, "gluon"),
     (16384, 128, False, "gluon"), (512, 128, False, "triton"),    # D 128: where the H200 timed it faster
-    (16384, 64, False, "triton"), (1024, 256, True, "gluon"),     # D 64 slower at short S; D 256 from S 1k
+    (512, 128, True, "triton"),                                   # (causal 1k: the persistent row)
+    (16384, 64, False, "gluon"), (4096, 64, False, "gluon"),      # D 64 non-causal from 4k: persistent
+    (2048, 64, False, "triton"), (16384, 64, True, "triton"),     # D 64 short or causal: portable
+    (1024, 256, True, "gluon"),                                   # D 256 from S 1k
     (512, 256, False, "triton"),                                  # D 256 below S 1k: untimed
 ])
 def test_auto_takes_gluon_where_the_h200_timed_it_faster(monkeypatch, s, d, causal, auto):
-    """``auto`` (the default) follows AUTO_MIN_SEQLEN_Q wherever gluon_reasons is empty (here
-    replaced: a CPU has no sm_90); ``gluon`` takes it wherever it can run; ``portable`` never."""
+    """``auto`` (the default) follows AUTO_MIN_SEQLEN_Q and AUTO_PERSISTENT wherever gluon_reasons is
+    empty (here replaced: a CPU has no sm_90); ``gluon`` takes it wherever it can run; ``portable``
+    never; with the persistent variant switched off its rows are left to the portable kernel."""
     monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
     spec = _meta_spec(s, d, causal)
     monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
@@ -116,8 +120,14 @@ def test_auto_takes_gluon_where_the_h200_timed_it_faster(monkeypatch, s, d, caus
     assert gluon_fwd.forward_choice(spec) == "gluon"
     monkeypatch.setenv(gluon_fwd.ENV_SWITCH, "portable")
     assert gluon_fwd.forward_choice(spec) == "triton"
-    monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: ["no sm_90"])
     monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+    one_tile = s >= gluon_fwd.AUTO_MIN_SEQLEN_Q.get((d, causal), 1 << 40)
+    monkeypatch.setenv("PORTATTN_TRITON_GLUON_PERSISTENT", "0")
+    assert gluon_fwd.forward_choice(spec) == ("gluon" if one_tile else "triton")
+    monkeypatch.setenv("PORTATTN_TRITON_GLUON_PERSISTENT", "1")
+    assert gluon_fwd.forward_choice(spec) == auto
+    monkeypatch.delenv("PORTATTN_TRITON_GLUON_PERSISTENT")
+    monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: ["no sm_90"])
     assert gluon_fwd.forward_choice(spec) == "triton"
 
 
@@ -145,8 +155,8 @@ def _record_forwards(monkeypatch):
 
 
 @pytest.mark.parametrize("s, d, causal, auto", [
-    (1024, 128, False, "gluon"), (1024, 128, True, "triton"), (2048, 128, True, "gluon"),
-    (512, 128, False, "triton"), (16384, 64, False, "triton"),
+    (1024, 128, False, "gluon"), (1024, 128, True, "gluon"), (2048, 128, True, "gluon"),
+    (512, 128, False, "triton"), (16384, 64, False, "triton"),   # D 64 training: portable
     (4096, 256, True, "gluon"), (1024, 256, False, "gluon"), (512, 256, False, "triton"),  # D 256 from S 1k
 ])
 def test_forward_for_backward_takes_gluon_where_forward_choice_says(monkeypatch, s, d, causal, auto):
@@ -594,20 +604,23 @@ def test_gpu_matches_reference(name, pingpong):
 @requires_sm90
 @needs_gluon
 @pytest.mark.usefixtures("no_deadlock")
-@pytest.mark.parametrize("sq, causal, kernel", [(2048, True, "gluon"), (1024, False, "gluon"), (1024, True, "triton")])
+@pytest.mark.parametrize("sq, causal, kernel", [(2048, True, "gluon"), (1024, False, "persistent"),
+                                                (1024, True, "persistent"), (512, True, "triton")])
 def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal, kernel):
-    """``portattn.attention`` on the triton backend with the default switch: the Gluon kernel runs
-    where AUTO_MIN_SEQLEN_Q has the shape (the launch is seen), the portable one elsewhere; both
-    against float64."""
+    """``portattn.attention`` on the triton backend with the default switches: the Gluon kernel runs
+    where AUTO_MIN_SEQLEN_Q or AUTO_PERSISTENT has the shape (the launch is seen, and whether it
+    was the persistent variant), the portable one elsewhere; each against float64."""
     monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
+    monkeypatch.delenv("PORTATTN_TRITON_GLUON_PERSISTENT", raising=False)
     import portattn
-    ran = []
-    real = gluon_fwd.gluon_forward
+    ran, pers = [], []
+    real, real_for = gluon_fwd.gluon_forward, gluon_fwd.persistent_for
     monkeypatch.setattr(gluon_fwd, "gluon_forward", lambda spec, **kw: ran.append(spec) or real(spec, **kw))
+    monkeypatch.setattr(gluon_fwd, "persistent_for", lambda *a, **kw: pers.append(real_for(*a, **kw)) or pers[-1])
     q, k, v = _qkv(1, sq, sq, 4, 2, 128, device="cuda", seed=11)
     out = portattn.attention(q, k, v, causal=causal, backend="triton")
     torch.cuda.synchronize()
-    assert bool(ran) == (kernel == "gluon")
+    assert bool(ran) == (kernel != "triton") and pers == ([kernel == "persistent"] if ran else [])
     spec = build_spec(q, k, v, causal=causal)
     assert compare("out", out, reference_forward(spec)[0], naive_forward(spec)[0]).passed
 
@@ -705,9 +718,11 @@ def test_pingpong_switch_reads_a_boolean(monkeypatch, value, expect):
 
 # ----- the persistent variant (opt-in; CPU: the switch, the launch plumbing, the walk, compiles) --
 
-@pytest.mark.parametrize("value, expect", [(None, False), ("", False), ("0", False), ("off", False), ("1", True),
+@pytest.mark.parametrize("value, expect", [(None, None), ("", None), ("0", False), ("off", False), ("1", True),
                                            ("true", True), ("on", True), ("maybe", ValueError)])
 def test_persistent_switch_reads_a_boolean(monkeypatch, value, expect):
+    """Unset or empty leaves the variant to ``auto`` (what AUTO_PERSISTENT says of the problem, the
+    ``auto`` argument here); a boolean forces it on or off; D 256 never has it."""
     from portattn import config
     if value is None:
         monkeypatch.delenv("PORTATTN_TRITON_GLUON_PERSISTENT", raising=False)
@@ -718,8 +733,11 @@ def test_persistent_switch_reads_a_boolean(monkeypatch, value, expect):
             config.triton_gluon_persistent()
     else:
         assert config.triton_gluon_persistent() is expect
-        assert gluon_fwd.persistent_for(128) is expect and gluon_fwd.persistent_for(64) is expect
-        assert gluon_fwd.persistent_for(256) is False            # D 256 keeps the one-tile kernel
+        for auto in (False, True):
+            want = auto if expect is None else expect
+            assert gluon_fwd.persistent_for(128, auto=auto) is want and gluon_fwd.persistent_for(64, auto=auto) is want
+            assert gluon_fwd.persistent_for(256, auto=auto) is False     # D 256 keeps the one-tile kernel
+            assert gluon_fwd.persistent_for(128, False, auto) is False and gluon_fwd.persistent_for(64, True, auto)
 
 
 def test_persistent_constexprs_and_head_dims():
@@ -752,8 +770,9 @@ class _Recorder:
     (None, None, 128, False), ("1", None, 128, True), ("1", None, 64, True), ("1", None, 256, False),
     ("1", False, 128, False), (None, True, 64, True), ("0", True, 256, False)])
 def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, env, arg, d, expect):
-    """The launch plumbing on CPU (the kernel replaced by a recorder): ``auto`` / the default never
-    takes the persistent variant; the switch or ``persistent=True`` does at D 64/128, with grid
+    """The launch plumbing on CPU (the kernel replaced by a recorder): ``auto`` does not take the
+    persistent variant for causal bands of 300 or 8192 queries (outside AUTO_PERSISTENT's causal
+    rows); the switch or ``persistent=True`` does at D 64/128, with grid
     (min(#SMs, tiles),) and ``batch`` = B; otherwise grid (cdiv(Sq, 128), B·Hq) and ``batch`` None."""
     if env is None:
         monkeypatch.delenv("PORTATTN_TRITON_GLUON_PERSISTENT", raising=False)
@@ -778,10 +797,36 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
         gluon_fwd.gluon_forward(build_spec(q, kx, vx, causal=True), persistent=arg)
         grid, args, kw = rec.launches[-1]
         assert kw["PERSISTENT"] is False and grid == (-(-sq // 128), b * h) and args[-1] is None
-    # the choice between the Gluon and the portable forward is not the switch's
+    # the switch turns the variant on where the Gluon forward runs, not the Gluon forward itself
     monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
     monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
     assert gluon_fwd.forward_choice(_meta_spec(1024, 64, False)) == "triton"
+
+
+@pytest.mark.parametrize("sq, d, causal, residual, expect", [
+    (1024, 128, False, False, True), (16384, 128, False, False, True), (512, 128, False, False, False),
+    (1024, 128, True, False, True), (2047, 128, True, False, True), (2048, 128, True, False, False),
+    (1024, 128, True, True, True), (4096, 128, False, True, True), (4096, 128, True, True, False),
+    (4096, 64, False, False, True), (2048, 64, False, False, False), (4096, 64, True, False, False),
+    (4096, 64, False, True, False), (4096, 256, False, False, False)])
+def test_auto_launches_the_persistent_variant_on_its_rows(monkeypatch, sq, d, causal, residual, expect):
+    """With the switch unset, a launch takes the persistent variant exactly on AUTO_PERSISTENT's rows
+    (head dim, causal, training = ``residual``, query-row range); ``0`` turns every row off and
+    ``1`` every D 64/128 launch on (the kernel replaced by a recorder)."""
+    monkeypatch.delenv("PORTATTN_TRITON_GLUON_PERSISTENT", raising=False)
+    rec = _Recorder()
+    monkeypatch.setattr(gluon_fwd, "attn_fwd_gluon", rec)
+    monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
+    monkeypatch.setattr(gluon_fwd, "_ensure_allocator", lambda: None)
+    monkeypatch.setattr(gluon_fwd, "_sm_count", lambda dev: 132)
+    q, k, v = (torch.zeros(1, sq, 2, d, dtype=torch.bfloat16) for _ in range(3))
+    spec = build_spec(q, k, v, causal=causal)
+    assert gluon_fwd.auto_persistent(spec, training=residual) is expect
+    for env, want in ((None, expect), ("0", False), ("1", d in gluon_fwd.PERSISTENT_HEAD_DIMS)):
+        if env is not None:
+            monkeypatch.setenv("PORTATTN_TRITON_GLUON_PERSISTENT", env)
+        gluon_fwd.gluon_forward(spec, residual=residual)
+        assert rec.launches[-1][2]["PERSISTENT"] is want, env
 
 
 def _work_item(w, sq, batch, hq, longest_first):

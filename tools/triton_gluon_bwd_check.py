@@ -261,7 +261,7 @@ def report(res: dict) -> str:
     ch = res.get("child")
     if ch:
         lines += ["", f"checks (child process, {ch['seconds']} s): {'PASS' if ch['passed'] else 'FAIL'}"
-                  f"{' (HUNG: killed at the timeout, in ' + str(ch.get('last_begun')) + ')' if ch['hung'] else ''}"
+                  f"{' (killed at its time limit - a hang, or compiles from a cold cache taking longer - in ' + str(ch.get('last_begun')) + ')' if ch['hung'] else ''}"
                   f" rc={ch['rc']}"]
         for c in ch["checks"]:
             lines.append(f"  {'ok  ' if c.get('passed') else 'FAIL'} {c['case']:<22} "

@@ -329,7 +329,7 @@ def report(res: dict) -> str:
     ch = res.get("child")
     if ch:
         lines += ["", f"checks (child process, {ch['seconds']} s): {'PASS' if ch['passed'] else 'FAIL'}"
-                  f"{' (HUNG: killed at the timeout, in ' + str(ch.get('last_begun')) + ')' if ch['hung'] else ''}"
+                  f"{' (killed at its time limit - a hang, or compiles from a cold cache taking longer - in ' + str(ch.get('last_begun')) + ')' if ch['hung'] else ''}"
                   f" rc={ch['rc']}"]
         for c in ch["checks"]:
             lines.append(f"  {'ok  ' if c.get('passed') else 'FAIL'} {c['case']:<20} "
@@ -395,7 +395,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="directory for gluon_check.json / .txt")
     ap.add_argument("--time-limit", type=float, default=500.0, help="no new phase or cell starts after this (s)")
     ap.add_argument("--child-timeout", type=float, default=300.0, help="phase 2's child process limit (s)")
-    ap.add_argument("--pers-timeout", type=float, default=150.0,
+    ap.add_argument("--pers-timeout", type=float, default=200.0,
                     help="the persistent variant's own child process limit (s): a deadlock there costs this much")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS), help=argparse.SUPPRESS)

@@ -33,8 +33,8 @@ without it the kernel compiles to the same code as before the option. Dense inpu
 bfloat16; ``D == Dv`` in {64, 128, 256}; no softcap, ALiBi, bias or sliding window
 (:func:`gluon_reasons` says which problems it cannot run).
 
-``PERSISTENT`` (opt-in, ``PORTATTN_TRITON_GLUON_PERSISTENT=1``, D 64/128; not yet run on a GPU)
-is FA3's persistent schedule against the one-tile CTA's fixed cost (pipeline fill, epilogue,
+``PERSISTENT`` (D 64/128; ``auto`` takes it where the H200 timed it faster, :data:`AUTO_PERSISTENT`;
+``PORTATTN_TRITON_GLUON_PERSISTENT`` forces it on or off) is FA3's persistent schedule against the one-tile CTA's fixed cost (pipeline fill, epilogue,
 descriptor set-up): one CTA per SM walks (query tile, head) work items (:func:`_work_item`,
 longest first for causal-like bands) with rank-4 descriptors made once, the producer's ring count
 running on across items, Q handed back before the epilogue (``q_empty``) and O stored through its
@@ -622,17 +622,22 @@ def _default_pingpong() -> bool:
     return config.triton_gluon_pingpong()
 
 
-def _default_persistent() -> bool:
-    """The persistent variant only with ``PORTATTN_TRITON_GLUON_PERSISTENT=1`` (read per call;
-    default off, and ``auto`` never turns it on: the H200 has not timed it yet)."""
+def _default_persistent() -> bool | None:
+    """``PORTATTN_TRITON_GLUON_PERSISTENT`` (read per call): True always, False never, None (unset,
+    the default) ``auto`` (:data:`AUTO_PERSISTENT`)."""
     from portattn import config
     return config.triton_gluon_persistent()
 
 
-def persistent_for(head_dim: int, persistent: bool | None = None) -> bool:
-    """Whether a launch at ``head_dim`` runs the persistent variant: ``persistent`` (None: the
-    environment switch, :func:`_default_persistent`) at a head dim of :data:`PERSISTENT_HEAD_DIMS`."""
-    return bool(_default_persistent() if persistent is None else persistent) and head_dim in PERSISTENT_HEAD_DIMS
+def persistent_for(head_dim: int, persistent: bool | None = None, auto: bool = False) -> bool:
+    """Whether a launch at ``head_dim`` runs the persistent variant: ``persistent``, else the
+    environment switch (:func:`_default_persistent`), else ``auto`` (what :func:`auto_persistent`
+    says of the problem) — only ever at a head dim of :data:`PERSISTENT_HEAD_DIMS`."""
+    if persistent is None:
+        persistent = _default_persistent()
+    if persistent is None:
+        persistent = auto
+    return bool(persistent) and head_dim in PERSISTENT_HEAD_DIMS
 
 
 def _rank4_strides(*tensors: torch.Tensor) -> bool:
@@ -870,13 +875,44 @@ AUTO_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False): 1024, 
 AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False): 1024, (256, True): 1024}
 
 
+#: where ``auto`` runs the persistent variant (:data:`PERSISTENT_HEAD_DIMS`) instead of the
+#: one-tile kernel: (head dim, causal, training) -> [fewest, most) query rows. The H200 timed both,
+#: and the portable kernel beside them (2026-12-04, tools/gluon_persistent_diag.py --time,
+#: benchmarks/results/triton-gluon-persistent-h200.txt; bf16, B·S = 16k tokens, hidden 2048;
+#: persistent / one-tile at S 1k, 4k, 16k): D 128 1.25, 1.05, 1.01 (training 1.30, 0.98, 1.10);
+#: causal 1.23, 0.98, 0.89 (training 1.24, 0.91, 1.01) — a longest-first walk over a fixed grid
+#: balances long causal bands worse than the hardware's own CTA scheduling does; D 64 (against the
+#: portable kernel, which ``auto`` runs there) 1.00, 1.05, 1.06, causal 0.89, 0.94, 0.99. Where a
+#: row starts below the one-tile kernel's :data:`AUTO_MIN_SEQLEN_Q`, :func:`auto_takes` takes the
+#: Gluon forward from that row's start (D 128 causal at 1k: persistent 1.15 x the portable
+#: kernel, training 1.09 x; D 64 from 4k).
+AUTO_PERSISTENT = {
+    (128, False, False): (1024, 1 << 31), (128, True, False): (1024, 2048),
+    (128, False, True): (1024, 1 << 31), (128, True, True): (1024, 2048),
+    (64, False, False): (4096, 1 << 31),
+}
+
+
+def auto_persistent(spec, training: bool = False) -> bool:
+    """Whether :data:`AUTO_PERSISTENT` has a row for ``spec``'s (head dim, causal, ``training``)
+    whose query-row range holds ``spec.seqlen_q`` (``D == Dv`` and the rank-4 descriptors'
+    strides, :func:`_rank4_strides`, both needed)."""
+    rows = AUTO_PERSISTENT.get((spec.head_dim, bool(spec.causal), bool(training)))
+    return (rows is not None and spec.head_dim_v == spec.head_dim and rows[0] <= spec.seqlen_q < rows[1]
+            and _rank4_strides(spec.q, spec.k, spec.v))
+
+
 def auto_takes(spec, training: bool = False) -> bool:
     """Whether ``auto`` would take the Gluon forward for ``spec``'s shape (before
     :func:`gluon_reasons`): a row of :data:`AUTO_MIN_SEQLEN_Q` (``training``:
-    :data:`AUTO_TRAINING_MIN_SEQLEN_Q`) and at least its query rows."""
+    :data:`AUTO_TRAINING_MIN_SEQLEN_Q`) and at least its query rows, or a row of
+    :data:`AUTO_PERSISTENT` while ``PORTATTN_TRITON_GLUON_PERSISTENT`` leaves it to ``auto`` or
+    turns it on."""
     table = AUTO_TRAINING_MIN_SEQLEN_Q if training else AUTO_MIN_SEQLEN_Q
     need = table.get((spec.head_dim, bool(spec.causal)))
-    return need is not None and spec.head_dim_v == spec.head_dim and spec.seqlen_q >= need
+    if need is not None and spec.head_dim_v == spec.head_dim and spec.seqlen_q >= need:
+        return True
+    return _default_persistent() is not False and auto_persistent(spec, training)
 
 
 def forward_choice(spec, training: bool = False) -> str:
@@ -920,8 +956,9 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
     / ``lse`` when given: views with a unit last stride, O's row stride 16-byte aligned). Raises
     ValueError with :func:`gluon_reasons` when the kernel cannot run the problem. ``pingpong``:
     the consumers' ping-pong on or off (None: :data:`PINGPONG`). ``persistent``: the persistent
-    variant on or off (None: ``PORTATTN_TRITON_GLUON_PERSISTENT``, default off; D 256 always runs
-    the one-tile kernel, :func:`persistent_for`).
+    variant on or off (None: ``PORTATTN_TRITON_GLUON_PERSISTENT``, and where that is unset
+    :data:`AUTO_PERSISTENT` for this problem; D 256 always runs the one-tile kernel,
+    :func:`persistent_for`).
 
     ``residual=True`` (a forward whose backward follows, as ``ops.forward_for_backward``):
     ``(out, lse, ores)`` with ``ores`` = O_f32 − round(O_f32) rounded to q's dtype, ``(B, Sq, Hq,
@@ -952,7 +989,8 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
         window_right = 0
     causal_like = window_right != _UNBOUNDED
     _ensure_allocator()
-    persistent = persistent_for(spec.head_dim, persistent) and _rank4_strides(q, k, v, out)
+    persistent = (persistent_for(spec.head_dim, persistent, auto_persistent(spec, residual))
+                  and _rank4_strides(q, k, v, out))
     tiles = (-(-spec.seqlen_q // (2 * WG_M)), spec.batch * spec.num_heads_q)
     grid = (min(_sm_count(dev), tiles[0] * tiles[1]),) if persistent else tiles
     attn_fwd_gluon[grid](q, k, v, out, lse, ores, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],

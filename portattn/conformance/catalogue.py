@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from .problems import Problem
 
-CATALOGUE_VERSION = "4"
+CATALOGUE_VERSION = "5"
 
 _DT = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -309,7 +309,13 @@ def _hopper_defaults(b: _Builder):
         b.add(f"large/hopper/train-d{d}-s{s}{'-causal' if causal else ''}-h{hq}x{hkv}-{dt}",
               Problem(batch=1, seqlen_q=s, seqlen_k=s, heads_q=hq, heads_kv=hkv, head_dim=d, causal=causal,
                       dtype=_DT[dt]), tier="large")
-    for d, s, causal in ((128, 1024, False), (256, 1024, True), (256, 2048, False)):
+    # the persistent variant's rows (gluon_fwd.AUTO_PERSISTENT) that no case above reaches: D 128
+    # causal at 1k (training and not), D 64 from 4k (inference)
+    b.add("large/hopper/train-d128-s1024-causal-h4x2-bf16",
+          Problem(batch=2, seqlen_q=1024, seqlen_k=1024, heads_q=4, heads_kv=2, head_dim=128, causal=True,
+                  dtype="bfloat16"), tier="large")
+    for d, s, causal in ((128, 1024, False), (256, 1024, True), (256, 2048, False), (128, 1024, True),
+                         (64, 4096, False)):
         b.add(f"large/hopper/infer-d{d}-s{s}{'-causal' if causal else ''}",
               Problem(batch=2, seqlen_q=s, seqlen_k=s, heads_q=4, heads_kv=2, head_dim=d, causal=causal,
                       dtype="bfloat16", grad=False), tier="large")
