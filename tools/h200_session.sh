@@ -40,17 +40,17 @@
 #                       decodevariants (tools/decode_variants.py) [250]
 #   ncu[:D]             Nsight Compute (--clock-control none) on tools/ncu_attention.py --d D (128) [90]
 #
-# The next session's plan, one device call a line (priority order; ~30 minutes in all):
-#   bash tools/h200_session.sh gluon                                          # the persistent Gluon forward's
-#                                        # first GPU run (PORTATTN_TRITON_GLUON_PERSISTENT, D 64/128: its
-#                                        # child process has its own timeout) beside the one-tile kernel;
-#                                        # its g_pers columns decide whether auto takes it (short sequences)
-#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench            # the training grid on the D 256
-#                                        # Gluon backward and training forward (auto since 2026-12-03)
-#   bash tools/h200_session.sh par:tests:gluon par:tests:tests/test_cupy_wgmma_bwd_tool.py,tests/test_lse_grad.py
-#                                        # the persistent GPU test, the cupy compile-report fallback test
-#   then, if auto's rows change: PREV=benchmarks/results/conformance-h200.json CASES='large/hopper/' \
-#        bash tools/h200_session.sh catalogue                                # the Hopper cases on the new rows
+# The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
+# machine compiles from a cold cache, so give test groups whole calls):
+#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench            # the training grid on the
+#                                        # persistent Gluon forward's rows (auto since 2026-12-04)
+#   bash tools/h200_session.sh par:tests:gluon par:tests:tests/test_triton.py   # incl. the persistent
+#                                        # GPU test (every GPU case, its own 300 s child)
+#   bash tools/h200_session.sh tests:cupy                                    # the whole cupy group (only 50
+#                                        # of it ran on 2026-12-04, on dc40769's folded kernels)
+#   PREV=benchmarks/results/conformance-h200.json CASES='large/hopper/infer-d64 large/hopper/infer-d128-s1024-causal
+#        large/hopper/train-d128-s1024-causal' bash tools/h200_session.sh catalogue:cupy,reference,sdpa
+#                                        # catalogue v5's three new cases on the other backends
 # and e.g. after a partial catalogue:
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:triton,cupy
 #
