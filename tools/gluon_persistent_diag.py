@@ -1,18 +1,19 @@
-"""Bisect a hang of the persistent Gluon forward (``gluon_fwd.PERSISTENT``) on an H200.
+"""Tell a hang of the persistent Gluon forward (``gluon_fwd.PERSISTENT``) from a slow or wrong
+launch, on an H200.
 
-``tools/triton_gluon_check.py`` found the persistent variant deadlocked on ``causal_sq<sk`` (B 1,
-Sq 130, Sk 517, H 4, D 128, causal) after passing the plain and ragged cases. That case is the
-first of the check with (a) a causal band (``LONGEST_FIRST``) and (b) a second warpgroup whose 64
-query rows all lie past Sq (a Q box wholly outside the rank-4 descriptor). This tool runs one
-small problem per child process, each with its own timeout, over cases that separate those
-causes, plus walks of several work items per CTA (the grid forced small through
-``gluon_fwd._sm_count``), and reports per case: ok (max error against float64 within the
-bf16/fp16 rule), wrong, error, or hung.
+On its first GPU run ``tools/triton_gluon_check.py``'s persistent child was killed at its time
+limit in ``causal_sq<sk`` (B 1, Sq 130, Sk 517, H 4, D 128, causal), the first of its cases with
+(a) a causal band (``LONGEST_FIRST``) and (b) a second warpgroup whose 64 query rows all lie past
+Sq (a Q box wholly outside the rank-4 descriptor); it proved to be cold-cache compile time
+(benchmarks/results/triton-gluon-persistent-h200.txt). This tool runs one small problem per child
+process, each with its own timeout, over cases that separate those causes, plus walks of several
+work items per CTA (the grid forced small through ``gluon_fwd._sm_count``), and reports per case:
+ok (max error against float64 within the bf16/fp16 rule), wrong, error, or hung.
 
     python tools/gluon_persistent_diag.py [--out DIR] [--timeout 90] [--jobs 4] [--cases a,b]
-    python tools/gluon_persistent_diag.py --sequence [--out DIR]   # the check's cases in its order,
-                                           # one process, every launch traced (where does it stop?)
-    python tools/gluon_persistent_diag.py --time [--out DIR]       # pers vs one-tile vs SDPA, D 64/128
+    python tools/gluon_persistent_diag.py --sequence   # the check's cases in its order, one
+                                                       # process, every launch traced to stdout
+    python tools/gluon_persistent_diag.py --time       # pers vs one-tile vs SDPA, D 64/128, to stdout
 """
 
 from __future__ import annotations
@@ -69,14 +70,20 @@ def run_case(name: str) -> dict:
     return dict(case=name, status="ok" if ok else "wrong", max_err=err, lse_err=lerr, seconds=round(seconds, 2))
 
 
+def _check_tool():
+    """tools/triton_gluon_check.py as a module (its cases, its checks and its timing rows)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import triton_gluon_check
+    return triton_gluon_check
+
+
 def run_sequence() -> None:
     """In this (child) process: tools/triton_gluon_check.py's persistent checks in its order, with a
     line before and after every Gluon launch (its arguments, the seconds since the start), so a
     hang shows which launch it was."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
     import torch
-    import triton_gluon_check as chk
     from portattn.backends.triton import gluon_fwd
+    chk = _check_tool()
     t0 = time.perf_counter()
     real = gluon_fwd.gluon_forward
 
@@ -101,8 +108,7 @@ def run_sequence() -> None:
 def time_cells() -> list:
     """In this (child) process: tools/triton_gluon_check.py's timing rows at D 64/128 for the
     one-tile (ping-pong) and persistent kernels beside the portable one and SDPA's flash / cuDNN."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
-    import triton_gluon_check as chk
+    chk = _check_tool()
     rows = []
     for s, d, causal in chk.TIMING_CELLS:
         if d in (64, 128):
@@ -134,9 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sequence", action="store_true")
     ap.add_argument("--time", action="store_true")
     a = ap.parse_args(argv)
-    if a.sequence or a.time:
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
+    if a.sequence or a.time:   # both print to stdout
         run_sequence() if a.sequence else time_cells()
         return 0
     if a.child:
