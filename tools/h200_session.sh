@@ -38,7 +38,8 @@
 #   sweep[:v]           tools/triton_sweep.py: train (default; compiles per head dim first), fwd
 #                       (--fwd-only), bwd (--bwd-variants); decode (tools/decode_sweep.py),
 #                       decodevariants (tools/decode_variants.py) [250]
-#   ncu[:D]             Nsight Compute (--clock-control none) on tools/ncu_attention.py --d D (128) [90]
+#   ncu[:D,..]          Nsight Compute (--clock-control none) on tools/ncu_attention.py --d D (128), one
+#                       report per head dim; NCU_BACKEND (triton), NCU_S, NCU_CAUSAL=1, NCU_SET=full [90]
 #
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls):
@@ -392,14 +393,20 @@ step_sweep() {
 }
 
 step_ncu() {
-  local dir=$1 d=${2:-${NCU_D:-128}} rc
+  # NCU_BACKEND (triton), NCU_S (4096), NCU_CAUSAL=1, NCU_SET (the sections below; "full": --set full)
+  local dir=$1 dims=${2:-${NCU_D:-128}} rc=0 be=${NCU_BACKEND:-triton} sections d f
   if ! command -v ncu > /dev/null && [[ -z $DRY_RUN ]]; then headline "skipped: no ncu on PATH"; return 0; fi
-  x "$dir/ncu_d$d.txt" "$(limit "${NCU_LIMIT:-90}")" ncu --clock-control none --kernel-name regex:attn_ \
-      --launch-skip 4 --launch-count 4 --section SpeedOfLight --section Occupancy --section LaunchStats \
-      --section WarpStateStats "$PY" tools/ncu_attention.py --d "$d" --s "${NCU_S:-4096}"
-  rc=$?
-  grep -hE "attn_|Duration|Compute \(SM\) Thr|Memory Thr|Registers Per|Achieved Occ|Theoretical Occ" \
-      "$dir/ncu_d$d.txt" 2>/dev/null | head -40
+  if [[ ${NCU_SET:-} == full ]]; then sections=(--set full)
+  else sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
+                 --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis); fi
+  for d in ${dims//,/ }; do
+    f="$dir/ncu_${be}_d$d${NCU_CAUSAL:+_causal}.txt"
+    x "$f" "$(limit "${NCU_LIMIT:-90}")" ncu --clock-control none --profile-from-start off \
+        --kernel-name regex:attn_ "${sections[@]}" "$PY" tools/ncu_attention.py --backend "$be" --d "$d" \
+        --s "${NCU_S:-4096}" ${NCU_CAUSAL:+--causal} || rc=$?
+    grep -hE "attn_|Duration|Compute \(SM\) Thr|Memory Thr|Registers Per|Achieved Occ|Issue Slots Busy|No Eligible" \
+        "$f" 2>/dev/null | head -40
+  done
   return "$rc"
 }
 
