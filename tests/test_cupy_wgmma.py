@@ -84,14 +84,16 @@ def test_wgmma_config_geometry():
         bn, nwg = configs.wgmma_tile(cfg.head_dim)
         if cfg.family == "fwd_wgmma":
             assert cfg.threads("plain") == 128 * nwg and cfg.block_rows("plain") == 64 * nwg
-            assert cfg.kernel_names() == {"plain": f"attn_fwd_wgmma<{cfg.ctype}, {cfg.head_dim}, {bn}, {nwg}>"}
+            ov = "false" if cfg.tile is not None and not cfg.tile[2] else "true"   # serial / overlapped walk
+            assert configs.WGMMA_OVERLAP or cfg.tile is not None
+            assert cfg.kernel_names() == {"plain": f"attn_fwd_wgmma<{cfg.ctype}, {cfg.head_dim}, {bn}, {nwg}, {ov}>"}
         if cfg.family == "fwd_wgmma_ws":
             assert cfg.threads("plain") == 384 and cfg.block_rows("plain") == 128
             pp = "false" if cfg.tile is not None and not cfg.tile[2] else "true"
             assert cfg.kernel_names() == {"plain": f"attn_fwd_wgmma_ws<{cfg.ctype}, {cfg.head_dim}, {bn}, {pp}>"}
         assert cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
     fwd = [n for c in configs.wgmma_configs() if c.family.startswith("fwd") for n in c.name_expressions()]
-    assert len(fwd) == len(set(fwd)) == 18
+    assert len(fwd) == len(set(fwd)) == 24
     bwd = [n for c in configs.wgmma_configs() if c.family == "bwd_wgmma" for n in c.name_expressions()]
     # 2 dtypes x 2 head dims x (dK/dV, dQ), the preprocess once per dtype
     assert len(set(bwd)) == 10 and len(bwd) == 12
@@ -173,6 +175,7 @@ def _sass(cubin: str) -> str:
 @needs_nvrtc
 def test_sm90a_module_compiles_without_spills_and_uses_hgmma(tmp_path):
     names = [configs.KernelConfig("fwd_wgmma", "bfloat16", 128).kernel_names()["plain"],
+             configs.KernelConfig("fwd_wgmma", "float16", 256, tile=(64, 2, 0)).kernel_names()["plain"],
              configs.KernelConfig("fwd_wgmma", "float16", 64).kernel_names()["plain"],
              configs.KernelConfig("fwd_wgmma_ws", "bfloat16", 256).kernel_names()["plain"],
              configs.KernelConfig("wgmma_probe", "bfloat16", 256).kernel_names()["probe"]]
@@ -205,31 +208,51 @@ def test_nvrtc_binding_skips_a_binding_that_cannot_load_nvrtc(monkeypatch):
 
 
 def _wgmma_register_hazards(ptx: str) -> list[str]:
-    """Instructions of one PTX entry that touch a register of a wgmma chain between the chain's
-    wgmma.fence and its wgmma.wait_group (PTX ISA 9.7.15.7.1: an ordinary access to an
-    accumulator or A-fragment register must come before the wgmma.fence; the accumulators may be
-    read only after wgmma.wait_group)."""
+    """Instructions of one PTX entry that touch a register of a wgmma chain while the chain is in
+    flight: from its wgmma.fence until a wgmma.wait_group retires it (PTX ISA 9.7.15.7.1: an
+    ordinary access to an accumulator or A-fragment register must come before the wgmma.fence;
+    the accumulators may be read only after the wgmma.wait_group). ``wait_group N`` retires all
+    but the N most recently committed chains, so a chain left in flight under ``wait_group 1``
+    (the overlapped forward's P V while the softmax runs) stays checked until a later wait. The
+    PTX is read in text order (a branch's two arms one after the other)."""
     lines = [ln.split("//")[0].strip() for ln in ptx.splitlines()]
-    bad, i = [], 0
-    while i < len(lines):
-        if not lines[i].startswith("wgmma.fence"):
-            i += 1
-            continue
-        j = i + 1
-        while j < len(lines) and not lines[j].startswith("wgmma.wait_group"):
+    bad, inflight, i = [], [], 0   # inflight: (PTX line of the fence, registers) of committed chains
+
+    def chain_regs(start: int) -> tuple[set, int]:
+        j, regs = start + 1, set()
+        while j < len(lines) and not lines[j].startswith("wgmma.commit_group"):
+            if lines[j].startswith("wgmma.mma_async"):
+                regs |= {r for grp in re.findall(r"\{([^}]*)\}", lines[j]) for r in re.findall(r"%\w+", grp)}
             j += 1
-        chain = [ln for ln in lines[i:j] if ln.startswith("wgmma.mma_async")]
-        regs = {r for ln in chain for grp in re.findall(r"\{([^}]*)\}", ln) for r in re.findall(r"%\w+", grp)}
-        assert chain and regs, f"a wgmma.fence at PTX line {i} without a chain"
-        for ln in lines[i + 1:j]:
-            if ln and not ln.startswith("wgmma.") and regs.intersection(re.findall(r"%\w+", ln)):
-                bad.append(f"line {i}: {ln}")
-        i = j
+        return regs, j
+
+    active = None
+    while i < len(lines):
+        ln = lines[i]
+        if ln.startswith("wgmma.fence"):
+            regs, _ = chain_regs(i)
+            assert regs, f"a wgmma.fence at PTX line {i} without a chain"
+            active = (i, regs) if active is None else (active[0], active[1] | regs)
+        elif ln.startswith("wgmma.commit_group"):
+            if active is not None:
+                inflight.append(active)
+            active = None
+        elif ln.startswith("wgmma.wait_group"):
+            n = int(re.search(r"(\d+)\s*;", ln).group(1))
+            inflight = inflight[len(inflight) - n:] if n else []
+        elif ln and not ln.startswith("wgmma."):
+            used = set(re.findall(r"%\w+", ln))
+            for start, regs in inflight + ([active] if active else []):
+                if regs & used:
+                    bad.append(f"line {i} (chain of line {start}): {ln}")
+                    break
+        i += 1
     return bad
 
 
 def test_register_hazard_check_sees_a_late_write():
-    """The checker below flags an accumulator write moved past the wgmma.fence (it can fail)."""
+    """The checker below flags an accumulator write moved past the wgmma.fence, and a touch of a
+    chain that a ``wait_group 1`` left in flight (it can fail)."""
     ok = ("wgmma.fence.sync.aligned;\nadd.s32 %r9, %r9, 1;\n"
           "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%f1, %f2}, {%r1, %r2, %r3, %r4}, %rd1, p, 1, 1, 1;\n"
           "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\nmul.f32 %f1, %f1, %f3;\n")
@@ -238,6 +261,18 @@ def test_register_hazard_check_sees_a_late_write():
     assert len(_wgmma_register_hazards(late)) == 1
     early_read = ok.replace("wgmma.wait_group.sync.aligned 0;\nmul.f32", "mul.f32 %f5, %r3, %f3;\nwgmma.wait_group.sync.aligned 0;\nmul.f32")
     assert len(_wgmma_register_hazards(early_read)) == 1
+    second = ("wgmma.fence.sync.aligned;\n"
+              "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%f8, %f9}, {%r5, %r6, %r7, %r8}, %rd2, p, 1, 1, 1;\n"
+              "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 1;\n")
+    two = ok.replace("wgmma.wait_group.sync.aligned 0;\n", second + "mul.f32 %f1, %f1, %f3;\n"
+                     "wgmma.wait_group.sync.aligned 0;\n")
+    assert _wgmma_register_hazards(two) == []          # chain 1 retired by wait 1, chain 2 untouched
+    touch = two.replace("mul.f32 %f1, %f1, %f3;\nwgmma.wait_group.sync.aligned 0;",
+                        "mul.f32 %f9, %f9, %f3;\nwgmma.wait_group.sync.aligned 0;")
+    assert len(_wgmma_register_hazards(touch)) == 1    # chain 2 still in flight under wait 1
+    reuse_a = two.replace("mul.f32 %f1, %f1, %f3;\nwgmma.wait_group.sync.aligned 0;",
+                          "mov.b32 %r6, %r9;\nwgmma.wait_group.sync.aligned 0;")
+    assert len(_wgmma_register_hazards(reuse_a)) == 1  # its A fragment rewritten before the wait
 
 
 def _sm90a_ptx_entries(names) -> dict:
@@ -269,6 +304,7 @@ def test_sm90a_ptx_keeps_wgmma_registers_behind_the_fences():
     make that an order of the source, not of the compiler's scheduling). Uses the NVRTC the
     backend would (sm90a.nvrtc_binding: CuPy's where cuda.bindings is missing, as on a GPU host)."""
     names = [configs.KernelConfig("fwd_wgmma", "bfloat16", 128).kernel_names()["plain"],
+             configs.KernelConfig("fwd_wgmma", "float16", 256, tile=(64, 2, 0)).kernel_names()["plain"],
              configs.KernelConfig("fwd_wgmma_ws", "float16", 64).kernel_names()["plain"],
              configs.KernelConfig("wgmma_probe", "bfloat16", 256).kernel_names()["probe"]]
     for name, body in _sm90a_ptx_entries(names).items():

@@ -56,6 +56,11 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
+#: The variants the child process checks (bit for bit against attn_fwd_wgmma too) and times: the
+#: warp-specialized forward with and without pingpong, and attn_fwd_wgmma's serial walk (the
+#: default, ``wgmma``, overlaps each tile's softmax with the previous tile's P V).
+SIDE_FAMILIES = ("serial", "ws", "ws_nopp")
+
 #: (name, B, Sq, Sk, Hq, Hkv, D, Dv, kwargs, dtype)
 CHECK_CASES = [
     ("d64", 2, 333, 333, 4, 2, 64, 64, {}, "bfloat16"),
@@ -303,8 +308,8 @@ def run_forward(spec, family: str, poison: bool = True):
     if family == "mma":
         cfg = configs.forward_config(dt, spec.head_dim, spec.head_dim_v, kv_stages=1)
     else:
-        cfg = configs.wgmma_forward_config(dt, spec.head_dim, spec.head_dim_v, ws=family != "wgmma")
-        if family == "ws_nopp":
+        cfg = configs.wgmma_forward_config(dt, spec.head_dim, spec.head_dim_v, ws=family.startswith("ws"))
+        if family in ("ws_nopp", "serial"):   # no pingpong / the serial walk: third tile entry 0
             cfg = configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim,
                                        tile=(configs.wgmma_tile(cfg.head_dim)[0], 2, 0))
     plan = runtime.plan_forward(spec, cfg)
@@ -318,7 +323,8 @@ def run_forward(spec, family: str, poison: bool = True):
 
 def check_case(case, family: str = "wgmma") -> dict:
     """One case through one wgmma forward (``wgmma``, ``ws``: warp-specialized with pingpong,
-    ``ws_nopp``: without); ``ws*`` rows also say whether they equal ``wgmma`` bit for bit."""
+    ``ws_nopp``: without, ``serial``: attn_fwd_wgmma's serial walk); their rows also say whether
+    they equal ``wgmma`` (the overlapped walk) bit for bit."""
     import torch
 
     from portattn.numerics import compare, compare_lse
@@ -426,7 +432,8 @@ def report(res: dict) -> str:
     ws = res.get("ws")
     if ws is not None:
         L.append(f"warp-specialized child: rc={ws.get('rc')} in {ws.get('seconds', 0):.0f}s; "
-                 f"ws (pingpong): {res.get('verdict_ws', '?')}; ws_nopp: {res.get('verdict_ws_nopp', '?')}")
+                 f"ws (pingpong): {res.get('verdict_ws', '?')}; ws_nopp: {res.get('verdict_ws_nopp', '?')}; "
+                 f"serial: {res.get('verdict_serial', '?')}")
         L += ["  " + x for x in ws.get("tail", [])[-3:]]
     if res.get("checks") or (ws or {}).get("checks"):
         L.append("")
@@ -451,21 +458,24 @@ def report(res: dict) -> str:
         L += ["  " + x for x in t["tail"][-8:]]
     if res.get("timings"):
         L += ["", "bf16 forward TFLOP/s, B*S = 16k tokens, hidden 2048",
-              f"{'S':>6} {'D':>4} {'causal':>6} {'wgmma':>6} {'ws':>6} {'ws_np':>6} {'mma':>6} {'FA2':>6} {'cuDNN':>6} "
-              f"{'wg/mma':>6} {'wg/FA2':>6} {'ws/FA2':>6} {'np/FA2':>6} {'wg/cuDNN':>8} {'ws/cuDNN':>8} {'mma/FA2':>7}"]
+              f"{'S':>6} {'D':>4} {'causal':>6} {'wgmma':>6} {'serial':>6} {'ws':>6} {'ws_np':>6} {'mma':>6} {'FA2':>6} "
+              f"{'cuDNN':>6} {'wg/ser':>6} {'wg/mma':>6} {'wg/FA2':>6} {'ws/FA2':>6} {'np/FA2':>6} {'wg/cuDNN':>8} "
+              f"{'ws/cuDNN':>8} {'mma/FA2':>7}"]
         for r in res["timings"]:
             if "wgmma_tflops" not in r:
                 L.append(f"{r.get('S')} {r.get('D')} {r.get('causal')} ERROR {r.get('error', '')[:300]}")
                 continue
             L.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {_f(r['wgmma_tflops'], 6, 1)} "
-                     f"{_f(r.get('ws_tflops'), 6, 1)} {_f(r.get('ws_nopp_tflops'), 6, 1)} "
+                     f"{_f(r.get('serial_tflops'), 6, 1)} {_f(r.get('ws_tflops'), 6, 1)} {_f(r.get('ws_nopp_tflops'), 6, 1)} "
                      f"{_f(r['mma_tflops'], 6, 1)} {_f(r.get('fa2_tflops'), 6, 1)} {_f(r.get('cudnn_tflops'), 6, 1)} "
+                     f"{_f(_r(r, 'wgmma_tflops', 'serial_tflops'))} "
                      f"{_f(_r(r, 'wgmma_tflops', 'mma_tflops'))} {_f(_r(r, 'wgmma_tflops', 'fa2_tflops'))} "
                      f"{_f(_r(r, 'ws_tflops', 'fa2_tflops'))} {_f(_r(r, 'ws_nopp_tflops', 'fa2_tflops'))} "
                      f"{_f(_r(r, 'wgmma_tflops', 'cudnn_tflops'), 8)} {_f(_r(r, 'ws_tflops', 'cudnn_tflops'), 8)} "
                      f"{_f(_r(r, 'mma_tflops', 'fa2_tflops'), 7)}")
-        for a, b in (("wgmma_tflops", "fa2_tflops"), ("ws_tflops", "fa2_tflops"), ("ws_nopp_tflops", "fa2_tflops"),
-                     ("wgmma_tflops", "mma_tflops"), ("ws_tflops", "wgmma_tflops")):
+        for a, b in (("wgmma_tflops", "fa2_tflops"), ("wgmma_tflops", "cudnn_tflops"), ("ws_tflops", "fa2_tflops"),
+                     ("ws_nopp_tflops", "fa2_tflops"), ("wgmma_tflops", "mma_tflops"),
+                     ("wgmma_tflops", "serial_tflops"), ("ws_tflops", "wgmma_tflops")):
             xs = [x for x in (_r(r, a, b) for r in res["timings"]) if x]
             if xs:
                 L.append(f"{a[:-7]} / {b[:-7]}: geomean {math.exp(sum(map(math.log, xs)) / len(xs)):.3f} "
@@ -474,7 +484,8 @@ def report(res: dict) -> str:
         L.append(f"skipped: {res['skipped_cells']}")
     L += ["", f"VERDICT (attn_fwd_wgmma): {res.get('verdict', 'INCOMPLETE')}" + (f" ({res['why']})" if res.get("why") else ""),
           f"warp-specialized attn_fwd_wgmma_ws: pingpong {res.get('verdict_ws', 'NOT RUN')}, "
-          f"no pingpong {res.get('verdict_ws_nopp', 'NOT RUN')}"]
+          f"no pingpong {res.get('verdict_ws_nopp', 'NOT RUN')}; attn_fwd_wgmma's serial walk "
+          f"{res.get('verdict_serial', 'NOT RUN')}"]
     return "\n".join(L)
 
 
@@ -502,7 +513,7 @@ def _verdict(res):
     res["why"] = "; ".join(why)
     ws = res.get("ws")
     if ws is not None:   # the warp-specialized variants: reported, not part of the verdict
-        for fam in ("ws", "ws_nopp"):
+        for fam in SIDE_FAMILIES:
             rows = [r for r in ws.get("checks", []) if r.get("family") == fam
                     and not str(r.get("error", "")).startswith("skipped")]
             bad = [r["case"] for r in rows if not r.get("passed")]
@@ -527,7 +538,7 @@ def child_ws(out_dir: str, time_limit: float) -> int:
         with open(path, "w") as f:
             json.dump(res, f, indent=1, default=str)
 
-    for fam in ("ws", "ws_nopp"):
+    for fam in SIDE_FAMILIES:
         for case in CHECK_CASES:
             if left() < 5:
                 res["checks"].append({"case": case[0], "family": fam, "passed": False, "error": "skipped: time limit"})
@@ -539,8 +550,8 @@ def child_ws(out_dir: str, time_limit: float) -> int:
             res["checks"].append(row)
             print(json.dumps(row, default=str), flush=True)
             dump()
-    ok = {fam: all(r.get("passed") for r in res["checks"] if r.get("family") == fam) for fam in ("ws", "ws_nopp")}
-    fams = tuple(f for f in ("ws", "ws_nopp") if ok[f])
+    ok = {fam: all(r.get("passed") for r in res["checks"] if r.get("family") == fam) for fam in SIDE_FAMILIES}
+    fams = tuple(f for f in SIDE_FAMILIES if ok[f])
     for cell in TIME_CELLS:
         if left() < 4 or not fams:
             res["skipped_cells"].append(cell)

@@ -14,6 +14,7 @@ ok (max error against float64 within the bf16/fp16 rule), wrong, error, or hung.
     python tools/gluon_persistent_diag.py --sequence   # the check's cases in its order, one
                                                        # process, every launch traced to stdout
     python tools/gluon_persistent_diag.py --time       # pers vs one-tile vs SDPA, D 64/128, to stdout
+    python tools/gluon_persistent_diag.py --time --cells 2048:128:1,8192:128:1   # these cells only
 """
 
 from __future__ import annotations
@@ -105,15 +106,17 @@ def run_sequence() -> None:
         print(f"{time.perf_counter() - t0:7.1f} RESULT {case[0]} passed={row.get('passed')}", flush=True)
 
 
-def time_cells() -> list:
-    """In this (child) process: tools/triton_gluon_check.py's timing rows at D 64/128 for the
-    one-tile (ping-pong) and persistent kernels beside the portable one and SDPA's flash / cuDNN."""
+def time_cells(cells: str = "") -> list:
+    """In this (child) process: tools/triton_gluon_check.py's timing rows at D 64/128 (or the
+    ``cells`` given, ``S:D:causal`` comma-separated, e.g. ``2048:128:1``) for the one-tile
+    (ping-pong) and persistent kernels beside the portable one and SDPA's flash / cuDNN."""
     chk = _check_tool()
     rows = []
-    for s, d, causal in chk.TIMING_CELLS:
-        if d in (64, 128):
-            rows.append(chk.time_cell(s, d, causal, ["pp", "pers"]))
-            print("TIME " + json.dumps(rows[-1]), flush=True)
+    todo = ([(int(x), int(y), bool(int(z))) for x, y, z in (c.split(":") for c in cells.split(","))] if cells
+            else [c for c in chk.TIMING_CELLS if c[1] in (64, 128)])
+    for s, d, causal in todo:
+        rows.append(chk.time_cell(s, d, causal, ["pp", "pers"]))
+        print("TIME " + json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -139,9 +142,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="")
     ap.add_argument("--sequence", action="store_true")
     ap.add_argument("--time", action="store_true")
+    ap.add_argument("--cells", default="", help="--time: S:D:causal,... instead of the check tool's cells")
     a = ap.parse_args(argv)
     if a.sequence or a.time:   # both print to stdout
-        run_sequence() if a.sequence else time_cells()
+        run_sequence() if a.sequence else time_cells(a.cells)
         return 0
     if a.child:
         print("ROW " + json.dumps(run_case(a.child)), flush=True)

@@ -27,10 +27,11 @@
 
 // Step 3 of a key tile for one thread of a consumer warpgroup: the S accumulator sc (rows row0,
 // row0 + 8; keys n0 + 8 nb + 2 t4 + {0, 1}) into base-2 logits, masked when need_mask (the tile
-// crosses a boundary); online softmax: new row max m_i, sum l_i (this thread's columns), acc
-// rescaled, sc overwritten by P.
-template <int BN, int HD>
-__device__ __forceinline__ void wg_softmax_tile(float* sc, float* acc, float* m_i, float* l_i, bool need_mask,
+// crosses a boundary); online softmax: new row max m_i, sum l_i (this thread's columns), sc
+// overwritten by P, and alpha[r] = 2^(m_old - m_new), the factor O's row r is rescaled by
+// (wg_rescale) — not here, so that O may still be the target of an in-flight P V.
+template <int BN>
+__device__ __forceinline__ void wg_softmax_tile(float* sc, float* m_i, float* l_i, float* alpha, bool need_mask,
                                                 const SeqInfo& s, int row0, int n0, int t4, float scale_log2,
                                                 int win_left, int win_right) {
 #pragma unroll
@@ -52,7 +53,7 @@ __device__ __forceinline__ void wg_softmax_tile(float* sc, float* acc, float* m_
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_use = mx == PA_NEG_INF ? 0.f : mx;
-        const float alpha = fast_exp2(m_i[r] - m_use);
+        alpha[r] = fast_exp2(m_i[r] - m_use);
         m_i[r] = mx;
         float rowsum = 0.f;
 #pragma unroll
@@ -63,13 +64,20 @@ __device__ __forceinline__ void wg_softmax_tile(float* sc, float* acc, float* m_
             sc[4 * nb + 2 * r + 1] = p1;
             rowsum += p0 + p1;
         }
-        l_i[r] = l_i[r] * alpha + rowsum;
+        l_i[r] = l_i[r] * alpha[r] + rowsum;
+    }
+}
+
+// O's rows (this thread's: g, g + 8 of its warp) times alpha (wg_softmax_tile's).
+template <int HD>
+__device__ __forceinline__ void wg_rescale(float* acc, const float* alpha) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int nb = 0; nb < HD / 8; ++nb) {
-            acc[4 * nb + 2 * r] *= alpha;
-            acc[4 * nb + 2 * r + 1] *= alpha;
+            acc[4 * nb + 2 * r] *= alpha[r];
+            acc[4 * nb + 2 * r + 1] *= alpha[r];
         }
-    }
 }
 
 // Steps 3 and 4 of a key tile once S = Q K^T (tile rows m0 ... m0 + BM - 1, keys n0 ...) is issued
@@ -84,7 +92,9 @@ __device__ __forceinline__ void wg_softmax_pv(float* sc, float* acc, float* m_i,
     wgmma_wait<0>();
     wgmma_fence_acc<BN>(sc);
     const bool need_mask = keys_need_mask(s, m0, BM, n0, BN, win_left, win_right);
-    wg_softmax_tile<BN, HD>(sc, acc, m_i, l_i, need_mask, s, row0, n0, t4, scale_log2, win_left, win_right);
+    float alpha[2];
+    wg_softmax_tile<BN>(sc, m_i, l_i, alpha, need_mask, s, row0, n0, t4, scale_log2, win_left, win_right);
+    wg_rescale<HD>(acc, alpha);
     acc_to_a_frags<T, BN>(pa, sc);
     wg_pv<T, HD, BN>(acc, pa, sv + buf * (BN * HD * 2));
     wgmma_wait<0>();
@@ -129,7 +139,85 @@ __device__ __forceinline__ void wg_epilogue(const float* acc, const float* m_i, 
     }
 }
 
-template <typename T, int HD, int BN, int NWG>
+// The serial walk of attn_fwd_wgmma: per key tile, kv_walk_step (tile it landed, tile it + 1
+// prefetched into the other buffers), S = Q K^T, softmax, O += P V, each waited for before the next.
+template <typename T, int HD, int BM, int BN, int NT>
+__device__ __forceinline__ void wg_walk_serial(float* acc, float* sc, float* m_i, float* l_i, pa_u32 sQw, pa_u32 sK,
+                                               pa_u32 sV, const RowCta<T>& cta, int n_first, int n_hi, long long k_ss,
+                                               long long v_ss, int head_dim, int head_dim_v, int tid, int m0,
+                                               int row0, int t4, float scale_log2, int win_left, int win_right) {
+    constexpr int KV_BYTES = BN * HD * 2;
+    for (int n0 = n_first, it = 0; n0 < n_hi; n0 += BN, ++it) {
+        const int buf = it & 1;
+        kv_walk_step<T, BN, HD, NT>(sK, sV, KV_BYTES, buf, cta, n0 + BN, n_hi, k_ss, v_ss, head_dim, head_dim_v, tid);
+        wg_qk<T, HD, BM, BN>(sc, sQw, sK + buf * KV_BYTES);
+        pa_u32 pa[BN / 16][4];
+        wg_softmax_pv<T, HD, BM, BN>(sc, acc, m_i, l_i, pa, sV, buf, cta.s, m0, row0, n0, t4, scale_log2, win_left,
+                                     win_right);
+    }
+}
+
+// The overlapped walk (FA3's intra-warpgroup pipelining): iteration it issues S = Q K^T of tile it
+// and, behind it on the tensor cores, O += P V of tile it - 1; the softmax of tile it runs while
+// that P V does. V therefore trails K by one tile in the double buffers: at the top of iteration it
+// K of tile it and V of tile it - 1 have landed, and the barrier there also says every warpgroup is
+// done with K of tile it - 1 and V of tile it - 2, whose buffers then take K of tile it + 1 and V of
+// tile it. O is rescaled (and P of tile it packed into pa, P of tile it - 1's registers) only after
+// the P V reading them is waited for; the last tile's P V follows the loop. Same products, softmax
+// and rescale per tile as the serial walk, in the same order per accumulator.
+template <typename T, int HD, int BM, int BN, int NT>
+__device__ __forceinline__ void wg_walk_overlap(float* acc, float* sc, float* m_i, float* l_i, pa_u32 sQw, pa_u32 sK,
+                                                pa_u32 sV, const RowCta<T>& cta, int n_first, int n_hi, long long k_ss,
+                                                long long v_ss, int head_dim, int head_dim_v, int tid, int m0,
+                                                int row0, int t4, float scale_log2, int win_left, int win_right) {
+    constexpr int KV_BYTES = BN * HD * 2;
+    const SeqInfo& s = cta.s;
+    pa_u32 pa[BN / 16][4];
+    int it = 0;
+    for (int n0 = n_first; n0 < n_hi; n0 += BN, ++it) {
+        const int buf = it & 1;
+        // 1. K of tile it, V of tile it - 1 landed and visible to wgmma; refill the freed buffers
+        cp_async_wait_all();
+        fence_proxy_async();
+        __syncthreads();
+        if (n0 + BN < n_hi)
+            load_tile_sw128<T, BN, HD, NT>(sK + (buf ^ 1) * KV_BYTES, cta.k_seq + (n0 + BN) * k_ss, k_ss,
+                                           s.sk - (n0 + BN), head_dim, tid);
+        if (it > 0)
+            load_tile_sw128<T, BN, HD, NT>(sV + buf * KV_BYTES, cta.v_seq + n0 * v_ss, v_ss, s.sk - n0, head_dim_v,
+                                           tid);
+        cp_async_commit();
+        // 2. S = Q K^T of tile it; O += P V of tile it - 1 queued behind it
+        wg_qk<T, HD, BM, BN>(sc, sQw, sK + buf * KV_BYTES);
+        if (it > 0) {
+            wg_pv<T, HD, BN>(acc, pa, sV + (buf ^ 1) * KV_BYTES);
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+        }
+        wgmma_fence_acc<BN>(sc);
+        // 3. the softmax of tile it while P V runs (O and pa untouched)
+        float alpha[2];
+        wg_softmax_tile<BN>(sc, m_i, l_i, alpha, keys_need_mask(s, m0, BM, n0, BN, win_left, win_right), s, row0,
+                            n0, t4, scale_log2, win_left, win_right);
+        // 4. P V done: only now O and pa are ordinary registers again
+        wgmma_wait<0>();
+        wgmma_fence_acc<HD>(acc);
+        fence_a_frags<BN / 16>(pa);
+        wg_rescale<HD>(acc, alpha);
+        acc_to_a_frags<T, BN>(pa, sc);
+    }
+    if (it > 0) {   // O += P V of the last tile (its V: issued in its iteration, or with Q)
+        cp_async_wait_all();
+        fence_proxy_async();
+        __syncthreads();
+        wg_pv<T, HD, BN>(acc, pa, sV + ((it - 1) & 1) * KV_BYTES);
+        wgmma_wait<0>();
+        wgmma_fence_acc<HD>(acc);
+    }
+}
+
+template <typename T, int HD, int BN, int NWG, bool OVERLAP>
 __global__ void __launch_bounds__(NWG * 128, 1)
 attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss, long long o_sh,
                float* __restrict__ lse) {
@@ -165,17 +253,13 @@ attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_
     const int row0 = m0 + lrow;
     const pa_u32 sQw = sQ + wg * 64 * 128;     // the warpgroup's 64 rows (8-row groups are 1024 B)
 
-    for (int n0 = n_first, it = 0; n0 < n_hi; n0 += BN, ++it) {
-        const int buf = it & 1;
-        // 1. tile n landed and is visible to wgmma; tile n + BN prefetched into the other buffer.
-        kv_walk_step<T, BN, HD, NT>(sK, sV, KV_BYTES, buf, cta, n0 + BN, n_hi, k_ss, v_ss, head_dim, head_dim_v, tid);
-
-        // 2. S = Q K^T; 3. softmax; 4. O += P V
-        wg_qk<T, HD, BM, BN>(sc, sQw, sK + buf * KV_BYTES);
-        pa_u32 pa[BN / 16][4];
-        wg_softmax_pv<T, HD, BM, BN>(sc, acc, m_i, l_i, pa, sV, buf, s, m0, row0, n0, t4, scale_log2, win_left,
-                                     win_right);
-    }
+    // 1. K/V tiles landed, 2. S = Q K^T, 3. softmax, 4. O += P V: serially or overlapped
+    if (OVERLAP)
+        wg_walk_overlap<T, HD, BM, BN, NT>(acc, sc, m_i, l_i, sQw, sK, sV, cta, n_first, n_hi, k_ss, v_ss, head_dim,
+                                           head_dim_v, tid, m0, row0, t4, scale_log2, win_left, win_right);
+    else
+        wg_walk_serial<T, HD, BM, BN, NT>(acc, sc, m_i, l_i, sQw, sK, sV, cta, n_first, n_hi, k_ss, v_ss, head_dim,
+                                          head_dim_v, tid, m0, row0, t4, scale_log2, win_left, win_right);
 
     // Epilogue. A CTA whose rows see no key skips the loop with its Q copies possibly in flight.
     cp_async_wait_all();

@@ -63,17 +63,31 @@ __device__ __forceinline__ void cp_async16_s(pa_u32 dst, const void* src, int sr
 }
 
 // Global -> shared SW128 copy of a [ROWS x HD] tile (rows row_stride elements apart), zero-filling
-// rows >= rows_valid and columns >= cols_valid (a multiple of 8); NT threads.
+// rows >= rows_valid and columns >= cols_valid (a multiple of 8); NT threads. Thread tid copies the
+// 16-byte chunk at column (tid % CPR) * 8 of rows tid / CPR + i * NT / CPR, i < ROWS * CPR / NT: a
+// fixed trip count with the column, its bound and the first row's addresses worked out once, so
+// each copy costs a row test, an address step and the cp.async (the per-chunk div/mod and bounds
+// of a tid-strided loop were ~25 instructions a copy on sm_90a). When NT / CPR is a multiple of 8
+// the swizzle phase (r % 8) is the same in every pass and the shared offset steps by a constant.
 template <typename T, int ROWS, int HD, int NT>
 __device__ __forceinline__ void load_tile_sw128(pa_u32 sbase, const T* g, long long row_stride, int rows_valid,
                                                 int cols_valid, int tid) {
     constexpr int CPR = HD / 8;   // 16-byte chunks per row
-#pragma unroll 4
-    for (int c = tid; c < ROWS * CPR; c += NT) {
-        const int r = c / CPR, col = (c % CPR) * 8;
-        const bool ok = r < rows_valid && col < cols_valid;
-        const T* src = ok ? g + (long long)r * row_stride + col : g;
-        cp_async16_s(sbase + sw128_offset<ROWS>(r, col), src, ok ? 16 : 0);
+    static_assert(NT % CPR == 0 && (ROWS * CPR) % NT == 0, "whole rows per pass, whole passes per tile");
+    constexpr int RSTEP = NT / CPR, PASSES = ROWS * CPR / NT;
+    const int r0 = tid / CPR, col = (tid % CPR) * 8;
+    const bool col_ok = col < cols_valid;
+    const T* src = g + (long long)r0 * row_stride + col;
+    const long long step = (long long)RSTEP * row_stride;
+    // fully unrolled up to 8 passes (every consumer-side load); the 16 passes of a 128-thread
+    // producer at HD 256 in fours, which its 40 registers hold without spilling
+#pragma unroll(PASSES <= 8 ? PASSES : 4)
+    for (int i = 0; i < PASSES; ++i) {
+        const int r = r0 + i * RSTEP;
+        const bool ok = col_ok && r < rows_valid;
+        const pa_u32 dst = RSTEP % 8 == 0 ? sbase + sw128_offset<ROWS>(r0, col) + i * RSTEP * 128
+                                          : sbase + sw128_offset<ROWS>(r, col);
+        cp_async16_s(dst, ok ? src + i * step : g, ok ? 16 : 0);
     }
 }
 

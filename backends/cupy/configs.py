@@ -136,6 +136,14 @@ def wgmma_tile(hd: int) -> tuple[int, int]:
     return (64, 2) if hd > 128 else (128, 2)
 
 
+#: Whether the wgmma forward's default instantiation overlaps each key tile's softmax with the
+#: previous tile's O += P V (``wg_walk_overlap`` in attn_fwd_wgmma.cu, FA3's intra-warpgroup
+#: pipelining) instead of waiting for each product in turn (``wg_walk_serial``);
+#: ``KernelConfig("fwd_wgmma", ..., tile=(BLOCK_N, 2, 0))`` names the serial one
+#: (tools/cupy_wgmma_check.py times both).
+WGMMA_OVERLAP = True
+
+
 def bwd_mma_tile(hd: int, role: str) -> tuple[int, int, int]:
     """(warps, tile, split) of the tensor-core backward kernels (attn_bwd_mma.cu).
 
@@ -267,8 +275,8 @@ class KernelConfig:
         if self.family == "fwd_fma":
             return {"plain": f"attn_fwd_fma<{t}, {hd}>"}
         if self.family == "fwd_wgmma":
-            bn, nwg = wgmma_tile(hd)
-            return {"plain": f"attn_fwd_wgmma<{t}, {hd}, {bn}, {nwg}>"}
+            bn, nwg, overlap = self.tile if self.tile is not None else (*wgmma_tile(hd), WGMMA_OVERLAP)
+            return {"plain": f"attn_fwd_wgmma<{t}, {hd}, {bn}, {nwg}, {'true' if overlap else 'false'}>"}
         if self.family == "fwd_wgmma_ws":
             bn, _, pingpong = self.tile if self.tile is not None else (*wgmma_tile(hd), 1)
             return {"plain": f"attn_fwd_wgmma_ws<{t}, {hd}, {bn}, {'true' if pingpong else 'false'}>"}
@@ -446,7 +454,10 @@ def wgmma_configs(with_probe: bool = False) -> list[KernelConfig]:
     the wgmma forwards (``with_probe``: and the layout probe) and the wgmma backward."""
     fams = ("fwd_wgmma", "fwd_wgmma_ws") + (("wgmma_probe",) if with_probe else ())
     out = [KernelConfig(f, dt, hd) for f in fams for hd in WGMMA_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
-    # the warp-specialized forward without the consumers' pingpong (timed against it)
+    # the serial wgmma forward (timed against the overlapped one) and the warp-specialized one
+    # without the consumers' pingpong (timed against it)
+    out += [KernelConfig("fwd_wgmma", dt, hd, tile=(*wgmma_tile(hd), 0)) for hd in WGMMA_HEAD_DIMS
+            for dt in TENSOR_CORE_DTYPES]
     out += [KernelConfig("fwd_wgmma_ws", dt, hd, tile=(wgmma_tile(hd)[0], 2, 0))
             for hd in WGMMA_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
     out += [KernelConfig("bwd_wgmma", dt, hd) for hd in WGMMA_BWD_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
