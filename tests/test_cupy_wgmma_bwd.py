@@ -54,8 +54,9 @@ def _choose(mode, dt, d, dv, extras=False, cap=(9, 0), smem=None):
 @pytest.mark.parametrize("mode", ["auto", "mma128", "fma", "wgmma"])
 def test_backward_choice(mode):
     fam = lambda *a, **kw: _choose(mode, *a, **kw)[0].family  # noqa: E731
-    wg = "bwd_wgmma" if mode == "wgmma" else ("bwd" if mode == "fma" else "bwd_mma")
-    wg128 = "bwd_wgmma" if mode == "auto" else wg   # auto: the wgmma backward at padded HD 128 only
+    wg = "bwd_wgmma" if mode in ("wgmma", "auto") else ("bwd" if mode == "fma" else "bwd_mma")
+    wg128 = wg   # auto: the wgmma backward at padded HD 64 and 128, where it is instantiated
+    assert set(configs.WGMMA_BWD_AUTO_HEAD_DIMS) <= set(configs.WGMMA_BWD_HEAD_DIMS)
     assert fam("bfloat16", 128, 128) == wg128
     assert fam("float16", 64, 64) == wg
     assert fam("float16", 40, 40) == wg            # padded to 64
@@ -76,7 +77,7 @@ def test_backward_choice(mode):
     assert configs.BACKWARD_ENV in why and mode in why
     if mode == "auto":
         assert cfg == configs.KernelConfig("bwd_wgmma", "bfloat16", 128) and "sm_90a" in why
-        assert "auto takes it at 128" in _choose(mode, "float16", 64, 64)[1]
+        assert _choose(mode, "float16", 64, 64)[0] == configs.KernelConfig("bwd_wgmma", "float16", 64)
     if mode == "wgmma":
         assert cfg == configs.KernelConfig("bwd_wgmma", "bfloat16", 128) and "sm_90a" in why
         assert "softcap" in _choose(mode, "bfloat16", 128, 128, extras=True)[1]
@@ -96,6 +97,8 @@ def test_backward_choice_reads_the_env(monkeypatch):
     cfg, why = configs.backward_choice("float16", 128, 128, extras=False, capability=(9, 0))
     assert cfg.family == "bwd_wgmma" and "auto" in why
     cfg, why = configs.backward_choice("float16", 64, 64, extras=False, capability=(9, 0))
+    assert cfg.family == "bwd_wgmma" and "auto" in why
+    cfg, why = configs.backward_choice("float16", 256, 256, extras=False, capability=(9, 0))
     assert cfg.family == "bwd_mma" and "auto" in why
     monkeypatch.setenv(configs.BACKWARD_ENV, "mma128")
     cfg, why = configs.backward_choice("float16", 128, 128, extras=False, capability=(9, 0))
@@ -130,10 +133,12 @@ def test_kernel_families_name_the_wgmma_backward(monkeypatch):
     assert fam.startswith("bwd_mma") and "needs 9.0" in fam
     fam = kernel_families(build_spec(q, q, q, softcap=5.0), capability=(9, 0))["backward"]
     assert fam.startswith("bwd_mma") and "softcap" in fam
-    monkeypatch.delenv(configs.BACKWARD_ENV)   # auto: the wgmma backward at padded HD 128, not at 64
+    monkeypatch.delenv(configs.BACKWARD_ENV)   # auto: the wgmma backward at padded HD 64 and 128, not 256
     assert kernel_families(spec, capability=(9, 0))["backward"].startswith("bwd_wgmma (Hopper")
     q64 = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16, requires_grad=True)
-    assert kernel_families(build_spec(q64, q64, q64), capability=(9, 0))["backward"].startswith("bwd_mma")
+    assert kernel_families(build_spec(q64, q64, q64), capability=(9, 0))["backward"].startswith("bwd_wgmma")
+    q256 = torch.randn(1, 8, 2, 256, dtype=torch.bfloat16, requires_grad=True)
+    assert kernel_families(build_spec(q256, q256, q256), capability=(9, 0))["backward"].startswith("bwd_mma")
 
 
 @pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window": (4, 2)}])

@@ -805,8 +805,8 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
 
 @pytest.mark.parametrize("sq, d, causal, residual, expect", [
     (1024, 128, False, False, True), (16384, 128, False, False, True), (512, 128, False, False, False),
-    (1024, 128, True, False, True), (2047, 128, True, False, True), (2048, 128, True, False, False),
-    (1024, 128, True, True, True), (4096, 128, False, True, True), (4096, 128, True, True, False),
+    (1024, 128, True, False, True), (4095, 128, True, False, True), (4096, 128, True, False, False),
+    (2048, 128, True, True, True), (4096, 128, False, True, True), (4096, 128, True, True, False),
     (4096, 64, False, False, True), (2048, 64, False, False, False), (4096, 64, True, False, False),
     (4096, 64, False, True, False), (4096, 256, False, False, False)])
 def test_auto_launches_the_persistent_variant_on_its_rows(monkeypatch, sq, d, causal, residual, expect):

@@ -42,10 +42,11 @@ WGMMA_FAMILIES = ("fwd_wgmma", "fwd_wgmma_ws", "wgmma_probe", "bwd_wgmma")
 WGMMA_ARCH = "sm_90a"
 #: Padded head dims the wgmma forward is instantiated for (the others run attn_fwd_mma).
 WGMMA_HEAD_DIMS = (64, 128, 256)
-#: Padded head dims where ``auto`` takes the wgmma forward: the H200 check (2026-12-02,
-#: benchmarks/results/cupy-wgmma-check-h200.txt, bf16, S 1k/4k/16k, causal and not) timed it
-#: 1.05-1.65 x the mma.sync forward at HD 128 and 256 and 0.96-0.98 x at HD 64.
-WGMMA_AUTO_HEAD_DIMS = (128, 256)
+#: Padded head dims where ``auto`` takes the wgmma forward: every one it is instantiated for. The
+#: H200 check (2026-12-04, benchmarks/results/cupy-wgmma-check-h200.txt, bf16, S 1k/4k/16k,
+#: causal and not; the overlapped walk with fixed-trip loads) timed it 1.14-1.27 x the mma.sync
+#: forward at HD 64, 1.26-1.61 x at 128 and 1.45-2.18 x at 256, after its 15 float64 checks passed.
+WGMMA_AUTO_HEAD_DIMS = (64, 128, 256)
 #: Environment switch of the 16-bit forward (read at call time by :func:`forward_mode`): ``auto``
 #: (default, also unset/empty) = the sm_90a wgmma forward where it applies and was timed faster
 #: (:data:`WGMMA_AUTO_HEAD_DIMS`), the mma.sync forward elsewhere; ``mma`` = the mma.sync forward;
@@ -58,11 +59,12 @@ FORWARD_ENV = "PORTATTN_CUPY_FORWARD"
 #: dK and dV accumulators of 64 keys x HD columns, HD floats per thread (256 > the 255 registers of
 #: a thread), so HD 256 (and every other bucket) stays on the mma.sync backward.
 WGMMA_BWD_HEAD_DIMS = (64, 128)
-#: Padded head dims at which ``auto`` takes the wgmma backward (compute capability 9.0): the H200
-#: (2026-12-03, bf16, 16k tokens, hidden 2048; benchmarks/results/cupy-wgmma-bwd-check-h200.*)
-#: timed it at 1.12-1.35 x the mma.sync backward at 128 and 0.93-1.03 x at 64, after its GPU tests
-#: and its 16 float64 checks passed.
-WGMMA_BWD_AUTO_HEAD_DIMS = (128,)
+#: Padded head dims at which ``auto`` takes the wgmma backward (compute capability 9.0): both it is
+#: instantiated for. The H200 (2026-12-04, bf16, 16k tokens, hidden 2048, with the fixed-trip
+#: SW128 loads; benchmarks/results/cupy-wgmma-bwd-check-h200.*) timed it at 1.26-1.60 x the
+#: mma.sync backward at 128 and 1.04-1.16 x at 64, after its GPU tests (57) and its 16 float64
+#: checks passed.
+WGMMA_BWD_AUTO_HEAD_DIMS = (64, 128)
 FORWARD_MODES = ("auto", "mma", "wgmma", "wgmma_ws")
 
 # Tile sizes of the backward and of the float32 forward (must match attn_bwd.cu / attn_fwd.cu).

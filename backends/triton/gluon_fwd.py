@@ -882,13 +882,15 @@ AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False
 #: persistent / one-tile at S 1k, 4k, 16k): D 128 1.25, 1.05, 1.01 (training 1.30, 0.98, 1.10);
 #: causal 1.23, 0.98, 0.89 (training 1.24, 0.91, 1.01) — a longest-first walk over a fixed grid
 #: balances long causal bands worse than the hardware's own CTA scheduling does; D 64 (against the
-#: portable kernel, which ``auto`` runs there) 1.00, 1.05, 1.06, causal 0.89, 0.94, 0.99. Where a
+#: portable kernel, which ``auto`` runs there) 1.00, 1.05, 1.06, causal 0.89, 0.94, 0.99; D 128
+#: causal at S 2k (--time --cells, the same day) 1.04, training 1.04, so the causal rows end at 4k.
+#: Where a
 #: row starts below the one-tile kernel's :data:`AUTO_MIN_SEQLEN_Q`, :func:`auto_takes` takes the
 #: Gluon forward from that row's start (D 128 causal at 1k: persistent 1.15 x the portable
 #: kernel, training 1.09 x; D 64 from 4k).
 AUTO_PERSISTENT = {
-    (128, False, False): (1024, 1 << 31), (128, True, False): (1024, 2048),
-    (128, False, True): (1024, 1 << 31), (128, True, True): (1024, 2048),
+    (128, False, False): (1024, 1 << 31), (128, True, False): (1024, 4096),
+    (128, False, True): (1024, 1 << 31), (128, True, True): (1024, 4096),
     (64, False, False): (4096, 1 << 31),
 }
 
