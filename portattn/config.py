@@ -31,13 +31,13 @@ VARIABLES = {
     "PORTATTN_PRIORITY_AMD": "comma-separated backend order for AMD ROCm devices",
     "PORTATTN_PRIORITY_CPU": "comma-separated backend order for CPU tensors",
     "PORTATTN_HYPOTHESIS_PROFILE": "Hypothesis profile for the property tests: ci, gpu or nightly",
-    "PORTATTN_CUPY_BACKWARD": "cupy's fp16/bf16 backward: auto (default: tensor cores at every head dim), mma128 "
-                              "(FMA above padded head dim 128, the earlier kernels), fma (FMA always) or wgmma (the "
+    "PORTATTN_CUPY_BACKWARD": "cupy's fp16/bf16 backward: auto (default: tensor cores at every head dim — the "
                               "sm_90a wgmma kernels on Hopper at padded head dims 64/128 without softcap/ALiBi/bias, "
-                              "not yet run on a GPU; mma.sync elsewhere); read on every call by "
-                              "backends/cupy/configs.py",
+                              "where the H200 timed them faster, mma.sync elsewhere), mma128 (FMA above padded head "
+                              "dim 128, the earlier kernels), fma (FMA always) or wgmma (the wgmma kernels wherever "
+                              "they apply and fit); read on every call by backends/cupy/configs.py",
     "PORTATTN_CUPY_FORWARD": "cupy's fp16/bf16 forward: auto (default: the sm_90a wgmma kernel at padded head dims "
-                             "128/256 on Hopper, where the H200 timed it faster; the mma.sync kernel elsewhere), "
+                             "64/128/256 on Hopper, where the H200 timed it faster; the mma.sync kernel elsewhere), "
                              "mma, wgmma (the wgmma kernel wherever it applies) or wgmma_ws (its warp-specialised "
                              "variant); read on every call by backends/cupy/configs.py",
     "PORTATTN_TRITON_DQ": "triton's fp16/bf16 backward when determinism is not requested: auto (default: "

@@ -392,7 +392,7 @@ def test_forward_kv_stages_2_is_bit_identical(monkeypatch, case):
 
     q, k, v, kw = _inputs(case, torch.bfloat16, seed=17)
     spec = build_spec(q, k, v, **kw)
-    monkeypatch.setenv(configs.FORWARD_ENV, "mma")   # the mma.sync forward's two pipelines (auto: wgmma at HD 128/256)
+    monkeypatch.setenv(configs.FORWARD_ENV, "mma")   # the mma.sync forward's two pipelines (auto: wgmma at HD 64/128/256)
     monkeypatch.delenv(configs.FORWARD_KV_STAGES_ENV, raising=False)
     out1, lse1 = CupyBackend().forward(spec)
     monkeypatch.setenv(configs.FORWARD_KV_STAGES_ENV, "2")

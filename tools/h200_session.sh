@@ -32,7 +32,7 @@
 #   gluon               tools/triton_gluon_check.py: the Gluon forward's compile, numerics, timings [440]
 #   gluonbwd            tools/triton_gluon_bwd_check.py: the opt-in Gluon backward's compile, gradients,
 #                       timings; $GLUONBWD_ARGS (e.g. --quick) [260]
-#   cupywgmma           tools/cupy_wgmma_check.py: cupy's sm_90a wgmma forward [170]
+#   cupywgmma           tools/cupy_wgmma_check.py: cupy's sm_90a wgmma forward [300]
 #   cupybwd             tools/cupy_wgmma_bwd_check.py, its backward (skipped while the tree lacks it) [200]
 #   cupyfwd             tools/cupy_fwd_check.py: cupy's mma.sync forward [140]
 #   sweep[:v]           tools/triton_sweep.py: train (default; compiles per head dim first), fwd
@@ -359,7 +359,7 @@ step_gluonbwd() {
   split args "${GLUONBWD_ARGS:-}"
   tool "$1" "$(limit "${GLUONBWD_LIMIT:-260}")" 20 gluon_bwd_check.txt tools/triton_gluon_bwd_check.py "${args[@]}"
 }
-step_cupywgmma() { tool "$1" "$(limit "${CUPYWGMMA_LIMIT:-170}")" 20 wgmma_check.txt tools/cupy_wgmma_check.py; }
+step_cupywgmma() { tool "$1" "$(limit "${CUPYWGMMA_LIMIT:-300}")" 20 wgmma_check.txt tools/cupy_wgmma_check.py; }
 step_cupyfwd() { tool "$1" "$(limit "${CUPYFWD_LIMIT:-140}")" 10 cupy_fwd_check.txt tools/cupy_fwd_check.py; }
 
 step_cupybwd() {

@@ -53,7 +53,8 @@ WGMMA_AUTO_HEAD_DIMS = (64, 128, 256)
 #: ``wgmma`` = the wgmma forward wherever it applies (compute capability 9.0, fp16/bf16, padded
 #: head dim 64/128/256, no softcap/ALiBi/bias), the mma.sync forward elsewhere; ``wgmma_ws`` = the
 #: same with the warp-specialized wgmma forward (a producer warpgroup, mbarriers, consumer
-#: pingpong; 0.85 x the plain wgmma forward on the H200, so never the default).
+#: pingpong; 0.85 x the then serial plain wgmma forward on the H200 on 2026-12-02, so never the
+#: default; the plain kernel has overlapped each tile's softmax with the previous P V since).
 FORWARD_ENV = "PORTATTN_CUPY_FORWARD"
 #: Padded head dims the wgmma backward is instantiated for. Not 256: its dK/dV warpgroup holds the
 #: dK and dV accumulators of 64 keys x HD columns, HD floats per thread (256 > the 255 registers of
@@ -80,8 +81,8 @@ BWD_MMA_MAX_HEAD_DIM = 256
 #: ``fma`` = the FMA kernels for every problem; ``wgmma`` = the sm_90a wgmma backward where it
 #: applies (compute capability 9.0, fp16/bf16, padded head dim in :data:`WGMMA_BWD_HEAD_DIMS`, no
 #: softcap / ALiBi / bias), the tensor-core (mma.sync) backward elsewhere (:func:`backward_choice`
-#: says why). float32 runs the FMA kernels in every mode. ``auto`` does not take the wgmma
-#: backward (yet: not timed on the H200).
+#: says why). float32 runs the FMA kernels in every mode. ``auto`` takes the wgmma backward at
+#: :data:`WGMMA_BWD_AUTO_HEAD_DIMS` (where the H200 timed it faster) and mma.sync elsewhere.
 BACKWARD_ENV = "PORTATTN_CUPY_BACKWARD"
 BACKWARD_MODES = ("auto", "mma128", "fma", "wgmma")
 #: Environment switch of the tensor-core forward's K/V pipeline (read at call time by
@@ -200,14 +201,16 @@ def _env_mode(name: str, modes: tuple, meaning: str) -> str:
 
 def backward_mode() -> str:
     """The value of :data:`BACKWARD_ENV` (``auto`` when unset); ValueError names the choices."""
-    return _env_mode(BACKWARD_ENV, BACKWARD_MODES, "auto = the mma.sync tensor-core backward for fp16/bf16 at "
-                                                   "every head dim; wgmma = the sm_90a backward where it applies")
+    return _env_mode(BACKWARD_ENV, BACKWARD_MODES, "auto = tensor cores for fp16/bf16 at every head dim (the "
+                                                   "sm_90a wgmma backward at padded head dims 64/128 on 9.0, "
+                                                   "mma.sync elsewhere); wgmma = the sm_90a backward wherever "
+                                                   "it applies")
 
 
 def forward_mode() -> str:
     """The value of :data:`FORWARD_ENV` (``auto`` when unset); ValueError names the choices."""
     return _env_mode(FORWARD_ENV, FORWARD_MODES, "auto = the sm_90a wgmma forward at padded head dims "
-                                                 "128/256 on 9.0, mma.sync elsewhere; wgmma = the sm_90a "
+                                                 "64/128/256 on 9.0, mma.sync elsewhere; wgmma = the sm_90a "
                                                  "forward wherever it applies")
 
 
