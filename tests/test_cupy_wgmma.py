@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from _ptx_wgmma import wgmma_register_hazards
 from portattn.backends.cupy import compile_check, configs
 
 from portattn.spec import build_spec
@@ -96,8 +97,8 @@ def test_wgmma_config_geometry():
     fwd = [n for c in configs.wgmma_configs() if c.family.startswith("fwd") for n in c.name_expressions()]
     assert len(fwd) == len(set(fwd)) == 24
     bwd = [n for c in configs.wgmma_configs() if c.family == "bwd_wgmma" for n in c.name_expressions()]
-    # 2 dtypes x 2 head dims x (dK/dV, dQ), the preprocess once per dtype
-    assert len(set(bwd)) == 10 and len(bwd) == 12
+    # 2 dtypes x 2 head dims x (dK/dV, dQ) x (overlapped walk or not), the preprocess once per dtype
+    assert len(set(bwd)) == 18 and len(bwd) == 24
     assert configs.KernelConfig("fwd_mma", "bfloat16", 128).arch is None
 
 
@@ -210,72 +211,50 @@ def test_nvrtc_binding_skips_a_binding_that_cannot_load_nvrtc(monkeypatch):
         sm90a.nvrtc_binding()
 
 
-def _wgmma_register_hazards(ptx: str) -> list[str]:
-    """Instructions of one PTX entry that touch a register of a wgmma chain while the chain is in
-    flight: from its wgmma.fence until a wgmma.wait_group retires it (PTX ISA 9.7.15.7.1: an
-    ordinary access to an accumulator or A-fragment register must come before the wgmma.fence;
-    the accumulators may be read only after the wgmma.wait_group). ``wait_group N`` retires all
-    but the N most recently committed chains, so a chain left in flight under ``wait_group 1``
-    (the overlapped forward's P V while the softmax runs) stays checked until a later wait. The
-    PTX is read in text order (a branch's two arms one after the other)."""
-    lines = [ln.split("//")[0].strip() for ln in ptx.splitlines()]
-    bad, inflight, i = [], [], 0   # inflight: (PTX line of the fence, registers) of committed chains
-
-    def chain_regs(start: int) -> tuple[set, int]:
-        j, regs = start + 1, set()
-        while j < len(lines) and not lines[j].startswith("wgmma.commit_group"):
-            if lines[j].startswith("wgmma.mma_async"):
-                regs |= {r for grp in re.findall(r"\{([^}]*)\}", lines[j]) for r in re.findall(r"%\w+", grp)}
-            j += 1
-        return regs, j
-
-    active = None
-    while i < len(lines):
-        ln = lines[i]
-        if ln.startswith("wgmma.fence"):
-            regs, _ = chain_regs(i)
-            assert regs, f"a wgmma.fence at PTX line {i} without a chain"
-            active = (i, regs) if active is None else (active[0], active[1] | regs)
-        elif ln.startswith("wgmma.commit_group"):
-            if active is not None:
-                inflight.append(active)
-            active = None
-        elif ln.startswith("wgmma.wait_group"):
-            n = int(re.search(r"(\d+)\s*;", ln).group(1))
-            inflight = inflight[len(inflight) - n:] if n else []
-        elif ln and not ln.startswith("wgmma."):
-            used = set(re.findall(r"%\w+", ln))
-            for start, regs in inflight + ([active] if active else []):
-                if regs & used:
-                    bad.append(f"line {i} (chain of line {start}): {ln}")
-                    break
-        i += 1
-    return bad
-
-
 def test_register_hazard_check_sees_a_late_write():
     """The checker below flags an accumulator write moved past the wgmma.fence, and a touch of a
     chain that a ``wait_group 1`` left in flight (it can fail)."""
     ok = ("wgmma.fence.sync.aligned;\nadd.s32 %r9, %r9, 1;\n"
           "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%f1, %f2}, {%r1, %r2, %r3, %r4}, %rd1, p, 1, 1, 1;\n"
           "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\nmul.f32 %f1, %f1, %f3;\n")
-    assert _wgmma_register_hazards(ok) == []
+    assert wgmma_register_hazards(ok) == []
     late = ok.replace("add.s32 %r9, %r9, 1;", "mul.f32 %f2, %f2, %f7;")
-    assert len(_wgmma_register_hazards(late)) == 1
+    assert len(wgmma_register_hazards(late)) == 1
     early_read = ok.replace("wgmma.wait_group.sync.aligned 0;\nmul.f32", "mul.f32 %f5, %r3, %f3;\nwgmma.wait_group.sync.aligned 0;\nmul.f32")
-    assert len(_wgmma_register_hazards(early_read)) == 1
+    assert len(wgmma_register_hazards(early_read)) == 1
     second = ("wgmma.fence.sync.aligned;\n"
               "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%f8, %f9}, {%r5, %r6, %r7, %r8}, %rd2, p, 1, 1, 1;\n"
               "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 1;\n")
     two = ok.replace("wgmma.wait_group.sync.aligned 0;\n", second + "mul.f32 %f1, %f1, %f3;\n"
                      "wgmma.wait_group.sync.aligned 0;\n")
-    assert _wgmma_register_hazards(two) == []          # chain 1 retired by wait 1, chain 2 untouched
+    assert wgmma_register_hazards(two) == []          # chain 1 retired by wait 1, chain 2 untouched
     touch = two.replace("mul.f32 %f1, %f1, %f3;\nwgmma.wait_group.sync.aligned 0;",
                         "mul.f32 %f9, %f9, %f3;\nwgmma.wait_group.sync.aligned 0;")
-    assert len(_wgmma_register_hazards(touch)) == 1    # chain 2 still in flight under wait 1
+    assert len(wgmma_register_hazards(touch)) == 1    # chain 2 still in flight under wait 1
     reuse_a = two.replace("mul.f32 %f1, %f1, %f3;\nwgmma.wait_group.sync.aligned 0;",
                           "mov.b32 %r6, %r9;\nwgmma.wait_group.sync.aligned 0;")
-    assert len(_wgmma_register_hazards(reuse_a)) == 1  # its A fragment rewritten before the wait
+    assert len(wgmma_register_hazards(reuse_a)) == 1  # its A fragment rewritten before the wait
+
+
+def test_register_hazard_check_follows_the_control_flow():
+    """A chain committed at the end of a loop body is in flight at the loop's head on the back
+    edge: a touch of its registers there (before the wait) is flagged, the same touch after the
+    wait is not, and a block no in-flight path reaches (the loop's bypass) may use them freely."""
+    mma = "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%f1, %f2}, %rd1, %rd2, p, 1, 1, 0, 0;\n"
+    chain = "wgmma.fence.sync.aligned;\n" + mma + "wgmma.commit_group.sync.aligned;\n"
+
+    def loop(head: str) -> str:
+        return ("@%p1 bra $L_skip;\n"
+                "$L_head:\n" + head + "wgmma.wait_group.sync.aligned 0;\nadd.f32 %f3, %f1, %f2;\n" + chain
+                + "@%p2 bra $L_head;\nwgmma.wait_group.sync.aligned 0;\nbra.uni $L_end;\n"
+                "$L_skip:\nmov.f32 %f1, 0f00000000;\n$L_end:\nret;\n")
+
+    assert wgmma_register_hazards(loop("add.s32 %r1, %r1, 1;\n")) == []
+    flagged = wgmma_register_hazards(loop("mov.f32 %f2, %f9;\n"))
+    assert len(flagged) == 1 and "mov.f32 %f2" in flagged[0]
+    with pytest.raises(AssertionError, match="never waited"):   # a path to the end with the chain running
+        wgmma_register_hazards(loop("").replace("@%p2 bra $L_head;\nwgmma.wait_group.sync.aligned 0;\n",
+                                                "@%p2 bra $L_head;\n"))
 
 
 def _sm90a_ptx_entries(names) -> dict:
@@ -312,7 +291,7 @@ def test_sm90a_ptx_keeps_wgmma_registers_behind_the_fences():
              configs.KernelConfig("wgmma_probe", "bfloat16", 256).kernel_names()["probe"]]
     for name, body in _sm90a_ptx_entries(names).items():
         assert body.count("wgmma.fence") >= 2, name
-        assert _wgmma_register_hazards(body) == [], name
+        assert wgmma_register_hazards(body) == [], name
 
 
 # ----- GPU ---------------------------------------------------------------------------------------

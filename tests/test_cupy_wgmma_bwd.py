@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import torch
+from _ptx_wgmma import wgmma_register_hazards
 from portattn.backends.cupy import compile_check, configs
 
 from portattn.spec import build_spec
@@ -112,9 +113,17 @@ def test_wgmma_backward_config_geometry():
             assert cfg.arch == "sm_90a" and cfg.source_files == configs.WGMMA_SOURCE_FILES
             assert cfg in configs.wgmma_configs() and cfg not in configs.all_configs()
             (bm, nwk), (bn, nwq) = configs.wgmma_bwd_tile(hd, "dkdv"), configs.wgmma_bwd_tile(hd, "dq")
+            ov = "true" if configs.WGMMA_BWD_OVERLAP else "false"
             assert cfg.kernel_names() == {"preprocess": f"attn_bwd_preprocess<{cfg.ctype}>",
-                                          "dkdv": f"attn_bwd_dkdv_wgmma<{cfg.ctype}, {hd}, {bm}, {nwk}>",
-                                          "dq": f"attn_bwd_dq_wgmma<{cfg.ctype}, {hd}, {bn}, {nwq}>"}
+                                          "dkdv": f"attn_bwd_dkdv_wgmma<{cfg.ctype}, {hd}, {bm}, {nwk}, {ov}>",
+                                          "dq": f"attn_bwd_dq_wgmma<{cfg.ctype}, {hd}, {bn}, {nwq}, {ov}>"}
+            # the other walk: the same launch geometry, a third Q/dO (dK/dV) or K (dQ) buffer when overlapped
+            other = configs.KernelConfig("bwd_wgmma", dt, hd, tile=(int(not configs.WGMMA_BWD_OVERLAP),))
+            assert other in configs.wgmma_configs() and other.bwd_overlap != cfg.bwd_overlap
+            lo, hi = (cfg, other) if other.bwd_overlap else (other, cfg)
+            assert hi.smem_bytes("dkdv") - lo.smem_bytes("dkdv") == 2 * bm * hd * 2 + 8 * bm
+            assert hi.smem_bytes("dq") - lo.smem_bytes("dq") == bn * hd * 2
+            assert other.max_smem_bytes() <= configs.SMEM_LIMITS[90]
             assert cfg.threads("dkdv") == 128 * nwk and cfg.block_rows("dkdv") == 64 * nwk
             assert cfg.threads("dq") == 128 * nwq and cfg.block_rows("dq") == 64 * nwq
             assert cfg.threads("preprocess") == configs.PRE_THREADS and cfg.smem_bytes("preprocess") == 0
@@ -187,7 +196,7 @@ def test_runtime_falls_back_when_sm90a_does_not_compile(monkeypatch):
 def _expected_hgmma(name: str) -> int:
     """wgmma instructions per tile in the source: dK/dV: S^T and dP^T (HD / 16 each), dV and dK
     (BM / 16 each); dQ: S and dP (HD / 16 each), dQ (BN / 16)."""
-    hd, tile = (int(x) for x in re.search(r"<\w+, (\d+), (\d+), \d+>", name).groups())
+    hd, tile = (int(x) for x in re.search(r"<\w+, (\d+), (\d+), \d+, \w+>", name).groups())
     return 2 * hd // 16 + (2 if "dkdv" in name else 1) * tile // 16
 
 
@@ -195,7 +204,7 @@ def _expected_hgmma(name: str) -> int:
 def test_wgmma_backward_compiles_without_spills_and_uses_hgmma(tmp_path):
     names = [n for c in configs.wgmma_configs() if c.family == "bwd_wgmma"
              for r, n in c.kernel_names().items() if r != "preprocess"]
-    assert len(names) == 8
+    assert len(names) == 16   # 2 dtypes x 2 head dims x (dK/dV, dQ) x (overlapped walk or not)
     cubin = str(tmp_path / "bwd.cubin")
     _, lowered = _compile_90a_without_spills(names, cubin)
     sass = _sass(cubin)
@@ -203,37 +212,6 @@ def test_wgmma_backward_compiles_without_spills_and_uses_hgmma(tmp_path):
         block = sass.split(f"Function : {low}")[1].split("Function : ")[0]
         assert block.count("HGMMA.") == _expected_hgmma(name), f"{name}: HGMMA count"
         assert "HMMA." not in block and " LDL" not in block and " STL" not in block, name
-
-
-def _chain_register_hazards(ptx: str) -> list[str]:
-    """test_cupy_wgmma's check, per chain and with wait_group N: the backward issues several
-    chains (each a wgmma.fence, its wgmma.mma_async's and a commit_group) and waits for each only
-    when it needs the result (``wgmma.wait_group 1`` leaves the newest group running). A chain's
-    registers (accumulators and A fragments) may be written by ordinary code before *its* fence
-    (PTX ISA 9.7.15.7.1), and read again once a wait_group completed its group: at
-    ``wait_group N`` every group with at least N groups committed after it is complete. So each
-    chain's registers are checked from its own wgmma.fence to the wait that completes it."""
-    lines = [ln.split("//")[0].strip() for ln in ptx.splitlines()]
-    chains, commits, fence = [], [], None   # chains: [fence line, commit line, regs]
-    for i, ln in enumerate(lines):
-        if ln.startswith("wgmma.fence"):
-            fence = i
-        elif ln.startswith("wgmma.commit_group"):
-            body = [x for x in lines[fence:i] if x.startswith("wgmma.mma_async")]
-            regs = {r for x in body for grp in re.findall(r"\{([^}]*)\}", x) for r in re.findall(r"%\w+", grp)}
-            assert fence is not None and body and regs, f"a commit_group at PTX line {i} without a fenced chain"
-            chains.append([fence, i, regs])
-            commits.append(i)
-    waits = [(i, int(re.search(r"wait_group\.sync\.aligned (\d+)", ln).group(1)))
-             for i, ln in enumerate(lines) if ln.startswith("wgmma.wait_group")]
-    bad = []
-    for start, commit, regs in chains:
-        done = next((w for w, n in waits if w > commit and sum(commit < c < w for c in commits) >= n), None)
-        assert done is not None, f"the chain committed at PTX line {commit} is never waited for"
-        for x in lines[start + 1:done]:
-            if x and not x.startswith("wgmma.") and regs.intersection(re.findall(r"%\w+", x)):
-                bad.append(f"line {start}: {x}")
-    return bad
 
 
 def test_chain_register_hazard_check():
@@ -247,20 +225,20 @@ def test_chain_register_hazard_check():
     wait0, wait1 = "wgmma.wait_group.sync.aligned 0;\n", "wgmma.wait_group.sync.aligned 1;\n"
     ok = (fence + mma + commit + "mov.f32 %f3, %f9;\n" + fence + mma2 + commit + wait1 +
           "add.f32 %f1, %f1, %f1;\n" + wait0 + "add.f32 %f1, %f1, %f3;\n")
-    assert _chain_register_hazards(ok) == []
-    assert len(_chain_register_hazards(ok.replace("mov.f32 %f3, %f9;", "mov.f32 %f2, %f9;"))) == 1
+    assert wgmma_register_hazards(ok) == []
+    assert len(wgmma_register_hazards(ok.replace("mov.f32 %f3, %f9;", "mov.f32 %f2, %f9;"))) == 1
     early = ok.replace("add.f32 %f1, %f1, %f1;", "add.f32 %f1, %f1, %f4;")   # %f4: chain 2, still running
-    assert len(_chain_register_hazards(early)) == 1
+    assert len(wgmma_register_hazards(early)) == 1
     late = ok.replace(wait1, "add.f32 %f5, %f4, %f4;\n" + wait1)
-    assert len(_chain_register_hazards(late)) == 1
+    assert len(wgmma_register_hazards(late)) == 1
     with pytest.raises(AssertionError, match="never waited"):
-        _chain_register_hazards(fence + mma + commit)
+        wgmma_register_hazards(fence + mma + commit)
 
 
 def test_sm90a_ptx_keeps_backward_wgmma_registers_behind_the_fences():
     """In the PTX of every wgmma backward kernel, no ordinary instruction touches a wgmma
     accumulator or A-fragment register between a chain's wgmma.fence and its wait_group
-    (_chain_register_hazards, shown above to flag a late write or an early read)."""
+    (tests/_ptx_wgmma.py, shown above to flag a late write or an early read)."""
     names = [n for c in configs.wgmma_configs() if c.family == "bwd_wgmma"
              for r, n in c.kernel_names().items() if r != "preprocess"]
     for name, body in _sm90a_ptx_entries(names).items():
@@ -268,7 +246,7 @@ def test_sm90a_ptx_keeps_backward_wgmma_registers_behind_the_fences():
         assert body.count("wgmma.fence") == (4 if "dkdv" in name else 3), name
         # each wait_group 1 leaves the newest group running; the last wait of a tile is wait_group 0
         assert body.count("wgmma.wait_group.sync.aligned 1") == (2 if "dkdv" in name else 1), name
-        assert _chain_register_hazards(body) == [], name
+        assert wgmma_register_hazards(body) == [], name
 
 
 # ----- GPU ---------------------------------------------------------------------------------------

@@ -17,10 +17,11 @@ Phases (each writes its results before the next starts, so a run cut short still
    Sq = 1, a gradient through lse (dlse), fp16 and bf16, against float64 under the equivalence
    rule (``portattn.numerics.compare``, factor 3, as tests/test_cupy.py), two runs bit-identical,
    dq of rows with no visible key and dv of keys no row sees exactly 0, and the distance to the
-   mma.sync backward;
+   mma.sync backward; the other walk of the wgmma kernels (:data:`OTHER_WALK`: products left in
+   flight across tiles, or not) must give the same bits (its own verdict line);
 3. timings, in a child process with a timeout (bf16, B*S = 16k tokens, hidden 2048; S 1k / 4k /
-   16k, D 64 / 128, causal and not): the backward alone (preprocess, dK/dV, dQ) of wgmma and
-   mma.sync, and SDPA flash (FA2) and cuDNN's backward, TFLOP/s (2.5 x the forward's
+   16k, D 64 / 128, causal and not): the backward alone (preprocess, dK/dV, dQ) of wgmma, its
+   other walk and mma.sync, and SDPA flash (FA2) and cuDNN's backward, TFLOP/s (2.5 x the forward's
    4 B H S^2 D, halved when causal) and ratios; only when every check passed;
 4. tests: tests/test_cupy_wgmma_bwd.py in a subprocess with the time that is left (the same
    checks through the public switch ``PORTATTN_CUPY_BACKWARD=wgmma``, plus the test_cupy cases;
@@ -78,6 +79,14 @@ CHECK_CASES = [
 #: where the checks run (tests/test_cupy_wgmma_bwd_tool.py runs them on the CPU with the kernels
 #: replaced by the float64 reference, to check this script's own plumbing)
 DEVICE = "cuda"
+#: The wgmma backward's walk that ``auto`` does not build (configs.WGMMA_BWD_OVERLAP), checked bit
+#: for bit against the default and timed beside it: ``tile=(1,)`` overlapped across tiles, ``(0,)`` not.
+sys.path.insert(0, ROOT)
+from portattn.backends.cupy import configs as _configs  # noqa: E402
+
+OTHER_WALK = (int(not _configs.WGMMA_BWD_OVERLAP),)
+OTHER_WALK_NAME = ("the walk that leaves each tile's dV/dK and dQ in flight into the next"
+                   if OTHER_WALK[0] else "the walk that retires each tile's products within it")
 #: timed cells (S, D, causal), most informative first
 TIME_CELLS = [(s, d, c) for s in (4096, 1024, 16384) for d in (128, 64) for c in (False, True)]
 
@@ -91,6 +100,7 @@ def compile_phase(workers: int) -> dict:
 
     dts, hds = configs.TENSOR_CORE_DTYPES, configs.WGMMA_BWD_HEAD_DIMS
     wg = [(fam, dt, hd, None) for fam in ("bwd_wgmma", "fwd_wgmma") for hd in hds for dt in dts]
+    wg += [("bwd_wgmma", dt, hd, OTHER_WALK) for hd in hds for dt in dts]   # the other walk (overlap or not)
     mma = [(c.family, c.dtype, c.head_dim, c.tile, c.kv_stages)
            for c in (configs.backward_config(dt, hd, hd, mode="auto") for hd in hds for dt in dts)]
     res = compile_modules([(_compile_sm90a, c) for c in wg] + [(_compile_one, c) for c in mma], workers)
@@ -110,15 +120,26 @@ def _inputs(case):
     return q, k, v, kw, g
 
 
+def _config(family: str, dt: str, d: int, dv: int):
+    """The backward module of ``family``: "wgmma" (the sm_90a kernels as ``auto`` builds them),
+    "other" (the same with the other walk, :data:`OTHER_WALK`: overlapped across tiles or not),
+    "mma" (mma.sync)."""
+    from portattn.backends.cupy import configs
+
+    if family == "mma":
+        return configs.backward_config(dt, d, dv, mode="auto")
+    cfg = configs.wgmma_backward_config(dt, d, dv)
+    return cfg if family == "wgmma" else configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim, tile=OTHER_WALK)
+
+
 def run_backward(spec, out, lse, dout, dlse, family: str, poison: bool = True):
-    """dq, dk, dv of ``family`` ("wgmma": the sm_90a kernels, "mma": mma.sync), forced (no
-    switch); ``poison``: the gradient buffers' visible parts are NaN before the launch."""
+    """dq, dk, dv of ``family`` (:func:`_config`), forced (no switch); ``poison``: the gradient
+    buffers' visible parts are NaN before the launch."""
     import torch
-    from portattn.backends.cupy import configs, runtime
+    from portattn.backends.cupy import runtime
 
     dt = runtime._DTYPE_NAMES[spec.dtype]
-    cfg = (configs.wgmma_backward_config(dt, spec.head_dim, spec.head_dim_v) if family == "wgmma"
-           else configs.backward_config(dt, spec.head_dim, spec.head_dim_v, mode="auto"))
+    cfg = _config(family, dt, spec.head_dim, spec.head_dim_v)
     plan = runtime.plan_backward(spec, out, lse, dout, cfg, dlse)
     if poison and plan.launches:
         for t in plan.outputs:
@@ -151,6 +172,7 @@ def check_case(case) -> dict:
     g1 = run_backward(spec, out, lse, dout, dlse, "wgmma")
     g2 = run_backward(spec, out, lse, dout, dlse, "wgmma")
     gm = run_backward(spec, out, lse, dout, dlse, "mma", poison=False)
+    go = run_backward(spec, out, lse, dout, dlse, "other")   # the other walk: the same bits expected
 
     def grads(fn, dtype):
         leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
@@ -167,8 +189,9 @@ def check_case(case) -> dict:
     if dlse is not None:
         zs += dlse.abs().max().item() * k.abs().max().item() * spec.scale
     row = {"case": case[0], "dtype": case[-1], "D": spec.head_dim, "Dv": spec.head_dim_v, "grads": {},
-           "repeat_bit_identical": all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(g1, g2))}
-    ok = row["repeat_bit_identical"]
+           "repeat_bit_identical": all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(g1, g2)),
+           "other_walk_bit_identical": all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(g1, go))}
+    ok = row["repeat_bit_identical"]   # the other walk's equality has its own verdict line
     for name, a, m, r, n in zip(("dq", "dk", "dv"), g1, gm, ref, naive):
         c = compare(name, a, r, n, factor=3, zero_ref_scale=zs)
         diff = float((a.double() - m.double()).abs().nan_to_num(1e30).max()) if a.numel() else 0.0
@@ -250,10 +273,8 @@ def time_cell(cell) -> dict:
     out, lse = fwd.outputs
     flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
     row = {"S": seqlen, "B": batch, "H": heads, "D": d, "causal": causal}
-    for fam in ("wgmma", "mma"):
-        cfg = (configs.wgmma_backward_config("bfloat16", d, d) if fam == "wgmma"
-               else configs.backward_config("bfloat16", d, d, mode="auto"))
-        plan = runtime.plan_backward(spec, out, lse, dout, cfg)
+    for fam in ("wgmma", "other", "mma"):
+        plan = runtime.plan_backward(spec, out, lse, dout, _config(fam, "bfloat16", d, d))
         ms = _time_ms(lambda plan=plan: runtime.execute(plan, spec.device), 25, budget_ms=150.0)
         row[f"{fam}_tflops"] = flops / ms * 1e-9
     qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
@@ -341,7 +362,8 @@ def report(res: dict) -> str:
             gs = r["grads"]
             L.append(f"  {r['case']:<26} {r['dtype']:<9} "
                      + " ".join(f"{n} {_fmt(gs[n]['score'], 6, 3)}" for n in ("dq", "dk", "dv"))
-                     + f" rep {str(r['repeat_bit_identical'])[0]} empty {r['empty_rows']}"
+                     + f" rep {str(r['repeat_bit_identical'])[0]} =other {str(r.get('other_walk_bit_identical'))[0]}"
+                     + f" empty {r['empty_rows']}"
                      + (f"/{str(r['empty_rows_zero_dq'])[0]}" if "empty_rows_zero_dq" in r else "")
                      + f" unseen {r.get('unseen_keys', 0)}"
                      + (f"/{str(r['unseen_keys_zero_dv'])[0]}" if "unseen_keys_zero_dv" in r else "")
@@ -362,17 +384,25 @@ def report(res: dict) -> str:
             L += ["  " + x[:300] for x in tm.get("tail", [])]
     L += ["", f"VERDICT (attn_bwd_*_wgmma): {res.get('verdict', 'INCOMPLETE')}" + (f" ({res['why']})" if res.get("why")
                                                                                    else "")]
+    other = [r.get("other_walk_bit_identical") for r in (ch or {}).get("rows", []) if "grads" in r]
+    L.append(f"the other walk ({OTHER_WALK_NAME}): "
+             + ("NOT RUN" if not other else "PASS (the same bits in every check)" if all(other)
+                else f"FAIL (different bits in {other.count(False)} of {len(other)} checks)"))
     rows = [r for r in (tm or {}).get("rows", []) if "wgmma_tflops" in r]
     if rows:
         L += ["bf16 backward TFLOP/s, B*S = 16k tokens, hidden 2048 (the backward alone)",
-              f"{'S':>6} {'D':>4} {'causal':>6} {'wgmma':>6} {'mma':>6} {'FA2':>6} {'cuDNN':>6} "
-              f"{'wg/mma':>6} {'wg/FA2':>6} {'wg/cuDNN':>8} {'mma/FA2':>7}"]
+              f"(other = {OTHER_WALK_NAME}; its gradients must equal wgmma's bit for bit)",
+              f"{'S':>6} {'D':>4} {'causal':>6} {'wgmma':>6} {'other':>6} {'mma':>6} {'FA2':>6} {'cuDNN':>6} "
+              f"{'ot/wg':>6} {'wg/mma':>6} {'wg/FA2':>6} {'wg/cuDNN':>8} {'mma/FA2':>7}"]
         for r in rows:
             L.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {_fmt(r['wgmma_tflops'], 6, 1)} "
+                     f"{_fmt(r.get('other_tflops'), 6, 1)} "
                      f"{_fmt(r['mma_tflops'], 6, 1)} {_fmt(r.get('fa2_tflops'), 6, 1)} {_fmt(r.get('cudnn_tflops'), 6, 1)} "
+                     f"{_fmt(_ratio(r, 'other_tflops', 'wgmma_tflops'))} "
                      f"{_fmt(_ratio(r, 'wgmma_tflops', 'mma_tflops'))} {_fmt(_ratio(r, 'wgmma_tflops', 'fa2_tflops'))} "
                      f"{_fmt(_ratio(r, 'wgmma_tflops', 'cudnn_tflops'), 8)} {_fmt(_ratio(r, 'mma_tflops', 'fa2_tflops'), 7)}")
-        for a, b in (("wgmma_tflops", "mma_tflops"), ("wgmma_tflops", "fa2_tflops"), ("mma_tflops", "fa2_tflops")):
+        for a, b in (("wgmma_tflops", "mma_tflops"), ("wgmma_tflops", "fa2_tflops"), ("other_tflops", "wgmma_tflops"),
+                     ("other_tflops", "fa2_tflops"), ("mma_tflops", "fa2_tflops")):
             xs = [_ratio(r, a, b) for r in rows]
             gm = _geomean(xs)
             if gm:

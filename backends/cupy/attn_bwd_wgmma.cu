@@ -24,12 +24,18 @@
 //     dS^T = P^T (dP^T - delta) (wg_dscores_keys), re-packed
 //     dK_w += dS^T Q     wgmma_rs, B = Q MN-major                                  (wg_pv)
 //   dK is scaled by the softmax scale and both are stored from the accumulators (4-byte pairs).
+//   OVERLAP (opt-in, not yet timed on a GPU): dV and dK of a tile are left in flight into the next
+//   one, which issues its S^T and dP^T behind them and retires all three with its first
+//   wait_group 1; Q / dO (and their stats) then sit in three buffers, so that the one the tile
+//   before reads is not refilled while its products run.
 // attn_bwd_dq_wgmma<T, HD, BN, NWG>  one CTA of NWG warpgroups per (64 NWG query rows, head,
 //   batch); warpgroup w owns rows 64w ... 64w + 63 (as the forward); Q and dO stay in shared
 //   memory, each thread keeps its two rows' lse log2 e and delta in registers, and the visible
 //   key tiles (key_range) of BN keys are double-buffered with cp.async:
 //     S = Q_w K^T, dP = dO_w V^T (wgmma_ss, wg_qk; P computed while dP runs); dS = P (dP - delta)
 //     in registers; dQ_w += dS K (wgmma_rs, B = K MN-major, wg_pv); dQ scaled and stored at the end.
+//   OVERLAP (opt-in, not yet timed): dQ += dS K of a tile stays in flight into the next tile, whose
+//   first wait_group 1 retires it; K then sits in three buffers (V in two).
 
 // Does any (query row, key) pair of rows [m0, m0 + bm) and keys [n0, n0 + bn) (each clipped to its
 // sequence) see each other? A warpgroup skips a tile for which this is false.
@@ -126,7 +132,7 @@ __device__ __forceinline__ void scale_floats(float* x, float f) {
         load_row_stats<BM, NT>(SL, lse, delta, lse_sb, lse_sh, s, b, H, M0, tid);                                  \
     } while (0)
 
-template <typename T, int HD, int BM, int NWG>
+template <typename T, int HD, int BM, int NWG, bool OVERLAP>
 __global__ void __launch_bounds__(NWG * 128, 1)
 attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
                     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk,
@@ -136,6 +142,7 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
     constexpr int NT = 128 * NWG;
     constexpr int KV_BYTES = BN * HD * 2;      // the K (or V) tile
     constexpr int QT_BYTES = BM * HD * 2;      // one Q (or dO) buffer
+    constexpr int QBUFS = OVERLAP ? 3 : 2;     // Q / dO / stats buffers
     static_assert(HD % 64 == 0 && HD <= 128, "HD: whole 64-column SW128 blocks; dK + dV take HD floats per thread");
     static_assert(BM % 64 == 0 && BM <= 256, "BM: whole 8-row groups, at most 256 (one wgmma N)");
     static_assert(sizeof(T) == 2, "16-bit elements");
@@ -143,10 +150,10 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
     const pa_u32 raw = smem_addr(smem_raw), base = sw128_align(raw);
     const pa_u32 sK = base;
     const pa_u32 sV = sK + KV_BYTES;
-    const pa_u32 sQ = sV + KV_BYTES;               // [2][BM x HD]
-    const pa_u32 sdO = sQ + 2 * QT_BYTES;          // [2][BM x HD]
-    // [2][lse2 BM | delta BM]
-    float* sL = reinterpret_cast<float*>(smem_raw + (sdO + 2 * QT_BYTES - raw));
+    const pa_u32 sQ = sV + KV_BYTES;               // [QBUFS][BM x HD]
+    const pa_u32 sdO = sQ + QBUFS * QT_BYTES;      // [QBUFS][BM x HD]
+    // [QBUFS][lse2 BM | delta BM]
+    float* sL = reinterpret_cast<float*>(smem_raw + (sdO + QBUFS * QT_BYTES - raw));
 
     const WgLane w = wg_lane();
     const int tid = w.tid, wg = w.wg, wq = w.wq, g = w.g, t4 = w.t4;
@@ -162,57 +169,88 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
     cp_async_commit();
 
     float dk_acc[HD / 2], dv_acc[HD / 2];      // rows (keys) g, g + 8 of the warp's 16, as the forward's O
-    zero_floats<HD / 2>(dk_acc);
-    zero_floats<HD / 2>(dv_acc);
+    if (!OVERLAP) {                            // OVERLAP: set by the first products (acc_in 0), or zeroed after
+        zero_floats<HD / 2>(dk_acc);
+        zero_floats<HD / 2>(dv_acc);
+    }
+    int acc_in = 0;                            // a dV / dK product has been issued
     const int nw0 = n0 + wg * 64;              // the warpgroup's first key
     const int j0 = nw0 + wq * 16 + g;          // this thread's keys: j0, j0 + 8
     const pa_u32 sKw = sK + wg * 64 * 128, sVw = sV + wg * 64 * 128;   // 8-row groups are 1024 B
+    pa_u32 pa[BM / 16][4], da[BM / 16][4];     // P^T and dS^T as A fragments (OVERLAP: read into the next tile)
+    // S^T and dP^T of a tile (the first k-step of each chain ignores them: scale-d 0). OVERLAP zeroes
+    // them once, here: a mov into a chain's accumulators while the tile before's dV / dK run makes
+    // ptxas serialize every wgmma (C7515).
+    float st[BM / 2], dpt[BM / 2];
+    if (OVERLAP) {
+        zero_floats<BM / 2>(st);
+        zero_floats<BM / 2>(dpt);
+    }
 
     for (int it = 0; it < n_iter; ++it) {
-        const int buf = it & 1;
+        const int buf = OVERLAP ? it % 3 : it & 1, nxt = OVERLAP ? (it + 1) % 3 : buf ^ 1;
         const int m0 = walk.row0(it);
         // 1. tile `it` landed (this thread's copies), visible to the async proxy; every thread's
-        //    copies done and every warpgroup finished with the other buffer: prefetch it + 1.
+        //    copies done and every warpgroup finished with the buffer of tile it + 1 - QBUFS (whose
+        //    products the tile before retired): prefetch it + 1 into it.
         cp_async_wait_all();
         fence_proxy_async();
         __syncthreads();
         if (it + 1 < n_iter) {
             const int h1 = walk.head(it + 1), m1 = walk.row0(it + 1);
-            PA_DKDV_WG_LOAD_QUERY_TILE(sQ + (buf ^ 1) * QT_BYTES, sdO + (buf ^ 1) * QT_BYTES, sL + (buf ^ 1) * 2 * BM,
-                                       h1, m1);
+            PA_DKDV_WG_LOAD_QUERY_TILE(sQ + nxt * QT_BYTES, sdO + nxt * QT_BYTES, sL + nxt * 2 * BM, h1, m1);
             cp_async_commit();
         }
-        if (!tile_any_visible(s, m0, BM, nw0, 64, win_left, win_right)) continue;   // uniform per warpgroup
+        if (!tile_any_visible(s, m0, BM, nw0, 64, win_left, win_right)) {   // uniform per warpgroup
+            if (OVERLAP) wgmma_wait<0>();      // the tile before's dV / dK, before its buffer is refilled
+            continue;
+        }
         const pa_u32 sQb = sQ + buf * QT_BYTES, sdOb = sdO + buf * QT_BYTES;
         const float* lse2_t = sL + buf * 2 * BM;
 
         // 2. S^T = K_w Q^T and dP^T = V_w dO^T (64 keys x BM queries), two commit groups
-        float st[BM / 2], dpt[BM / 2];
-        zero_floats<BM / 2>(st);
-        zero_floats<BM / 2>(dpt);
+        if (!OVERLAP) {
+            zero_floats<BM / 2>(st);
+            zero_floats<BM / 2>(dpt);
+        }
         wg_qk<T, HD, BN, BM>(st, opaque_u32(sKw), sQb);
         wg_qk<T, HD, BN, BM>(dpt, opaque_u32(sVw), sdOb);
 
-        // 3. S^T landed (dP^T may still run): P^T in place (masked only where the tile crosses a
-        //    boundary), re-packed as A fragments; dV_w += P^T dO issued
+        // 3. S^T landed (dP^T may still run; OVERLAP: the tile before's dV / dK retired too, so
+        //    pa / da are ordinary registers again): P^T in place (masked only where the tile
+        //    crosses a boundary), re-packed as A fragments; dV_w += P^T dO issued
         wgmma_wait<1>();
         wgmma_fence_acc<BM>(st);
+        if (OVERLAP) {
+            fence_a_frags<BM / 16>(pa);
+            fence_a_frags<BM / 16>(da);
+        }
         const bool check = tile_needs_mask(s, m0, BM, nw0, 64, win_left, win_right);
         wg_probs_keys<BM>(st, lse2_t, check, s, j0, m0, t4, scale_log2, win_left, win_right);
-        pa_u32 pa[BM / 16][4];
         acc_to_a_frags<T, BM>(pa, st);
-        wg_pv<T, HD, BM>(dv_acc, pa, sdOb);
+        wg_pv<T, HD, BM>(dv_acc, pa, sdOb, OVERLAP ? acc_in : 1);
 
         // 4. dP^T landed (dV may still run): dS^T in place, re-packed; dK_w += dS^T Q issued
         wgmma_wait<1>();
         wgmma_fence_acc<BM>(dpt);
         wg_dscores_keys<BM>(st, dpt, lse2_t + BM, t4);
-        pa_u32 da[BM / 16][4];
         acc_to_a_frags<T, BM>(da, dpt);
-        wg_pv<T, HD, BM>(dk_acc, da, sQb);
+        wg_pv<T, HD, BM>(dk_acc, da, sQb, OVERLAP ? acc_in : 1);
+        acc_in = 1;
+        if (!OVERLAP) {
+            wgmma_wait<0>();
+            wgmma_fence_acc<HD>(dv_acc);
+            wgmma_fence_acc<HD>(dk_acc);
+        }
+    }
+    if (OVERLAP) {   // the last tile's dV / dK; keys that no query saw get 0
         wgmma_wait<0>();
         wgmma_fence_acc<HD>(dv_acc);
         wgmma_fence_acc<HD>(dk_acc);
+        if (!acc_in) {
+            zero_floats<HD / 2>(dk_acc);
+            zero_floats<HD / 2>(dv_acc);
+        }
     }
     cp_async_wait_all();   // a CTA with no query tile still has its K/V copies in flight
 
@@ -226,7 +264,7 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
                               reinterpret_cast<const float (*)[4]>(dv_acc), s.sk - key_w, 0, head_dim_v, g, t4);
 }
 
-template <typename T, int HD, int BN, int NWG>
+template <typename T, int HD, int BN, int NWG, bool OVERLAP>
 __global__ void __launch_bounds__(NWG * 128, 1)
 attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
                   const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, long long dq_sb,
@@ -235,6 +273,7 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
     constexpr int NT = 128 * NWG;
     constexpr int Q_BYTES = BM * HD * 2;       // the Q (or dO) tile
     constexpr int KV_BYTES = BN * HD * 2;      // one K (or V) buffer
+    constexpr int KBUFS = OVERLAP ? 3 : 2;     // K buffers (V: two)
     static_assert(HD % 64 == 0 && HD <= 256, "HD: whole 64-column SW128 blocks, at most 256 (one wgmma N)");
     static_assert(BN % 64 == 0 && BN <= 256, "BN: whole 8-row groups, at most 256 (one wgmma N)");
     static_assert(sizeof(T) == 2, "16-bit elements");
@@ -242,8 +281,8 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
     const pa_u32 raw = smem_addr(smem_raw), base = sw128_align(raw);
     const pa_u32 sQ = base;
     const pa_u32 sdO = sQ + Q_BYTES;
-    const pa_u32 sK = sdO + Q_BYTES;           // [2][BN x HD]
-    const pa_u32 sV = sK + 2 * KV_BYTES;       // [2][BN x HD]
+    const pa_u32 sK = sdO + Q_BYTES;           // [KBUFS][BN x HD]
+    const pa_u32 sV = sK + KBUFS * KV_BYTES;   // [2][BN x HD]
 
     const WgLane w = wg_lane();
     const int tid = w.tid, wg = w.wg, wq = w.wq, g = w.g, t4 = w.t4;
@@ -260,27 +299,51 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
     const int i0 = mw0 + wq * 16 + g;          // this thread's rows: i0, i0 + 8
     float lse2[2], delta_r[2];
     load_row_stats2(lse2, delta_r, lse, delta, lse_sb, lse_sh, s, b, h, i0);
-    float dq_acc[HD / 2];
-    zero_floats<HD / 2>(dq_acc);
+    float dq_acc[HD / 2];                      // OVERLAP: set by the first dQ product (acc_in 0), or zeroed after
+    if (!OVERLAP) zero_floats<HD / 2>(dq_acc);
+    int acc_in = 0;                            // a dQ product has been issued
     const pa_u32 sQw = sQ + wg * 64 * 128, sdOw = sdO + wg * 64 * 128;
-
-    for (int n0 = n_first, it = 0; n0 < n_hi; n0 += BN, ++it) {
-        const int buf = it & 1;
-        // 1. tile n landed and is visible to wgmma; tile n + BN prefetched into the other buffer.
-        kv_walk_step<T, BN, HD, NT>(sK, sV, KV_BYTES, buf, cta, n0 + BN, n_hi, k_ss, v_ss, head_dim, head_dim_v, tid);
-        if (!tile_any_visible(s, mw0, 64, n0, BN, win_left, win_right)) continue;   // uniform per warpgroup
-        const pa_u32 sKb = sK + buf * KV_BYTES, sVb = sV + buf * KV_BYTES;
-
-        // 2. S = Q_w K^T and dP = dO_w V^T (64 rows x BN keys), two commit groups
-        float sc[BN / 2], dp[BN / 2];
+    pa_u32 da[BN / 16][4];                     // dS as A fragments (OVERLAP: read into the next tile)
+    float sc[BN / 2], dp[BN / 2];              // S and dP of a tile (zeroed once with OVERLAP: see dK/dV's st)
+    if (OVERLAP) {
         zero_floats<BN / 2>(sc);
         zero_floats<BN / 2>(dp);
+    }
+
+    for (int n0 = n_first, it = 0; n0 < n_hi; n0 += BN, ++it) {
+        const int kb = it % KBUFS, vb = it & 1;
+        // 1. tile n landed and is visible to wgmma; every warpgroup is done with the V buffer of
+        //    tile n - BN and the K buffer of tile n + BN - KBUFS BN (whose dQ product the tile
+        //    before retired): tile n + BN prefetched into them.
+        cp_async_wait_all();
+        fence_proxy_async();
+        __syncthreads();
+        if (n0 + BN < n_hi) {
+            load_tile_sw128<T, BN, HD, NT>(sK + ((it + 1) % KBUFS) * KV_BYTES, cta.k_seq + (n0 + BN) * k_ss, k_ss,
+                                           s.sk - (n0 + BN), head_dim, tid);
+            load_tile_sw128<T, BN, HD, NT>(sV + (vb ^ 1) * KV_BYTES, cta.v_seq + (n0 + BN) * v_ss, v_ss,
+                                           s.sk - (n0 + BN), head_dim_v, tid);
+            cp_async_commit();
+        }
+        if (!tile_any_visible(s, mw0, 64, n0, BN, win_left, win_right)) {   // uniform per warpgroup
+            if (OVERLAP) wgmma_wait<0>();      // the tile before's dQ, before its K buffer is refilled
+            continue;
+        }
+        const pa_u32 sKb = sK + kb * KV_BYTES, sVb = sV + vb * KV_BYTES;
+
+        // 2. S = Q_w K^T and dP = dO_w V^T (64 rows x BN keys), two commit groups
+        if (!OVERLAP) {
+            zero_floats<BN / 2>(sc);
+            zero_floats<BN / 2>(dp);
+        }
         wg_qk<T, HD, BM, BN>(sc, opaque_u32(sQw), sKb);
         wg_qk<T, HD, BM, BN>(dp, opaque_u32(sdOw), sVb);
 
-        // 3. S landed (dP may still run): P in place
+        // 3. S landed (dP may still run; OVERLAP: the tile before's dQ too, so da is an ordinary
+        //    register again): P in place
         wgmma_wait<1>();
         wgmma_fence_acc<BN>(sc);
+        if (OVERLAP) fence_a_frags<BN / 16>(da);
         const bool check = tile_needs_mask(s, mw0, 64, n0, BN, win_left, win_right);
         wg_probs_rows<BN>(sc, lse2, check, s, i0, n0, t4, scale_log2, win_left, win_right);
 
@@ -288,11 +351,18 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
         wgmma_wait<0>();
         wgmma_fence_acc<BN>(dp);
         wg_dscores_rows<BN>(sc, dp, delta_r);
-        pa_u32 da[BN / 16][4];
         acc_to_a_frags<T, BN>(da, dp);
-        wg_pv<T, HD, BN>(dq_acc, da, sKb);
+        wg_pv<T, HD, BN>(dq_acc, da, sKb, OVERLAP ? acc_in : 1);
+        acc_in = 1;
+        if (!OVERLAP) {
+            wgmma_wait<0>();
+            wgmma_fence_acc<HD>(dq_acc);
+        }
+    }
+    if (OVERLAP) {   // the last tile's dQ; rows that saw no key get 0
         wgmma_wait<0>();
         wgmma_fence_acc<HD>(dq_acc);
+        if (!acc_in) zero_floats<HD / 2>(dq_acc);
     }
     cp_async_wait_all();   // a CTA whose rows see no key still has its Q/dO copies in flight
 

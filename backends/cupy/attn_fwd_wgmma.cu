@@ -294,7 +294,7 @@ attn_wgmma_probe(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     store_acc_f32<BN>(s_out, sc, r0, t4);
     pa_u32 pa[BN / 16][4];
     acc_to_a_frags<T, BN>(pa, sc);
-    wg_pv<T, HD, BN>(acc, pa, sV, (pa_u32)v_lbo, (pa_u32)v_sbo);
+    wg_pv<T, HD, BN>(acc, pa, sV, 1, (pa_u32)v_lbo, (pa_u32)v_sbo);
     wgmma_wait<0>();
     wgmma_fence_acc<HD>(acc);
     store_acc_f32<HD>(o_out, acc, r0, t4);

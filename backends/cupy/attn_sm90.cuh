@@ -177,17 +177,20 @@ __device__ __forceinline__ void wg_qk(float* s, pa_u32 sq, pa_u32 sk) {
 }
 
 // One warpgroup: o[64 x HD] += P[64 x BN] V (issued and committed). p: P as BN / 16 A fragments
-// (the m16n8k16 A layout per warp); sv: a SW128 tile of BN keys x HD columns; lbo / sbo: the
-// MN-major descriptor's offsets (the kernel's are the defaults; the probe passes them at run time
-// so that tools/cupy_wgmma_check.py can tell a swapped pair from other mistakes).
+// (the m16n8k16 A layout per warp); sv: a SW128 tile of BN keys x HD columns; acc_in 0: o = P V
+// (the first k-step ignores o's values: an accumulator that no ordinary instruction zeroes, which
+// ptxas requires of one left in flight across a loop's back edge); lbo / sbo: the MN-major
+// descriptor's offsets (the kernel's are the defaults; the probe passes them at run time so that
+// tools/cupy_wgmma_check.py can tell a swapped pair from other mistakes).
 template <typename T, int HD, int BN>
-__device__ __forceinline__ void wg_pv(float* o, pa_u32 (*p)[4], pa_u32 sv, pa_u32 lbo = BN * 128,
+__device__ __forceinline__ void wg_pv(float* o, pa_u32 (*p)[4], pa_u32 sv, int acc_in = 1, pa_u32 lbo = BN * 128,
                                       pa_u32 sbo = 1024) {
     wgmma_fence_acc<HD>(o);   // the rescaled accumulators and P are written before the wgmma.fence
     fence_a_frags<BN / 16>(p);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T, HD>(o, p[kk], sw128_desc(sv + kk * 2048, lbo, sbo), 1);
+    for (int kk = 0; kk < BN / 16; ++kk)
+        wgmma_rs<T, HD>(o, p[kk], sw128_desc(sv + kk * 2048, lbo, sbo), kk > 0 ? 1 : acc_in);
     wgmma_commit();
 }
 

@@ -66,6 +66,11 @@ WGMMA_BWD_HEAD_DIMS = (64, 128)
 #: mma.sync backward at 128 and 1.04-1.16 x at 64, after its GPU tests (57) and its 16 float64
 #: checks passed.
 WGMMA_BWD_AUTO_HEAD_DIMS = (64, 128)
+#: Whether the wgmma backward's default instantiation leaves a tile's last products (dV and dK;
+#: dQ) in flight into the next tile (``OVERLAP`` in attn_bwd_wgmma.cu, three Q/dO or K buffers)
+#: instead of retiring them within it. Off until the H200 times it
+#: (``KernelConfig("bwd_wgmma", ..., tile=(1,))``; tools/cupy_wgmma_bwd_check.py times both).
+WGMMA_BWD_OVERLAP = False
 FORWARD_MODES = ("auto", "mma", "wgmma", "wgmma_ws")
 
 # Tile sizes of the backward and of the float32 forward (must match attn_bwd.cu / attn_fwd.cu).
@@ -243,8 +248,10 @@ class KernelConfig:
     family: str
     dtype: str
     head_dim: int
-    #: (warps, BLOCK_N, MT) of both tensor-core forwards; None = :func:`mma_tile` (benchmarks try others)
-    tile: tuple[int, int, int] | None = None
+    #: fwd_mma: (warps, BLOCK_N, MT), None = :func:`mma_tile` (benchmarks try others); fwd_wgmma:
+    #: (BLOCK_N, warpgroups, overlapped walk), fwd_wgmma_ws: (BLOCK_N, warpgroups, pingpong), None =
+    #: :func:`wgmma_tile` and the defaults; bwd_wgmma: (overlapped walk,), None = :data:`WGMMA_BWD_OVERLAP`
+    tile: tuple[int, ...] | None = None
     #: K/V buffers of the tensor-core forward (1 or 2, see :data:`FORWARD_KV_STAGES_ENV`); 1 elsewhere
     kv_stages: int = 1
 
@@ -294,9 +301,10 @@ class KernelConfig:
             return {**first, "dkdv": f"attn_bwd_dkdv<{t}, {hd}>", "dq": f"attn_bwd_dq<{t}, {hd}>"}
         if self.family == "bwd_wgmma":
             (bm, nwg_k), (bn, nwg_q) = wgmma_bwd_tile(hd, "dkdv"), wgmma_bwd_tile(hd, "dq")
+            ov = "true" if self.bwd_overlap else "false"
             return {"preprocess": f"attn_bwd_preprocess<{t}>",
-                    "dkdv": f"attn_bwd_dkdv_wgmma<{t}, {hd}, {bm}, {nwg_k}>",
-                    "dq": f"attn_bwd_dq_wgmma<{t}, {hd}, {bn}, {nwg_q}>"}
+                    "dkdv": f"attn_bwd_dkdv_wgmma<{t}, {hd}, {bm}, {nwg_k}, {ov}>",
+                    "dq": f"attn_bwd_dq_wgmma<{t}, {hd}, {bn}, {nwg_q}, {ov}>"}
         if self.family == "bwd_mma":
             names = {"preprocess": f"attn_bwd_preprocess<{t}>"}
             for kernel in ("dkdv", "dq"):
@@ -306,6 +314,12 @@ class KernelConfig:
                     names[role] = f"attn_bwd_{kernel}_mma<{t}, {hd}, {shape}, {extras}>"
             return names
         raise ValueError(f"unknown kernel family {self.family!r}")
+
+    @property
+    def bwd_overlap(self) -> bool:
+        """The wgmma backward's walk: products of a tile left in flight into the next one
+        (``tile=(1,)``; default :data:`WGMMA_BWD_OVERLAP`) or retired within it (``tile=(0,)``)."""
+        return bool(self.tile[0]) if self.tile is not None else WGMMA_BWD_OVERLAP
 
     def name_expressions(self) -> list[str]:
         return list(self.kernel_names().values())
@@ -353,13 +367,15 @@ class KernelConfig:
         hd = self.head_dim
         if self.family == "bwd_wgmma":
             # 1 KB of slack for the 1024-byte alignment of the SW128 tiles; dK/dV: K, V [64 NWG],
-            # Q, dO [2][BLOCK_M], lse2 / delta [2][2][BLOCK_M] floats; dQ: Q, dO [64 NWG], K, V [2][BLOCK_N]
+            # Q, dO [B][BLOCK_M], lse2 / delta [B][2][BLOCK_M] floats; dQ: Q, dO [64 NWG], K [B][BLOCK_N],
+            # V [2][BLOCK_N]; B = 3 buffers with the overlapped walk, else 2
             if role == "preprocess":
                 return 0
             tile, nwg = wgmma_bwd_tile(hd, role)
+            bufs = 3 if self.bwd_overlap else 2
             if role == "dkdv":
-                return 1024 + (2 * 64 * nwg + 4 * tile) * hd * 2 + 16 * tile
-            return 1024 + (2 * 64 * nwg + 4 * tile) * hd * 2
+                return 1024 + (2 * 64 * nwg + 2 * bufs * tile) * hd * 2 + 8 * bufs * tile
+            return 1024 + (2 * 64 * nwg + (bufs + 2) * tile) * hd * 2
         if self.family in WGMMA_FAMILIES:
             # 1 KB of slack: the kernel aligns its SW128 tiles to 1024 bytes; Q, then 2 x K, 2 x V
             # (the probe: Q of 64 rows, one K and one V; the warp-specialized kernel: 128 Q rows,
@@ -466,6 +482,9 @@ def wgmma_configs(with_probe: bool = False) -> list[KernelConfig]:
     out += [KernelConfig("fwd_wgmma_ws", dt, hd, tile=(wgmma_tile(hd)[0], 2, 0))
             for hd in WGMMA_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
     out += [KernelConfig("bwd_wgmma", dt, hd) for hd in WGMMA_BWD_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
+    # the other walk of the wgmma backward (timed against the default)
+    out += [KernelConfig("bwd_wgmma", dt, hd, tile=(int(not WGMMA_BWD_OVERLAP),)) for hd in WGMMA_BWD_HEAD_DIMS
+            for dt in TENSOR_CORE_DTYPES]
     return out
 
 
