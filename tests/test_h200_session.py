@@ -148,6 +148,19 @@ def test_dry_catalogue_with_prev_runs_what_prev_lacks(tmp_path):
     assert f"--prev {prev}" in p.stdout
 
 
+def test_dry_catalogue_rerun_runs_every_case_again_on_top_of_prev(tmp_path):
+    """RERUN=1 with PREV: the backend's whole selection runs again (planned from PREV's seconds),
+    merged on top of PREV (whose other backends' results stay)."""
+    have = [c.id for c in build_catalogue()][:-5]
+    prev = tmp_path / "prev.json"
+    prev.write_text(json.dumps({"results": [{"case": c, "backend": "cupy", "seconds": 1.0} for c in have]}))
+    p = session(tmp_path, "catalogue:cupy", PREV=str(prev), TIMES=str(prev), RERUN="1")
+    assert p.returncode == 0, p.stderr
+    cases = [w for c in commands(p.stdout) for w in c[c.index("--cases") + 1:-2]]
+    assert sorted(set(matching(cases))) == sorted(c.id for c in build_catalogue())
+    assert f"--prev {prev}" in p.stdout
+
+
 def test_fastest_cells_quick_and_the_test_groups(tmp_path):
     p = session(tmp_path, "fastest:D128 S1k fwd,D256 S16k fwd+bwd", "fastest:quick", "par:tests:atomic,cupy",
                 "par:warm", FASTEST_LIMIT="100")

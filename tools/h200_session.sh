@@ -14,7 +14,8 @@
 #                       triton (TRITON_SHARDS=9) and cupy (CUPY_SHARDS=3) in shards balanced by
 #                       TIMES' per-case seconds (tools/plan_shards.py), reference, sdpa and onnx one
 #                       process each; :b,.. or CATALOGUE_BACKENDS picks backends. PREV=report.json:
-#                       only the cases PREV lacks, merged with PREV (tools/merge_shards.py);
+#                       only the cases PREV lacks, merged with PREV (tools/merge_shards.py; RERUN=1:
+#                       every selected case again, the new results replacing PREV's);
 #                       CASES='pat ..': only the cases matching these patterns; CONF_DEVICES=cpu
 #                       runs it here [CONF_LIMIT 480]
 #   tests[:g,..]      * pytest -v, one process per group [TESTS_LIMIT 400]: gpu (GPU_TESTS, the
@@ -33,7 +34,8 @@
 #   gluonbwd            tools/triton_gluon_bwd_check.py: the opt-in Gluon backward's compile, gradients,
 #                       timings; $GLUONBWD_ARGS (e.g. --quick) [260]
 #   cupywgmma           tools/cupy_wgmma_check.py: cupy's sm_90a wgmma forward [300]
-#   cupybwd             tools/cupy_wgmma_bwd_check.py, its backward (skipped while the tree lacks it) [200]
+#   cupybwd             tools/cupy_wgmma_bwd_check.py, its backward and the other walk (skipped while the
+#                       tree lacks it) [280]
 #   cupyfwd             tools/cupy_fwd_check.py: cupy's mma.sync forward [140]
 #   sweep[:v]           tools/triton_sweep.py: train (default; compiles per head dim first), fwd
 #                       (--fwd-only), bwd (--bwd-variants); decode (tools/decode_sweep.py),
@@ -43,15 +45,17 @@
 #
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls):
-#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench            # the training grid on the
-#                                        # persistent Gluon forward's rows (auto since 2026-12-04)
-#   bash tools/h200_session.sh par:tests:gluon par:tests:tests/test_triton.py   # incl. the persistent
-#                                        # GPU test (every GPU case, its own 300 s child)
-#   bash tools/h200_session.sh tests:cupy                                    # the whole cupy group (only 50
-#                                        # of it ran on 2026-12-04, on dc40769's folded kernels)
-#   PREV=benchmarks/results/conformance-h200.json CASES='large/hopper/infer-d64 large/hopper/infer-d128-s1024-causal
-#        large/hopper/train-d128-s1024-causal' bash tools/h200_session.sh catalogue:cupy,reference,sdpa
-#                                        # catalogue v5's three new cases on the other backends
+#   bash tools/h200_session.sh cupybwd cupywgmma        # the wgmma backward's overlapped walk (opt-in,
+#                                        # configs.WGMMA_BWD_OVERLAP): bits against the default, timings;
+#                                        # the forward's serial walk and ws variants beside the overlapped one
+#   (if the overlapped backward wins: flip WGMMA_BWD_OVERLAP, then)
+#   TESTS_LIMIT=400 bash tools/h200_session.sh tests:tests/test_cupy.py     # the whole file (104 of 289 ran
+#                                        # on 2026-12-04 on 779d187's kernels, none failed)
+#   RERUN=1 PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:cupy
+#                                        # the catalogue on the overlapped wgmma forward (cupy re-run whole)
+#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench            # the grid on the final kernels
+#   bash tools/h200_session.sh par:tests:tests/test_triton.py par:tests:callpath   # test_triton.py whole
+#                                        # (115 of 149 ran on 2026-12-04)
 # and e.g. after a partial catalogue:
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:triton,cupy
 #
@@ -200,7 +204,7 @@ step_catalogue() {
       continue
     fi
     plan=("$times" --all)
-    [[ -n ${PREV:-} ]] && plan=("$PREV" --missing)
+    [[ -n ${PREV:-} && -z ${RERUN:-} ]] && plan=("$PREV" --missing)   # RERUN=1: run them again
     (( ${#pats[@]} )) && plan+=(--cases "${pats[@]}")
     plan+=(--backend "$b" --shards "$n" --exact --seconds-from "$times")
     [[ -n $DRY_RUN ]] && echo "+ $PY tools/plan_shards.py $(quote "${plan[@]}")   # (runs under DRY_RUN too)"
@@ -367,7 +371,7 @@ step_cupybwd() {
     headline "skipped: tools/cupy_wgmma_bwd_check.py is not in this tree (it comes with cupy's wgmma backward)"
     return 0
   fi
-  tool "$1" "$(limit "${CUPYBWD_LIMIT:-200}")" 15 wgmma_bwd_check.txt tools/cupy_wgmma_bwd_check.py
+  tool "$1" "$(limit "${CUPYBWD_LIMIT:-280}")" 15 wgmma_bwd_check.txt tools/cupy_wgmma_bwd_check.py
 }
 
 step_sweep() {
