@@ -90,6 +90,17 @@ def test_verdict_and_report():
     tool.verdict(failed_tests)
     assert failed_tests["verdict"] == "FAIL"
 
+    # the other walk (overlapped or not): its own line, from the rows' bit-equality with the default
+    assert "the other walk" in text and "NOT RUN" in text      # rows without the field: not run
+    other = _result()
+    for r in other["checks"]["rows"]:
+        r["other_walk_bit_identical"] = True
+    assert "PASS (the same bits in every check)" in tool.report(other)
+    other["checks"]["rows"][1]["other_walk_bit_identical"] = False
+    tool.verdict(other)
+    assert other["verdict"] == "PASS"                          # the default's verdict does not change
+    assert f"FAIL (different bits in 1 of {len(tool.CHECK_CASES)} checks)" in tool.report(other)
+
 
 @needs_nvrtc
 def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):

@@ -384,7 +384,7 @@ def report(res: dict) -> str:
             L += ["  " + x[:300] for x in tm.get("tail", [])]
     L += ["", f"VERDICT (attn_bwd_*_wgmma): {res.get('verdict', 'INCOMPLETE')}" + (f" ({res['why']})" if res.get("why")
                                                                                    else "")]
-    other = [r.get("other_walk_bit_identical") for r in (ch or {}).get("rows", []) if "grads" in r]
+    other = [r["other_walk_bit_identical"] for r in (ch or {}).get("rows", []) if "other_walk_bit_identical" in r]
     L.append(f"the other walk ({OTHER_WALK_NAME}): "
              + ("NOT RUN" if not other else "PASS (the same bits in every check)" if all(other)
                 else f"FAIL (different bits in {other.count(False)} of {len(other)} checks)"))
