@@ -87,7 +87,7 @@ def _a_operand(regs_per_thread, kk):
 def test_dkdv_operands_and_coordinates(hd):
     bm, nwg = configs.wgmma_bwd_tile(hd, "dkdv")
     bn = 64 * nwg
-    env = _carve(DKDV, {"HD": hd, "BM": bm, "NWG": nwg})
+    env = _carve(DKDV, {"HD": hd, "BM": bm, "NWG": nwg, "OVERLAP": configs.WGMMA_BWD_OVERLAP})
     assert env["BN"] == bn
     # the two wg_qk calls: template row counts and operands (A: K / V of the warpgroup, B: Q / dO)
     a_rows, b_rows, acc, a_tile, b_tile = _call(DKDV, r"wg_qk<T, HD, (\w+), (\w+)>\((st), opaque_u32\((\w+)\), (\w+)\)")
@@ -97,8 +97,8 @@ def test_dkdv_operands_and_coordinates(hd):
     a_rows, b_rows = env[a_rows], env[b_rows]
     assert (a_rows, b_rows) == (bn, bm)
     wg_off = _call(DKDV, r"const pa_u32 sKw = sK \+ ([^,]+), sVw")[0]
-    dv_rows, dv_tile = _call(DKDV, r"wg_pv<T, HD, (\w+)>\(dv_acc, pa, (\w+)\)")
-    dk_rows, dk_tile = _call(DKDV, r"wg_pv<T, HD, (\w+)>\(dk_acc, da, (\w+)\)")
+    dv_rows, dv_tile = _call(DKDV, r"wg_pv<T, HD, (\w+)>\(dv_acc, pa, (\w+)[,)]")
+    dk_rows, dk_tile = _call(DKDV, r"wg_pv<T, HD, (\w+)>\(dk_acc, da, (\w+)[,)]")
     assert (dv_tile, dk_tile) == ("sdOb", "sQb") and env[dv_rows] == env[dk_rows] == bm
     # element coordinates of wg_probs_keys: (query, key) of accumulator element 4 nb + e, and the
     # query's lse2 (there) and delta (wg_dscores_keys) in shared memory
@@ -166,12 +166,12 @@ def test_dkdv_operands_and_coordinates(hd):
 def test_dq_operands_and_coordinates(hd):
     bn, nwg = configs.wgmma_bwd_tile(hd, "dq")
     bm = 64 * nwg
-    env = _carve(DQ, {"HD": hd, "BN": bn, "NWG": nwg})
+    env = _carve(DQ, {"HD": hd, "BN": bn, "NWG": nwg, "OVERLAP": configs.WGMMA_BWD_OVERLAP})
     assert env["BM"] == bm
     a_rows, b_rows, a_tile, b_tile = _call(DQ, r"wg_qk<T, HD, (\w+), (\w+)>\(sc, opaque_u32\((\w+)\), (\w+)\)")
     assert (a_tile, b_tile) == ("sQw", "sKb") and (env[a_rows], env[b_rows]) == (bm, bn)
     assert _call(DQ, r"wg_qk<T, HD, (\w+), (\w+)>\(dp, opaque_u32\((\w+)\), (\w+)\)") == (a_rows, b_rows, "sdOw", "sVb")
-    pv_rows, pv_tile = _call(DQ, r"wg_pv<T, HD, (\w+)>\(dq_acc, da, (\w+)\)")
+    pv_rows, pv_tile = _call(DQ, r"wg_pv<T, HD, (\w+)>\(dq_acc, da, (\w+)[,)]")
     assert pv_tile == "sKb" and env[pv_rows] == bn
     wg_off = _call(DQ, r"const pa_u32 sQw = sQ \+ ([^,]+), sdOw")[0]
     body = re.search(r"wg_probs_rows\(.*?\n\}", SRC, re.S).group(0)
@@ -216,32 +216,40 @@ def test_dq_operands_and_coordinates(hd):
         np.testing.assert_allclose(dq, (sc * 0.5) @ k, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("role", ["dkdv", "dq"])
 @pytest.mark.parametrize("hd", configs.WGMMA_BWD_HEAD_DIMS)
-def test_shared_memory_carve_and_descriptors(role, hd):
+def test_shared_memory_carve_and_descriptors(role, hd, overlap):
     """Every SW128 region of the kernel's carve-up starts 1024-byte aligned, the regions (and the
     dK/dV kernel's lse2 / delta floats) end within configs.KernelConfig.smem_bytes minus the 1 KB
-    alignment slack, and every descriptor the kernel builds fits the PTX ISA bit fields."""
+    alignment slack, and every descriptor the kernel builds fits the PTX ISA bit fields — for both
+    walks (``overlap``: three Q / dO and stats buffers in dK/dV, three K buffers in dQ)."""
     tile, nwg = configs.wgmma_bwd_tile(hd, role)
-    cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd)
+    cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd, tile=(int(overlap),))
     smem = cfg.smem_bytes(role)
     assert smem <= configs.SMEM_LIMITS[90]
+    bufs = range(3 if overlap else 2)
     if role == "dkdv":
-        env = _carve(DKDV, {"HD": hd, "BM": tile, "NWG": nwg})
-        regions = {"sK": env["KV_BYTES"], "sV": env["KV_BYTES"], "sQ": 2 * env["QT_BYTES"], "sdO": 2 * env["QT_BYTES"]}
-        stats = 4 * 2 * 2 * tile   # sL: [2][lse2 BM | delta BM] floats after sdO
+        env = _carve(DKDV, {"HD": hd, "BM": tile, "NWG": nwg, "OVERLAP": overlap})
+        assert env["QBUFS"] == len(bufs)
+        regions = {"sK": env["KV_BYTES"], "sV": env["KV_BYTES"], "sQ": len(bufs) * env["QT_BYTES"],
+                   "sdO": len(bufs) * env["QT_BYTES"]}
+        stats = 4 * 2 * len(bufs) * tile   # sL: [QBUFS][lse2 BM | delta BM] floats after sdO
         a_tiles = [env["sK"] + wg * 64 * 128 for wg in range(nwg)] + [env["sV"] + wg * 64 * 128 for wg in range(nwg)]
         a_rows, b_rows = env["BN"], tile
-        b_tiles = [env["sQ"] + b * env["QT_BYTES"] for b in (0, 1)] + [env["sdO"] + b * env["QT_BYTES"] for b in (0, 1)]
+        b_tiles = [env["sQ"] + b * env["QT_BYTES"] for b in bufs] + [env["sdO"] + b * env["QT_BYTES"] for b in bufs]
         pv_rows, pv_tiles = tile, b_tiles
     else:
-        env = _carve(DQ, {"HD": hd, "BN": tile, "NWG": nwg})
-        regions = {"sQ": env["Q_BYTES"], "sdO": env["Q_BYTES"], "sK": 2 * env["KV_BYTES"], "sV": 2 * env["KV_BYTES"]}
+        env = _carve(DQ, {"HD": hd, "BN": tile, "NWG": nwg, "OVERLAP": overlap})
+        assert env["KBUFS"] == len(bufs)
+        regions = {"sQ": env["Q_BYTES"], "sdO": env["Q_BYTES"], "sK": len(bufs) * env["KV_BYTES"],
+                   "sV": 2 * env["KV_BYTES"]}
         stats = 0
         a_tiles = [env["sQ"] + wg * 64 * 128 for wg in range(nwg)] + [env["sdO"] + wg * 64 * 128 for wg in range(nwg)]
         a_rows, b_rows = env["BM"], tile
-        b_tiles = [env["sK"] + b * env["KV_BYTES"] for b in (0, 1)] + [env["sV"] + b * env["KV_BYTES"] for b in (0, 1)]
-        pv_rows, pv_tiles = tile, b_tiles[:2]
+        k_tiles = [env["sK"] + b * env["KV_BYTES"] for b in bufs]
+        b_tiles = k_tiles + [env["sV"] + b * env["KV_BYTES"] for b in (0, 1)]
+        pv_rows, pv_tiles = tile, k_tiles
     ordered = sorted(regions, key=lambda r: env[r])
     assert env[ordered[0]] == 0
     for a, b in zip(ordered, ordered[1:]):

@@ -142,7 +142,7 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
     constexpr int NT = 128 * NWG;
     constexpr int KV_BYTES = BN * HD * 2;      // the K (or V) tile
     constexpr int QT_BYTES = BM * HD * 2;      // one Q (or dO) buffer
-    constexpr int QBUFS = OVERLAP ? 3 : 2;     // Q / dO / stats buffers
+    constexpr int QBUFS = 2 + OVERLAP;         // Q / dO / stats buffers: 3 with OVERLAP
     static_assert(HD % 64 == 0 && HD <= 128, "HD: whole 64-column SW128 blocks; dK + dV take HD floats per thread");
     static_assert(BM % 64 == 0 && BM <= 256, "BM: whole 8-row groups, at most 256 (one wgmma N)");
     static_assert(sizeof(T) == 2, "16-bit elements");
@@ -273,7 +273,7 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
     constexpr int NT = 128 * NWG;
     constexpr int Q_BYTES = BM * HD * 2;       // the Q (or dO) tile
     constexpr int KV_BYTES = BN * HD * 2;      // one K (or V) buffer
-    constexpr int KBUFS = OVERLAP ? 3 : 2;     // K buffers (V: two)
+    constexpr int KBUFS = 2 + OVERLAP;         // K buffers (3 with OVERLAP; V: two)
     static_assert(HD % 64 == 0 && HD <= 256, "HD: whole 64-column SW128 blocks, at most 256 (one wgmma N)");
     static_assert(BN % 64 == 0 && BN <= 256, "BN: whole 8-row groups, at most 256 (one wgmma N)");
     static_assert(sizeof(T) == 2, "16-bit elements");
