@@ -188,14 +188,12 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
     }
 
     for (int it = 0; it < n_iter; ++it) {
-        const int buf = OVERLAP ? it % 3 : it & 1, nxt = OVERLAP ? (it + 1) % 3 : buf ^ 1;
+        const int buf = OVERLAP ? it % QBUFS : it & 1, nxt = OVERLAP ? (it + 1) % QBUFS : buf ^ 1;
         const int m0 = walk.row0(it);
         // 1. tile `it` landed (this thread's copies), visible to the async proxy; every thread's
         //    copies done and every warpgroup finished with the buffer of tile it + 1 - QBUFS (whose
         //    products the tile before retired): prefetch it + 1 into it.
-        cp_async_wait_all();
-        fence_proxy_async();
-        __syncthreads();
+        cta_tiles_landed();
         if (it + 1 < n_iter) {
             const int h1 = walk.head(it + 1), m1 = walk.row0(it + 1);
             PA_DKDV_WG_LOAD_QUERY_TILE(sQ + nxt * QT_BYTES, sdO + nxt * QT_BYTES, sL + nxt * 2 * BM, h1, m1);
@@ -315,9 +313,7 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
         // 1. tile n landed and is visible to wgmma; every warpgroup is done with the V buffer of
         //    tile n - BN and the K buffer of tile n + BN - KBUFS BN (whose dQ product the tile
         //    before retired): tile n + BN prefetched into them.
-        cp_async_wait_all();
-        fence_proxy_async();
-        __syncthreads();
+        cta_tiles_landed();
         if (n0 + BN < n_hi) {
             load_tile_sw128<T, BN, HD, NT>(sK + ((it + 1) % KBUFS) * KV_BYTES, cta.k_seq + (n0 + BN) * k_ss, k_ss,
                                            s.sk - (n0 + BN), head_dim, tid);

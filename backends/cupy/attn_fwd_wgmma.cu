@@ -177,9 +177,7 @@ __device__ __forceinline__ void wg_walk_overlap(float* acc, float* sc, float* m_
     for (int n0 = n_first; n0 < n_hi; n0 += BN, ++it) {
         const int buf = it & 1;
         // 1. K of tile it, V of tile it - 1 landed and visible to wgmma; refill the freed buffers
-        cp_async_wait_all();
-        fence_proxy_async();
-        __syncthreads();
+        cta_tiles_landed();
         if (n0 + BN < n_hi)
             load_tile_sw128<T, BN, HD, NT>(sK + (buf ^ 1) * KV_BYTES, cta.k_seq + (n0 + BN) * k_ss, k_ss,
                                            s.sk - (n0 + BN), head_dim, tid);
@@ -208,9 +206,7 @@ __device__ __forceinline__ void wg_walk_overlap(float* acc, float* sc, float* m_
         acc_to_a_frags<T, BN>(pa, sc);
     }
     if (it > 0) {   // O += P V of the last tile (its V: issued in its iteration, or with Q)
-        cp_async_wait_all();
-        fence_proxy_async();
-        __syncthreads();
+        cta_tiles_landed();
         wg_pv<T, HD, BN>(acc, pa, sV + ((it - 1) & 1) * KV_BYTES);
         wgmma_wait<0>();
         wgmma_fence_acc<HD>(acc);
@@ -281,9 +277,7 @@ attn_wgmma_probe(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     load_tile_sw128<T, BN, HD, 128>(sK, k, HD, BN, HD, tid);
     load_tile_sw128<T, BN, HD, 128>(sV, v, HD, BN, HD, tid);
     cp_async_commit();
-    cp_async_wait_all();
-    fence_proxy_async();
-    __syncthreads();
+    cta_tiles_landed();
     float sc[BN / 2], acc[HD / 2];
     zero_floats<BN / 2>(sc);
     zero_floats<HD / 2>(acc);

@@ -143,6 +143,15 @@ __device__ __forceinline__ void fence_a_frags(pa_u32 (*p)[4]) {
 // Ordinary (generic-proxy) shared-memory writes, cp.async included, made visible to wgmma.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Every thread's cp.async copies into shared memory have landed and are visible to the async proxy
+// (wgmma): this thread's copies waited for, fence.proxy.async, then a CTA barrier (which also says
+// every warpgroup is past its earlier reads of the buffers the next copies refill).
+__device__ __forceinline__ void cta_tiles_landed() {
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();
+}
+
 // One step of a row CTA's double-buffered K/V walk (K and V buffers kv_bytes apart): the tile in
 // buffer buf landed (this thread's copies), is visible to the async proxy (wgmma), every thread's
 // copies are done and every warpgroup finished with the other buffer; the next tile, keys n_next ...,
@@ -151,9 +160,7 @@ template <typename T, int ROWS, int HD, int NT>
 __device__ __forceinline__ void kv_walk_step(pa_u32 sk, pa_u32 sv, int kv_bytes, int buf, const RowCta<T>& cta,
                                              int n_next, int n_hi, long long k_ss, long long v_ss, int head_dim,
                                              int head_dim_v, int tid) {
-    cp_async_wait_all();
-    fence_proxy_async();
-    __syncthreads();
+    cta_tiles_landed();
     if (n_next < n_hi) {
         load_kv_sw128<T, ROWS, HD, NT>(sk + (buf ^ 1) * kv_bytes, sv + (buf ^ 1) * kv_bytes, cta, n_next, k_ss, v_ss,
                                        head_dim, head_dim_v, tid);
