@@ -97,8 +97,9 @@ def test_wgmma_config_geometry():
     fwd = [n for c in configs.wgmma_configs() if c.family.startswith("fwd") for n in c.name_expressions()]
     assert len(fwd) == len(set(fwd)) == 24
     bwd = [n for c in configs.wgmma_configs() if c.family == "bwd_wgmma" for n in c.name_expressions()]
-    # 2 dtypes x 2 head dims x (dK/dV, dQ) x (overlapped walk or not), the preprocess once per dtype
-    assert len(set(bwd)) == 18 and len(bwd) == 24
+    # 2 dtypes x (dK/dV, dQ) x (HD 64 and 128 with either walk, HD 256 serial), the preprocess once
+    # per dtype; 10 configs of three kernels each
+    assert len(set(bwd)) == 22 and len(bwd) == 30
     assert configs.KernelConfig("fwd_mma", "bfloat16", 128).arch is None
 
 

@@ -66,7 +66,11 @@ def test_backward_choice(mode):
     other = "bwd" if mode == "fma" else "bwd_mma"
     assert fam("bfloat16", 96, 96) == other        # no HD-96 instantiation
     assert fam("bfloat16", 32, 32) == other
-    assert fam("bfloat16", 256, 256) == ("bwd" if mode in ("fma", "mma128") else "bwd_mma")
+    # HD 256: the split wgmma backward (one warpgroup dV, one dK) when forced; auto takes it only
+    # where WGMMA_BWD_AUTO_HEAD_DIMS says the H200 timed it faster
+    wg256 = "bwd_wgmma" if mode == "wgmma" or (mode == "auto" and 256 in configs.WGMMA_BWD_AUTO_HEAD_DIMS) else None
+    assert fam("bfloat16", 256, 256) == (wg256 or ("bwd" if mode in ("fma", "mma128") else "bwd_mma"))
+    assert fam("bfloat16", 256, 192) == fam("bfloat16", 256, 256)   # Dv != D, padded to 256
     assert fam("bfloat16", 128, 128, extras=True) == other
     for cap in ((8, 0), (8, 9), (10, 0), None):
         assert fam("bfloat16", 128, 128, cap=cap) == other
@@ -83,8 +87,8 @@ def test_backward_choice(mode):
         assert cfg == configs.KernelConfig("bwd_wgmma", "bfloat16", 128) and "sm_90a" in why
         assert "softcap" in _choose(mode, "bfloat16", 128, 128, extras=True)[1]
         assert "needs 9.0" in _choose(mode, "bfloat16", 128, 128, cap=(8, 0))[1]
-        why256 = _choose(mode, "bfloat16", 256, 256)[1]
-        assert "padded head dim 256" in why256 and "registers" not in why256 and "HD floats" in why256
+        why224 = _choose(mode, "bfloat16", 224, 224)[1]
+        assert "padded head dim 224" in why224 and "64, 128, 256" in why224
         assert "shared memory" in _choose(mode, "bfloat16", 128, 128, smem=120 * 1024)[1]
         # the plain config function never answers wgmma (backward_choice upgrades it)
         assert configs.backward_config("bfloat16", 128, 128, mode="wgmma").family == "bwd_mma"
@@ -113,18 +117,22 @@ def test_wgmma_backward_config_geometry():
             assert cfg.arch == "sm_90a" and cfg.source_files == configs.WGMMA_SOURCE_FILES
             assert cfg in configs.wgmma_configs() and cfg not in configs.all_configs()
             (bm, nwk), (bn, nwq) = configs.wgmma_bwd_tile(hd, "dkdv"), configs.wgmma_bwd_tile(hd, "dq")
-            ov = "true" if configs.WGMMA_BWD_OVERLAP else "false"
+            assert cfg.bwd_overlap == (configs.WGMMA_BWD_OVERLAP and hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS)
+            ov = "true" if cfg.bwd_overlap else "false"
             assert cfg.kernel_names() == {"preprocess": f"attn_bwd_preprocess<{cfg.ctype}>",
                                           "dkdv": f"attn_bwd_dkdv_wgmma<{cfg.ctype}, {hd}, {bm}, {nwk}, {ov}>",
                                           "dq": f"attn_bwd_dq_wgmma<{cfg.ctype}, {hd}, {bn}, {nwq}, {ov}>"}
-            # the other walk: the same launch geometry, a third Q/dO (dK/dV) or K (dQ) buffer when overlapped
-            other = configs.KernelConfig("bwd_wgmma", dt, hd, tile=(int(not configs.WGMMA_BWD_OVERLAP),))
-            assert other in configs.wgmma_configs() and other.bwd_overlap != cfg.bwd_overlap
-            lo, hi = (cfg, other) if other.bwd_overlap else (other, cfg)
-            assert hi.smem_bytes("dkdv") - lo.smem_bytes("dkdv") == 2 * bm * hd * 2 + 8 * bm
-            assert hi.smem_bytes("dq") - lo.smem_bytes("dq") == bn * hd * 2
-            assert other.max_smem_bytes() <= configs.SMEM_LIMITS[90]
-            assert cfg.threads("dkdv") == 128 * nwk and cfg.block_rows("dkdv") == 64 * nwk
+            if hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS:
+                # the other walk: the same launch geometry, a third Q/dO (dK/dV) or K (dQ) buffer when overlapped
+                other = configs.KernelConfig("bwd_wgmma", dt, hd, tile=(int(not configs.WGMMA_BWD_OVERLAP),))
+                assert other in configs.wgmma_configs() and other.bwd_overlap != cfg.bwd_overlap
+                lo, hi = (cfg, other) if other.bwd_overlap else (other, cfg)
+                assert hi.smem_bytes("dkdv") - lo.smem_bytes("dkdv") == 2 * bm * hd * 2 + 8 * bm
+                assert hi.smem_bytes("dq") - lo.smem_bytes("dq") == bn * hd * 2
+                assert other.max_smem_bytes() <= configs.SMEM_LIMITS[90]
+            keys = 64 if hd > 128 else 64 * nwk   # HD 256: both warpgroups on the same 64 keys
+            assert configs.wgmma_bwd_keys(hd) == keys
+            assert cfg.threads("dkdv") == 128 * nwk and cfg.block_rows("dkdv") == keys
             assert cfg.threads("dq") == 128 * nwq and cfg.block_rows("dq") == 64 * nwq
             assert cfg.threads("preprocess") == configs.PRE_THREADS and cfg.smem_bytes("preprocess") == 0
             assert cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
@@ -204,7 +212,8 @@ def _expected_hgmma(name: str) -> int:
 def test_wgmma_backward_compiles_without_spills_and_uses_hgmma(tmp_path):
     names = [n for c in configs.wgmma_configs() if c.family == "bwd_wgmma"
              for r, n in c.kernel_names().items() if r != "preprocess"]
-    assert len(names) == 16   # 2 dtypes x 2 head dims x (dK/dV, dQ) x (overlapped walk or not)
+    # 2 dtypes x (dK/dV, dQ) x (HD 64 and 128 with both walks, HD 256 serial)
+    assert len(names) == 2 * 2 * (2 * len(configs.WGMMA_BWD_OVERLAP_HEAD_DIMS) + 1) == 20
     cubin = str(tmp_path / "bwd.cubin")
     _, lowered = _compile_90a_without_spills(names, cubin)
     sass = _sass(cubin)
@@ -245,7 +254,10 @@ def test_sm90a_ptx_keeps_backward_wgmma_registers_behind_the_fences():
         # dK/dV: S^T and dP^T, then dV and dK (two chains each); dQ: S and dP, then dQ
         assert body.count("wgmma.fence") == (4 if "dkdv" in name else 3), name
         # each wait_group 1 leaves the newest group running; the last wait of a tile is wait_group 0
-        assert body.count("wgmma.wait_group.sync.aligned 1") == (2 if "dkdv" in name else 1), name
+        # (HD 256 dK/dV: only warpgroup 1's wait for S^T behind dP^T; its dP^T, and warpgroup 0's
+        # S^T, are each the only group in flight)
+        split = "dkdv" in name and ", 256," in name
+        assert body.count("wgmma.wait_group.sync.aligned 1") == (1 if split or "dq" in name else 2), name
         assert wgmma_register_hazards(body) == [], name
 
 
@@ -317,7 +329,7 @@ def test_wgmma_backward_matches_reference(monkeypatch, case, dtype):
     assert not bad, f"{case} {dtype}: " + "; ".join(bad)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", configs.WGMMA_BWD_HEAD_DIMS)
 @pytest.mark.gpu
 @sm90_only
 def test_wgmma_backward_large_bf16(monkeypatch, d):
@@ -351,7 +363,7 @@ def test_wgmma_backward_lse_gradient(monkeypatch, case):
     check_lse_grads("cupy", q, k, v, bias_grad=False, **kw)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", configs.WGMMA_BWD_HEAD_DIMS)
 @pytest.mark.gpu
 @sm90_only
 def test_wgmma_backward_bad_cu_seqlens_stay_in_bounds(monkeypatch, d):

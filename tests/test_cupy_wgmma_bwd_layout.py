@@ -49,13 +49,17 @@ def _call(body: str, pattern: str):
 
 
 def _eval(expr: str, env: dict) -> int:
-    return eval(_c_expr(expr), {}, dict(env))
+    text = _c_expr(expr)
+    m = re.fullmatch(r"(.+?) \? (.+?) : (.+)", text)   # one C conditional: cond ? a : b
+    if m:
+        text = f"({m.group(2)}) if ({m.group(1)}) else ({m.group(3)})"
+    return eval(text, {}, dict(env))
 
 
 def _carve(body: str, env: dict) -> dict:
     """The kernel's constexpr sizes and SW128 region bases (relative to the aligned base)."""
     env = dict(env, base=0)
-    for name, expr in re.findall(r"constexpr int (\w+) = ([^;]+);", body):
+    for name, expr in re.findall(r"constexpr (?:int|bool) (\w+) = ([^;]+);", body):
         env[name] = _eval(expr, env)
     for name, expr in re.findall(r"const pa_u32 (s\w+) = ([^;,]+)[;,]", body):
         try:
@@ -86,9 +90,10 @@ def _a_operand(regs_per_thread, kk):
 @pytest.mark.parametrize("hd", configs.WGMMA_BWD_HEAD_DIMS)
 def test_dkdv_operands_and_coordinates(hd):
     bm, nwg = configs.wgmma_bwd_tile(hd, "dkdv")
-    bn = 64 * nwg
-    env = _carve(DKDV, {"HD": hd, "BM": bm, "NWG": nwg, "OVERLAP": configs.WGMMA_BWD_OVERLAP})
-    assert env["BN"] == bn
+    bn = configs.wgmma_bwd_keys(hd)   # 64 per warpgroup, or 64 shared by both at HD 256 (SPLIT)
+    overlap = configs.KernelConfig("bwd_wgmma", "bfloat16", hd).bwd_overlap
+    env = _carve(DKDV, {"HD": hd, "BM": bm, "NWG": nwg, "OVERLAP": overlap})
+    assert env["BN"] == bn and env["SPLIT"] == (hd > 128)
     # the two wg_qk calls: template row counts and operands (A: K / V of the warpgroup, B: Q / dO)
     a_rows, b_rows, acc, a_tile, b_tile = _call(DKDV, r"wg_qk<T, HD, (\w+), (\w+)>\((st), opaque_u32\((\w+)\), (\w+)\)")
     assert (acc, a_tile, b_tile) == ("st", "sKw", "sQb")
@@ -96,7 +101,8 @@ def test_dkdv_operands_and_coordinates(hd):
     assert (a_rows2, b_rows2, a2, b2) == (a_rows, b_rows, "sVw", "sdOb")
     a_rows, b_rows = env[a_rows], env[b_rows]
     assert (a_rows, b_rows) == (bn, bm)
-    wg_off = _call(DKDV, r"const pa_u32 sKw = sK \+ ([^,]+), sVw")[0]
+    assert _call(DKDV, r"const pa_u32 sKw = sK \+ ([^,]+), sVw")[0] == "kw * 128"
+    kw_expr = _call(DKDV, r"const int kw = ([^;]+);")[0]   # the warpgroup's first key in the CTA
     dv_rows, dv_tile = _call(DKDV, r"wg_pv<T, HD, (\w+)>\(dv_acc, pa, (\w+)[,)]")
     dk_rows, dk_tile = _call(DKDV, r"wg_pv<T, HD, (\w+)>\(dk_acc, da, (\w+)[,)]")
     assert (dv_tile, dk_tile) == ("sdOb", "sQb") and env[dv_rows] == env[dk_rows] == bm
@@ -121,14 +127,16 @@ def test_dkdv_operands_and_coordinates(hd):
     lbo, sbo, _, _ = _qk_descs()
     n0, m0 = 128 * 3, 64 * 5   # any tile position
     for wg in range(nwg):
-        start = _eval(wg_off, {"wg": wg})
+        kw = _eval(kw_expr, {"wg": wg, "SPLIT": env["SPLIT"]})
+        assert kw == (0 if env["SPLIT"] else 64 * wg)
+        start = kw * 128
         st, dpt = np.zeros((64, bm)), np.zeros((64, bm))
         for kk in range(hd // 16):
             oa, ob = _qk_offsets(kk, a_rows, b_rows)
             st += _read_kmajor(mk, start + oa, sbo, 64) @ _read_kmajor(mq, ob, sbo, bm).T
             dpt += _read_kmajor(mv, start + oa, sbo, 64) @ _read_kmajor(mdo, ob, sbo, bm).T
-        kw, vw = k[64 * wg:64 * wg + 64], v[64 * wg:64 * wg + 64]
-        np.testing.assert_allclose(st, kw @ q.T, rtol=1e-12, atol=1e-12)
+        k_w, vw = k[kw:kw + 64], v[kw:kw + 64]
+        np.testing.assert_allclose(st, k_w @ q.T, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(dpt, vw @ do.T, rtol=1e-12, atol=1e-12)
         # P^T / dS^T stand-ins computed per element from the coordinates the kernel uses
         lse, delta = rng.standard_normal(bm), rng.standard_normal(bm)
@@ -136,7 +144,7 @@ def test_dkdv_operands_and_coordinates(hd):
         for warp in range(4):
             for lane in range(32):
                 g, t4 = lane // 4, lane % 4
-                nw0 = _eval(nw0_expr, {"n0": n0, "wg": wg})
+                nw0 = _eval(nw0_expr, {"n0": n0, "kw": kw})
                 j0 = _eval(j0_expr, {"nw0": nw0, "wq": warp, "g": g})
                 s_regs, d_regs = _thread_regs(st, warp, lane, bm), _thread_regs(dpt, warp, lane, bm)
                 p, ds = np.empty(bm // 2), np.empty(bm // 2)
@@ -216,9 +224,9 @@ def test_dq_operands_and_coordinates(hd):
         np.testing.assert_allclose(dq, (sc * 0.5) @ k, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("role", ["dkdv", "dq"])
-@pytest.mark.parametrize("hd", configs.WGMMA_BWD_HEAD_DIMS)
+@pytest.mark.parametrize("hd,overlap", [(hd, ov) for hd in configs.WGMMA_BWD_HEAD_DIMS for ov in (False, True)
+                                        if not ov or hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS])
 def test_shared_memory_carve_and_descriptors(role, hd, overlap):
     """Every SW128 region of the kernel's carve-up starts 1024-byte aligned, the regions (and the
     dK/dV kernel's lse2 / delta floats) end within configs.KernelConfig.smem_bytes minus the 1 KB
@@ -235,7 +243,8 @@ def test_shared_memory_carve_and_descriptors(role, hd, overlap):
         regions = {"sK": env["KV_BYTES"], "sV": env["KV_BYTES"], "sQ": len(bufs) * env["QT_BYTES"],
                    "sdO": len(bufs) * env["QT_BYTES"]}
         stats = 4 * 2 * len(bufs) * tile   # sL: [QBUFS][lse2 BM | delta BM] floats after sdO
-        a_tiles = [env["sK"] + wg * 64 * 128 for wg in range(nwg)] + [env["sV"] + wg * 64 * 128 for wg in range(nwg)]
+        kws = [(0 if env["SPLIT"] else 64 * wg) * 128 for wg in range(nwg)]   # SPLIT: both on the same keys
+        a_tiles = [env["sK"] + o for o in kws] + [env["sV"] + o for o in kws]
         a_rows, b_rows = env["BN"], tile
         b_tiles = [env["sQ"] + b * env["QT_BYTES"] for b in bufs] + [env["sdO"] + b * env["QT_BYTES"] for b in bufs]
         pv_rows, pv_tiles = tile, b_tiles
@@ -270,3 +279,14 @@ def test_shared_memory_carve_and_descriptors(role, hd, overlap):
         d = _desc(addr, lb, sb)
         assert d & 0x3FFF == addr >> 4 and (d >> 16) & 0x3FFF == lb >> 4 and (d >> 32) & 0x3FFF == sb >> 4
         assert addr < 1 << 18 and addr % 1024 < 128 and d >> 62 == 1
+
+
+def test_no_overlapped_walk_at_hd_256():
+    """The overlapped walk's third Q / dO buffer does not fit beside K and V at HD 256: a config
+    asking for it runs the serial walk, whose shared memory fits."""
+    for hd in configs.WGMMA_BWD_HEAD_DIMS:
+        cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd, tile=(1,))
+        assert cfg.bwd_overlap == (hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS)
+        assert cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
+        assert ("true>" in cfg.kernel_names()["dkdv"]) == cfg.bwd_overlap
+    assert 256 not in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS

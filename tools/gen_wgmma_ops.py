@@ -5,7 +5,7 @@
 
 A wgmma.mma_async of shape m64nNk16 with float32 accumulators names N/2 accumulator registers
 per thread in its operand list (an asm operand list takes no pack expansion and its PTX is one
-string literal), so the wrappers are written out per N (64 ... 256) and element type (the
+string literal), so the wrappers are written out per N (32 ... 256) and element type (the
 accumulator fence wgmma_fence_acc needs no such list: a loop in attn_sm90.cuh);
 tests/test_cupy_wgmma.py checks that the committed file is this script's output.
 """
@@ -17,7 +17,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGET = os.path.join(os.path.dirname(HERE), "backends", "cupy", "attn_wgmma_ops.cuh")
-NS = (64, 128, 256)
+NS = (32, 64, 128, 256)
 TYPES = (("pa_half", "f16"), ("pa_bf16", "bf16"))
 
 

@@ -28,6 +28,12 @@
 //   one, which issues its S^T and dP^T behind them and retires all three with its first
 //   wait_group 1; Q / dO (and their stats) then sit in three buffers, so that the one the tile
 //   before reads is not refilled while its products run.
+//   HD 256 (SPLIT): dK and dV of 64 keys x 256 columns are 256 floats per thread, over the 255
+//   registers of one, so the CTA's two warpgroups share its 64 keys and split the outputs:
+//   warpgroup 0 issues S^T and accumulates dV, warpgroup 1 issues S^T and dP^T and accumulates dK
+//   (five products per tile pair instead of four: S^T twice; each warpgroup holds 128
+//   accumulators, as one of HD 128). Q / dO stay double-buffered (192 KB with K and V), so the
+//   overlapped walk is not instantiated there.
 // attn_bwd_dq_wgmma<T, HD, BN, NWG>  one CTA of NWG warpgroups per (64 NWG query rows, head,
 //   batch); warpgroup w owns rows 64w ... 64w + 63 (as the forward); Q and dO stay in shared
 //   memory, each thread keeps its two rows' lse log2 e and delta in registers, and the visible
@@ -138,12 +144,14 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
                     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk,
                     long long dk_sb, long long dk_ss, long long dk_sh, T* __restrict__ dv, long long dv_sb,
                     long long dv_ss, long long dv_sh) {
-    constexpr int BN = 64 * NWG;               // keys per CTA, 64 per warpgroup
+    constexpr bool SPLIT = HD > 128;           // warpgroup 0 dV, 1 dK of the same 64 keys (header)
+    constexpr int BN = SPLIT ? 64 : 64 * NWG;  // keys per CTA, 64 per warpgroup (SPLIT: 64)
     constexpr int NT = 128 * NWG;
     constexpr int KV_BYTES = BN * HD * 2;      // the K (or V) tile
     constexpr int QT_BYTES = BM * HD * 2;      // one Q (or dO) buffer
     constexpr int QBUFS = 2 + OVERLAP;         // Q / dO / stats buffers: 3 with OVERLAP
-    static_assert(HD % 64 == 0 && HD <= 128, "HD: whole 64-column SW128 blocks; dK + dV take HD floats per thread");
+    static_assert(HD % 64 == 0 && HD <= 256, "HD: whole 64-column SW128 blocks, at most 256 (one wgmma N)");
+    static_assert(!SPLIT || (NWG == 2 && !OVERLAP), "HD > 128: two warpgroups, one per output; serial walk");
     static_assert(BM % 64 == 0 && BM <= 256, "BM: whole 8-row groups, at most 256 (one wgmma N)");
     static_assert(sizeof(T) == 2, "16-bit elements");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -168,15 +176,19 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
     if (n_iter > 0) PA_DKDV_WG_LOAD_QUERY_TILE(sQ, sdO, sL, walk.h_first, walk.m_first);
     cp_async_commit();
 
-    float dk_acc[HD / 2], dv_acc[HD / 2];      // rows (keys) g, g + 8 of the warp's 16, as the forward's O
+    // rows (keys) g, g + 8 of the warp's 16, as the forward's O; SPLIT: one array, the warpgroup's output
+    float dk_own[SPLIT ? 1 : HD / 2], dv_acc[HD / 2];
+    float* const dk_acc = SPLIT ? dv_acc : dk_own;
+    const bool has_dv = !SPLIT || wg == 0, has_dk = !SPLIT || wg == 1;   // uniform per warpgroup
     if (!OVERLAP) {                            // OVERLAP: set by the first products (acc_in 0), or zeroed after
         zero_floats<HD / 2>(dk_acc);
-        zero_floats<HD / 2>(dv_acc);
+        if (!SPLIT) zero_floats<HD / 2>(dv_acc);
     }
     int acc_in = 0;                            // a dV / dK product has been issued
-    const int nw0 = n0 + wg * 64;              // the warpgroup's first key
+    const int kw = SPLIT ? 0 : wg * 64;        // the warpgroup's first key in the CTA
+    const int nw0 = n0 + kw;                   // ... in the sequence
     const int j0 = nw0 + wq * 16 + g;          // this thread's keys: j0, j0 + 8
-    const pa_u32 sKw = sK + wg * 64 * 128, sVw = sV + wg * 64 * 128;   // 8-row groups are 1024 B
+    const pa_u32 sKw = sK + kw * 128, sVw = sV + kw * 128;   // 8-row groups are 1024 B
     pa_u32 pa[BM / 16][4], da[BM / 16][4];     // P^T and dS^T as A fragments (OVERLAP: read into the next tile)
     // S^T and dP^T of a tile (the first k-step of each chain ignores them: scale-d 0). OVERLAP zeroes
     // them once, here: a mov into a chain's accumulators while the tile before's dV / dK run makes
@@ -206,18 +218,22 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
         const pa_u32 sQb = sQ + buf * QT_BYTES, sdOb = sdO + buf * QT_BYTES;
         const float* lse2_t = sL + buf * 2 * BM;
 
-        // 2. S^T = K_w Q^T and dP^T = V_w dO^T (64 keys x BM queries), two commit groups
+        // 2. S^T = K_w Q^T and dP^T = V_w dO^T (64 keys x BM queries), two commit groups (SPLIT:
+        //    dP^T by warpgroup 1 only)
         if (!OVERLAP) {
             zero_floats<BM / 2>(st);
             zero_floats<BM / 2>(dpt);
         }
         wg_qk<T, HD, BN, BM>(st, opaque_u32(sKw), sQb);
-        wg_qk<T, HD, BN, BM>(dpt, opaque_u32(sVw), sdOb);
-
         // 3. S^T landed (dP^T may still run; OVERLAP: the tile before's dV / dK retired too, so
         //    pa / da are ordinary registers again): P^T in place (masked only where the tile
         //    crosses a boundary), re-packed as A fragments; dV_w += P^T dO issued
-        wgmma_wait<1>();
+        if (has_dk) {
+            wg_qk<T, HD, BN, BM>(dpt, opaque_u32(sVw), sdOb);
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();                   // SPLIT, warpgroup 0: S^T is its only group
+        }
         wgmma_fence_acc<BM>(st);
         if (OVERLAP) {
             fence_a_frags<BM / 16>(pa);
@@ -225,20 +241,25 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
         }
         const bool check = tile_needs_mask(s, m0, BM, nw0, 64, win_left, win_right);
         wg_probs_keys<BM>(st, lse2_t, check, s, j0, m0, t4, scale_log2, win_left, win_right);
-        acc_to_a_frags<T, BM>(pa, st);
-        wg_pv<T, HD, BM>(dv_acc, pa, sdOb, OVERLAP ? acc_in : 1);
+        if (has_dv) {
+            acc_to_a_frags<T, BM>(pa, st);
+            wg_pv<T, HD, BM>(dv_acc, pa, sdOb, OVERLAP ? acc_in : 1);
+        }
 
         // 4. dP^T landed (dV may still run): dS^T in place, re-packed; dK_w += dS^T Q issued
-        wgmma_wait<1>();
-        wgmma_fence_acc<BM>(dpt);
-        wg_dscores_keys<BM>(st, dpt, lse2_t + BM, t4);
-        acc_to_a_frags<T, BM>(da, dpt);
-        wg_pv<T, HD, BM>(dk_acc, da, sQb, OVERLAP ? acc_in : 1);
+        if (has_dk) {
+            if (SPLIT) wgmma_wait<0>();        // SPLIT, warpgroup 1: dP^T is its only group
+            else wgmma_wait<1>();
+            wgmma_fence_acc<BM>(dpt);
+            wg_dscores_keys<BM>(st, dpt, lse2_t + BM, t4);
+            acc_to_a_frags<T, BM>(da, dpt);
+            wg_pv<T, HD, BM>(dk_acc, da, sQb, OVERLAP ? acc_in : 1);
+        }
         acc_in = 1;
         if (!OVERLAP) {
             wgmma_wait<0>();
             wgmma_fence_acc<HD>(dv_acc);
-            wgmma_fence_acc<HD>(dk_acc);
+            if (!SPLIT) wgmma_fence_acc<HD>(dk_acc);
         }
     }
     if (OVERLAP) {   // the last tile's dV / dK; keys that no query saw get 0
@@ -254,12 +275,15 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
 
     // Epilogue: the warp's 16 keys of dK (times the softmax scale) and dV; keys past the
     // sequence end and columns past the head dims are not stored.
-    scale_floats<HD / 2>(dk_acc, scale);
     const int key_w = nw0 + wq * 16;
-    store_acc_rows<T, HD / 8>(tok_ptr(dk, b, dk_sb, s.k0 + key_w, dk_ss, hk, dk_sh), dk_ss,
-                              reinterpret_cast<const float (*)[4]>(dk_acc), s.sk - key_w, 0, head_dim, g, t4);
-    store_acc_rows<T, HD / 8>(tok_ptr(dv, b, dv_sb, s.k0 + key_w, dv_ss, hk, dv_sh), dv_ss,
-                              reinterpret_cast<const float (*)[4]>(dv_acc), s.sk - key_w, 0, head_dim_v, g, t4);
+    if (has_dk) {
+        scale_floats<HD / 2>(dk_acc, scale);
+        store_acc_rows<T, HD / 8>(tok_ptr(dk, b, dk_sb, s.k0 + key_w, dk_ss, hk, dk_sh), dk_ss,
+                                  reinterpret_cast<const float (*)[4]>(dk_acc), s.sk - key_w, 0, head_dim, g, t4);
+    }
+    if (has_dv)
+        store_acc_rows<T, HD / 8>(tok_ptr(dv, b, dv_sb, s.k0 + key_w, dv_ss, hk, dv_sh), dv_ss,
+                                  reinterpret_cast<const float (*)[4]>(dv_acc), s.sk - key_w, 0, head_dim_v, g, t4);
 }
 
 template <typename T, int HD, int BN, int NWG, bool OVERLAP>
@@ -273,7 +297,7 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
     constexpr int KV_BYTES = BN * HD * 2;      // one K (or V) buffer
     constexpr int KBUFS = 2 + OVERLAP;         // K buffers (3 with OVERLAP; V: two)
     static_assert(HD % 64 == 0 && HD <= 256, "HD: whole 64-column SW128 blocks, at most 256 (one wgmma N)");
-    static_assert(BN % 64 == 0 && BN <= 256, "BN: whole 8-row groups, at most 256 (one wgmma N)");
+    static_assert(BN % 32 == 0 && BN <= 256, "BN: whole 16-key k-steps and 8-row groups, at most 256 (one wgmma N)");
     static_assert(sizeof(T) == 2, "16-bit elements");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const pa_u32 raw = smem_addr(smem_raw), base = sw128_align(raw);

@@ -56,10 +56,14 @@ WGMMA_AUTO_HEAD_DIMS = (64, 128, 256)
 #: pingpong; 0.85 x the then serial plain wgmma forward on the H200 on 2026-12-02, so never the
 #: default; the plain kernel has overlapped each tile's softmax with the previous P V since).
 FORWARD_ENV = "PORTATTN_CUPY_FORWARD"
-#: Padded head dims the wgmma backward is instantiated for. Not 256: its dK/dV warpgroup holds the
-#: dK and dV accumulators of 64 keys x HD columns, HD floats per thread (256 > the 255 registers of
-#: a thread), so HD 256 (and every other bucket) stays on the mma.sync backward.
-WGMMA_BWD_HEAD_DIMS = (64, 128)
+#: Padded head dims the wgmma backward is instantiated for. Up to 128 a dK/dV warpgroup holds
+#: the dK and dV accumulators of its 64 keys (HD floats per thread); at 256 that would be 256
+#: floats, over a thread's 255 registers, so the CTA's two warpgroups share 64 keys, one
+#: accumulating dV and the other dK (attn_bwd_wgmma.cu, SPLIT). Other buckets run mma.sync.
+WGMMA_BWD_HEAD_DIMS = (64, 128, 256)
+#: Padded head dims with an overlapped walk (``OVERLAP``): its third Q/dO buffer does not fit
+#: beside K and V at 256 (256 KB), where the serial walk runs whatever :data:`WGMMA_BWD_OVERLAP` says.
+WGMMA_BWD_OVERLAP_HEAD_DIMS = (64, 128)
 #: Padded head dims at which ``auto`` takes the wgmma backward (compute capability 9.0): both it is
 #: instantiated for. The H200 (2026-12-04, bf16, 16k tokens, hidden 2048, with the fixed-trip
 #: SW128 loads; benchmarks/results/cupy-wgmma-bwd-check-h200.*) timed it at 1.26-1.60 x the
@@ -184,15 +188,22 @@ def bwd_mma_tile(hd: int, role: str) -> tuple[int, int, int]:
 def wgmma_bwd_tile(hd: int, role: str) -> tuple[int, int]:
     """(tile, consumer warpgroups) of the wgmma backward (attn_bwd_wgmma.cu).
 
-    ``dkdv``: (BLOCK_M, NWG): the CTA owns 64 keys per warpgroup (two: 128 keys) and walks query
-    tiles of BLOCK_M = 64 rows (S^T and dP^T: 32 + 32 floats per thread beside dK + dV's HD);
-    K, V and the double-buffered Q / dO: 67 KB at HD 64, 133 KB at HD 128 (one CTA per SM).
-    ``dq``: (BLOCK_N, NWG): 64 rows per warpgroup (two: 128 rows) against key tiles of 128 keys at
-    HD 64 and 64 keys at HD 128 (S and dP: BLOCK_N / 2 floats each beside dQ's HD / 2); 99 / 129 KB.
-    Chosen from registers and shared memory, not yet by measurement."""
+    ``dkdv``: (BLOCK_M, NWG): the CTA owns 64 keys per warpgroup (two: 128 keys; at HD 256 both
+    share 64 keys, :func:`wgmma_bwd_keys`) and walks query tiles of BLOCK_M = 64 rows (S^T and
+    dP^T: 32 + 32 floats per thread beside dK + dV's HD, or beside dK's or dV's 128 at HD 256);
+    K, V and the double-buffered Q / dO: 67 KB at HD 64, 133 KB at HD 128, 194 KB at 256 (one CTA
+    per SM). ``dq``: (BLOCK_N, NWG): 64 rows per warpgroup (two: 128 rows) against key tiles of
+    128 keys at HD 64, 64 keys at HD 128 and 32 keys at 256 (S and dP: BLOCK_N / 2 floats each
+    beside dQ's HD / 2); 99 / 129 / 193 KB. Chosen from registers and shared memory."""
     if role.startswith("dkdv"):
         return (64, 2)
-    return (128, 2) if hd <= 64 else (64, 2)
+    return (128, 2) if hd <= 64 else (64, 2) if hd <= 128 else (32, 2)
+
+
+def wgmma_bwd_keys(hd: int) -> int:
+    """Keys one dK/dV CTA of the wgmma backward owns: 64 per warpgroup, or 64 in all at HD 256
+    (one warpgroup accumulates dV, the other dK)."""
+    return 64 if hd > 128 else 64 * wgmma_bwd_tile(hd, "dkdv")[1]
 
 
 def _env_mode(name: str, modes: tuple, meaning: str) -> str:
@@ -319,6 +330,8 @@ class KernelConfig:
     def bwd_overlap(self) -> bool:
         """The wgmma backward's walk: products of a tile left in flight into the next one
         (``tile=(1,)``; default :data:`WGMMA_BWD_OVERLAP`) or retired within it (``tile=(0,)``)."""
+        if self.head_dim not in WGMMA_BWD_OVERLAP_HEAD_DIMS:
+            return False
         return bool(self.tile[0]) if self.tile is not None else WGMMA_BWD_OVERLAP
 
     def name_expressions(self) -> list[str]:
@@ -345,7 +358,7 @@ class KernelConfig:
     def block_rows(self, role: str) -> int:
         """Rows (or keys, for dK/dV) one CTA covers along the grid's x axis."""
         if self.family == "bwd_wgmma" and role != "preprocess":
-            return 64 * wgmma_bwd_tile(self.head_dim, role)[1]
+            return wgmma_bwd_keys(self.head_dim) if role == "dkdv" else 64 * wgmma_bwd_tile(self.head_dim, role)[1]
         if self.family == "fwd_wgmma":
             return 64 * wgmma_tile(self.head_dim)[1]
         if self.family == "fwd_wgmma_ws":
@@ -366,7 +379,7 @@ class KernelConfig:
         """Dynamic shared memory of one CTA (mirrors the carve-up at the top of each kernel)."""
         hd = self.head_dim
         if self.family == "bwd_wgmma":
-            # 1 KB of slack for the 1024-byte alignment of the SW128 tiles; dK/dV: K, V [64 NWG],
+            # 1 KB of slack for the 1024-byte alignment of the SW128 tiles; dK/dV: K, V [keys],
             # Q, dO [B][BLOCK_M], lse2 / delta [B][2][BLOCK_M] floats; dQ: Q, dO [64 NWG], K [B][BLOCK_N],
             # V [2][BLOCK_N]; B = 3 buffers with the overlapped walk, else 2
             if role == "preprocess":
@@ -374,7 +387,7 @@ class KernelConfig:
             tile, nwg = wgmma_bwd_tile(hd, role)
             bufs = 3 if self.bwd_overlap else 2
             if role == "dkdv":
-                return 1024 + (2 * 64 * nwg + 2 * bufs * tile) * hd * 2 + 8 * bufs * tile
+                return 1024 + (2 * wgmma_bwd_keys(hd) + 2 * bufs * tile) * hd * 2 + 8 * bufs * tile
             return 1024 + (2 * 64 * nwg + (bufs + 2) * tile) * hd * 2
         if self.family in WGMMA_FAMILIES:
             # 1 KB of slack: the kernel aligns its SW128 tiles to 1024 bytes; Q, then 2 x K, 2 x V
@@ -483,8 +496,8 @@ def wgmma_configs(with_probe: bool = False) -> list[KernelConfig]:
             for hd in WGMMA_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
     out += [KernelConfig("bwd_wgmma", dt, hd) for hd in WGMMA_BWD_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
     # the other walk of the wgmma backward (timed against the default)
-    out += [KernelConfig("bwd_wgmma", dt, hd, tile=(int(not WGMMA_BWD_OVERLAP),)) for hd in WGMMA_BWD_HEAD_DIMS
-            for dt in TENSOR_CORE_DTYPES]
+    out += [KernelConfig("bwd_wgmma", dt, hd, tile=(int(not WGMMA_BWD_OVERLAP),))
+            for hd in WGMMA_BWD_OVERLAP_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
     return out
 
 
@@ -523,8 +536,7 @@ def backward_choice(dtype: str, head_dim: int, head_dim_v: int, *, extras: bool,
     elif extras:
         why = "softcap / ALiBi / bias run the mma.sync EXTRAS kernels"
     elif wg is None:
-        why = (f"padded head dim {base.head_dim} (the wgmma backward has {', '.join(map(str, WGMMA_BWD_HEAD_DIMS))}; "
-               f"its dK/dV accumulators need HD floats per thread)")
+        why = f"padded head dim {base.head_dim} (the wgmma backward has {', '.join(map(str, WGMMA_BWD_HEAD_DIMS))})"
     elif smem_limit is not None and wg.max_smem_bytes() > smem_limit:
         why = f"it needs {wg.max_smem_bytes()} bytes of shared memory per block, the device allows {smem_limit}"
     elif mode == "auto" and wg.head_dim not in WGMMA_BWD_AUTO_HEAD_DIMS:
