@@ -282,8 +282,8 @@ def test_shared_memory_carve_and_descriptors(role, hd, overlap):
 
 
 def test_no_overlapped_walk_at_hd_256():
-    """The overlapped walk's third Q / dO buffer does not fit beside K and V at HD 256: a config
-    asking for it runs the serial walk, whose shared memory fits."""
+    """The split dK/dV kernel of HD 256 has the serial walk only: a config asking for the
+    overlapped one runs it, and its shared memory fits."""
     for hd in configs.WGMMA_BWD_HEAD_DIMS:
         cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd, tile=(1,))
         assert cfg.bwd_overlap == (hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS)

@@ -32,8 +32,8 @@
 //   registers of one, so the CTA's two warpgroups share its 64 keys and split the outputs:
 //   warpgroup 0 issues S^T and accumulates dV, warpgroup 1 issues S^T and dP^T and accumulates dK
 //   (five products per tile pair instead of four: S^T twice; each warpgroup holds 128
-//   accumulators, as one of HD 128). Q / dO stay double-buffered (192 KB with K and V), so the
-//   overlapped walk is not instantiated there.
+//   accumulators, as one of HD 128), against 32-row query tiles (configs.wgmma_bwd_tile); the
+//   serial walk only.
 // attn_bwd_dq_wgmma<T, HD, BN, NWG>  one CTA of NWG warpgroups per (64 NWG query rows, head,
 //   batch); warpgroup w owns rows 64w ... 64w + 63 (as the forward); Q and dO stay in shared
 //   memory, each thread keeps its two rows' lse log2 e and delta in registers, and the visible
@@ -152,7 +152,7 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
     constexpr int QBUFS = 2 + OVERLAP;         // Q / dO / stats buffers: 3 with OVERLAP
     static_assert(HD % 64 == 0 && HD <= 256, "HD: whole 64-column SW128 blocks, at most 256 (one wgmma N)");
     static_assert(!SPLIT || (NWG == 2 && !OVERLAP), "HD > 128: two warpgroups, one per output; serial walk");
-    static_assert(BM % 64 == 0 && BM <= 256, "BM: whole 8-row groups, at most 256 (one wgmma N)");
+    static_assert(BM % 32 == 0 && BM <= 256, "BM: whole 16-row k-steps and 8-row groups, at most 256 (one wgmma N)");
     static_assert(sizeof(T) == 2, "16-bit elements");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const pa_u32 raw = smem_addr(smem_raw), base = sw128_align(raw);

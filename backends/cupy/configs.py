@@ -61,8 +61,8 @@ FORWARD_ENV = "PORTATTN_CUPY_FORWARD"
 #: floats, over a thread's 255 registers, so the CTA's two warpgroups share 64 keys, one
 #: accumulating dV and the other dK (attn_bwd_wgmma.cu, SPLIT). Other buckets run mma.sync.
 WGMMA_BWD_HEAD_DIMS = (64, 128, 256)
-#: Padded head dims with an overlapped walk (``OVERLAP``): its third Q/dO buffer does not fit
-#: beside K and V at 256 (256 KB), where the serial walk runs whatever :data:`WGMMA_BWD_OVERLAP` says.
+#: Padded head dims with an overlapped walk (``OVERLAP``). Not 256: the split dK/dV kernel there
+#: (one warpgroup per output) has the serial walk only, whatever :data:`WGMMA_BWD_OVERLAP` says.
 WGMMA_BWD_OVERLAP_HEAD_DIMS = (64, 128)
 #: Padded head dims at which ``auto`` takes the wgmma backward (compute capability 9.0): both it is
 #: instantiated for. The H200 (2026-12-04, bf16, 16k tokens, hidden 2048, with the fixed-trip
@@ -189,14 +189,14 @@ def wgmma_bwd_tile(hd: int, role: str) -> tuple[int, int]:
     """(tile, consumer warpgroups) of the wgmma backward (attn_bwd_wgmma.cu).
 
     ``dkdv``: (BLOCK_M, NWG): the CTA owns 64 keys per warpgroup (two: 128 keys; at HD 256 both
-    share 64 keys, :func:`wgmma_bwd_keys`) and walks query tiles of BLOCK_M = 64 rows (S^T and
-    dP^T: 32 + 32 floats per thread beside dK + dV's HD, or beside dK's or dV's 128 at HD 256);
-    K, V and the double-buffered Q / dO: 67 KB at HD 64, 133 KB at HD 128, 194 KB at 256 (one CTA
-    per SM). ``dq``: (BLOCK_N, NWG): 64 rows per warpgroup (two: 128 rows) against key tiles of
+    share 64 keys, :func:`wgmma_bwd_keys`) and walks query tiles of BLOCK_M rows: 64 up to HD 128
+    (S^T and dP^T: 32 + 32 floats per thread beside dK + dV's HD), 32 at 256 (16 + 16 beside dK's
+    or dV's 128: with 64-row tiles NVRTC 13.0's ptxas spills there, 13.5's does not). K, V and the
+    double-buffered Q / dO: 67 KB at HD 64, 133 KB at HD 128, 129 KB at 256 (one CTA per SM). ``dq``: (BLOCK_N, NWG): 64 rows per warpgroup (two: 128 rows) against key tiles of
     128 keys at HD 64, 64 keys at HD 128 and 32 keys at 256 (S and dP: BLOCK_N / 2 floats each
     beside dQ's HD / 2); 99 / 129 / 193 KB. Chosen from registers and shared memory."""
     if role.startswith("dkdv"):
-        return (64, 2)
+        return (32, 2) if hd > 128 else (64, 2)
     return (128, 2) if hd <= 64 else (64, 2) if hd <= 128 else (32, 2)
 
 
