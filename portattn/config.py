@@ -32,7 +32,7 @@ VARIABLES = {
     "PORTATTN_PRIORITY_CPU": "comma-separated backend order for CPU tensors",
     "PORTATTN_HYPOTHESIS_PROFILE": "Hypothesis profile for the property tests: ci, gpu or nightly",
     "PORTATTN_CUPY_BACKWARD": "cupy's fp16/bf16 backward: auto (default: tensor cores at every head dim — the "
-                              "sm_90a wgmma kernels on Hopper at padded head dims 64/128 without softcap/ALiBi/bias, "
+                              "sm_90a wgmma kernels on Hopper at padded head dims 64/128/256 without softcap/ALiBi/bias, "
                               "where the H200 timed them faster, mma.sync elsewhere), mma128 (FMA above padded head "
                               "dim 128, the earlier kernels), fma (FMA always) or wgmma (the wgmma kernels wherever "
                               "they apply and fit); read on every call by backends/cupy/configs.py",

@@ -150,10 +150,11 @@ def _cuobjdump():
         return None
 
 
-def _compile_90a_without_spills(names, cubin: str):
+def _compile_90a_without_spills(names, cubin: str, spill_ok=lambda name: False):
     """Compile ``names`` for sm_90a into ``cubin`` (compile_check: NVRTC, ptxas -v) and check each
-    kernel's ptxas report (registers <= 255, no spills, no stack) and that ptxas did not serialize
-    the wgmma chains; returns (ptxas log, name -> lowered name)."""
+    kernel's ptxas report (registers <= 255, no spills, no stack, except where ``spill_ok(name)``
+    allows at most 8 bytes) and that ptxas did not serialize the wgmma chains; returns (ptxas
+    log, name -> lowered name)."""
     log, lowered = compile_check.compile_names(names, "90a", cubin_out=cubin)
     reports = compile_check.parse_ptxas_log(log, lowered, "90a")
     assert len(reports) == len(names)
@@ -164,7 +165,8 @@ def _compile_90a_without_spills(names, cubin: str):
         # with no registers there while the tool's own compile of it reported 212
         assert r.registers is not None and r.registers <= 255, compile_check.report_message(
             r, lowered, log, f"compile_check's: {sm90a._BindingsNvrtc().describe()}")
-        assert not r.spill_stores and not r.spill_loads and not r.stack, f"{r.name} spills: {r}"
+        limit = 8 if spill_ok(r.name) else 0
+        assert max(r.spill_stores or 0, r.spill_loads or 0, r.stack or 0) <= limit, f"{r.name} spills: {r}"
     assert "serialized" not in log, log   # ptxas: "wgmma.mma_async instructions are serialized ..."
     return log, lowered
 

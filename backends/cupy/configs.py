@@ -64,16 +64,18 @@ WGMMA_BWD_HEAD_DIMS = (64, 128, 256)
 #: Padded head dims with an overlapped walk (``OVERLAP``). Not 256: the split dK/dV kernel there
 #: (one warpgroup per output) has the serial walk only, whatever :data:`WGMMA_BWD_OVERLAP` says.
 WGMMA_BWD_OVERLAP_HEAD_DIMS = (64, 128)
-#: Padded head dims at which ``auto`` takes the wgmma backward (compute capability 9.0): both it is
-#: instantiated for. The H200 (2026-12-04, bf16, 16k tokens, hidden 2048, with the fixed-trip
-#: SW128 loads; benchmarks/results/cupy-wgmma-bwd-check-h200.*) timed it at 1.26-1.60 x the
-#: mma.sync backward at 128 and 1.04-1.16 x at 64, after its GPU tests (57) and its 16 float64
-#: checks passed.
-WGMMA_BWD_AUTO_HEAD_DIMS = (64, 128)
+#: Padded head dims at which ``auto`` takes the wgmma backward (compute capability 9.0): all it is
+#: instantiated for. The H200 (2026-12-04, bf16, 16k tokens, hidden 2048;
+#: benchmarks/results/cupy-wgmma-bwd-check-h200.*) timed it at 1.26-1.62 x the mma.sync backward
+#: at 128, 1.02-1.16 x at 64 and 1.54-1.90 x at 256 (the split dK/dV), after its 21 float64
+#: checks passed with bit-identical repeats.
+WGMMA_BWD_AUTO_HEAD_DIMS = (64, 128, 256)
 #: Whether the wgmma backward's default instantiation leaves a tile's last products (dV and dK;
 #: dQ) in flight into the next tile (``OVERLAP`` in attn_bwd_wgmma.cu, three Q/dO or K buffers)
-#: instead of retiring them within it. Off until the H200 times it
-#: (``KernelConfig("bwd_wgmma", ..., tile=(1,))``; tools/cupy_wgmma_bwd_check.py times both).
+#: instead of retiring them within it. Off: the H200 (2026-12-04) timed it at 1.01-1.05 x the
+#: serial walk (geomean 1.02 over 12 cells, HD 64/128), and NVRTC 13.0's ptxas spills 4 bytes in
+#: its HD 128 dK/dV kernel (``KernelConfig("bwd_wgmma", ..., tile=(1,))`` names it;
+#: tools/cupy_wgmma_bwd_check.py times both).
 WGMMA_BWD_OVERLAP = False
 FORWARD_MODES = ("auto", "mma", "wgmma", "wgmma_ws")
 
