@@ -227,12 +227,15 @@ def test_wgmma_backward_compiles_without_spills_and_uses_hgmma(tmp_path):
     old_nvrtc = tuple(sm90a.nvrtc_binding().version()) < (13, 5)
     opt_in = {n for c in configs.wgmma_configs() if c.family == "bwd_wgmma" and c.bwd_overlap != configs.KernelConfig(
         "bwd_wgmma", c.dtype, c.head_dim).bwd_overlap for r, n in c.kernel_names().items() if r == "dkdv"}
-    _, lowered = _compile_90a_without_spills(names, cubin, spill_ok=lambda n: old_nvrtc and n in opt_in)
+    spill_ok = lambda n: old_nvrtc and n in opt_in  # noqa: E731
+    _, lowered = _compile_90a_without_spills(names, cubin, spill_ok=spill_ok)
     sass = _sass(cubin)
     for name, low in lowered.items():
         block = sass.split(f"Function : {low}")[1].split("Function : ")[0]
         assert block.count("HGMMA.") == _expected_hgmma(name), f"{name}: HGMMA count"
-        assert "HMMA." not in block and " LDL" not in block and " STL" not in block, name
+        assert "HMMA." not in block, name
+        if not spill_ok(name):   # local memory: the spill ptxas reported (at most 8 bytes, checked above)
+            assert " LDL" not in block and " STL" not in block, name
 
 
 def test_chain_register_hazard_check():
