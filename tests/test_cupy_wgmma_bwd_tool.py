@@ -262,3 +262,30 @@ def test_check_case_sees_an_unwritten_row(monkeypatch):
     row = tool.check_case(next(c for c in tool.CHECK_CASES if c[0] == "d64_causal_br"))
     assert not row["passed"] and row["grads"]["dq"]["nan"] > 0 and row["grads"]["dk"]["passed"]
     assert row["blocks"]["dq"]["per_64_tokens"][0] == 1e30
+
+
+def test_time_side_by_side_reports_tflops_spread_and_errors():
+    """The wgmma tools' timing helper (tools/_cupy_gpu_check.py) on the CPU clock: a callable that
+    takes twice as long gets half the TFLOP/s, one that raises is reported by name, not timed."""
+    import time
+
+    from _cupy_gpu_check import time_side_by_side
+
+    from portattn import timing
+
+    def busy(ms):
+        def call():
+            t = time.perf_counter()
+            while time.perf_counter() - t < ms / 1e3:
+                pass
+        return call
+
+    def broken():
+        raise RuntimeError("no kernel")
+
+    row = time_side_by_side({"fast": busy(0.2), "slow": busy(0.4), "broken": broken}, flops=1e9,
+                            clock=timing.CpuClock(), rounds=3, round_ms=2.0)
+    assert set(row) == {"fast_tflops", "fast_spread", "slow_tflops", "slow_spread", "broken_error"}
+    assert "no kernel" in row["broken_error"]
+    assert 1.6 < row["fast_tflops"] / row["slow_tflops"] < 2.4
+    assert abs(row["fast_tflops"] - 1e9 / 0.2 * 1e-9) / row["fast_tflops"] < 0.3

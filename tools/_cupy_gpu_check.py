@@ -135,3 +135,28 @@ def run_pytest(args, timeout_s: float, tail: int, env: dict | None = None) -> di
     t0 = time.perf_counter()
     rc, out = run_captured([sys.executable, "-m", "pytest", *args], max(timeout_s, 5), env)
     return {"rc": rc, "passed": rc == 0, "seconds": time.perf_counter() - t0, "tail": out.strip().splitlines()[-tail:]}
+
+
+def time_side_by_side(fns: dict, flops: float, clock=None, rounds: int = 5, round_ms: float = 5.0) -> dict:
+    """Each callable of ``fns`` timed against the others with portattn.timing.compare — the
+    fastest policy's and the benchmark's method: a warm-up, then interleaved rounds of
+    back-to-back calls between two CUDA events, the L2 cache flushed before each sample, the
+    median over rounds — as ``{name}_tflops`` (``flops`` per call), or ``{name}_error`` for a
+    callable that raised. One call timed alone between two events (the earlier method) charges
+    the host's launch latency to kernels of a few hundred microseconds and put the same kernel at
+    half its grid speed (D 256 S 1k). ``clock``: default a CudaClock on the current GPU."""
+    from portattn import timing
+
+    if clock is None:
+        import torch
+
+        clock = timing.CudaClock(torch.device("cuda"))
+    res = timing.compare(fns, clock, warmup=2, warmup_ms=20.0, rounds=rounds, round_ms=round_ms, samples_per_round=2)
+    row = {}
+    for name, t in res.items():
+        if t.error is not None or not t.ms:
+            row[f"{name}_error"] = t.error or "no time"
+        else:
+            row[f"{name}_tflops"] = flops / t.ms * 1e-9
+            row[f"{name}_spread"] = round(t.spread, 4)
+    return row

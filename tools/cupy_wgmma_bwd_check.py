@@ -271,7 +271,7 @@ def _child_loop(out_dir: str, name: str, items, fn, time_limit: float, reserve: 
 def time_cell(cell) -> dict:
     import torch
     import torch.nn.functional as F
-    from cupy_bwd_check import _time_ms
+    from _cupy_gpu_check import time_side_by_side
     from portattn.backends.cupy import configs, runtime
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -288,21 +288,19 @@ def time_cell(cell) -> dict:
     out, lse = fwd.outputs
     flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
     row = {"S": seqlen, "B": batch, "H": heads, "D": d, "causal": causal}
-    for fam in ("wgmma", "other", "mma") if has_other_walk("bfloat16", d, d) else ("wgmma", "mma"):
-        plan = runtime.plan_backward(spec, out, lse, dout, _config(fam, "bfloat16", d, d))
-        ms = _time_ms(lambda plan=plan: runtime.execute(plan, spec.device), 25, budget_ms=150.0)
-        row[f"{fam}_tflops"] = flops / ms * 1e-9
+    fns = {fam: (lambda plan=runtime.plan_backward(spec, out, lse, dout, _config(fam, "bfloat16", d, d)):
+                 runtime.execute(plan, spec.device))
+           for fam in (("wgmma", "other", "mma") if has_other_walk("bfloat16", d, d) else ("wgmma", "mma"))}
     qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
+    do = dout.transpose(1, 2)
     for name, be in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
+        try:   # the backward kernel is the one the forward's op recorded
             with sdpa_kernel(be):
                 o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-            do = dout.transpose(1, 2)
-            ms = _time_ms(lambda o=o: torch.autograd.grad(o, (qt, kt, vt), do, retain_graph=True), 25,
-                          budget_ms=150.0)
-            row[f"{name}_tflops"] = flops / ms * 1e-9
+            fns[name] = lambda o=o: torch.autograd.grad(o, (qt, kt, vt), do, retain_graph=True)
         except Exception as exc:
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    row.update(time_side_by_side(fns, flops))
     return row
 
 

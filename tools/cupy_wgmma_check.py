@@ -382,7 +382,7 @@ def time_cell(seqlen, d, causal, with_cudnn: bool, families=("wgmma", "mma"), wi
     from portattn.spec import build_spec
 
     sys.path.insert(0, HERE)
-    from cupy_bwd_check import _time_ms
+    from _cupy_gpu_check import time_side_by_side
 
     heads, batch = 2048 // d, max(1, 16384 // seqlen)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -390,19 +390,19 @@ def time_cell(seqlen, d, causal, with_cudnn: bool, families=("wgmma", "mma"), wi
     spec = build_spec(q, k, v, causal=causal)
     flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
     row = {"S": seqlen, "B": batch, "H": heads, "D": d, "causal": causal}
-    for fam in families:
-        ms = _time_ms(lambda fam=fam: run_forward(spec, fam, poison=False), 25, budget_ms=80.0)
-        row[f"{fam}_tflops"] = flops / ms * 1e-9
+    fns = {fam: (lambda fam=fam: run_forward(spec, fam, poison=False)) for fam in families}
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     others = ([("fa2", SDPBackend.FLASH_ATTENTION)] if with_fa2 else []) + (
         [("cudnn", SDPBackend.CUDNN_ATTENTION)] if with_cudnn else [])
-    for name, be in others:
-        try:
+
+    def sdpa(be):
+        def call():
             with sdpa_kernel(be):
-                ms = _time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal), 25, budget_ms=80.0)
-            row[f"{name}_tflops"] = flops / ms * 1e-9
-        except Exception as exc:
-            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        return call
+
+    fns.update({name: sdpa(be) for name, be in others})
+    row.update(time_side_by_side(fns, flops))
     return row
 
 
