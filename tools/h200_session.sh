@@ -34,8 +34,7 @@
 #   gluonbwd            tools/triton_gluon_bwd_check.py: the opt-in Gluon backward's compile, gradients,
 #                       timings; $GLUONBWD_ARGS (e.g. --quick) [260]
 #   cupywgmma           tools/cupy_wgmma_check.py: cupy's sm_90a wgmma forward [300]
-#   cupybwd             tools/cupy_wgmma_bwd_check.py, its backward and the other walk (skipped while the
-#                       tree lacks it) [280]
+#   cupybwd             tools/cupy_wgmma_bwd_check.py, its backward and the other walk [280]
 #   cupyfwd             tools/cupy_fwd_check.py: cupy's mma.sync forward [140]
 #   sweep[:v]           tools/triton_sweep.py: train (default; compiles per head dim first), fwd
 #                       (--fwd-only), bwd (--bwd-variants); decode (tools/decode_sweep.py),
@@ -45,17 +44,17 @@
 #
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls):
-#   bash tools/h200_session.sh cupybwd cupywgmma        # the wgmma backward's overlapped walk (opt-in,
-#                                        # configs.WGMMA_BWD_OVERLAP): bits against the default, timings;
-#                                        # the forward's serial walk and ws variants beside the overlapped one
-#   (if the overlapped backward wins: flip WGMMA_BWD_OVERLAP, then)
-#   TESTS_LIMIT=400 bash tools/h200_session.sh tests:tests/test_cupy.py     # the whole file (104 of 289 ran
-#                                        # on 2026-12-04 on 779d187's kernels, none failed)
-#   RERUN=1 PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:cupy
-#                                        # the catalogue on the overlapped wgmma forward (cupy re-run whole)
+#   bash tools/h200_session.sh cupywgmma cupybwd         # both tools now time with portattn.timing.compare:
+#                                        # the forward's serial walk against the overlapped default (the old
+#                                        # one-call timer had the overlapped one at 0.72 x serial at D 256 S 1k,
+#                                        # half its grid speed there), the backward's overlapped walk again
+#   (if the serial forward walk wins somewhere: configs.WGMMA_OVERLAP per head dim, then)
+#   RERUN=1 PREV=benchmarks/results/conformance-h200.json CASES='...' bash tools/h200_session.sh catalogue:cupy
 #   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench            # the grid on the final kernels
-#   bash tools/h200_session.sh par:tests:tests/test_triton.py par:tests:callpath   # test_triton.py whole
-#                                        # (115 of 149 ran on 2026-12-04)
+#   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:reference,sdpa
+#                                        # v5's three new large/hopper/ cases on reference and sdpa
+#   TESTS_WORKERS=4 bash tools/h200_session.sh par:tests:gluon par:tests:callpath
+#                                        # (2026-12-04 ran test_cupy.py, the cupy group, test_triton.py whole)
 # and e.g. after a partial catalogue:
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:triton,cupy
 #
