@@ -139,21 +139,35 @@ __device__ __forceinline__ void wg_epilogue(const float* acc, const float* m_i, 
     }
 }
 
+// What a walk of attn_fwd_wgmma reads and never changes: the warpgroup's Q rows (sQw), the K / V
+// double buffers, the CTA (sequence, K / V rows) and its key tiles [n_first, n_hi), the strides
+// and head dims of K / V, this thread's index, the CTA's first row m0 and the thread's row0, its
+// column pair t4, scale log2 e and the window. The walks update O (acc), S / P (sc) and the row
+// statistics m_i / l_i.
+template <typename T>
+struct WgWalk {
+    pa_u32 sQw, sK, sV;
+    const RowCta<T>& cta;
+    int n_first, n_hi;
+    long long k_ss, v_ss;
+    int head_dim, head_dim_v, tid, m0, row0, t4;
+    float scale_log2;
+    int win_left, win_right;
+};
+
 // The serial walk of attn_fwd_wgmma: per key tile, kv_walk_step (tile it landed, tile it + 1
 // prefetched into the other buffers), S = Q K^T, softmax, O += P V, each waited for before the next.
 template <typename T, int HD, int BM, int BN, int NT>
-__device__ __forceinline__ void wg_walk_serial(float* acc, float* sc, float* m_i, float* l_i, pa_u32 sQw, pa_u32 sK,
-                                               pa_u32 sV, const RowCta<T>& cta, int n_first, int n_hi, long long k_ss,
-                                               long long v_ss, int head_dim, int head_dim_v, int tid, int m0,
-                                               int row0, int t4, float scale_log2, int win_left, int win_right) {
+__device__ __forceinline__ void wg_walk_serial(float* acc, float* sc, float* m_i, float* l_i, const WgWalk<T>& wk) {
     constexpr int KV_BYTES = BN * HD * 2;
-    for (int n0 = n_first, it = 0; n0 < n_hi; n0 += BN, ++it) {
+    for (int n0 = wk.n_first, it = 0; n0 < wk.n_hi; n0 += BN, ++it) {
         const int buf = it & 1;
-        kv_walk_step<T, BN, HD, NT>(sK, sV, KV_BYTES, buf, cta, n0 + BN, n_hi, k_ss, v_ss, head_dim, head_dim_v, tid);
-        wg_qk<T, HD, BM, BN>(sc, sQw, sK + buf * KV_BYTES);
+        kv_walk_step<T, BN, HD, NT>(wk.sK, wk.sV, KV_BYTES, buf, wk.cta, n0 + BN, wk.n_hi, wk.k_ss, wk.v_ss,
+                                    wk.head_dim, wk.head_dim_v, wk.tid);
+        wg_qk<T, HD, BM, BN>(sc, wk.sQw, wk.sK + buf * KV_BYTES);
         pa_u32 pa[BN / 16][4];
-        wg_softmax_pv<T, HD, BM, BN>(sc, acc, m_i, l_i, pa, sV, buf, cta.s, m0, row0, n0, t4, scale_log2, win_left,
-                                     win_right);
+        wg_softmax_pv<T, HD, BM, BN>(sc, acc, m_i, l_i, pa, wk.sV, buf, wk.cta.s, wk.m0, wk.row0, n0, wk.t4,
+                                     wk.scale_log2, wk.win_left, wk.win_right);
     }
 }
 
@@ -166,29 +180,26 @@ __device__ __forceinline__ void wg_walk_serial(float* acc, float* sc, float* m_i
 // the P V reading them is waited for; the last tile's P V follows the loop. Same products, softmax
 // and rescale per tile as the serial walk, in the same order per accumulator.
 template <typename T, int HD, int BM, int BN, int NT>
-__device__ __forceinline__ void wg_walk_overlap(float* acc, float* sc, float* m_i, float* l_i, pa_u32 sQw, pa_u32 sK,
-                                                pa_u32 sV, const RowCta<T>& cta, int n_first, int n_hi, long long k_ss,
-                                                long long v_ss, int head_dim, int head_dim_v, int tid, int m0,
-                                                int row0, int t4, float scale_log2, int win_left, int win_right) {
+__device__ __forceinline__ void wg_walk_overlap(float* acc, float* sc, float* m_i, float* l_i, const WgWalk<T>& wk) {
     constexpr int KV_BYTES = BN * HD * 2;
-    const SeqInfo& s = cta.s;
+    const SeqInfo& s = wk.cta.s;
     pa_u32 pa[BN / 16][4];
     int it = 0;
-    for (int n0 = n_first; n0 < n_hi; n0 += BN, ++it) {
+    for (int n0 = wk.n_first; n0 < wk.n_hi; n0 += BN, ++it) {
         const int buf = it & 1;
         // 1. K of tile it, V of tile it - 1 landed and visible to wgmma; refill the freed buffers
         cta_tiles_landed();
-        if (n0 + BN < n_hi)
-            load_tile_sw128<T, BN, HD, NT>(sK + (buf ^ 1) * KV_BYTES, cta.k_seq + (n0 + BN) * k_ss, k_ss,
-                                           s.sk - (n0 + BN), head_dim, tid);
+        if (n0 + BN < wk.n_hi)
+            load_tile_sw128<T, BN, HD, NT>(wk.sK + (buf ^ 1) * KV_BYTES, wk.cta.k_seq + (n0 + BN) * wk.k_ss, wk.k_ss,
+                                           s.sk - (n0 + BN), wk.head_dim, wk.tid);
         if (it > 0)
-            load_tile_sw128<T, BN, HD, NT>(sV + buf * KV_BYTES, cta.v_seq + n0 * v_ss, v_ss, s.sk - n0, head_dim_v,
-                                           tid);
+            load_tile_sw128<T, BN, HD, NT>(wk.sV + buf * KV_BYTES, wk.cta.v_seq + n0 * wk.v_ss, wk.v_ss, s.sk - n0,
+                                           wk.head_dim_v, wk.tid);
         cp_async_commit();
         // 2. S = Q K^T of tile it; O += P V of tile it - 1 queued behind it
-        wg_qk<T, HD, BM, BN>(sc, sQw, sK + buf * KV_BYTES);
+        wg_qk<T, HD, BM, BN>(sc, wk.sQw, wk.sK + buf * KV_BYTES);
         if (it > 0) {
-            wg_pv<T, HD, BN>(acc, pa, sV + (buf ^ 1) * KV_BYTES);
+            wg_pv<T, HD, BN>(acc, pa, wk.sV + (buf ^ 1) * KV_BYTES);
             wgmma_wait<1>();
         } else {
             wgmma_wait<0>();
@@ -196,8 +207,8 @@ __device__ __forceinline__ void wg_walk_overlap(float* acc, float* sc, float* m_
         wgmma_fence_acc<BN>(sc);
         // 3. the softmax of tile it while P V runs (O and pa untouched)
         float alpha[2];
-        wg_softmax_tile<BN>(sc, m_i, l_i, alpha, keys_need_mask(s, m0, BM, n0, BN, win_left, win_right), s, row0,
-                            n0, t4, scale_log2, win_left, win_right);
+        wg_softmax_tile<BN>(sc, m_i, l_i, alpha, keys_need_mask(s, wk.m0, BM, n0, BN, wk.win_left, wk.win_right), s,
+                            wk.row0, n0, wk.t4, wk.scale_log2, wk.win_left, wk.win_right);
         // 4. P V done: only now O and pa are ordinary registers again
         wgmma_wait<0>();
         wgmma_fence_acc<HD>(acc);
@@ -207,7 +218,7 @@ __device__ __forceinline__ void wg_walk_overlap(float* acc, float* sc, float* m_
     }
     if (it > 0) {   // O += P V of the last tile (its V: issued in its iteration, or with Q)
         cta_tiles_landed();
-        wg_pv<T, HD, BN>(acc, pa, sV + ((it - 1) & 1) * KV_BYTES);
+        wg_pv<T, HD, BN>(acc, pa, wk.sV + ((it - 1) & 1) * KV_BYTES);
         wgmma_wait<0>();
         wgmma_fence_acc<HD>(acc);
     }
@@ -250,12 +261,12 @@ attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_
     const pa_u32 sQw = sQ + wg * 64 * 128;     // the warpgroup's 64 rows (8-row groups are 1024 B)
 
     // 1. K/V tiles landed, 2. S = Q K^T, 3. softmax, 4. O += P V: serially or overlapped
+    const WgWalk<T> walk{sQw, sK, sV, cta, n_first, n_hi, k_ss, v_ss, head_dim, head_dim_v, tid, m0, row0, t4,
+                         scale_log2, win_left, win_right};
     if (OVERLAP)
-        wg_walk_overlap<T, HD, BM, BN, NT>(acc, sc, m_i, l_i, sQw, sK, sV, cta, n_first, n_hi, k_ss, v_ss, head_dim,
-                                           head_dim_v, tid, m0, row0, t4, scale_log2, win_left, win_right);
+        wg_walk_overlap<T, HD, BM, BN, NT>(acc, sc, m_i, l_i, walk);
     else
-        wg_walk_serial<T, HD, BM, BN, NT>(acc, sc, m_i, l_i, sQw, sK, sV, cta, n_first, n_hi, k_ss, v_ss, head_dim,
-                                          head_dim_v, tid, m0, row0, t4, scale_log2, win_left, win_right);
+        wg_walk_serial<T, HD, BM, BN, NT>(acc, sc, m_i, l_i, walk);
 
     // Epilogue. A CTA whose rows see no key skips the loop with its Q copies possibly in flight.
     cp_async_wait_all();
