@@ -1,6 +1,7 @@
 """CPU tests of tools/cupy_wgmma_bwd_check.py (the H200 run of the wgmma backward): its argument
 parsing, the verdict and the report built from synthetic results, that every check case runs the
-wgmma backward, and its sm_90a compile step (registers / spills and the SASS counts it reports)."""
+wgmma backward, and its sm_90a compile step (registers / spills and the SASS counts it reports);
+the timing helper both wgmma tools share, and the forward tool's family -> module map."""
 
 import os
 import sys
@@ -290,3 +291,23 @@ def test_time_side_by_side_reports_tflops_spread_and_errors():
     assert "no kernel" in row["broken_error"]
     assert 1.5 < row["fast_tflops"] / row["slow_tflops"] < 6
     assert row["fast_tflops"] <= 1e9 / 0.5 * 1e-9 * 1.05   # never faster than the busy loop
+
+
+def test_forward_check_tool_names_each_family_module():
+    """tools/cupy_wgmma_check.py's family -> module map (its checks and its timings, which build
+    each family's launch plan once): the default walk, the serial walk, the warp-specialized
+    kernel with and without pingpong, and the mma.sync forward."""
+    import cupy_wgmma_check as fwd_tool
+    import torch
+
+    from portattn.spec import build_spec
+
+    q = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    spec = build_spec(q, q, q)
+    cfg = {f: fwd_tool.forward_family_config(spec, f) for f in ("wgmma", "serial", "ws", "ws_nopp", "mma")}
+    assert cfg["wgmma"] == configs.KernelConfig("fwd_wgmma", "bfloat16", 128)
+    assert cfg["serial"].kernel_names()["plain"].endswith("false>") and cfg["serial"].family == "fwd_wgmma"
+    assert cfg["ws"] == configs.KernelConfig("fwd_wgmma_ws", "bfloat16", 128)
+    assert cfg["ws_nopp"].family == "fwd_wgmma_ws" and cfg["ws_nopp"].kernel_names()["plain"].endswith("false>")
+    assert cfg["mma"].family == "fwd_mma" and cfg["mma"].kv_stages == 1
+    assert len({c.name_expressions()[0] for c in cfg.values()}) == 5

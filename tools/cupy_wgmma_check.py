@@ -300,19 +300,25 @@ def _inputs(case, device: str = "cuda"):
     return q, k, v, kw, g
 
 
-def run_forward(spec, family: str, poison: bool = True):
-    import torch
+def forward_family_config(spec, family: str):
+    """The forward module of ``family`` for ``spec``: "mma" (mma.sync, one K/V stage), "wgmma" (the
+    default walk), "serial" (its serial walk), "ws" / "ws_nopp" (warp-specialized, pingpong or not)."""
     from portattn.backends.cupy import configs, runtime
 
     dt = runtime._DTYPE_NAMES[spec.dtype]
     if family == "mma":
-        cfg = configs.forward_config(dt, spec.head_dim, spec.head_dim_v, kv_stages=1)
-    else:
-        cfg = configs.wgmma_forward_config(dt, spec.head_dim, spec.head_dim_v, ws=family.startswith("ws"))
-        if family in ("ws_nopp", "serial"):   # no pingpong / the serial walk: third tile entry 0
-            cfg = configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim,
-                                       tile=(configs.wgmma_tile(cfg.head_dim)[0], 2, 0))
-    plan = runtime.plan_forward(spec, cfg)
+        return configs.forward_config(dt, spec.head_dim, spec.head_dim_v, kv_stages=1)
+    cfg = configs.wgmma_forward_config(dt, spec.head_dim, spec.head_dim_v, ws=family.startswith("ws"))
+    if family in ("ws_nopp", "serial"):   # no pingpong / the serial walk: third tile entry 0
+        cfg = configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim, tile=(configs.wgmma_tile(cfg.head_dim)[0], 2, 0))
+    return cfg
+
+
+def run_forward(spec, family: str, poison: bool = True):
+    import torch
+    from portattn.backends.cupy import runtime
+
+    plan = runtime.plan_forward(spec, forward_family_config(spec, family))
     if poison and plan.launches:
         for t in plan.outputs:
             t.fill_(float("nan"))
@@ -383,6 +389,7 @@ def time_cell(seqlen, d, causal, with_cudnn: bool, families=("wgmma", "mma"), wi
 
     sys.path.insert(0, HERE)
     from _cupy_gpu_check import time_side_by_side
+    from portattn.backends.cupy import runtime
 
     heads, batch = 2048 // d, max(1, 16384 // seqlen)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -390,7 +397,9 @@ def time_cell(seqlen, d, causal, with_cudnn: bool, families=("wgmma", "mma"), wi
     spec = build_spec(q, k, v, causal=causal)
     flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
     row = {"S": seqlen, "B": batch, "H": heads, "D": d, "causal": causal}
-    fns = {fam: (lambda fam=fam: run_forward(spec, fam, poison=False)) for fam in families}
+    # each family's launch plan built once and launched back to back (no re-plan, no sync per call)
+    fns = {fam: (lambda plan=runtime.plan_forward(spec, forward_family_config(spec, fam)): runtime.execute(plan, spec.device))
+           for fam in families}
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     others = ([("fa2", SDPBackend.FLASH_ATTENTION)] if with_fa2 else []) + (
         [("cudnn", SDPBackend.CUDNN_ATTENTION)] if with_cudnn else [])

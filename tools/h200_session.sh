@@ -44,11 +44,10 @@
 #
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls):
-#   bash tools/h200_session.sh cupywgmma cupybwd         # both tools now time with portattn.timing.compare:
-#                                        # the forward's serial walk against the overlapped default (the old
-#                                        # one-call timer had the overlapped one at 0.72 x serial at D 256 S 1k,
-#                                        # half its grid speed there), the backward's overlapped walk again
-#   (if the serial forward walk wins somewhere: configs.WGMMA_OVERLAP per head dim, then)
+#   bash tools/h200_session.sh cupybwd cupywgmma         # both tools time with portattn.timing.compare and
+#                                        # one launch plan per family now: the backward's overlapped walk, the
+#                                        # forward's walks below S 4k (2026-12-04: overlapped 1.04 x serial)
+#   (if a walk wins: configs.WGMMA_BWD_OVERLAP / WGMMA_OVERLAP, then the catalogue for cupy, e.g.)
 #   RERUN=1 PREV=benchmarks/results/conformance-h200.json CASES='...' bash tools/h200_session.sh catalogue:cupy
 #   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench            # the grid on the final kernels
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:reference,sdpa
