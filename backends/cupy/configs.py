@@ -53,8 +53,8 @@ WGMMA_AUTO_HEAD_DIMS = (64, 128, 256)
 #: ``wgmma`` = the wgmma forward wherever it applies (compute capability 9.0, fp16/bf16, padded
 #: head dim 64/128/256, no softcap/ALiBi/bias), the mma.sync forward elsewhere; ``wgmma_ws`` = the
 #: same with the warp-specialized wgmma forward (a producer warpgroup, mbarriers, consumer
-#: pingpong; 0.85 x the then serial plain wgmma forward on the H200 on 2026-12-02, so never the
-#: default; the plain kernel has overlapped each tile's softmax with the previous P V since).
+#: pingpong; 0.79 x the plain, overlapped wgmma forward on the H200 on 2026-12-04, so never the
+#: default).
 FORWARD_ENV = "PORTATTN_CUPY_FORWARD"
 #: Padded head dims the wgmma backward is instantiated for. Up to 128 a dK/dV warpgroup holds
 #: the dK and dV accumulators of its 64 keys (HD floats per thread); at 256 that would be 256
