@@ -332,11 +332,23 @@ def _geomean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
-def verdict(res: dict) -> None:
+def check_failures(res: dict) -> list[str]:
+    """Why the kernels cannot be trusted: compile errors, failed or missing gradient checks (what
+    gates the timings; a spill or a test failure does not)."""
     why = []
+    if res.get("compile", {}).get("errors"):
+        why.append(f"{len(res['compile']['errors'])} compile error(s)")
+    rows = res.get("checks", {}).get("rows", [])
+    bad = [r.get("case", r.get("item")) for r in rows if not r.get("passed")]
+    if bad or len(rows) < len(CHECK_CASES):
+        why.append(f"checks failed: {bad}" if bad else
+                   f"only {len(rows)}/{len(CHECK_CASES)} checks ran (rc={res.get('checks', {}).get('rc')})")
+    return why
+
+
+def verdict(res: dict) -> None:
     c = res.get("compile", {})
-    if c.get("errors"):
-        why.append(f"{len(c['errors'])} compile error(s)")
+    why = check_failures(res)
     spills = [k for m in c.get("modules", {}).values() for k, r in m.get("kernels", {}).items()
               if "wgmma" in k and (r.get("spill_stores") or r.get("spill_loads") or r.get("stack"))]
     if spills:
@@ -345,11 +357,6 @@ def verdict(res: dict) -> None:
           for name, cnt in s.items() if isinstance(cnt, dict) and "wgmma" in name]
     if not hg or min(hg) == 0:
         why.append("no HGMMA in some wgmma backward kernel's SASS" if hg else "SASS not inspected")
-    rows = res.get("checks", {}).get("rows", [])
-    bad = [r.get("case", r.get("item")) for r in rows if not r.get("passed")]
-    if bad or len(rows) < len(CHECK_CASES):
-        why.append(f"checks failed: {bad}" if bad else
-                   f"only {len(rows)}/{len(CHECK_CASES)} checks ran (rc={res.get('checks', {}).get('rc')})")
     t = res.get("tests")
     if t is not None and isinstance(t.get("rc"), int) and t["rc"] != 0:   # a timeout is reported, not failed
         why.append(f"tests rc={t.get('rc')}")
@@ -464,9 +471,7 @@ def main(argv=None) -> int:
     res["seconds"]["checks"] = time.perf_counter() - t
     verdict(res)
     _write(a.out, res)
-    checks_ok = not res["compile"].get("errors") and all(r.get("passed") for r in res["checks"].get("rows", [])) \
-        and len(res["checks"].get("rows", [])) == len(CHECK_CASES)
-    if checks_ok and left() > 15:   # timings of kernels that failed a check mean nothing (a spill is reported)
+    if not check_failures(res) and left() > 15:   # timings of kernels that failed a check mean nothing
         t = time.perf_counter()
         res["timings"] = run_child("timings", a.out, min(80.0, left() - 6))
         res["seconds"]["timings"] = time.perf_counter() - t

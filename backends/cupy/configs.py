@@ -194,8 +194,9 @@ def wgmma_bwd_tile(hd: int, role: str) -> tuple[int, int]:
     share 64 keys, :func:`wgmma_bwd_keys`) and walks query tiles of BLOCK_M rows: 64 up to HD 128
     (S^T and dP^T: 32 + 32 floats per thread beside dK + dV's HD), 32 at 256 (16 + 16 beside dK's
     or dV's 128: with 64-row tiles NVRTC 13.0's ptxas spills there, 13.5's does not). K, V and the
-    double-buffered Q / dO: 67 KB at HD 64, 133 KB at HD 128, 129 KB at 256 (one CTA per SM). ``dq``: (BLOCK_N, NWG): 64 rows per warpgroup (two: 128 rows) against key tiles of
-    128 keys at HD 64, 64 keys at HD 128 and 32 keys at 256 (S and dP: BLOCK_N / 2 floats each
+    double-buffered Q / dO: 67 KB at HD 64, 133 KB at HD 128, 129 KB at 256 (one CTA per SM).
+    ``dq``: (BLOCK_N, NWG): 64 rows per warpgroup (two: 128 rows) against key tiles of 128 keys
+    at HD 64, 64 keys at HD 128 and 32 keys at 256 (S and dP: BLOCK_N / 2 floats each
     beside dQ's HD / 2); 99 / 129 / 193 KB. Chosen from registers and shared memory."""
     if role.startswith("dkdv"):
         return (32, 2) if hd > 128 else (64, 2)
