@@ -224,8 +224,10 @@ __device__ __forceinline__ void wg_walk_overlap(float* acc, float* sc, float* m_
     }
 }
 
+// Two CTAs per SM with 64-key tiles at HD 64 (at most 128 registers; configs.WGMMA_TWO_CTA_HEAD_DIMS),
+// one elsewhere.
 template <typename T, int HD, int BN, int NWG, bool OVERLAP>
-__global__ void __launch_bounds__(NWG * 128, 1)
+__global__ void __launch_bounds__(NWG * 128, (HD <= 64 && BN <= 64) ? 2 : 1)
 attn_fwd_wgmma(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long o_ss, long long o_sh,
                float* __restrict__ lse) {
     constexpr int BM = 64 * NWG;

@@ -150,6 +150,14 @@ def wgmma_tile(hd: int) -> tuple[int, int]:
     return (64, 2) if hd > 128 else (128, 2)
 
 
+#: Padded head dims at which attn_fwd_wgmma with 64-key tiles runs two CTAs per SM
+#: (``__launch_bounds__(256, 2)``: at most 128 registers a thread; HD 64: 127, no spills, under
+#: NVRTC 13.0 and 13.5; HD 128 spilled 76-172 bytes): the second CTA's loads and softmax fill the
+#: first one's waits, as FA3's ping-pong between warpgroups does. Must match the kernel's
+#: ``__launch_bounds__`` (tests/test_cupy_wgmma.py reads the registers).
+WGMMA_TWO_CTA_HEAD_DIMS = (64,)
+
+
 #: Whether the wgmma forward's default instantiation overlaps each key tile's softmax with the
 #: previous tile's O += P V (``wg_walk_overlap`` in attn_fwd_wgmma.cu, FA3's intra-warpgroup
 #: pipelining) instead of waiting for each product in turn (``wg_walk_serial``);
@@ -397,8 +405,9 @@ class KernelConfig:
             # (the probe: Q of 64 rows, one K and one V; the warp-specialized kernel: 128 Q rows,
             # two K/V stages and 64 bytes of mbarriers)
             bn, nwg = wgmma_tile(hd)
+            if self.family in ("fwd_wgmma", "fwd_wgmma_ws") and self.tile is not None:
+                bn = self.tile[0]
             if self.family == "fwd_wgmma_ws":
-                bn = self.tile[0] if self.tile is not None else bn
                 return 1024 + (128 + 4 * bn) * hd * 2 + 64
             rows = 64 * nwg + 4 * bn if self.family == "fwd_wgmma" else 64 + 2 * bn
             return 1024 + rows * hd * 2
@@ -497,6 +506,9 @@ def wgmma_configs(with_probe: bool = False) -> list[KernelConfig]:
             for dt in TENSOR_CORE_DTYPES]
     out += [KernelConfig("fwd_wgmma_ws", dt, hd, tile=(wgmma_tile(hd)[0], 2, 0))
             for hd in WGMMA_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
+    # the wgmma forward with 64-key tiles where they fit two CTAs per SM (timed against the default)
+    out += [KernelConfig("fwd_wgmma", dt, hd, tile=(64, 2, int(WGMMA_OVERLAP))) for hd in WGMMA_TWO_CTA_HEAD_DIMS
+            for dt in TENSOR_CORE_DTYPES if wgmma_tile(hd)[0] != 64]
     out += [KernelConfig("bwd_wgmma", dt, hd) for hd in WGMMA_BWD_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
     # the other walk of the wgmma backward (timed against the default)
     out += [KernelConfig("bwd_wgmma", dt, hd, tile=(int(not WGMMA_BWD_OVERLAP),))
