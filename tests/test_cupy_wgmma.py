@@ -84,7 +84,8 @@ def test_wgmma_config_geometry():
     for cfg in configs.wgmma_configs(with_probe=True):
         assert cfg.arch == "sm_90a" and cfg.source_files == configs.WGMMA_SOURCE_FILES
         bn, nwg = configs.wgmma_tile(cfg.head_dim)
-        bn = cfg.tile[0] if cfg.tile is not None and cfg.family.startswith("fwd") else bn
+        if cfg.family == "fwd_wgmma_ws":
+            bn = configs.wgmma_ws_tile(cfg.head_dim)
         if cfg.family == "fwd_wgmma":
             assert cfg.threads("plain") == 128 * nwg and cfg.block_rows("plain") == 64 * nwg
             ov = "false" if cfg.tile is not None and not cfg.tile[2] else "true"   # serial / overlapped walk
@@ -97,12 +98,12 @@ def test_wgmma_config_geometry():
         assert cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
     fwd = [n for c in configs.wgmma_configs() if c.family.startswith("fwd") for n in c.name_expressions()]
     # 2 dtypes x 3 head dims x (overlapped, serial, warp-specialized with and without pingpong)
-    # + the 64-key two-CTA forward at HD 64 in both dtypes
-    assert len(fwd) == len(set(fwd)) == 26
+    assert len(fwd) == len(set(fwd)) == 24
+    assert configs.wgmma_tile(64)[0] == 64 and configs.wgmma_ws_tile(64) == 128   # two CTAs / one per SM
     bwd = [n for c in configs.wgmma_configs() if c.family == "bwd_wgmma" for n in c.name_expressions()]
-    # 2 dtypes x (dK/dV, dQ) x (HD 64 and 128 with either walk, HD 256 serial), the preprocess once
-    # per dtype; 10 configs of three kernels each
-    assert len(set(bwd)) == 22 and len(bwd) == 30
+    # 2 dtypes x (dK/dV, dQ) x (HD 64 and 128 with either walk, HD 256 serial, HD 64's other
+    # tiles), the preprocess once per dtype; 12 configs of three kernels each
+    assert len(set(bwd)) == 26 and len(bwd) == 36
     assert configs.KernelConfig("fwd_mma", "bfloat16", 128).arch is None
 
 
@@ -184,12 +185,12 @@ def _sass(cubin: str) -> str:
 
 @needs_nvrtc
 def test_two_cta_forward_fits_two_ctas_per_sm(tmp_path):
-    """The 64-key wgmma forward at the head dims of WGMMA_TWO_CTA_HEAD_DIMS: at most 128 registers
-    (its __launch_bounds__ asks for two CTAs per SM), no spills, unserialized wgmma, and the shared
-    memory of two CTAs within the SM's 228 KB."""
-    cfgs = [c for c in configs.wgmma_configs() if c.family == "fwd_wgmma" and c.tile and c.tile[0] == 64
-            and c.head_dim in configs.WGMMA_TWO_CTA_HEAD_DIMS]
-    assert len(cfgs) == 2 * len(configs.WGMMA_TWO_CTA_HEAD_DIMS)
+    """The wgmma forward at the head dims of WGMMA_TWO_CTA_HEAD_DIMS (both walks): 64-key tiles, at
+    most 128 registers (its __launch_bounds__ asks for two CTAs per SM), no spills, unserialized
+    wgmma, and the shared memory of two CTAs within the SM's 228 KB."""
+    cfgs = [c for c in configs.wgmma_configs() if c.family == "fwd_wgmma" and c.head_dim in configs.WGMMA_TWO_CTA_HEAD_DIMS]
+    assert len(cfgs) == 2 * 2 * len(configs.WGMMA_TWO_CTA_HEAD_DIMS)   # dtypes x walks
+    assert all(", 64, 2, " in c.kernel_names()["plain"] for c in cfgs)
     names = [c.kernel_names()["plain"] for c in cfgs]
     log, lowered = _compile_90a_without_spills(names, str(tmp_path / "m.cubin"))
     for r in compile_check.parse_ptxas_log(log, lowered, "90a"):

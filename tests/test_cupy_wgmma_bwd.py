@@ -118,17 +118,24 @@ def test_wgmma_backward_config_geometry():
             cfg = configs.KernelConfig("bwd_wgmma", dt, hd)
             assert cfg.arch == "sm_90a" and cfg.source_files == configs.WGMMA_SOURCE_FILES
             assert cfg in configs.wgmma_configs() and cfg not in configs.all_configs()
-            (bm, nwk), (bn, nwq) = configs.wgmma_bwd_tile(hd, "dkdv"), configs.wgmma_bwd_tile(hd, "dq")
-            assert cfg.bwd_overlap == (configs.WGMMA_BWD_OVERLAP and hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS)
+            two_cta = hd in configs.WGMMA_BWD_TWO_CTA_HEAD_DIMS
+            (bm, nwk), (bn, nwq) = configs.wgmma_bwd_tile(hd, "dkdv", two_cta), configs.wgmma_bwd_tile(hd, "dq", two_cta)
+            assert cfg.bwd_overlap == (configs.WGMMA_BWD_OVERLAP and hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS
+                                       and not two_cta)
             ov = "true" if cfg.bwd_overlap else "false"
             assert cfg.kernel_names() == {"preprocess": f"attn_bwd_preprocess<{cfg.ctype}>",
                                           "dkdv": f"attn_bwd_dkdv_wgmma<{cfg.ctype}, {hd}, {bm}, {nwk}, {ov}>",
                                           "dq": f"attn_bwd_dq_wgmma<{cfg.ctype}, {hd}, {bn}, {nwq}, {ov}>"}
             if hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS:
                 # the other walk: the same launch geometry, a third Q/dO (dK/dV) or K (dQ) buffer when overlapped
-                other = configs.KernelConfig("bwd_wgmma", dt, hd, tile=(int(not configs.WGMMA_BWD_OVERLAP),))
-                assert other in configs.wgmma_configs() and other.bwd_overlap != cfg.bwd_overlap
-                lo, hi = (cfg, other) if other.bwd_overlap else (other, cfg)
+                # (where auto takes the two-CTA tiles: the one-CTA tiles' other walk)
+                other = configs.KernelConfig("bwd_wgmma", dt, hd, tile=(int(not configs.WGMMA_BWD_OVERLAP),)
+                                             + ((0,) if two_cta else ()))
+                assert other in configs.wgmma_configs()
+                one = configs.KernelConfig("bwd_wgmma", dt, hd, tile=(int(configs.WGMMA_BWD_OVERLAP), 0))
+                assert other.bwd_overlap != one.bwd_overlap
+                lo, hi = (one, other) if other.bwd_overlap else (other, one)
+                bm, bn = one.bwd_tile("dkdv")[0], one.bwd_tile("dq")[0]
                 assert hi.smem_bytes("dkdv") - lo.smem_bytes("dkdv") == 2 * bm * hd * 2 + 8 * bm
                 assert hi.smem_bytes("dq") - lo.smem_bytes("dq") == bn * hd * 2
                 assert other.max_smem_bytes() <= configs.SMEM_LIMITS[90]
@@ -139,6 +146,30 @@ def test_wgmma_backward_config_geometry():
             assert cfg.threads("preprocess") == configs.PRE_THREADS and cfg.smem_bytes("preprocess") == 0
             assert cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
     assert compile_check.smem_violations(archs=("90a",)) == []
+
+
+def test_two_cta_backward_tiles():
+    """The two-CTA tiles (WGMMA_BWD_TWO_CTA_CAPABLE): 32-row query tiles in dK/dV and 32-key tiles
+    in dQ, the serial walk only, the same keys / rows per CTA as the one-CTA tiles, and the shared
+    memory of two CTAs (plus the 1 KB each that the runtime reserves) within the SM's 228 KB;
+    another head dim is refused by name."""
+    for hd in configs.WGMMA_BWD_TWO_CTA_CAPABLE:
+        for dt in configs.TENSOR_CORE_DTYPES:
+            two = configs.KernelConfig("bwd_wgmma", dt, hd, tile=(1, 1))   # the walk asked for is not there
+            one = configs.KernelConfig("bwd_wgmma", dt, hd, tile=(0, 0))
+            assert two.bwd_two_cta and not two.bwd_overlap and not one.bwd_two_cta
+            built = [c.kernel_names() for c in configs.wgmma_configs() if c.family == "bwd_wgmma"]
+            assert two.kernel_names() in built and one.kernel_names() in built   # both compiled and checked
+            assert two.kernel_names()["dkdv"] == f"attn_bwd_dkdv_wgmma<{two.ctype}, {hd}, 32, 2, false>"
+            assert two.kernel_names()["dq"] == f"attn_bwd_dq_wgmma<{two.ctype}, {hd}, 32, 2, false>"
+            for role in ("dkdv", "dq"):
+                assert two.block_rows(role) == one.block_rows(role) and two.threads(role) == one.threads(role)
+                assert 2 * (two.smem_bytes(role) + 1024) <= 228 * 1024, (role, two.smem_bytes(role))
+            default = configs.KernelConfig("bwd_wgmma", dt, hd)
+            assert default.bwd_two_cta == (hd in configs.WGMMA_BWD_TWO_CTA_HEAD_DIMS)
+    with pytest.raises(ValueError, match="padded head dim 128"):
+        configs.wgmma_bwd_tile(128, "dq", two_cta=True)
+    assert not configs.KernelConfig("bwd_wgmma", "bfloat16", 128, tile=(0, 1)).bwd_two_cta
 
 
 def test_kernel_families_name_the_wgmma_backward(monkeypatch):
@@ -216,8 +247,9 @@ def _expected_hgmma(name: str) -> int:
 def test_wgmma_backward_compiles_without_spills_and_uses_hgmma(tmp_path):
     names = [n for c in configs.wgmma_configs() if c.family == "bwd_wgmma"
              for r, n in c.kernel_names().items() if r != "preprocess"]
-    # 2 dtypes x (dK/dV, dQ) x (HD 64 and 128 with both walks, HD 256 serial)
-    assert len(names) == 2 * 2 * (2 * len(configs.WGMMA_BWD_OVERLAP_HEAD_DIMS) + 1) == 20
+    # 2 dtypes x (dK/dV, dQ) x (HD 64 and 128 with both walks, HD 256 serial, HD 64's other tiles)
+    assert len(names) == 2 * 2 * (2 * len(configs.WGMMA_BWD_OVERLAP_HEAD_DIMS) + 1
+                                  + len(configs.WGMMA_BWD_TWO_CTA_CAPABLE)) == 24
     cubin = str(tmp_path / "bwd.cubin")
     # the opt-in overlapped dK/dV walk at HD 128 (not what auto builds): NVRTC 13.0's ptxas (the
     # H200 image's, 2026-12-04) spills 4 bytes there at 255 registers, 13.5's fits it in 246;
@@ -225,10 +257,15 @@ def test_wgmma_backward_compiles_without_spills_and_uses_hgmma(tmp_path):
     from portattn.backends.cupy import sm90a
 
     old_nvrtc = tuple(sm90a.nvrtc_binding().version()) < (13, 5)
-    # the other walk's configs are the ones naming their walk (tile=(...,)); the defaults have none
-    opt_in = {c.kernel_names()["dkdv"] for c in configs.wgmma_configs() if c.family == "bwd_wgmma" and c.tile}
+    opt_in = {c.kernel_names()["dkdv"] for c in configs.wgmma_configs() if c.family == "bwd_wgmma" and c.bwd_overlap
+              and c != configs.KernelConfig("bwd_wgmma", c.dtype, c.head_dim)}
     spill_ok = lambda n: old_nvrtc and n in opt_in  # noqa: E731
-    _, lowered = _compile_90a_without_spills(names, cubin, spill_ok=spill_ok)
+    log, lowered = _compile_90a_without_spills(names, cubin, spill_ok=spill_ok)
+    two_cta = {n for c in configs.wgmma_configs() if c.family == "bwd_wgmma" and c.bwd_two_cta
+               for r, n in c.kernel_names().items() if r != "preprocess"}
+    assert len(two_cta) == 4 * len(configs.WGMMA_BWD_TWO_CTA_CAPABLE)
+    for r in compile_check.parse_ptxas_log(log, lowered, "90a"):   # __launch_bounds__(256, 2)
+        assert r.name not in two_cta or r.registers <= 128, f"{r.name}: {r.registers} registers"
     sass = _sass(cubin)
     for name, low in lowered.items():
         block = sass.split(f"Function : {low}")[1].split("Function : ")[0]

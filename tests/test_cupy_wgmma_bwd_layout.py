@@ -225,15 +225,17 @@ def test_dq_operands_and_coordinates(hd):
 
 
 @pytest.mark.parametrize("role", ["dkdv", "dq"])
-@pytest.mark.parametrize("hd,overlap", [(hd, ov) for hd in configs.WGMMA_BWD_HEAD_DIMS for ov in (False, True)
-                                        if not ov or hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS])
-def test_shared_memory_carve_and_descriptors(role, hd, overlap):
+@pytest.mark.parametrize("hd,overlap,two_cta", [(hd, ov, False) for hd in configs.WGMMA_BWD_HEAD_DIMS for ov in (False, True)
+                                                if not ov or hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS]
+                         + [(hd, False, True) for hd in configs.WGMMA_BWD_TWO_CTA_CAPABLE])
+def test_shared_memory_carve_and_descriptors(role, hd, overlap, two_cta):
     """Every SW128 region of the kernel's carve-up starts 1024-byte aligned, the regions (and the
     dK/dV kernel's lse2 / delta floats) end within configs.KernelConfig.smem_bytes minus the 1 KB
     alignment slack, and every descriptor the kernel builds fits the PTX ISA bit fields — for both
-    walks (``overlap``: three Q / dO and stats buffers in dK/dV, three K buffers in dQ)."""
-    tile, nwg = configs.wgmma_bwd_tile(hd, role)
-    cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd, tile=(int(overlap),))
+    walks (``overlap``: three Q / dO and stats buffers in dK/dV, three K buffers in dQ) and the
+    two-CTA tiles (``two_cta``: 32-row query tiles in dK/dV, 32-key tiles in dQ)."""
+    tile, nwg = configs.wgmma_bwd_tile(hd, role, two_cta)
+    cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd, tile=(int(overlap), int(two_cta)))
     smem = cfg.smem_bytes(role)
     assert smem <= configs.SMEM_LIMITS[90]
     bufs = range(3 if overlap else 2)
@@ -285,7 +287,7 @@ def test_no_overlapped_walk_at_hd_256():
     """The split dK/dV kernel of HD 256 has the serial walk only: a config asking for the
     overlapped one runs it, and its shared memory fits."""
     for hd in configs.WGMMA_BWD_HEAD_DIMS:
-        cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd, tile=(1,))
+        cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd, tile=(1, 0))   # the one-CTA tiles
         assert cfg.bwd_overlap == (hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS)
         assert cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
         assert ("true>" in cfg.kernel_names()["dkdv"]) == cfg.bwd_overlap

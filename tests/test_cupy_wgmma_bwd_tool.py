@@ -295,7 +295,7 @@ def test_time_side_by_side_reports_tflops_spread_and_errors():
 
 def test_forward_check_tool_names_each_family_module():
     """tools/cupy_wgmma_check.py's family -> module map (its checks and its timings, which build
-    each family's launch plan once): the default walk, the serial walk, 64-key tiles, the warp-specialized
+    each family's launch plan once): the default walk, the serial walk, the warp-specialized
     kernel with and without pingpong, and the mma.sync forward."""
     import cupy_wgmma_check as fwd_tool
     import torch
@@ -304,12 +304,10 @@ def test_forward_check_tool_names_each_family_module():
 
     q = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
     spec = build_spec(q, q, q)
-    cfg = {f: fwd_tool.forward_family_config(spec, f) for f in ("wgmma", "serial", "n64", "ws", "ws_nopp", "mma")}
+    cfg = {f: fwd_tool.forward_family_config(spec, f) for f in ("wgmma", "serial", "ws", "ws_nopp", "mma")}
     assert cfg["wgmma"] == configs.KernelConfig("fwd_wgmma", "bfloat16", 128)
     assert cfg["serial"].kernel_names()["plain"].endswith("false>") and cfg["serial"].family == "fwd_wgmma"
     assert cfg["ws"] == configs.KernelConfig("fwd_wgmma_ws", "bfloat16", 128)
     assert cfg["ws_nopp"].family == "fwd_wgmma_ws" and cfg["ws_nopp"].kernel_names()["plain"].endswith("false>")
     assert cfg["mma"].family == "fwd_mma" and cfg["mma"].kv_stages == 1
-    assert cfg["n64"].family == "fwd_wgmma" and cfg["n64"].tile[0] == 64 and cfg["n64"].smem_bytes("plain") < (
-        cfg["wgmma"].smem_bytes("plain"))
-    assert len({c.name_expressions()[0] for c in cfg.values()}) == 6
+    assert len({c.name_expressions()[0] for c in cfg.values()}) == 5

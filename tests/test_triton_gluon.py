@@ -604,8 +604,9 @@ def test_gpu_matches_reference(name, pingpong):
 @requires_sm90
 @needs_gluon
 @pytest.mark.usefixtures("no_deadlock")
-@pytest.mark.parametrize("sq, causal, kernel", [(2048, True, "gluon"), (1024, False, "persistent"),
-                                                (1024, True, "persistent"), (512, True, "triton")])
+@pytest.mark.parametrize("sq, causal, kernel", [(4096, True, "gluon"), (2048, True, "persistent"),
+                                                (1024, False, "persistent"), (1024, True, "persistent"),
+                                                (512, True, "triton")])
 def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal, kernel):
     """``portattn.attention`` on the triton backend with the default switches: the Gluon kernel runs
     where AUTO_MIN_SEQLEN_Q or AUTO_PERSISTENT has the shape (the launch is seen, and whether it

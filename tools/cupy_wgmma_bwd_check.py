@@ -94,13 +94,24 @@ from portattn.backends.cupy import configs as _configs  # noqa: E402
 OTHER_WALK = (int(not _configs.WGMMA_BWD_OVERLAP),)   # at WGMMA_BWD_OVERLAP_HEAD_DIMS (HD 256: one walk)
 OTHER_WALK_NAME = ("the walk that leaves each tile's dV/dK and dQ in flight into the next"
                    if OTHER_WALK[0] else "the walk that retires each tile's products within it")
+ALT_TILES_NAME = (f"at HD {'/'.join(map(str, _configs.WGMMA_BWD_TWO_CTA_CAPABLE))}: the "
+                  + ("one-CTA tiles" if _configs.WGMMA_BWD_TWO_CTA_HEAD_DIMS else "two-CTA tiles"))
 #: timed cells (S, D, causal), most informative first
 TIME_CELLS = [(s, d, c) for s in (4096, 1024, 16384) for d in (128, 256, 64) for c in (False, True)]
 
 
 def has_other_walk(dt: str, d: int, dv: int) -> bool:
-    """Whether the wgmma backward of a problem has the other walk (not at padded HD 256)."""
-    return _configs.wgmma_backward_config(dt, d, dv).head_dim in _configs.WGMMA_BWD_OVERLAP_HEAD_DIMS
+    """Whether the wgmma backward of a problem has the other walk (not at padded HD 256, nor where
+    ``auto`` takes the two-CTA tiles, which have the serial walk only)."""
+    cfg = _configs.wgmma_backward_config(dt, d, dv)
+    return cfg.head_dim in _configs.WGMMA_BWD_OVERLAP_HEAD_DIMS and not cfg.bwd_two_cta
+
+
+def has_alt_tiles(dt: str, d: int, dv: int) -> bool:
+    """Whether the wgmma backward of a problem has other tiles to check and time (``alt``): the
+    two-CTA tiles where ``auto`` does not take them, the one-CTA ones where it does
+    (configs.WGMMA_BWD_TWO_CTA_CAPABLE)."""
+    return _configs.wgmma_backward_config(dt, d, dv).head_dim in _configs.WGMMA_BWD_TWO_CTA_CAPABLE
 
 
 # ----- phase 1: compile ---------------------------------------------------------------------------
@@ -114,6 +125,8 @@ def compile_phase(workers: int) -> dict:
     wg = [(fam, dt, hd, None) for fam in ("bwd_wgmma", "fwd_wgmma") for hd in hds for dt in dts]
     wg += [("bwd_wgmma", dt, hd, OTHER_WALK) for hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS
            for dt in dts]   # the other walk (overlapped or not)
+    wg += [("bwd_wgmma", dt, hd, _alt_tile(hd)) for hd in configs.WGMMA_BWD_TWO_CTA_CAPABLE
+           for dt in dts]   # the other tiles (two CTAs per SM or one)
     mma = [(c.family, c.dtype, c.head_dim, c.tile, c.kv_stages)
            for c in (configs.backward_config(dt, hd, hd, mode="auto") for hd in hds for dt in dts)]
     res = compile_modules([(_compile_sm90a, c) for c in wg] + [(_compile_one, c) for c in mma], workers)
@@ -133,15 +146,24 @@ def _inputs(case):
     return q, k, v, kw, g
 
 
+def _alt_tile(hd: int) -> tuple:
+    """The bwd_wgmma ``tile`` of the tiles ``auto`` does not build at ``hd`` (serial walk)."""
+    return (0, int(hd not in _configs.WGMMA_BWD_TWO_CTA_HEAD_DIMS))
+
+
 def _config(family: str, dt: str, d: int, dv: int):
     """The backward module of ``family``: "wgmma" (the sm_90a kernels as ``auto`` builds them),
     "other" (the same with the other walk, :data:`OTHER_WALK`: overlapped across tiles or not),
-    "mma" (mma.sync)."""
+    "alt" (the other tiles, :func:`has_alt_tiles`), "mma" (mma.sync)."""
     from portattn.backends.cupy import configs
 
     if family == "mma":
         return configs.backward_config(dt, d, dv, mode="auto")
     cfg = configs.wgmma_backward_config(dt, d, dv)
+    if family == "alt":
+        return configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim, tile=_alt_tile(cfg.head_dim))
+    if family == "other" and cfg.head_dim in configs.WGMMA_BWD_TWO_CTA_HEAD_DIMS:
+        return configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim, tile=OTHER_WALK + (0,))
     return cfg if family == "wgmma" else configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim, tile=OTHER_WALK)
 
 
@@ -187,6 +209,9 @@ def check_case(case) -> dict:
     gm = run_backward(spec, out, lse, dout, dlse, "mma", poison=False)
     go = (run_backward(spec, out, lse, dout, dlse, "other")   # the other walk: the same bits expected
           if has_other_walk(dt, spec.head_dim, spec.head_dim_v) else None)
+    # the other tiles: other summation orders, so checked against float64 as the default is
+    alt = ((run_backward(spec, out, lse, dout, dlse, "alt"), run_backward(spec, out, lse, dout, dlse, "alt"))
+           if has_alt_tiles(dt, spec.head_dim, spec.head_dim_v) else None)
 
     def grads(fn, dtype):
         leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
@@ -213,6 +238,13 @@ def check_case(case) -> dict:
         row["grads"][name] = {"passed": c.passed, "score": c.score, "max_err": c.max_err, "tol": c.tolerance,
                               "nan": int(torch.isnan(a).sum()), "max_diff_vs_mma": diff, "text": str(c)}
         ok = ok and c.passed and row["grads"][name]["nan"] == 0
+    if alt is not None:
+        a1, a2 = alt
+        rep = all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(a1, a2))
+        cs = [compare(name, a, r, n, factor=3, zero_ref_scale=zs) for name, a, r, n in zip(("dq", "dk", "dv"), a1, ref, naive)]
+        row["alt"] = {"passed": rep and all(c.passed and not torch.isnan(a).any() for c, a in zip(cs, a1)),
+                      "repeat_bit_identical": rep, "scores": [c.score for c in cs], "text": [str(c) for c in cs]}
+        ok = ok and row["alt"]["passed"]
     _, ref_lse = reference_forward(build_spec(q.double(), k.double(), v.double(), **kw))
     empty = torch.isneginf(ref_lse)
     row["empty_rows"] = int(empty.sum())
@@ -288,9 +320,11 @@ def time_cell(cell) -> dict:
     out, lse = fwd.outputs
     flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
     row = {"S": seqlen, "B": batch, "H": heads, "D": d, "causal": causal}
+    fams = (("wgmma",) + (("other",) if has_other_walk("bfloat16", d, d) else ())
+            + (("alt",) if has_alt_tiles("bfloat16", d, d) else ()) + ("mma",))
     fns = {fam: (lambda plan=runtime.plan_backward(spec, out, lse, dout, _config(fam, "bfloat16", d, d)):
                  runtime.execute(plan, spec.device))
-           for fam in (("wgmma", "other", "mma") if has_other_walk("bfloat16", d, d) else ("wgmma", "mma"))}
+           for fam in fams}
     qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
     do = dout.transpose(1, 2)
     for name, be in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -383,6 +417,8 @@ def report(res: dict) -> str:
             L.append(f"  {r['case']:<26} {r['dtype']:<9} "
                      + " ".join(f"{n} {_fmt(gs[n]['score'], 6, 3)}" for n in ("dq", "dk", "dv"))
                      + f" rep {str(r['repeat_bit_identical'])[0]} =other {str(r.get('other_walk_bit_identical'))[0]}"
+                     + (f" alt {'/'.join(_fmt(x, 5, 3) for x in r['alt']['scores'])} "
+                        f"{'ok' if r['alt']['passed'] else 'FAIL'}" if "alt" in r else "")
                      + f" empty {r['empty_rows']}"
                      + (f"/{str(r['empty_rows_zero_dq'])[0]}" if "empty_rows_zero_dq" in r else "")
                      + f" unseen {r.get('unseen_keys', 0)}"
@@ -412,17 +448,19 @@ def report(res: dict) -> str:
     if rows:
         L += ["bf16 backward TFLOP/s, B*S = 16k tokens, hidden 2048 (the backward alone)",
               f"(other = {OTHER_WALK_NAME}; its gradients must equal wgmma's bit for bit)",
-              f"{'S':>6} {'D':>4} {'causal':>6} {'wgmma':>6} {'other':>6} {'mma':>6} {'FA2':>6} {'cuDNN':>6} "
-              f"{'ot/wg':>6} {'wg/mma':>6} {'wg/FA2':>6} {'wg/cuDNN':>8} {'mma/FA2':>7}"]
+              f"(alt = the other tiles, {ALT_TILES_NAME}, checked against float64)",
+              f"{'S':>6} {'D':>4} {'causal':>6} {'wgmma':>6} {'other':>6} {'alt':>6} {'mma':>6} {'FA2':>6} {'cuDNN':>6} "
+              f"{'ot/wg':>6} {'alt/wg':>6} {'wg/mma':>6} {'wg/FA2':>6} {'wg/cuDNN':>8} {'mma/FA2':>7}"]
         for r in rows:
             L.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {_fmt(r['wgmma_tflops'], 6, 1)} "
-                     f"{_fmt(r.get('other_tflops'), 6, 1)} "
+                     f"{_fmt(r.get('other_tflops'), 6, 1)} {_fmt(r.get('alt_tflops'), 6, 1)} "
                      f"{_fmt(r['mma_tflops'], 6, 1)} {_fmt(r.get('fa2_tflops'), 6, 1)} {_fmt(r.get('cudnn_tflops'), 6, 1)} "
-                     f"{_fmt(_ratio(r, 'other_tflops', 'wgmma_tflops'))} "
+                     f"{_fmt(_ratio(r, 'other_tflops', 'wgmma_tflops'))} {_fmt(_ratio(r, 'alt_tflops', 'wgmma_tflops'))} "
                      f"{_fmt(_ratio(r, 'wgmma_tflops', 'mma_tflops'))} {_fmt(_ratio(r, 'wgmma_tflops', 'fa2_tflops'))} "
                      f"{_fmt(_ratio(r, 'wgmma_tflops', 'cudnn_tflops'), 8)} {_fmt(_ratio(r, 'mma_tflops', 'fa2_tflops'), 7)}")
         for a, b in (("wgmma_tflops", "mma_tflops"), ("wgmma_tflops", "fa2_tflops"), ("other_tflops", "wgmma_tflops"),
-                     ("other_tflops", "fa2_tflops"), ("mma_tflops", "fa2_tflops")):
+                     ("other_tflops", "fa2_tflops"), ("alt_tflops", "wgmma_tflops"), ("alt_tflops", "fa2_tflops"),
+                     ("mma_tflops", "fa2_tflops")):
             xs = [_ratio(r, a, b) for r in rows]
             gm = _geomean(xs)
             if gm:

@@ -57,10 +57,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 #: The variants the child process checks (bit for bit against attn_fwd_wgmma too) and times: the
-#: warp-specialized forward with and without pingpong, attn_fwd_wgmma's serial walk (the
-#: default, ``wgmma``, overlaps each tile's softmax with the previous tile's P V) and its 64-key
-#: tiles (``n64``: two CTAs per SM at HD 64, configs.WGMMA_TWO_CTA_HEAD_DIMS).
-SIDE_FAMILIES = ("serial", "n64", "ws", "ws_nopp")
+#: warp-specialized forward with and without pingpong, and attn_fwd_wgmma's serial walk (the
+#: default, ``wgmma``, overlaps each tile's softmax with the previous tile's P V).
+SIDE_FAMILIES = ("serial", "ws", "ws_nopp")
 
 #: (name, B, Sq, Sk, Hq, Hkv, D, Dv, kwargs, dtype)
 CHECK_CASES = [
@@ -303,8 +302,7 @@ def _inputs(case, device: str = "cuda"):
 
 def forward_family_config(spec, family: str):
     """The forward module of ``family`` for ``spec``: "mma" (mma.sync, one K/V stage), "wgmma" (the
-    default walk), "serial" (its serial walk), "n64" (its 64-key tiles), "ws" / "ws_nopp"
-    (warp-specialized, pingpong or not)."""
+    default walk), "serial" (its serial walk), "ws" / "ws_nopp" (warp-specialized, pingpong or not)."""
     from portattn.backends.cupy import configs, runtime
 
     dt = runtime._DTYPE_NAMES[spec.dtype]
@@ -312,9 +310,8 @@ def forward_family_config(spec, family: str):
         return configs.forward_config(dt, spec.head_dim, spec.head_dim_v, kv_stages=1)
     cfg = configs.wgmma_forward_config(dt, spec.head_dim, spec.head_dim_v, ws=family.startswith("ws"))
     if family in ("ws_nopp", "serial"):   # no pingpong / the serial walk: third tile entry 0
-        cfg = configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim, tile=(configs.wgmma_tile(cfg.head_dim)[0], 2, 0))
-    elif family == "n64":
-        cfg = configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim, tile=(64, 2, int(configs.WGMMA_OVERLAP)))
+        bn = configs.wgmma_ws_tile(cfg.head_dim) if family == "ws_nopp" else configs.wgmma_tile(cfg.head_dim)[0]
+        cfg = configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim, tile=(bn, 2, 0))
     return cfg
 
 
@@ -471,7 +468,7 @@ def report(res: dict) -> str:
         L += ["  " + x for x in t["tail"][-8:]]
     if res.get("timings"):
         L += ["", "bf16 forward TFLOP/s, B*S = 16k tokens, hidden 2048",
-              f"{'S':>6} {'D':>4} {'causal':>6} {'wgmma':>6} {'serial':>6} {'n64':>6} {'ws':>6} {'ws_np':>6} {'mma':>6} {'FA2':>6} "
+              f"{'S':>6} {'D':>4} {'causal':>6} {'wgmma':>6} {'serial':>6} {'ws':>6} {'ws_np':>6} {'mma':>6} {'FA2':>6} "
               f"{'cuDNN':>6} {'wg/ser':>6} {'wg/mma':>6} {'wg/FA2':>6} {'ws/FA2':>6} {'np/FA2':>6} {'wg/cuDNN':>8} "
               f"{'ws/cuDNN':>8} {'mma/FA2':>7}"]
         for r in res["timings"]:
@@ -479,8 +476,7 @@ def report(res: dict) -> str:
                 L.append(f"{r.get('S')} {r.get('D')} {r.get('causal')} ERROR {r.get('error', '')[:300]}")
                 continue
             L.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {_f(r['wgmma_tflops'], 6, 1)} "
-                     f"{_f(r.get('serial_tflops'), 6, 1)} {_f(r.get('n64_tflops'), 6, 1)} {_f(r.get('ws_tflops'), 6, 1)} "
-                     f"{_f(r.get('ws_nopp_tflops'), 6, 1)} "
+                     f"{_f(r.get('serial_tflops'), 6, 1)} {_f(r.get('ws_tflops'), 6, 1)} {_f(r.get('ws_nopp_tflops'), 6, 1)} "
                      f"{_f(r['mma_tflops'], 6, 1)} {_f(r.get('fa2_tflops'), 6, 1)} {_f(r.get('cudnn_tflops'), 6, 1)} "
                      f"{_f(_r(r, 'wgmma_tflops', 'serial_tflops'))} "
                      f"{_f(_r(r, 'wgmma_tflops', 'mma_tflops'))} {_f(_r(r, 'wgmma_tflops', 'fa2_tflops'))} "
@@ -489,8 +485,7 @@ def report(res: dict) -> str:
                      f"{_f(_r(r, 'mma_tflops', 'fa2_tflops'), 7)}")
         for a, b in (("wgmma_tflops", "fa2_tflops"), ("wgmma_tflops", "cudnn_tflops"), ("ws_tflops", "fa2_tflops"),
                      ("ws_nopp_tflops", "fa2_tflops"), ("wgmma_tflops", "mma_tflops"),
-                     ("wgmma_tflops", "serial_tflops"), ("n64_tflops", "wgmma_tflops"), ("n64_tflops", "fa2_tflops"),
-                     ("ws_tflops", "wgmma_tflops")):
+                     ("wgmma_tflops", "serial_tflops"), ("ws_tflops", "wgmma_tflops")):
             xs = [x for x in (_r(r, a, b) for r in res["timings"]) if x]
             if xs:
                 L.append(f"{a[:-7]} / {b[:-7]}: geomean {math.exp(sum(map(math.log, xs)) / len(xs)):.3f} "
@@ -500,7 +495,7 @@ def report(res: dict) -> str:
     L += ["", f"VERDICT (attn_fwd_wgmma): {res.get('verdict', 'INCOMPLETE')}" + (f" ({res['why']})" if res.get("why") else ""),
           f"warp-specialized attn_fwd_wgmma_ws: pingpong {res.get('verdict_ws', 'NOT RUN')}, "
           f"no pingpong {res.get('verdict_ws_nopp', 'NOT RUN')}; attn_fwd_wgmma's serial walk "
-          f"{res.get('verdict_serial', 'NOT RUN')}, 64-key tiles {res.get('verdict_n64', 'NOT RUN')}"]
+          f"{res.get('verdict_serial', 'NOT RUN')}"]
     return "\n".join(L)
 
 

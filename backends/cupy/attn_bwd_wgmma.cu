@@ -42,6 +42,9 @@
 //     in registers; dQ_w += dS K (wgmma_rs, B = K MN-major, wg_pv); dQ scaled and stored at the end.
 //   OVERLAP (opt-in, not yet timed): dQ += dS K of a tile stays in flight into the next tile, whose
 //   first wait_group 1 retires it; K then sits in three buffers (V in two).
+// Two CTAs per SM (configs.WGMMA_BWD_TWO_CTA_CAPABLE): at HD 64, 32-row query tiles in dK/dV and
+// 32-key tiles in dQ keep both kernels within 128 registers a thread, so __launch_bounds__ asks
+// for two CTAs there, one elsewhere.
 
 // Does any (query row, key) pair of rows [m0, m0 + bm) and keys [n0, n0 + bn) (each clipped to its
 // sequence) see each other? A warpgroup skips a tile for which this is false.
@@ -139,7 +142,7 @@ __device__ __forceinline__ void scale_floats(float* x, float f) {
     } while (0)
 
 template <typename T, int HD, int BM, int NWG, bool OVERLAP>
-__global__ void __launch_bounds__(NWG * 128, 1)
+__global__ void __launch_bounds__(NWG * 128, (HD <= 64 && BM <= 32) ? 2 : 1)
 attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
                     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk,
                     long long dk_sb, long long dk_ss, long long dk_sh, T* __restrict__ dv, long long dv_sb,
@@ -287,7 +290,7 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
 }
 
 template <typename T, int HD, int BN, int NWG, bool OVERLAP>
-__global__ void __launch_bounds__(NWG * 128, 1)
+__global__ void __launch_bounds__(NWG * 128, (HD <= 64 && BN <= 32) ? 2 : 1)
 attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
                   const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dq, long long dq_sb,
                   long long dq_ss, long long dq_sh) {

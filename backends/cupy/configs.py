@@ -140,22 +140,30 @@ def mma_tile(hd: int, extras: bool = False) -> tuple[int, int, int]:
     return (4, 32, 1)
 
 
+#: Padded head dims at which attn_fwd_wgmma takes 64-key tiles and runs two CTAs per SM
+#: (``__launch_bounds__(256, 2)``: at most 128 registers a thread; HD 64: 127, no spills, under
+#: NVRTC 13.0 and 13.5; HD 128 spilled 76-172 bytes): one CTA's loads and softmax fill the other's
+#: waits on its products, as FA3's ping-pong between warpgroups does. Must match the kernel's
+#: ``__launch_bounds__`` (tests/test_cupy_wgmma.py reads the registers). On the H200 (2026-12-04,
+#: tools/cupy_wgmma_check.py, bf16, 16k tokens, hidden 2048) HD 64 ran 1.14-1.27 x the one-CTA
+#: 128-key tiles at S 1k / 4k / 16k, causal and not (1.01-1.22 x FA2).
+WGMMA_TWO_CTA_HEAD_DIMS = (64,)
+
+
 def wgmma_tile(hd: int) -> tuple[int, int]:
     """(BLOCK_N, consumer warpgroups) of the wgmma forward; BLOCK_M = 64 * warpgroups.
 
-    Two warpgroups (128 query rows) against 128-key tiles up to HD 128 (S and O accumulators:
-    64 + 64 floats per thread at HD 128; Q + 2 x (K + V) = 160 KB at HD 128, one CTA per SM) and
-    64-key tiles at HD 256 (O: 128 floats; 192 KB). Chosen from registers and shared memory, not
-    yet by measurement (tools/cupy_wgmma_check.py times it)."""
-    return (64, 2) if hd > 128 else (128, 2)
+    Two warpgroups (128 query rows) against 128-key tiles at HD 128 (S and O accumulators:
+    64 + 64 floats per thread; Q + 2 x (K + V) = 160 KB, one CTA per SM), 64-key tiles at HD 256
+    (O: 128 floats; 192 KB) and at HD 64, where 64-key tiles fit two CTAs per SM
+    (:data:`WGMMA_TWO_CTA_HEAD_DIMS`; 49 KB each)."""
+    return (64, 2) if hd > 128 or hd in WGMMA_TWO_CTA_HEAD_DIMS else (128, 2)
 
 
-#: Padded head dims at which attn_fwd_wgmma with 64-key tiles runs two CTAs per SM
-#: (``__launch_bounds__(256, 2)``: at most 128 registers a thread; HD 64: 127, no spills, under
-#: NVRTC 13.0 and 13.5; HD 128 spilled 76-172 bytes): the second CTA's loads and softmax fill the
-#: first one's waits, as FA3's ping-pong between warpgroups does. Must match the kernel's
-#: ``__launch_bounds__`` (tests/test_cupy_wgmma.py reads the registers).
-WGMMA_TWO_CTA_HEAD_DIMS = (64,)
+def wgmma_ws_tile(hd: int) -> int:
+    """BLOCK_N of the warp-specialized wgmma forward (one CTA per SM; 128 query rows): 128 keys up
+    to HD 128, 64 at HD 256."""
+    return 64 if hd > 128 else 128
 
 
 #: Whether the wgmma forward's default instantiation overlaps each key tile's softmax with the
@@ -195,8 +203,20 @@ def bwd_mma_tile(hd: int, role: str) -> tuple[int, int, int]:
     return (4, 32, 1) if hd <= 192 else (4, 16, 1)
 
 
-def wgmma_bwd_tile(hd: int, role: str) -> tuple[int, int]:
-    """(tile, consumer warpgroups) of the wgmma backward (attn_bwd_wgmma.cu).
+#: Padded head dims whose wgmma backward kernels have two-CTA tiles: 32-row query tiles in dK/dV
+#: and 32-key tiles in dQ, at most 128 registers a thread (``__launch_bounds__(256, 2)`` in
+#: attn_bwd_wgmma.cu; HD 64 serial walk: 127 / 115 registers, no spills under NVRTC 13.0 and 13.5)
+#: and 50 KB of shared memory, so that two CTAs share an SM and fill each other's waits on their
+#: products (the one-CTA kernels sit at 12.5 % occupancy, latency-bound: ncu-h200-cupy-d64.txt).
+#: The overlapped walk does not fit there (ptxas spills and serializes its wgmma).
+WGMMA_BWD_TWO_CTA_CAPABLE = (64,)
+#: Of those, the head dims whose default (``auto``) wgmma backward takes the two-CTA tiles.
+WGMMA_BWD_TWO_CTA_HEAD_DIMS: tuple = ()
+
+
+def wgmma_bwd_tile(hd: int, role: str, two_cta: bool = False) -> tuple[int, int]:
+    """(tile, consumer warpgroups) of the wgmma backward (attn_bwd_wgmma.cu); ``two_cta``: the
+    two-CTA tiles of :data:`WGMMA_BWD_TWO_CTA_CAPABLE` (32 rows / 32 keys).
 
     ``dkdv``: (BLOCK_M, NWG): the CTA owns 64 keys per warpgroup (two: 128 keys; at HD 256 both
     share 64 keys, :func:`wgmma_bwd_keys`) and walks query tiles of BLOCK_M rows: 64 up to HD 128
@@ -206,6 +226,10 @@ def wgmma_bwd_tile(hd: int, role: str) -> tuple[int, int]:
     ``dq``: (BLOCK_N, NWG): 64 rows per warpgroup (two: 128 rows) against key tiles of 128 keys
     at HD 64, 64 keys at HD 128 and 32 keys at 256 (S and dP: BLOCK_N / 2 floats each
     beside dQ's HD / 2); 99 / 129 / 193 KB. Chosen from registers and shared memory."""
+    if two_cta:
+        if hd not in WGMMA_BWD_TWO_CTA_CAPABLE:
+            raise ValueError(f"two-CTA wgmma backward tiles at padded head dim {hd}: only at {WGMMA_BWD_TWO_CTA_CAPABLE}")
+        return (32, 2)
     if role.startswith("dkdv"):
         return (32, 2) if hd > 128 else (64, 2)
     return (128, 2) if hd <= 64 else (64, 2) if hd <= 128 else (32, 2)
@@ -272,7 +296,8 @@ class KernelConfig:
     head_dim: int
     #: fwd_mma: (warps, BLOCK_N, MT), None = :func:`mma_tile` (benchmarks try others); fwd_wgmma:
     #: (BLOCK_N, warpgroups, overlapped walk), fwd_wgmma_ws: (BLOCK_N, warpgroups, pingpong), None =
-    #: :func:`wgmma_tile` and the defaults; bwd_wgmma: (overlapped walk,), None = :data:`WGMMA_BWD_OVERLAP`
+    #: :func:`wgmma_tile` and the defaults; bwd_wgmma: (overlapped walk[, two-CTA tiles]), None =
+    #: :data:`WGMMA_BWD_OVERLAP` and :data:`WGMMA_BWD_TWO_CTA_HEAD_DIMS`
     tile: tuple[int, ...] | None = None
     #: K/V buffers of the tensor-core forward (1 or 2, see :data:`FORWARD_KV_STAGES_ENV`); 1 elsewhere
     kv_stages: int = 1
@@ -312,7 +337,7 @@ class KernelConfig:
             bn, nwg, overlap = self.tile if self.tile is not None else (*wgmma_tile(hd), WGMMA_OVERLAP)
             return {"plain": f"attn_fwd_wgmma<{t}, {hd}, {bn}, {nwg}, {'true' if overlap else 'false'}>"}
         if self.family == "fwd_wgmma_ws":
-            bn, _, pingpong = self.tile if self.tile is not None else (*wgmma_tile(hd), 1)
+            bn, _, pingpong = self.tile if self.tile is not None else (wgmma_ws_tile(hd), 2, 1)
             return {"plain": f"attn_fwd_wgmma_ws<{t}, {hd}, {bn}, {'true' if pingpong else 'false'}>"}
         if self.family == "wgmma_probe":
             return {"probe": f"attn_wgmma_probe<{t}, {hd}, {wgmma_tile(hd)[0]}>"}
@@ -322,7 +347,7 @@ class KernelConfig:
                      else {"preprocess": f"attn_bwd_preprocess<{t}>"})
             return {**first, "dkdv": f"attn_bwd_dkdv<{t}, {hd}>", "dq": f"attn_bwd_dq<{t}, {hd}>"}
         if self.family == "bwd_wgmma":
-            (bm, nwg_k), (bn, nwg_q) = wgmma_bwd_tile(hd, "dkdv"), wgmma_bwd_tile(hd, "dq")
+            (bm, nwg_k), (bn, nwg_q) = self.bwd_tile("dkdv"), self.bwd_tile("dq")
             ov = "true" if self.bwd_overlap else "false"
             return {"preprocess": f"attn_bwd_preprocess<{t}>",
                     "dkdv": f"attn_bwd_dkdv_wgmma<{t}, {hd}, {bm}, {nwg_k}, {ov}>",
@@ -340,10 +365,25 @@ class KernelConfig:
     @property
     def bwd_overlap(self) -> bool:
         """The wgmma backward's walk: products of a tile left in flight into the next one
-        (``tile=(1,)``; default :data:`WGMMA_BWD_OVERLAP`) or retired within it (``tile=(0,)``)."""
-        if self.head_dim not in WGMMA_BWD_OVERLAP_HEAD_DIMS:
+        (``tile=(1,)``; default :data:`WGMMA_BWD_OVERLAP`) or retired within it (``tile=(0,)``);
+        the two-CTA tiles have the second only."""
+        if self.head_dim not in WGMMA_BWD_OVERLAP_HEAD_DIMS or self.bwd_two_cta:
             return False
         return bool(self.tile[0]) if self.tile is not None else WGMMA_BWD_OVERLAP
+
+    @property
+    def bwd_two_cta(self) -> bool:
+        """Whether the wgmma backward runs its two-CTA tiles (``tile=(walk, 1)``; default: the head
+        dim is in :data:`WGMMA_BWD_TWO_CTA_HEAD_DIMS`)."""
+        if self.family != "bwd_wgmma" or self.head_dim not in WGMMA_BWD_TWO_CTA_CAPABLE:
+            return False
+        if self.tile is not None and len(self.tile) > 1:
+            return bool(self.tile[1])
+        return self.head_dim in WGMMA_BWD_TWO_CTA_HEAD_DIMS
+
+    def bwd_tile(self, role: str) -> tuple[int, int]:
+        """:func:`wgmma_bwd_tile` of this wgmma backward module's ``role`` (``dkdv`` / ``dq``)."""
+        return wgmma_bwd_tile(self.head_dim, role, self.bwd_two_cta)
 
     def name_expressions(self) -> list[str]:
         return list(self.kernel_names().values())
@@ -351,7 +391,7 @@ class KernelConfig:
     # ----- launch geometry ---------------------------------------------------------------
     def threads(self, role: str) -> int:
         if self.family == "bwd_wgmma" and role != "preprocess":
-            return 128 * wgmma_bwd_tile(self.head_dim, role)[1]
+            return 128 * self.bwd_tile(role)[1]
         if self.family == "fwd_wgmma":
             return 128 * wgmma_tile(self.head_dim)[1]
         if self.family == "fwd_wgmma_ws":
@@ -369,7 +409,7 @@ class KernelConfig:
     def block_rows(self, role: str) -> int:
         """Rows (or keys, for dK/dV) one CTA covers along the grid's x axis."""
         if self.family == "bwd_wgmma" and role != "preprocess":
-            return wgmma_bwd_keys(self.head_dim) if role == "dkdv" else 64 * wgmma_bwd_tile(self.head_dim, role)[1]
+            return wgmma_bwd_keys(self.head_dim) if role == "dkdv" else 64 * self.bwd_tile(role)[1]
         if self.family == "fwd_wgmma":
             return 64 * wgmma_tile(self.head_dim)[1]
         if self.family == "fwd_wgmma_ws":
@@ -395,7 +435,7 @@ class KernelConfig:
             # V [2][BLOCK_N]; B = 3 buffers with the overlapped walk, else 2
             if role == "preprocess":
                 return 0
-            tile, nwg = wgmma_bwd_tile(hd, role)
+            tile, nwg = self.bwd_tile(role)
             bufs = 3 if self.bwd_overlap else 2
             if role == "dkdv":
                 return 1024 + (2 * wgmma_bwd_keys(hd) + 2 * bufs * tile) * hd * 2 + 8 * bufs * tile
@@ -405,6 +445,8 @@ class KernelConfig:
             # (the probe: Q of 64 rows, one K and one V; the warp-specialized kernel: 128 Q rows,
             # two K/V stages and 64 bytes of mbarriers)
             bn, nwg = wgmma_tile(hd)
+            if self.family == "fwd_wgmma_ws":
+                bn = wgmma_ws_tile(hd)
             if self.family in ("fwd_wgmma", "fwd_wgmma_ws") and self.tile is not None:
                 bn = self.tile[0]
             if self.family == "fwd_wgmma_ws":
@@ -504,15 +546,16 @@ def wgmma_configs(with_probe: bool = False) -> list[KernelConfig]:
     # without the consumers' pingpong (timed against it)
     out += [KernelConfig("fwd_wgmma", dt, hd, tile=(*wgmma_tile(hd), 0)) for hd in WGMMA_HEAD_DIMS
             for dt in TENSOR_CORE_DTYPES]
-    out += [KernelConfig("fwd_wgmma_ws", dt, hd, tile=(wgmma_tile(hd)[0], 2, 0))
+    out += [KernelConfig("fwd_wgmma_ws", dt, hd, tile=(wgmma_ws_tile(hd), 2, 0))
             for hd in WGMMA_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
-    # the wgmma forward with 64-key tiles where they fit two CTAs per SM (timed against the default)
-    out += [KernelConfig("fwd_wgmma", dt, hd, tile=(64, 2, int(WGMMA_OVERLAP))) for hd in WGMMA_TWO_CTA_HEAD_DIMS
-            for dt in TENSOR_CORE_DTYPES if wgmma_tile(hd)[0] != 64]
     out += [KernelConfig("bwd_wgmma", dt, hd) for hd in WGMMA_BWD_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
     # the other walk of the wgmma backward (timed against the default)
-    out += [KernelConfig("bwd_wgmma", dt, hd, tile=(int(not WGMMA_BWD_OVERLAP),))
+    out += [KernelConfig("bwd_wgmma", dt, hd, tile=(int(not WGMMA_BWD_OVERLAP),)
+                         + ((0,) if hd in WGMMA_BWD_TWO_CTA_HEAD_DIMS else ()))
             for hd in WGMMA_BWD_OVERLAP_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
+    # the two-CTA tiles where auto does not take them, the one-CTA ones (serial walk) where it does
+    out += [KernelConfig("bwd_wgmma", dt, hd, tile=(0, int(hd not in WGMMA_BWD_TWO_CTA_HEAD_DIMS)))
+            for hd in WGMMA_BWD_TWO_CTA_CAPABLE for dt in TENSOR_CORE_DTYPES]
     return out
 
 
