@@ -9,6 +9,7 @@ identical repeats, and the switch really launching it (the warp-specialized vari
 tools/cupy_wgmma_check.py's child-process run on the H200 first; PORTATTN_TEST_WGMMA_WS=0 skips it).
 """
 
+import dataclasses
 import os
 import re
 import shutil
@@ -154,25 +155,44 @@ def _cuobjdump():
         return None
 
 
+def _cubin_resources(cubin: str) -> dict:
+    """``cuobjdump -res-usage`` of ``cubin``: {lowered name: (registers, stack, local bytes)}, what
+    the cubin itself records; skips the test when no cuobjdump is at hand."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump to read the cubin's resources")
+    text = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    found = re.findall(r"Function (\S+?):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+    return {name: (int(r), int(st), int(lo)) for name, r, st, lo in found}
+
+
 def _compile_90a_without_spills(names, cubin: str, spill_ok=lambda name: False):
     """Compile ``names`` for sm_90a into ``cubin`` (compile_check: NVRTC, ptxas -v) and check each
     kernel's ptxas report (registers <= 255, no spills, no stack, except where ``spill_ok(name)``
     allows at most 8 bytes) and that ptxas did not serialize the wgmma chains; returns (ptxas
-    log, name -> lowered name)."""
+    log, name -> lowered name, the reports).
+
+    NVRTC 13.0 through cuda.bindings (the H200 image's) has returned an empty log for a program
+    whose cubin was fine (2026-12-03 in the check tool; 2026-12-04 here, 24 kernels): then the
+    registers, stack and local (spilled) bytes come from the cubin, and the serialization (a
+    log-only warning) cannot be checked; the callers' SASS checks still run."""
     log, lowered = compile_check.compile_names(names, "90a", cubin_out=cubin)
     reports = compile_check.parse_ptxas_log(log, lowered, "90a")
     assert len(reports) == len(names)
     from portattn.backends.cupy import sm90a
 
+    if not log.strip():
+        res = _cubin_resources(cubin)
+        reports = [dataclasses.replace(r, registers=res[lowered[r.name]][0], stack=res[lowered[r.name]][1],
+                                       spill_stores=res[lowered[r.name]][2], spill_loads=res[lowered[r.name]][2])
+                   if lowered[r.name] in res else r for r in reports]
     for r in reports:
-        # the ptxas lines in the message: on the H200 (2026-12-03) a wgmma backward kernel parsed
-        # with no registers there while the tool's own compile of it reported 212
         assert r.registers is not None and r.registers <= 255, compile_check.report_message(
             r, lowered, log, f"compile_check's: {sm90a._BindingsNvrtc().describe()}")
         limit = 8 if spill_ok(r.name) else 0
         assert max(r.spill_stores or 0, r.spill_loads or 0, r.stack or 0) <= limit, f"{r.name} spills: {r}"
     assert "serialized" not in log, log   # ptxas: "wgmma.mma_async instructions are serialized ..."
-    return log, lowered
+    return log, lowered, reports
 
 
 def _sass(cubin: str) -> str:
@@ -184,6 +204,19 @@ def _sass(cubin: str) -> str:
 
 
 @needs_nvrtc
+def test_compile_check_reads_the_cubin_when_the_log_is_empty(tmp_path, monkeypatch):
+    """With NVRTC's log emptied (as NVRTC 13.0 returned it on the H200), the registers, stack and
+    spilled bytes of each kernel come from the cubin, equal to what ptxas -v reported."""
+    names = [configs.KernelConfig("fwd_wgmma", "bfloat16", 64).kernel_names()["plain"]]
+    _, _, full = _compile_90a_without_spills(names, str(tmp_path / "a.cubin"))
+    real = compile_check.compile_names
+    monkeypatch.setattr(compile_check, "compile_names", lambda *a, **kw: ("", real(*a, **kw)[1]))
+    _, _, from_cubin = _compile_90a_without_spills(names, str(tmp_path / "b.cubin"))
+    assert [r.registers for r in from_cubin] == [r.registers for r in full] and from_cubin[0].registers > 0
+    assert from_cubin[0].spill_stores == 0 and from_cubin[0].stack == 0
+
+
+@needs_nvrtc
 def test_two_cta_forward_fits_two_ctas_per_sm(tmp_path):
     """The wgmma forward at the head dims of WGMMA_TWO_CTA_HEAD_DIMS (both walks): 64-key tiles, at
     most 128 registers (its __launch_bounds__ asks for two CTAs per SM), no spills, unserialized
@@ -192,8 +225,8 @@ def test_two_cta_forward_fits_two_ctas_per_sm(tmp_path):
     assert len(cfgs) == 2 * 2 * len(configs.WGMMA_TWO_CTA_HEAD_DIMS)   # dtypes x walks
     assert all(", 64, 2, " in c.kernel_names()["plain"] for c in cfgs)
     names = [c.kernel_names()["plain"] for c in cfgs]
-    log, lowered = _compile_90a_without_spills(names, str(tmp_path / "m.cubin"))
-    for r in compile_check.parse_ptxas_log(log, lowered, "90a"):
+    _, _, reports = _compile_90a_without_spills(names, str(tmp_path / "m.cubin"))
+    for r in reports:
         assert r.registers <= 128, f"{r.name}: {r.registers} registers, over two CTAs' 128"
     for c in cfgs:
         assert 2 * (c.smem_bytes("plain") + 1024) <= 228 * 1024, c
@@ -207,7 +240,7 @@ def test_sm90a_module_compiles_without_spills_and_uses_hgmma(tmp_path):
              configs.KernelConfig("fwd_wgmma_ws", "bfloat16", 256).kernel_names()["plain"],
              configs.KernelConfig("wgmma_probe", "bfloat16", 256).kernel_names()["probe"]]
     cubin = str(tmp_path / "m.cubin")
-    log, lowered = _compile_90a_without_spills(names, cubin)
+    log, lowered, _ = _compile_90a_without_spills(names, cubin)
     assert "C7508" not in log, log        # ptxas: setmaxnreg ignored
     sass = _sass(cubin)
     for low in lowered.values():

@@ -260,11 +260,11 @@ def test_wgmma_backward_compiles_without_spills_and_uses_hgmma(tmp_path):
     opt_in = {c.kernel_names()["dkdv"] for c in configs.wgmma_configs() if c.family == "bwd_wgmma" and c.bwd_overlap
               and c != configs.KernelConfig("bwd_wgmma", c.dtype, c.head_dim)}
     spill_ok = lambda n: old_nvrtc and n in opt_in  # noqa: E731
-    log, lowered = _compile_90a_without_spills(names, cubin, spill_ok=spill_ok)
+    _, lowered, reports = _compile_90a_without_spills(names, cubin, spill_ok=spill_ok)
     two_cta = {n for c in configs.wgmma_configs() if c.family == "bwd_wgmma" and c.bwd_two_cta
                for r, n in c.kernel_names().items() if r != "preprocess"}
     assert len(two_cta) == 4 * len(configs.WGMMA_BWD_TWO_CTA_CAPABLE)
-    for r in compile_check.parse_ptxas_log(log, lowered, "90a"):   # __launch_bounds__(256, 2)
+    for r in reports:   # __launch_bounds__(256, 2)
         assert r.name not in two_cta or r.registers <= 128, f"{r.name}: {r.registers} registers"
     sass = _sass(cubin)
     for name, low in lowered.items():

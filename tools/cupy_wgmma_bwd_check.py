@@ -383,10 +383,19 @@ def check_failures(res: dict) -> list[str]:
 def verdict(res: dict) -> None:
     c = res.get("compile", {})
     why = check_failures(res)
-    spills = [k for m in c.get("modules", {}).values() for k, r in m.get("kernels", {}).items()
-              if "wgmma" in k and (r.get("spill_stores") or r.get("spill_loads") or r.get("stack"))]
+    # the opt-in overlapped walk's kernels (not what auto builds) may spill up to 8 bytes, as
+    # tests/test_cupy_wgmma_bwd.py allows under NVRTC < 13.5 (13.0 spills 4 in its HD 128 dK/dV)
+    opt_in = {n for cfg in _configs.wgmma_configs() if cfg.family == "bwd_wgmma" and cfg.bwd_overlap
+              and cfg != _configs.KernelConfig("bwd_wgmma", cfg.dtype, cfg.head_dim) for n in cfg.name_expressions()}
+    spills, allowed = [], []
+    for m in c.get("modules", {}).values():
+        for k, r in m.get("kernels", {}).items():
+            worst = max(r.get("spill_stores") or 0, r.get("spill_loads") or 0, r.get("stack") or 0)
+            if "wgmma" in k and worst:
+                (allowed if k in opt_in and worst <= 8 else spills).append(k)
     if spills:
         why.append(f"spills/stack in {spills}")
+    res["opt_in_spills"] = allowed
     hg = [cnt.get("HGMMA", 0) for s in c.get("sass", {}).values() if isinstance(s, dict)
           for name, cnt in s.items() if isinstance(cnt, dict) and "wgmma" in name]
     if not hg or min(hg) == 0:
@@ -440,6 +449,8 @@ def report(res: dict) -> str:
             L += ["  " + x[:300] for x in tm.get("tail", [])]
     L += ["", f"VERDICT (attn_bwd_*_wgmma): {res.get('verdict', 'INCOMPLETE')}" + (f" ({res['why']})" if res.get("why")
                                                                                    else "")]
+    if res.get("opt_in_spills"):
+        L.append(f"(allowed: <= 8 bytes of spill in the opt-in overlapped walk's {res['opt_in_spills']})")
     other = [r["other_walk_bit_identical"] for r in (ch or {}).get("rows", []) if "other_walk_bit_identical" in r]
     L.append(f"the other walk ({OTHER_WALK_NAME}): "
              + ("NOT RUN" if not other else "PASS (the same bits in every check)" if all(other)
