@@ -101,12 +101,14 @@ def _meta_spec(s, d, causal):
 
 @pytest.mark.parametrize("s, d, causal, auto", [
     (1024, 128, False, "gluon"), (1024, 128, True, "gluon"), (2048, 128, True, "gluon"),
-    (16384, 128, False, "gluon"), (512, 128, False, "triton"),    # D 128: where the H200 timed it faster
-    (512, 128, True, "triton"),                                   # (causal 1k: the persistent row)
+    (16384, 128, False, "gluon"), (512, 128, False, "gluon"),     # D 128: where the H200 timed it faster
+    (512, 128, True, "gluon"), (256, 128, True, "triton"),        # (causal 512-2k: the persistent row)
+    (256, 128, False, "triton"),                                  # below S 512: untimed
     (16384, 64, False, "gluon"), (4096, 64, False, "gluon"),      # D 64 non-causal from 4k: persistent
     (2048, 64, False, "triton"), (16384, 64, True, "triton"),     # D 64 short or causal: portable
-    (1024, 256, True, "gluon"),                                   # D 256 from S 1k
-    (512, 256, False, "triton"),                                  # D 256 below S 1k: untimed
+    (512, 64, False, "triton"),
+    (1024, 256, True, "gluon"), (512, 256, False, "gluon"),       # D 256 from S 512
+    (256, 256, False, "triton"),                                  # D 256 below S 512: untimed
 ])
 def test_auto_takes_gluon_where_the_h200_timed_it_faster(monkeypatch, s, d, causal, auto):
     """``auto`` (the default) follows AUTO_MIN_SEQLEN_Q and AUTO_PERSISTENT wherever gluon_reasons is
@@ -156,8 +158,8 @@ def _record_forwards(monkeypatch):
 
 @pytest.mark.parametrize("s, d, causal, auto", [
     (1024, 128, False, "gluon"), (1024, 128, True, "gluon"), (2048, 128, True, "gluon"),
-    (512, 128, False, "triton"), (16384, 64, False, "triton"),   # D 64 training: portable
-    (4096, 256, True, "gluon"), (1024, 256, False, "gluon"), (512, 256, False, "triton"),  # D 256 from S 1k
+    (512, 128, False, "gluon"), (256, 128, False, "triton"), (16384, 64, False, "triton"),   # D 64 training: portable
+    (4096, 256, True, "gluon"), (512, 256, False, "gluon"), (256, 256, False, "triton"),  # D 256 from S 512
 ])
 def test_forward_for_backward_takes_gluon_where_forward_choice_says(monkeypatch, s, d, causal, auto):
     """A training forward (``ops.forward_for_backward``) takes the Gluon kernel, with its residual,
@@ -605,8 +607,8 @@ def test_gpu_matches_reference(name, pingpong):
 @needs_gluon
 @pytest.mark.usefixtures("no_deadlock")
 @pytest.mark.parametrize("sq, causal, kernel", [(4096, True, "gluon"), (2048, True, "persistent"),
-                                                (1024, False, "persistent"), (1024, True, "persistent"),
-                                                (512, True, "triton")])
+                                                (1024, False, "persistent"), (512, True, "persistent"),
+                                                (256, True, "triton")])
 def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal, kernel):
     """``portattn.attention`` on the triton backend with the default switches: the Gluon kernel runs
     where AUTO_MIN_SEQLEN_Q or AUTO_PERSISTENT has the shape (the launch is seen, and whether it
@@ -805,7 +807,8 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
 
 
 @pytest.mark.parametrize("sq, d, causal, residual, expect", [
-    (1024, 128, False, False, True), (16384, 128, False, False, True), (512, 128, False, False, False),
+    (1024, 128, False, False, True), (16384, 128, False, False, True), (512, 128, False, False, True),
+    (256, 128, False, False, False), (512, 128, True, True, True),
     (1024, 128, True, False, True), (4095, 128, True, False, True), (4096, 128, True, False, False),
     (2048, 128, True, True, True), (4096, 128, False, True, True), (4096, 128, True, True, False),
     (4096, 64, False, False, True), (2048, 64, False, False, False), (4096, 64, True, False, False),

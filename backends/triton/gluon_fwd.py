@@ -862,17 +862,19 @@ def gluon_reasons(spec) -> list[str]:
 #: the fewest query rows at which the H200 timed it faster than the portable kernel (2026-12-03,
 #: tools/triton_gluon_check.py, benchmarks/results/triton-gluon-check-h200.txt, bf16, S = 1k/4k/16k
 #: with B·S = 16k tokens): D 128 1.09-1.27 x from S 1k, but 0.94 x at S 1k causal; D 256
-#: 1.30-1.34 x from S 1k, causal and not; D 64 0.60-1.04 x (faster only at S 16k) stays portable.
-AUTO_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False): 1024, (256, True): 1024}
+#: 1.30-1.34 x from S 1k, causal and not, and at S 512 1.29 x, causal 1.23 x (2026-12-04,
+#: tools/gluon_persistent_diag.py --time --cells, benchmarks/results/triton-gluon-persistent-h200.txt);
+#: D 64 0.60-1.04 x (faster only at S 16k) stays portable.
+AUTO_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False): 512, (256, True): 512}
 
 
 #: the same for training forwards (``ops.forward_for_backward``: the ``RESIDUAL`` epilogue, which
 #: also stores O's rounding residual). The H200 checked that epilogue (half-ulp residuals, same O
 #: and lse as the inference kernel, D 64/128/256) and timed it against the portable training
 #: forward (the same tool and file, "training forward", 2026-12-03): D 128 1.03-1.22 x from S 1k,
-#: but 0.88-0.89 x at S 1k causal; D 256 1.19-1.38 x from S 1k, causal and not. D 64 keeps the
-#: portable training forward.
-AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False): 1024, (256, True): 1024}
+#: but 0.88-0.89 x at S 1k causal; D 256 1.19-1.38 x from S 1k, causal and not, and 1.23 / 1.21 x
+#: at S 512 (2026-12-04, the same run as above). D 64 keeps the portable training forward.
+AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False): 512, (256, True): 512}
 
 
 #: where ``auto`` runs the persistent variant (:data:`PERSISTENT_HEAD_DIMS`) instead of the
@@ -884,13 +886,15 @@ AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False
 #: balances long causal bands worse than the hardware's own CTA scheduling does; D 64 (against the
 #: portable kernel, which ``auto`` runs there) 1.00, 1.05, 1.06, causal 0.89, 0.94, 0.99; D 128
 #: causal at S 2k (--time --cells, the same day) 1.04, training 1.04, so the causal rows end at 4k.
+#: At S 512 (--time --cells, later that day) D 128 persistent / portable 1.37 (training 1.36), causal
+#: 1.16 (training 1.09), so the D 128 rows start at 512; D 64 0.92, causal 0.83: portable there.
 #: Where a
 #: row starts below the one-tile kernel's :data:`AUTO_MIN_SEQLEN_Q`, :func:`auto_takes` takes the
 #: Gluon forward from that row's start (D 128 causal at 1k: persistent 1.15 x the portable
 #: kernel, training 1.09 x; D 64 from 4k).
 AUTO_PERSISTENT = {
-    (128, False, False): (1024, 1 << 31), (128, True, False): (1024, 4096),
-    (128, False, True): (1024, 1 << 31), (128, True, True): (1024, 4096),
+    (128, False, False): (512, 1 << 31), (128, True, False): (512, 4096),
+    (128, False, True): (512, 1 << 31), (128, True, True): (512, 4096),
     (64, False, False): (4096, 1 << 31),
 }
 
