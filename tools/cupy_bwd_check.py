@@ -11,8 +11,9 @@
    bit-identical, and the FMA kernels (``force_fma``) on the same inputs within the same bound.
 3. Times the backward (bf16, B*S = 16k tokens, H*D = 2048, as the benchmark's training grid):
    the tensor-core kernels, the FMA kernels (S = 1k rows only: they run at ~6 TFLOP/s) and
-   torch SDPA's flash backward (FA2), in TFLOP/s (2.5 x the forward's 2*B*H*Sq*Sk*(D + Dv),
-   halved when causal).
+   torch SDPA's flash backward (FA2), side by side (tools/_cupy_gpu_check.time_side_by_side:
+   interleaved rounds of back-to-back calls, L2 flushed), in TFLOP/s (2.5 x the forward's
+   2*B*H*Sq*Sk*(D + Dv), halved when causal).
 
 Writes ``bwd_check.json`` (every number) and ``bwd_check.txt`` (the tables) to ``--out``;
 exit status 1 when any check fails. Needs an NVIDIA GPU, cupy and torch.
@@ -149,29 +150,6 @@ def check_case(case, dtype_name) -> dict:
     return row
 
 
-def _time_ms(fn, reps: int, budget_ms: float | None = None) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs (CUDA events; two warm-up runs); with
-    ``budget_ms``, at least 3 runs and then only as many as fit that budget (at most ``reps``)."""
-    import torch
-
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    t_start = time.perf_counter()
-    while len(times) < reps:
-        if budget_ms is not None and len(times) >= 3 and (time.perf_counter() - t_start) * 1e3 > budget_ms:
-            break
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def time_case(seqlen, d, dv, causal) -> dict:
     import torch
     from portattn.backends.cupy import CupyBackend, runtime
@@ -189,20 +167,27 @@ def time_case(seqlen, d, dv, causal) -> dict:
     dout = torch.randn_like(out)
     flops = 2.5 * 2 * batch * heads * seqlen * seqlen * (d + dv) / (2 if causal else 1)
     row = {"seqlen": seqlen, "batch": batch, "heads": heads, "D": d, "Dv": dv, "causal": causal}
-    ms = _time_ms(lambda: be.backward(spec, out, lse, dout), 10)
-    row.update(mma_ms=ms, mma_tflops=flops / ms * 1e-9)
+    # side by side (tools/_cupy_gpu_check.time_side_by_side: interleaved rounds of back-to-back
+    # calls, L2 flushed); the FMA path only on short sequences, where it takes milliseconds
+    fns = {"mma": lambda: be.backward(spec, out, lse, dout)}
     if seqlen <= 1024:
-        ms = _time_ms(lambda: runtime.backward(spec, out, lse, dout, force_fma=True), 3)
-        row.update(fma_ms=ms, fma_tflops=flops / ms * 1e-9)
+        fns["fma"] = lambda: runtime.backward(spec, out, lse, dout, force_fma=True)
     try:
         qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         do_t = dout.transpose(1, 2)
-        ms = _time_ms(lambda: torch.autograd.grad(o, (qt, kt, vt), do_t, retain_graph=True), 10)
-        row.update(flash_ms=ms, flash_tflops=flops / ms * 1e-9)
+        fns["flash"] = lambda: torch.autograd.grad(o, (qt, kt, vt), do_t, retain_graph=True)
     except Exception as exc:   # e.g. flash without Dv != D
         row["flash_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _cupy_gpu_check import time_side_by_side
+
+    timed = time_side_by_side(fns, flops)
+    row.update(timed)
+    for name in fns:
+        if f"{name}_tflops" in timed:
+            row[f"{name}_ms"] = flops / timed[f"{name}_tflops"] * 1e-9
     return row
 
 

@@ -19,8 +19,9 @@ Phases (each writes its results before the next starts, so a run cut short still
    to the default; float32 (its exact FMA path) at D 64 and 256;
 4. timings (bf16, B*S = 16k tokens, hidden 2048; S 1k / 4k / 16k, D 64 / 128 / 256, causal and
    not): cupy forward with ``kv_stages`` 1 (default) and 2, cupy backward (the variant changes
-   only the forward), SDPA flash and cuDNN forward and backward; cells are skipped (and listed)
-   when the time limit comes near.
+   only the forward), SDPA flash and cuDNN forward and backward, each direction side by side
+   (tools/_cupy_gpu_check.time_side_by_side: interleaved rounds of back-to-back calls, L2
+   flushed); cells are skipped (and listed) when the time limit comes near.
 
 Writes ``cupy_fwd_check.json`` (every number) and ``cupy_fwd_check.txt`` (tables, verdict) to
 ``--out``. Verdict PASS = no compile error, the tests passed and every check passed; the timings
@@ -184,17 +185,24 @@ def check_case(case) -> dict:
     return row
 
 
-def _time_ms(fn) -> float:
-    """Median ms of ``fn``: 2 warm-up runs, then 3 to 25 runs within about 80 ms."""
-    sys.path.insert(0, HERE)
-    from cupy_bwd_check import _time_ms as timed
+def _plan_forward(spec, stages):
+    """A launch of the mma.sync forward with ``stages`` K/V buffers, planned once (the timed call
+    only launches it)."""
+    from portattn.backends.cupy import configs, runtime
 
-    return timed(fn, 25, budget_ms=80.0)
+    dt = runtime._DTYPE_NAMES[spec.dtype]
+    plan = runtime.plan_forward(spec, configs.forward_config(dt, spec.head_dim, spec.head_dim_v, kv_stages=stages))
+    return lambda: runtime.execute(plan, spec.device)
 
 
 def time_cell(seqlen, d, causal, with_cudnn: bool) -> dict:
+    """One timing row (bf16, B·S = 16k tokens, hidden 2048): the forward with one and two K/V
+    stages and the backward that ``auto`` picks, beside SDPA's flash (FA2) and cuDNN, each
+    direction timed side by side (tools/_cupy_gpu_check.time_side_by_side: interleaved rounds of
+    back-to-back calls, L2 flushed)."""
     import torch
     import torch.nn.functional as F
+    from _cupy_gpu_check import time_side_by_side
     from portattn.backends.cupy import runtime
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -207,26 +215,27 @@ def time_cell(seqlen, d, causal, with_cudnn: bool) -> dict:
     fwd_flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
     bwd_flops = 2.5 * fwd_flops
     row = {"S": seqlen, "B": batch, "H": heads, "D": d, "causal": causal}
-    for st in (1, 2):
-        ms = _time_ms(lambda st=st: _forward(spec, st))
-        row[f"cupy{st}_fwd_tflops"] = fwd_flops / ms * 1e-9
+    fwd = {f"cupy{st}": _plan_forward(spec, st) for st in (1, 2)}
     out, lse = _forward(spec, 1)
     dout = torch.randn_like(out)
-    ms = _time_ms(lambda: runtime.backward(spec, out, lse, dout))
-    row["cupy_bwd_tflops"] = bwd_flops / ms * 1e-9
+    bwd = {"cupy": lambda: runtime.backward(spec, out, lse, dout)}
     qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
     do_t = dout.transpose(1, 2)
     backends = [("fa2", SDPBackend.FLASH_ATTENTION)] + ([("cudnn", SDPBackend.CUDNN_ATTENTION)] if with_cudnn else [])
     for name, be in backends:
-        try:
+        def sdpa(be=be):
             with sdpa_kernel(be):
-                ms = _time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
-                row[f"{name}_fwd_tflops"] = fwd_flops / ms * 1e-9
-                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                ms = _time_ms(lambda: torch.autograd.grad(o, (qt, kt, vt), do_t, retain_graph=True))
-                row[f"{name}_bwd_tflops"] = bwd_flops / ms * 1e-9
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        fwd[name] = sdpa
+        try:   # the backward kernel is the one the forward's op recorded
+            o = sdpa()
+            bwd[name] = lambda o=o: torch.autograd.grad(o, (qt, kt, vt), do_t, retain_graph=True)
         except Exception as exc:   # e.g. a head dim the backend does not take
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    for direction, fns, flops in (("fwd", fwd, fwd_flops), ("bwd", bwd, bwd_flops)):
+        for key, val in time_side_by_side(fns, flops).items():
+            name, what = key.rsplit("_", 1)   # {name}_tflops / _spread / _error
+            row[f"{name}_{direction}_{what}"] = val
     return row
 
 
