@@ -43,17 +43,14 @@
 #                       report per head dim; NCU_BACKEND (triton), NCU_S, NCU_CAUSAL=1, NCU_SET=full [90]
 #
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
-# machine compiles from a cold cache, so give test groups whole calls):
-#   bash tools/h200_session.sh cupybwd cupywgmma         # both tools time with portattn.timing.compare and
-#                                        # one launch plan per family now: the backward's overlapped walk, the
-#                                        # forward's walks below S 4k (2026-12-04: overlapped 1.04 x serial)
-#   (if a walk wins: configs.WGMMA_BWD_OVERLAP / WGMMA_OVERLAP, then the catalogue for cupy, e.g.)
+# machine compiles from a cold cache, so give test groups whole calls; export PYTHONPATH=$PWD for
+# tools run outside this script):
+#   TESTS_WORKERS=4 bash tools/h200_session.sh par:tests:gpu              # the whole GPU test set on the final
+#                                        # kernels (2026-12-04 ran tests:callpath, the cupy group, tests:gluon)
+#   bash tools/h200_session.sh cupybwd   # after a backward change (2026-12-04: two-CTA tiles at HD 64, 1.00 x: off)
+#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench            # the grid after a kernel change
 #   RERUN=1 PREV=benchmarks/results/conformance-h200.json CASES='...' bash tools/h200_session.sh catalogue:cupy
-#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench            # the grid on the final kernels
-#   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:reference,sdpa
-#                                        # v5's three new large/hopper/ cases on reference and sdpa
-#   TESTS_WORKERS=4 bash tools/h200_session.sh par:tests:gluon par:tests:callpath
-#                                        # (2026-12-04 ran test_cupy.py, the cupy group, test_triton.py whole)
+#                                        # the catalogue for the backends whose defaults change
 # and e.g. after a partial catalogue:
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:triton,cupy
 #
