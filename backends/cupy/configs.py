@@ -210,7 +210,10 @@ def bwd_mma_tile(hd: int, role: str) -> tuple[int, int, int]:
 #: products (the one-CTA kernels sit at 12.5 % occupancy, latency-bound: ncu-h200-cupy-d64.txt).
 #: The overlapped walk does not fit there (ptxas spills and serializes its wgmma).
 WGMMA_BWD_TWO_CTA_CAPABLE = (64,)
-#: Of those, the head dims whose default (``auto``) wgmma backward takes the two-CTA tiles.
+#: Of those, the head dims whose default (``auto``) wgmma backward takes the two-CTA tiles: none.
+#: On the H200 (2026-12-04, tools/cupy_wgmma_bwd_check.py, ``alt``; bf16, 16k tokens, hidden 2048,
+#: S 1k/4k/16k, causal and not) HD 64's ran 0.94-1.07 x the one-CTA tiles (geomean 1.00), its
+#: gradient checks passing: twice the CTAs, but half-size products and twice the per-tile work.
 WGMMA_BWD_TWO_CTA_HEAD_DIMS: tuple = ()
 
 
