@@ -109,7 +109,7 @@ def kernel_families(spec, smem_limit: int | None = None, capability: tuple | Non
     the device's compute capability (None: the spec's CUDA device's, or none for a CPU spec).
     Each entry ends with why (``PORTATTN_CUPY_FORWARD``: the wgmma forward runs only on sm_90,
     fp16/bf16, padded head dim 64/128/256, without softcap/ALiBi/bias; ``PORTATTN_CUPY_BACKWARD``
-    = ``wgmma``: the wgmma backward likewise at padded head dim 64/128)."""
+    = ``wgmma``: the wgmma backward likewise at padded head dim 64/128/256)."""
     dtype = _dtype_name(spec.dtype)
     if capability is None and spec.device.type == "cuda":
         idx = spec.device.index if spec.device.index is not None else torch.cuda.current_device()
