@@ -421,7 +421,17 @@ def ratios(row: dict, impls, directions) -> dict:
 
 # ----- environment -----------------------------------------------------------------------------
 
+#: the commit to record when git cannot tell it: a copy of the tree whose .git is stale (the
+#: device tool's, which carries the working tree but not always the newest git metadata)
+COMMIT_ENV = "PORTATTN_BENCH_COMMIT"
+
+
 def _git_commit() -> str | None:
+    """The tree's commit (``+dirty`` with uncommitted changes to tracked files), or
+    :data:`COMMIT_ENV`'s value when that is set."""
+    given = os.environ.get(COMMIT_ENV, "").strip()
+    if given:
+        return given
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         res = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

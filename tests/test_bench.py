@@ -50,6 +50,18 @@ def test_rotation_only_when_the_inputs_fit_in_l2():
 
 # ----- timing ----------------------------------------------------------------------------------
 
+def test_recorded_commit_is_git_s_or_the_one_given(monkeypatch):
+    """The environment names the tree's commit from git, or PORTATTN_BENCH_COMMIT's value when set
+    (a copy whose .git is stale cannot tell it)."""
+    monkeypatch.delenv(bench.COMMIT_ENV, raising=False)
+    from_git = bench._git_commit()
+    assert from_git is None or from_git.split("+")[0].isalnum()
+    monkeypatch.setenv(bench.COMMIT_ENV, "abc1234")
+    assert bench._git_commit() == "abc1234" and bench.environment("cpu")["commit"] == "abc1234"
+    monkeypatch.setenv(bench.COMMIT_ENV, "  ")
+    assert bench._git_commit() == from_git
+
+
 def test_rounds_are_interleaved_and_summarised():
     calls = []
     fake_ms = {"a": iter([1.0, 1.2]), "b": iter([2.0, 2.0]), "c": iter([4.0, 3.0])}

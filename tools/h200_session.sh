@@ -27,7 +27,8 @@
 #   fastest[:cells]     benchmarks/bench_fastest.py --full; :quick; :inference or :training (one half of
 #                       the grid, --part; bench_fastest.py --merge joins the two reports); or the cells
 #                       given (comma-separated, here or in CELLS, e.g. 'D128 S1k fwd,D256 S16k fwd+bwd') [480]
-#   bench               portattn bench, the training grid ($BENCH_ARGS); warm first [330]
+#   bench               portattn bench, the training grid ($BENCH_ARGS); warm first [330]; the device copy's
+#                       git metadata can be stale: give PORTATTN_BENCH_COMMIT=<this tree's commit>
 #   decode              benchmarks/bench_decode.py ($DECODE_ARGS) [240]
 #   overhead            benchmarks/overhead.py, then tools/gpu_launcher_check.py [150]
 #   gluon               tools/triton_gluon_check.py: the Gluon forward's compile, numerics, timings [440]
