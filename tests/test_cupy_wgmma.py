@@ -156,14 +156,15 @@ def _cuobjdump():
 
 
 def _cubin_resources(cubin: str) -> dict:
-    """``cuobjdump -res-usage`` of ``cubin``: {lowered name: (registers, stack, local bytes)}, what
-    the cubin itself records; skips the test when no cuobjdump is at hand."""
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump to read the cubin's resources")
-    text = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
-    found = re.findall(r"Function (\S+?):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
-    return {name: (int(r), int(st), int(lo)) for name, r, st, lo in found}
+    """tools/cupy_wgmma_check.resource_usage of ``cubin`` (``cuobjdump -res-usage``: {lowered name:
+    {"registers", "stack", "local"}}); skips the test when no cuobjdump is at hand."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from cupy_wgmma_check import resource_usage
+
+    res = resource_usage(cubin)
+    if "error" in res:
+        pytest.skip(f"cuobjdump -res-usage: {res['error']}")
+    return res
 
 
 def _compile_90a_without_spills(names, cubin: str, spill_ok=lambda name: False):
@@ -183,9 +184,9 @@ def _compile_90a_without_spills(names, cubin: str, spill_ok=lambda name: False):
 
     if not log.strip():
         res = _cubin_resources(cubin)
-        reports = [dataclasses.replace(r, registers=res[lowered[r.name]][0], stack=res[lowered[r.name]][1],
-                                       spill_stores=res[lowered[r.name]][2], spill_loads=res[lowered[r.name]][2])
-                   if lowered[r.name] in res else r for r in reports]
+        reports = [dataclasses.replace(r, registers=u["registers"], stack=u["stack"], spill_stores=u["local"],
+                                       spill_loads=u["local"]) if (u := res.get(lowered[r.name])) else r
+                   for r in reports]
     for r in reports:
         assert r.registers is not None and r.registers <= 255, compile_check.report_message(
             r, lowered, log, f"compile_check's: {sm90a._BindingsNvrtc().describe()}")

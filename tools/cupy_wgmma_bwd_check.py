@@ -123,9 +123,9 @@ def compile_phase(workers: int) -> dict:
 
     dts, hds = configs.TENSOR_CORE_DTYPES, configs.WGMMA_BWD_HEAD_DIMS
     wg = [(fam, dt, hd, None) for fam in ("bwd_wgmma", "fwd_wgmma") for hd in hds for dt in dts]
-    wg += [("bwd_wgmma", dt, hd, OTHER_WALK) for hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS
+    wg += [("bwd_wgmma", dt, hd, configs.wgmma_bwd_other_walk(hd)) for hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS
            for dt in dts]   # the other walk (overlapped or not)
-    wg += [("bwd_wgmma", dt, hd, _alt_tile(hd)) for hd in configs.WGMMA_BWD_TWO_CTA_CAPABLE
+    wg += [("bwd_wgmma", dt, hd, configs.wgmma_bwd_other_tiles(hd)) for hd in configs.WGMMA_BWD_TWO_CTA_CAPABLE
            for dt in dts]   # the other tiles (two CTAs per SM or one)
     mma = [(c.family, c.dtype, c.head_dim, c.tile, c.kv_stages)
            for c in (configs.backward_config(dt, hd, hd, mode="auto") for hd in hds for dt in dts)]
@@ -146,11 +146,6 @@ def _inputs(case):
     return q, k, v, kw, g
 
 
-def _alt_tile(hd: int) -> tuple:
-    """The bwd_wgmma ``tile`` of the tiles ``auto`` does not build at ``hd`` (serial walk)."""
-    return (0, int(hd not in _configs.WGMMA_BWD_TWO_CTA_HEAD_DIMS))
-
-
 def _config(family: str, dt: str, d: int, dv: int):
     """The backward module of ``family``: "wgmma" (the sm_90a kernels as ``auto`` builds them),
     "other" (the same with the other walk, :data:`OTHER_WALK`: overlapped across tiles or not),
@@ -160,11 +155,10 @@ def _config(family: str, dt: str, d: int, dv: int):
     if family == "mma":
         return configs.backward_config(dt, d, dv, mode="auto")
     cfg = configs.wgmma_backward_config(dt, d, dv)
-    if family == "alt":
-        return configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim, tile=_alt_tile(cfg.head_dim))
-    if family == "other" and cfg.head_dim in configs.WGMMA_BWD_TWO_CTA_HEAD_DIMS:
-        return configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim, tile=OTHER_WALK + (0,))
-    return cfg if family == "wgmma" else configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim, tile=OTHER_WALK)
+    if family == "wgmma":
+        return cfg
+    tile = (configs.wgmma_bwd_other_tiles if family == "alt" else configs.wgmma_bwd_other_walk)(cfg.head_dim)
+    return configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim, tile=tile)
 
 
 def run_backward(spec, out, lse, dout, dlse, family: str, poison: bool = True):

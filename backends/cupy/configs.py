@@ -238,6 +238,19 @@ def wgmma_bwd_tile(hd: int, role: str, two_cta: bool = False) -> tuple[int, int]
     return (128, 2) if hd <= 64 else (64, 2) if hd <= 128 else (32, 2)
 
 
+def wgmma_bwd_other_walk(hd: int) -> tuple:
+    """The bwd_wgmma ``tile`` of the walk ``auto`` does not build at ``hd`` (one of
+    :data:`WGMMA_BWD_OVERLAP_HEAD_DIMS`), on the one-CTA tiles: timed against the default."""
+    return (int(not WGMMA_BWD_OVERLAP),) + ((0,) if hd in WGMMA_BWD_TWO_CTA_HEAD_DIMS else ())
+
+
+def wgmma_bwd_other_tiles(hd: int) -> tuple:
+    """The bwd_wgmma ``tile`` of the tiles ``auto`` does not build at ``hd`` (one of
+    :data:`WGMMA_BWD_TWO_CTA_CAPABLE`; serial walk): the two-CTA tiles where ``auto`` takes the
+    one-CTA ones, and the other way round."""
+    return (0, int(hd not in WGMMA_BWD_TWO_CTA_HEAD_DIMS))
+
+
 def wgmma_bwd_keys(hd: int) -> int:
     """Keys one dK/dV CTA of the wgmma backward owns: 64 per warpgroup, or 64 in all at HD 256
     (one warpgroup accumulates dV, the other dK)."""
@@ -337,11 +350,11 @@ class KernelConfig:
         if self.family == "fwd_fma":
             return {"plain": f"attn_fwd_fma<{t}, {hd}>"}
         if self.family == "fwd_wgmma":
-            bn, nwg, overlap = self.tile if self.tile is not None else (*wgmma_tile(hd), WGMMA_OVERLAP)
-            return {"plain": f"attn_fwd_wgmma<{t}, {hd}, {bn}, {nwg}, {'true' if overlap else 'false'}>"}
+            _, nwg, overlap = self.tile if self.tile is not None else (None, wgmma_tile(hd)[1], WGMMA_OVERLAP)
+            return {"plain": f"attn_fwd_wgmma<{t}, {hd}, {self.wgmma_block_n}, {nwg}, {'true' if overlap else 'false'}>"}
         if self.family == "fwd_wgmma_ws":
-            bn, _, pingpong = self.tile if self.tile is not None else (wgmma_ws_tile(hd), 2, 1)
-            return {"plain": f"attn_fwd_wgmma_ws<{t}, {hd}, {bn}, {'true' if pingpong else 'false'}>"}
+            pingpong = self.tile[2] if self.tile is not None else 1
+            return {"plain": f"attn_fwd_wgmma_ws<{t}, {hd}, {self.wgmma_block_n}, {'true' if pingpong else 'false'}>"}
         if self.family == "wgmma_probe":
             return {"probe": f"attn_wgmma_probe<{t}, {hd}, {wgmma_tile(hd)[0]}>"}
         if self.family == "bwd":
@@ -364,6 +377,14 @@ class KernelConfig:
                     names[role] = f"attn_bwd_{kernel}_mma<{t}, {hd}, {shape}, {extras}>"
             return names
         raise ValueError(f"unknown kernel family {self.family!r}")
+
+    @property
+    def wgmma_block_n(self) -> int:
+        """BLOCK_N of a wgmma forward module: its ``tile``'s, else :func:`wgmma_tile`'s
+        (:func:`wgmma_ws_tile`'s for the warp-specialized one)."""
+        if self.tile is not None:
+            return self.tile[0]
+        return wgmma_ws_tile(self.head_dim) if self.family == "fwd_wgmma_ws" else wgmma_tile(self.head_dim)[0]
 
     @property
     def bwd_overlap(self) -> bool:
@@ -448,10 +469,8 @@ class KernelConfig:
             # (the probe: Q of 64 rows, one K and one V; the warp-specialized kernel: 128 Q rows,
             # two K/V stages and 64 bytes of mbarriers)
             bn, nwg = wgmma_tile(hd)
-            if self.family == "fwd_wgmma_ws":
-                bn = wgmma_ws_tile(hd)
-            if self.family in ("fwd_wgmma", "fwd_wgmma_ws") and self.tile is not None:
-                bn = self.tile[0]
+            if self.family in ("fwd_wgmma", "fwd_wgmma_ws"):
+                bn = self.wgmma_block_n
             if self.family == "fwd_wgmma_ws":
                 return 1024 + (128 + 4 * bn) * hd * 2 + 64
             rows = 64 * nwg + 4 * bn if self.family == "fwd_wgmma" else 64 + 2 * bn
@@ -553,11 +572,9 @@ def wgmma_configs(with_probe: bool = False) -> list[KernelConfig]:
             for hd in WGMMA_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
     out += [KernelConfig("bwd_wgmma", dt, hd) for hd in WGMMA_BWD_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
     # the other walk of the wgmma backward (timed against the default)
-    out += [KernelConfig("bwd_wgmma", dt, hd, tile=(int(not WGMMA_BWD_OVERLAP),)
-                         + ((0,) if hd in WGMMA_BWD_TWO_CTA_HEAD_DIMS else ()))
+    out += [KernelConfig("bwd_wgmma", dt, hd, tile=wgmma_bwd_other_walk(hd))
             for hd in WGMMA_BWD_OVERLAP_HEAD_DIMS for dt in TENSOR_CORE_DTYPES]
-    # the two-CTA tiles where auto does not take them, the one-CTA ones (serial walk) where it does
-    out += [KernelConfig("bwd_wgmma", dt, hd, tile=(0, int(hd not in WGMMA_BWD_TWO_CTA_HEAD_DIMS)))
+    out += [KernelConfig("bwd_wgmma", dt, hd, tile=wgmma_bwd_other_tiles(hd))
             for hd in WGMMA_BWD_TWO_CTA_CAPABLE for dt in TENSOR_CORE_DTYPES]
     return out
 
