@@ -40,6 +40,10 @@ VARIABLES = {
                              "64/128/256 on Hopper, where the H200 timed it faster; the mma.sync kernel elsewhere), "
                              "mma, wgmma (the wgmma kernel wherever it applies) or wgmma_ws (its warp-specialised "
                              "variant); read on every call by backends/cupy/configs.py",
+    "PORTATTN_CUPY_DQ": "cupy's fp16/bf16 wgmma backward when determinism is not requested: auto (default: dQ "
+                        "fused into the dK/dV kernel with float32 atomics at padded head dims 64/128, where the "
+                        "H200 timed it faster; the deterministic dQ kernel elsewhere), atomic (fused wherever it "
+                        "exists) or kernel (the deterministic dQ kernel always); read on every backward",
     "PORTATTN_TRITON_DQ": "triton's fp16/bf16 backward when determinism is not requested: auto (default: "
                           "FlashAttention-2's atomic dQ at the head dims whose atomic rows the H200 timed faster, "
                           "Hopper D 128 and 256; the deterministic dQ kernel elsewhere), atomic (every atomic row) "

@@ -4,6 +4,7 @@ under the equivalence rule of docs/semantics.md (portattn.numerics), across feat
 Skipped without a CUDA device or without cupy (run on the H200 by the lead).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -158,12 +159,18 @@ def test_forward_backward(case, dtype):
     # gradients (the kernels' own out/lse feed the backward, as autograd would)
     g = torch.Generator(device="cuda").manual_seed(1)
     dout = torch.randn(spec.out_shape, generator=g, device="cuda").to(dtype)
+    # the default backward (on Hopper at padded HD 64/128 it may fuse dQ with atomics: determinism
+    # is not requested), then the deterministic mode twice: the same bits, and the same dk / dv
     dq, dk, dv, _ = be.backward(spec, out, lse, dout)
-    dq2, dk2, dv2, _ = be.backward(spec, out, lse, dout)
-    assert torch.equal(dq, dq2) and torch.equal(dk, dk2) and torch.equal(dv, dv2), "backward not deterministic"
+    det = dataclasses.replace(spec, deterministic=True)
+    dq_d, dk_d, dv_d, _ = be.backward(det, out, lse, dout)
+    dq2, dk2, dv2, _ = be.backward(det, out, lse, dout)
+    assert torch.equal(dq_d, dq2) and torch.equal(dk_d, dk2) and torch.equal(dv_d, dv2), "backward not deterministic"
+    assert torch.equal(dk, dk_d) and torch.equal(dv, dv_d), "dk / dv differ between the default and deterministic modes"
     ref_g = _grads(reference_forward, q, k, v, kw, dout, torch.float64)
     naive_g = _grads(naive_forward, q, k, v, kw, dout, dtype)
-    for name, mine, r, n in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_g, naive_g):
+    for name, mine, r, n in zip(("dq", "dk", "dv", "dq (deterministic)"), (dq, dk, dv, dq_d), ref_g + ref_g[:1],
+                                naive_g + naive_g[:1]):
         # reference grads are in the caller's layout; bring them to the canonical one
         r = _to_layout(r, kw)
         n = _to_layout(n, kw)
@@ -322,14 +329,16 @@ def test_lse_gradient(case, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_lse_gradient_deterministic(dtype):
-    """With a gradient reaching lse too, 5 backward runs are bit-identical."""
+    """With a gradient reaching lse too and determinism requested, 5 backward runs are
+    bit-identical (without the request, Hopper's fused dQ adds with atomics)."""
     g = torch.Generator(device="cuda").manual_seed(13)
     q, k, v, dout = (torch.randn(2, 1024, 8, 128, generator=g, device="cuda").to(dtype) for _ in range(4))
     dlse = torch.randn(2, 8, 1024, generator=g, device="cuda")
     first = None
     for _ in range(5):
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-        out, lse = portattn.attention(*leaves, causal=True, return_lse=True, backend="cupy")
+        with portattn.config.deterministic_scope():
+            out, lse = portattn.attention(*leaves, causal=True, return_lse=True, backend="cupy")
         grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
         assert grads[0].abs().max() > 0
         if first is None:

@@ -2,7 +2,8 @@
 
 CPU tests (no GPU): the PORTATTN_CUPY_BACKWARD=wgmma switch, which problems the wgmma backward
 takes and the reason when it does not, kernel_families, the launch plan against the kernels'
-signatures, the fallback when the sm_90a module does not compile, the sm_90a compile (no spills,
+signatures, the fused atomic dQ (PORTATTN_CUPY_DQ, configs.fused_dq_choice, the plan of the
+fused-dQ dK/dV kernel), the fallback when the sm_90a module does not compile, the sm_90a compile (no spills,
 no stack, the expected number of HGMMA per kernel in the SASS when a cuobjdump is at hand) and
 the PTX check that no ordinary instruction touches a wgmma chain's registers between its
 wgmma.fence and wait_group. The operand layouts are emulated in test_cupy_wgmma_bwd_layout.py.
@@ -12,6 +13,7 @@ covers, bit-identical repeats, rows with no visible key getting exactly zero gra
 with the mma.sync backward, the lse gradient, larger shapes and bad cu_seqlens.
 """
 
+import dataclasses
 import os
 import re
 import sys
@@ -123,9 +125,16 @@ def test_wgmma_backward_config_geometry():
             assert cfg.bwd_overlap == (configs.WGMMA_BWD_OVERLAP and hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS
                                        and not two_cta)
             ov = "true" if cfg.bwd_overlap else "false"
-            assert cfg.kernel_names() == {"preprocess": f"attn_bwd_preprocess<{cfg.ctype}>",
-                                          "dkdv": f"attn_bwd_dkdv_wgmma<{cfg.ctype}, {hd}, {bm}, {nwk}, {ov}>",
-                                          "dq": f"attn_bwd_dq_wgmma<{cfg.ctype}, {hd}, {bn}, {nwq}, {ov}>"}
+            expect = {"preprocess": f"attn_bwd_preprocess<{cfg.ctype}>",
+                      "dkdv": f"attn_bwd_dkdv_wgmma<{cfg.ctype}, {hd}, {bm}, {nwk}, {ov}, false>",
+                      "dq": f"attn_bwd_dq_wgmma<{cfg.ctype}, {hd}, {bn}, {nwq}, {ov}>"}
+            # the fused-dQ dK/dV (DQ = true): at HD 64 / 128 on the one-CTA tiles, the serial walk
+            # whatever the module's
+            fused = hd in configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS and not two_cta
+            assert cfg.has_fused_dq == fused
+            if fused:
+                expect["dkdv_dq"] = f"attn_bwd_dkdv_wgmma<{cfg.ctype}, {hd}, {bm}, {nwk}, false, true>"
+            assert cfg.kernel_names() == expect
             if hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS:
                 # the other walk: the same launch geometry, a third Q/dO (dK/dV) or K (dQ) buffer when overlapped
                 # (where auto takes the two-CTA tiles: the one-CTA tiles' other walk)
@@ -142,6 +151,15 @@ def test_wgmma_backward_config_geometry():
             keys = 64 if hd > 128 else 64 * nwk   # HD 256: both warpgroups on the same 64 keys
             assert configs.wgmma_bwd_keys(hd) == keys
             assert cfg.threads("dkdv") == 128 * nwk and cfg.block_rows("dkdv") == keys
+            if fused:
+                # the dK/dV's launch geometry; its shared memory: the serial dK/dV's (two Q / dO
+                # buffers, whichever walk the module's dK/dV has) plus the dS^T tile [keys x 64]
+                serial = configs.KernelConfig("bwd_wgmma", dt, hd, tile=(0, 0))
+                assert not serial.bwd_overlap and serial.kernel_names()["dkdv_dq"] == expect["dkdv_dq"]
+                assert cfg.threads("dkdv_dq") == cfg.threads("dkdv") and cfg.block_rows("dkdv_dq") == keys
+                assert cfg.bwd_tile("dkdv_dq") == (bm, nwk) == (64, 2)
+                assert cfg.smem_bytes("dkdv_dq") == serial.smem_bytes("dkdv") + keys * 64 * 2
+                assert cfg.smem_bytes("dkdv_dq") <= cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
             assert cfg.threads("dq") == 128 * nwq and cfg.block_rows("dq") == 64 * nwq
             assert cfg.threads("preprocess") == configs.PRE_THREADS and cfg.smem_bytes("preprocess") == 0
             assert cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
@@ -160,8 +178,13 @@ def test_two_cta_backward_tiles():
             assert two.bwd_two_cta and not two.bwd_overlap and not one.bwd_two_cta
             built = [c.kernel_names() for c in configs.wgmma_configs() if c.family == "bwd_wgmma"]
             assert two.kernel_names() in built and one.kernel_names() in built   # both compiled and checked
-            assert two.kernel_names()["dkdv"] == f"attn_bwd_dkdv_wgmma<{two.ctype}, {hd}, 32, 2, false>"
+            assert two.kernel_names()["dkdv"] == f"attn_bwd_dkdv_wgmma<{two.ctype}, {hd}, 32, 2, false, false>"
             assert two.kernel_names()["dq"] == f"attn_bwd_dq_wgmma<{two.ctype}, {hd}, 32, 2, false>"
+            # the fused-dQ dK/dV runs on the one-CTA tiles only (64-row query tiles)
+            assert set(two.kernel_names()) == {"preprocess", "dkdv", "dq"} and not two.has_fused_dq
+            assert ("dkdv_dq" in one.kernel_names()) == one.has_fused_dq == (hd in configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS)
+            with pytest.raises(ValueError, match="fused_dq=True"):
+                _plan_on_cpu(two, fused_dq=True)
             for role in ("dkdv", "dq"):
                 assert two.block_rows(role) == one.block_rows(role) and two.threads(role) == one.threads(role)
                 assert 2 * (two.smem_bytes(role) + 1024) <= 228 * 1024, (role, two.smem_bytes(role))
@@ -208,15 +231,184 @@ def test_wgmma_backward_plan_matches_signature(kw):
     assert cfg.family == "bwd_wgmma" and cfg.head_dim == 64
     out = torch.randn(2, 300, 4, 24, dtype=torch.bfloat16)
     lse = torch.randn(spec.lse_shape)
-    plan = runtime.plan_backward(spec, out, lse, out.clone(), cfg)
+    # the dK/dV and dQ kernels (not the fused dQ, which test_fused_dq_plan checks)
+    plan = runtime.plan_backward(spec, out, lse, out.clone(), cfg, fused_dq=False)
     pre, dkdv, dq = plan.launches
     assert (pre.role, dkdv.role, dq.role) == ("preprocess", "dkdv", "dq")
     assert len(dkdv.args) == _wgmma_param_count("attn_bwd_dkdv_wgmma")
     assert len(dq.args) == _wgmma_param_count("attn_bwd_dq_wgmma")
     assert dkdv.grid == (2, 2, 2) and dq.grid == (3, 4, 2)
     assert [t.shape for t in plan.outputs] == [q.shape, k.shape, v.shape]
+    # the wgmma dK/dV takes the mma.sync one's arguments and the fused dQ's buffer and its three
+    # strides (null and 0 here); the dQ kernels take the same arguments
+    mma = runtime.plan_backward(spec, out, lse, out.clone(), configs.KernelConfig("bwd_mma", "bfloat16", 64))
+    assert [x.role for x in mma.launches] == ["preprocess", "dkdv", "dq"]
+    assert len(dkdv.args) == len(mma.launches[1].args) + 4 and len(dq.args) == len(mma.launches[2].args)
+    assert [int(a) for a in dkdv.args[-4:]] == [0, 0, 0, 0] and not plan.setup and not plan.finish
+    # the default: the fused dQ where configs.fused_dq_choice takes it
+    fused = configs.fused_dq_choice(cfg, spec.deterministic)[0]
+    default = runtime.plan_backward(spec, out, lse, out.clone(), cfg)
+    assert [x.role for x in default.launches] == (["preprocess", "dkdv_dq"] if fused else ["preprocess", "dkdv", "dq"])
     with pytest.raises(ValueError, match="softcap"):
         runtime.plan_backward(build_spec(q, k, v, softcap=2.0), out, lse, out.clone(), cfg)
+
+
+def _plan_on_cpu(cfg, fused_dq=None, deterministic=False, d=None, dv=None, **kw):
+    """runtime.plan_backward on CPU tensors (nothing launches) of a GQA problem in ``cfg``'s dtype,
+    head dims ``d`` / ``dv`` (default: cfg.head_dim), Sq 300 and Sk 150 (two 128-key dK/dV
+    CTAs); ``deterministic``: the spec built inside config.deterministic_scope()."""
+    from portattn.backends.cupy import runtime
+
+    from portattn import config
+
+    dtype = {v: k for k, v in runtime._DTYPE_NAMES.items()}[cfg.dtype]
+    d = cfg.head_dim if d is None else d
+    dv = d if dv is None else dv
+    q = torch.randn(2, 300, 4, d, dtype=dtype)
+    k = torch.randn(2, 150, 2, d, dtype=dtype)
+    v = torch.randn(2, 150, 2, dv, dtype=dtype)
+    if deterministic:
+        with config.deterministic_scope():
+            spec = build_spec(q, k, v, **kw)
+    else:
+        spec = build_spec(q, k, v, **kw)
+    assert spec.deterministic == deterministic
+    out = torch.randn(spec.out_shape, dtype=dtype)
+    return spec, runtime.plan_backward(spec, out, torch.randn(spec.lse_shape), out.clone(), cfg, fused_dq=fused_dq)
+
+
+def test_fused_dq_mode_env(monkeypatch):
+    monkeypatch.delenv(configs.DQ_ENV, raising=False)
+    assert configs.DQ_ENV == "PORTATTN_CUPY_DQ" and configs.DQ_MODES == ("auto", "atomic", "kernel")
+    assert configs.dq_mode() == "auto"
+    monkeypatch.setenv(configs.DQ_ENV, "")
+    assert configs.dq_mode() == "auto"
+    monkeypatch.setenv(configs.DQ_ENV, " ATOMIC ")
+    assert configs.dq_mode() == "atomic"
+    cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", 64)
+    assert configs.fused_dq_choice(cfg, False)[0]                 # read at call time
+    monkeypatch.setenv(configs.DQ_ENV, "kernel")
+    assert not configs.fused_dq_choice(cfg, False)[0]
+    monkeypatch.setenv(configs.DQ_ENV, "atomics")
+    with pytest.raises(ValueError, match="PORTATTN_CUPY_DQ='atomics'.*auto, atomic, kernel"):
+        configs.dq_mode()
+    with pytest.raises(ValueError, match="PORTATTN_CUPY_DQ"):
+        configs.fused_dq_choice(cfg, False)
+    assert configs.fused_dq_choice(cfg, False, mode="atomic")[0]  # an explicit mode: the env is not read
+
+
+@pytest.mark.parametrize("dt", configs.TENSOR_CORE_DTYPES)
+def test_fused_dq_choice(dt, monkeypatch):
+    """The fused atomic dQ runs only where the module has it (wgmma, padded HD 64 / 128, one-CTA
+    tiles, either walk's module), never when determinism is requested, never with
+    PORTATTN_CUPY_DQ=kernel, always (where it exists) with atomic, and with auto at
+    WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS only (monkeypatched here both ways)."""
+    assert set(configs.WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS) <= set(configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS) == {64, 128}
+    choice = configs.fused_dq_choice
+    with_fused = [configs.KernelConfig("bwd_wgmma", dt, hd, tile=t)
+                  for hd in configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS for t in (None, (0, 0), (1, 0))]
+    without = [configs.KernelConfig("bwd_wgmma", dt, 256), configs.KernelConfig("bwd_wgmma", dt, 64, tile=(0, 1)),
+               configs.KernelConfig("bwd_mma", dt, 64), configs.KernelConfig("bwd_mma", dt, 128),
+               configs.KernelConfig("bwd", dt, 64)]
+    for cfg in with_fused:
+        assert cfg.has_fused_dq and "dkdv_dq" in cfg.kernel_names(), cfg
+        for mode in configs.DQ_MODES:
+            fused, why = choice(cfg, True, mode)
+            assert not fused and "determinism" in why, (cfg, mode)
+        fused, why = choice(cfg, False, "kernel")
+        assert not fused and "PORTATTN_CUPY_DQ=kernel" in why
+        fused, why = choice(cfg, False, "atomic")
+        assert fused and "atomic" in why and "PORTATTN_CUPY_DQ" in why
+        monkeypatch.setattr(configs, "WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS", ())
+        fused, why = choice(cfg, False, "auto")
+        assert not fused and f"padded head dim {cfg.head_dim}" in why and "auto" in why
+        monkeypatch.setattr(configs, "WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS", (128,))
+        assert choice(cfg, False, "auto")[0] == (cfg.head_dim == 128)
+        assert not choice(cfg, True, "auto")[0]
+        monkeypatch.setattr(configs, "WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS", (64, 128))
+        assert choice(cfg, False, "auto")[0] and not choice(cfg, True, "auto")[0]
+        monkeypatch.undo()
+    for cfg in without:
+        assert not cfg.has_fused_dq and "dkdv_dq" not in cfg.kernel_names(), cfg
+        monkeypatch.setattr(configs, "WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS", (64, 128, 256))
+        for mode in configs.DQ_MODES:
+            for det in (False, True):
+                fused, why = choice(cfg, det, mode)
+                assert not fused and "no fused dQ" in why, (cfg, mode, det)
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("hd", configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS)
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window": (40, 8)}])
+def test_fused_dq_plan(hd, kw):
+    """plan_backward(..., fused_dq=True) with the wgmma module (CPU tensors: nothing launches):
+    the preprocess and the fused-dQ dK/dV only (no dQ kernel), the dK/dV's grid and arguments (the
+    kernel's signature, the float32 dQ buffer and its strides last), setup zeroing that buffer and
+    finish writing dq = scale * it into the caller's dq; the same module without it passes a null
+    buffer and plans no setup / finish."""
+    d, dv = hd - 24, hd - 40   # padded to hd; dq, dk and dv at their 8-aligned widths
+    cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd)
+    assert configs.wgmma_backward_config("bfloat16", d, dv) == cfg
+    spec, plan = _plan_on_cpu(cfg, fused_dq=True, d=d, dv=dv, **kw)
+    assert [x.role for x in plan.launches] == ["preprocess", "dkdv_dq"]
+    pre, dkdv = plan.launches
+    assert dkdv.cfg == cfg and cfg.kernel_names()[dkdv.role] == f"attn_bwd_dkdv_wgmma<pa_bf16, {hd}, 64, 2, false, true>"
+    assert len(dkdv.args) == _wgmma_param_count("attn_bwd_dkdv_wgmma")
+    assert dkdv.grid == (-(-150 // cfg.block_rows("dkdv_dq")), 2, 2) == (2, 2, 2)
+    assert [t.shape for t in plan.outputs] == [spec.q.shape, spec.k.shape, spec.v.shape]
+    dq_acc, dq_buf, dk_buf, dv_buf = plan.keep_alive[-4:]
+    assert dq_acc.dtype == torch.float32 and dq_acc.shape == dq_buf.shape and dq_acc.is_contiguous()
+    assert plan.outputs[0].data_ptr() == dq_buf.data_ptr()
+    assert [int(a) for a in dkdv.args[-4:]] == [dq_acc.data_ptr(), *dq_acc.stride()[:3]]
+    assert int(dkdv.args[-8]) == dv_buf.data_ptr() and int(dkdv.args[-12]) == dk_buf.data_ptr()
+    assert len(plan.setup) == 1 and len(plan.finish) == 1
+    # the steps (torch, so they run on CPU): setup zeroes the buffer, finish scales it into dq
+    dq_acc.fill_(float("nan"))
+    for step in plan.setup:
+        step()
+    assert bool((dq_acc == 0).all())
+    acc = torch.randn(dq_acc.shape)
+    dq_acc.copy_(acc)
+    for step in plan.finish:
+        step()
+    torch.testing.assert_close(plan.outputs[0], (acc * spec.scale).to(torch.bfloat16)[..., :d], rtol=0, atol=0)
+    # the same module, the dK/dV kernel and the dQ kernel: a null buffer, no steps
+    _, two = _plan_on_cpu(cfg, fused_dq=False, d=d, dv=dv, **kw)
+    assert [x.role for x in two.launches] == ["preprocess", "dkdv", "dq"] and not two.setup and not two.finish
+    assert len(two.launches[1].args) == len(dkdv.args) and [int(a) for a in two.launches[1].args[-4:]] == [0] * 4
+    assert two.keep_alive[-4] is None
+
+
+def test_fused_dq_plan_default_follows_the_choice(monkeypatch):
+    """fused_dq=None: configs.fused_dq_choice for the spec's determinism and PORTATTN_CUPY_DQ; a
+    spec that requests determinism never fuses; fused_dq=True where the module lacks the kernel
+    (HD 256, the two-CTA tiles, mma.sync) is refused by name."""
+    cfg = configs.KernelConfig("bwd_wgmma", "float16", 128)
+    roles = lambda plan: [x.role for x in plan.launches]  # noqa: E731
+    monkeypatch.delenv(configs.DQ_ENV, raising=False)
+    monkeypatch.setattr(configs, "WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS", ())
+    assert roles(_plan_on_cpu(cfg)[1]) == ["preprocess", "dkdv", "dq"]            # auto, fusing nowhere
+    monkeypatch.setattr(configs, "WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS", (128,))
+    assert roles(_plan_on_cpu(cfg)[1]) == ["preprocess", "dkdv_dq"]
+    assert roles(_plan_on_cpu(cfg, deterministic=True)[1]) == ["preprocess", "dkdv", "dq"]
+    monkeypatch.setenv(configs.DQ_ENV, "atomic")
+    assert roles(_plan_on_cpu(cfg)[1]) == ["preprocess", "dkdv_dq"]
+    assert roles(_plan_on_cpu(cfg, causal=True)[1]) == ["preprocess", "dkdv_dq"]
+    assert roles(_plan_on_cpu(cfg, deterministic=True)[1]) == ["preprocess", "dkdv", "dq"]
+    assert roles(_plan_on_cpu(cfg, deterministic=True, causal=True)[1]) == ["preprocess", "dkdv", "dq"]
+    assert roles(_plan_on_cpu(cfg, fused_dq=False)[1]) == ["preprocess", "dkdv", "dq"]   # explicit
+    monkeypatch.setenv(configs.DQ_ENV, "kernel")
+    assert roles(_plan_on_cpu(cfg)[1]) == ["preprocess", "dkdv", "dq"]
+    assert roles(_plan_on_cpu(cfg, fused_dq=True)[1]) == ["preprocess", "dkdv_dq"]     # explicit
+    monkeypatch.setenv(configs.DQ_ENV, "bogus")
+    with pytest.raises(ValueError, match="PORTATTN_CUPY_DQ"):
+        _plan_on_cpu(cfg)
+    monkeypatch.setenv(configs.DQ_ENV, "atomic")
+    for other in (configs.KernelConfig("bwd_wgmma", "float16", 256), configs.KernelConfig("bwd_wgmma", "float16", 64, tile=(0, 1)),
+                  configs.KernelConfig("bwd_mma", "float16", 128)):
+        with pytest.raises(ValueError, match="fused_dq=True"):
+            _plan_on_cpu(other, fused_dq=True)
+        assert "dq" in roles(_plan_on_cpu(other)[1])   # the default: its dQ kernel
 
 
 def test_runtime_falls_back_when_sm90a_does_not_compile(monkeypatch):
@@ -236,20 +428,37 @@ def test_runtime_falls_back_when_sm90a_does_not_compile(monkeypatch):
 
 
 # ----- CPU: the sm_90a compile -------------------------------------------------------------------
+def _bwd_wgmma_names() -> list:
+    """The sm_90a backward's kernels (not the preprocess), each once: the fused-dQ dK/dV is the
+    same kernel in the modules of either walk."""
+    return list(dict.fromkeys(n for c in configs.wgmma_configs() if c.family == "bwd_wgmma"
+                              for r, n in c.kernel_names().items() if r != "preprocess"))
+
+
+def _fused_dq_names() -> set:
+    """The fused-dQ dK/dV kernels (role dkdv_dq) of the sm_90a modules."""
+    return {c.kernel_names()["dkdv_dq"] for c in configs.wgmma_configs() if c.family == "bwd_wgmma" and c.has_fused_dq}
+
+
 def _expected_hgmma(name: str) -> int:
     """wgmma instructions per tile in the source: dK/dV: S^T and dP^T (HD / 16 each), dV and dK
-    (BM / 16 each); dQ: S and dP (HD / 16 each), dQ (BN / 16)."""
-    hd, tile = (int(x) for x in re.search(r"<\w+, (\d+), (\d+), \d+, \w+>", name).groups())
-    return 2 * hd // 16 + (2 if "dkdv" in name else 1) * tile // 16
+    (BM / 16 each), and with the fused dQ (DQ = true) dQ += dS K over the CTA's keys (keys / 16);
+    dQ: S and dP (HD / 16 each), dQ (BN / 16)."""
+    m = re.fullmatch(r"attn_bwd_(dkdv|dq)_wgmma<\w+, (\d+), (\d+), \d+, (true|false)(?:, (true|false))?>", name)
+    assert m and (m.group(5) is not None) == (m.group(1) == "dkdv"), name
+    hd, tile, dq = int(m.group(2)), int(m.group(3)), m.group(5) == "true"
+    return 2 * hd // 16 + (2 if m.group(1) == "dkdv" else 1) * tile // 16 + (configs.wgmma_bwd_keys(hd) // 16 if dq else 0)
 
 
 @needs_nvrtc
 def test_wgmma_backward_compiles_without_spills_and_uses_hgmma(tmp_path):
-    names = [n for c in configs.wgmma_configs() if c.family == "bwd_wgmma"
-             for r, n in c.kernel_names().items() if r != "preprocess"]
-    # 2 dtypes x (dK/dV, dQ) x (HD 64 and 128 with both walks, HD 256 serial, HD 64's other tiles)
+    names = _bwd_wgmma_names()
+    fused = _fused_dq_names()
+    # 2 dtypes x (dK/dV, dQ) x (HD 64 and 128 with both walks, HD 256 serial, HD 64's other tiles),
+    # and 2 dtypes x the fused-dQ dK/dV at HD 64 and 128
+    assert len(fused) == 2 * len(configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS) == 4 and fused <= set(names)
     assert len(names) == 2 * 2 * (2 * len(configs.WGMMA_BWD_OVERLAP_HEAD_DIMS) + 1
-                                  + len(configs.WGMMA_BWD_TWO_CTA_CAPABLE)) == 24
+                                  + len(configs.WGMMA_BWD_TWO_CTA_CAPABLE)) + len(fused) == 24 + 4
     cubin = str(tmp_path / "bwd.cubin")
     # the opt-in overlapped dK/dV walk at HD 128 (not what auto builds): NVRTC 13.0's ptxas (the
     # H200 image's, 2026-12-04) spills 4 bytes there at 255 registers, 13.5's fits it in 246;
@@ -259,11 +468,22 @@ def test_wgmma_backward_compiles_without_spills_and_uses_hgmma(tmp_path):
     old_nvrtc = tuple(sm90a.nvrtc_binding().version()) < (13, 5)
     opt_in = {c.kernel_names()["dkdv"] for c in configs.wgmma_configs() if c.family == "bwd_wgmma" and c.bwd_overlap
               and c != configs.KernelConfig("bwd_wgmma", c.dtype, c.head_dim)}
-    spill_ok = lambda n: old_nvrtc and n in opt_in  # noqa: E731
+    # the fused-dQ dK/dV at the head dims of WGMMA_BWD_FUSED_DQ_SPILL_BYTES (HD 128: 255 registers
+    # and 4 bytes of spill, stack 8, under NVRTC 13.0 and 13.5) may spill that much (at most the
+    # 8 bytes _compile_90a_without_spills allows), under any NVRTC; HD 64's is held to none
+    assert set(configs.WGMMA_BWD_FUSED_DQ_SPILL_BYTES) <= set(configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS)
+    assert all(0 < b <= 8 for b in configs.WGMMA_BWD_FUSED_DQ_SPILL_BYTES.values())
+    fused_spill = {c.kernel_names()["dkdv_dq"]: configs.WGMMA_BWD_FUSED_DQ_SPILL_BYTES[c.head_dim]
+                   for c in configs.wgmma_configs() if c.family == "bwd_wgmma" and c.has_fused_dq
+                   and c.head_dim in configs.WGMMA_BWD_FUSED_DQ_SPILL_BYTES}
+    assert set(fused_spill) <= fused
+    spill_ok = lambda n: (old_nvrtc and n in opt_in) or n in fused_spill  # noqa: E731
     _, lowered, reports = _compile_90a_without_spills(names, cubin, spill_ok=spill_ok)
+    for r in reports:   # the fused dK/dV's own allowance (the helper allows 8)
+        assert r.name not in fused_spill or max(r.spill_stores or 0, r.spill_loads or 0, r.stack or 0) <= fused_spill[r.name], r
     two_cta = {n for c in configs.wgmma_configs() if c.family == "bwd_wgmma" and c.bwd_two_cta
                for r, n in c.kernel_names().items() if r != "preprocess"}
-    assert len(two_cta) == 4 * len(configs.WGMMA_BWD_TWO_CTA_CAPABLE)
+    assert len(two_cta) == 4 * len(configs.WGMMA_BWD_TWO_CTA_CAPABLE) and not two_cta & fused
     for r in reports:   # __launch_bounds__(256, 2)
         assert r.name not in two_cta or r.registers <= 128, f"{r.name}: {r.registers} registers"
     sass = _sass(cubin)
@@ -300,17 +520,30 @@ def test_sm90a_ptx_keeps_backward_wgmma_registers_behind_the_fences():
     """In the PTX of every wgmma backward kernel, no ordinary instruction touches a wgmma
     accumulator or A-fragment register between a chain's wgmma.fence and its wait_group
     (tests/_ptx_wgmma.py, shown above to flag a late write or an early read)."""
-    names = [n for c in configs.wgmma_configs() if c.family == "bwd_wgmma"
-             for r, n in c.kernel_names().items() if r != "preprocess"]
-    for name, body in _sm90a_ptx_entries(names).items():
-        # dK/dV: S^T and dP^T, then dV and dK (two chains each); dQ: S and dP, then dQ
-        assert body.count("wgmma.fence") == (4 if "dkdv" in name else 3), name
+    names = _bwd_wgmma_names()
+    fused = _fused_dq_names()
+    entries = _sm90a_ptx_entries(names)
+    assert set(entries) == set(names) and fused <= set(names)
+    for name, body in entries.items():
+        dq = name in fused
+        assert dq == name.endswith(", false, true>"), name   # DQ = true, the serial walk
+        # dK/dV: S^T and dP^T, then dV and dK (two chains each), and with the fused dQ a third
+        # chain, dQ += dS K (after a wait_group 1 that retires dV); dQ: S and dP, then dQ
+        assert body.count("wgmma.fence") == (5 if dq else 4 if "dkdv" in name else 3), name
         # each wait_group 1 leaves the newest group running; the last wait of a tile is wait_group 0
         # (HD 256 dK/dV: only warpgroup 1's wait for S^T behind dP^T; its dP^T, and warpgroup 0's
         # S^T, are each the only group in flight)
         split = "dkdv" in name and ", 256," in name
-        assert body.count("wgmma.wait_group.sync.aligned 1") == (1 if split or "dq" in name else 2), name
+        assert body.count("wgmma.wait_group.sync.aligned 1") == (1 if split or "dq_" in name else 3 if dq else 2), name
         assert wgmma_register_hazards(body) == [], name
+        # the fused dQ's products read both operands MN-major (trans-a = trans-b = 1), keys / 16 of
+        # them, and its partials go out as float2 atomic adds (2 rows x HD / 2 / 8 column pairs per
+        # thread); no other kernel has either
+        hd = int(re.search(r"<\w+, (\d+),", name).group(1))
+        mn_mn = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(?:f16\.f16|bf16\.bf16) [^;]*, p, 1, 1, 1, 1;",
+                           body)
+        assert mn_mn == ([str(hd // 2)] * (configs.wgmma_bwd_keys(hd) // 16) if dq else []), name
+        assert body.count("atom.global.add.v2.f32") + body.count("red.global.add.v2.f32") == (hd // 8 if dq else 0), name
 
 
 # ----- GPU ---------------------------------------------------------------------------------------
@@ -356,13 +589,20 @@ def test_wgmma_backward_matches_reference(monkeypatch, case, dtype):
     monkeypatch.setenv(configs.BACKWARD_ENV, "wgmma")
     cfg, why = runtime.backward_choice(spec)
     assert cfg.family == "bwd_wgmma", why
-    first = be.backward(spec, out, lse, dout)[:3]
-    second = be.backward(spec, out, lse, dout)[:3]
+    # determinism requested: the two-kernel backward, twice; then the default (the fused atomic dQ
+    # at padded HD 64 / 128: configs.fused_dq_choice), whose dk / dv are the same arithmetic
+    det = dataclasses.replace(spec, deterministic=True)
+    first = be.backward(det, out, lse, dout)[:3]
+    second = be.backward(det, out, lse, dout)[:3]
+    fused = be.backward(spec, out, lse, dout)[:3]
+    assert configs.fused_dq_choice(cfg, False)[0] == (cfg.head_dim in configs.WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS)
     monkeypatch.setenv(configs.BACKWARD_ENV, "auto")
     mma = be.backward(spec, out, lse, dout)[:3]
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(first, second)), "wgmma backward not bit-identical on repeat"
+    assert torch.equal(fused[1], first[1]) and torch.equal(fused[2], first[2]), "default dk / dv differ"
     assert _zero_grad_rows_ok(spec, kw, q, k, v, first[0]), "rows with no visible key must get zero dq"
+    assert _zero_grad_rows_ok(spec, kw, q, k, v, fused[0]), "rows with no visible key must get zero dq (default)"
     ref_g = _grads(reference_forward, q, k, v, kw, dout, torch.float64)
     # keys no query sees (their float64 dv is exactly 0: dv = sum_i P_ij dO_i) get exactly zero dv
     unseen = (_to_layout(ref_g[2], kw) == 0).all(dim=-1)
@@ -370,7 +610,8 @@ def test_wgmma_backward_matches_reference(monkeypatch, case, dtype):
     naive_g = _grads(naive_forward, q, k, v, kw, dout, dtype)
     zs = _grad_scale(spec, dout, k, v)
     bad = []
-    for name, a, m, r, n in zip(("dq", "dk", "dv"), first, mma, ref_g, naive_g):
+    for name, a, m, r, n in zip(("dq", "dk", "dv", "dq (default)"), (*first, fused[0]), (*mma, mma[0]),
+                                (*ref_g, ref_g[0]), (*naive_g, naive_g[0])):
         r, n = _to_layout(r, kw), _to_layout(n, kw)
         res = compare(name, a, r, n, factor=3, zero_ref_scale=zs)
         if not res.passed:

@@ -28,6 +28,7 @@ from test_cupy_wgmma_layout import (
     _read_kmajor,
     _read_mnmajor,
     _store,
+    _sw128_offset,
 )
 
 SRC = configs.source(("attn_bwd_wgmma.cu",))
@@ -224,27 +225,38 @@ def test_dq_operands_and_coordinates(hd):
         np.testing.assert_allclose(dq, (sc * 0.5) @ k, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("role", ["dkdv", "dq"])
-@pytest.mark.parametrize("hd,overlap,two_cta", [(hd, ov, False) for hd in configs.WGMMA_BWD_HEAD_DIMS for ov in (False, True)
-                                                if not ov or hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS]
-                         + [(hd, False, True) for hd in configs.WGMMA_BWD_TWO_CTA_CAPABLE])
+_WALKS = ([(hd, ov, False) for hd in configs.WGMMA_BWD_HEAD_DIMS for ov in (False, True)
+           if not ov or hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS]
+          + [(hd, False, True) for hd in configs.WGMMA_BWD_TWO_CTA_CAPABLE])
+
+
+@pytest.mark.parametrize("role,hd,overlap,two_cta", [(role, *w) for role in ("dkdv", "dq") for w in _WALKS]
+                         # the fused-dQ dK/dV, in the modules of either walk (its own walk: serial)
+                         + [("dkdv_dq", hd, ov, two) for hd, ov, two in _WALKS
+                            if hd in configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS and not two])
 def test_shared_memory_carve_and_descriptors(role, hd, overlap, two_cta):
     """Every SW128 region of the kernel's carve-up starts 1024-byte aligned, the regions (and the
     dK/dV kernel's lse2 / delta floats) end within configs.KernelConfig.smem_bytes minus the 1 KB
     alignment slack, and every descriptor the kernel builds fits the PTX ISA bit fields — for both
-    walks (``overlap``: three Q / dO and stats buffers in dK/dV, three K buffers in dQ) and the
-    two-CTA tiles (``two_cta``: 32-row query tiles in dK/dV, 32-key tiles in dQ)."""
+    walks (``overlap``: three Q / dO and stats buffers in dK/dV, three K buffers in dQ), the
+    two-CTA tiles (``two_cta``: 32-row query tiles in dK/dV, 32-key tiles in dQ) and the fused-dQ
+    dK/dV (``dkdv_dq``: the serial walk's two buffers whatever the module's walk, then its dS^T
+    tile [keys x BM] before the stats; its dQ += dS K descriptors too)."""
     tile, nwg = configs.wgmma_bwd_tile(hd, role, two_cta)
     cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd, tile=(int(overlap), int(two_cta)))
+    assert role in cfg.kernel_names()
     smem = cfg.smem_bytes(role)
     assert smem <= configs.SMEM_LIMITS[90]
-    bufs = range(3 if overlap else 2)
-    if role == "dkdv":
-        env = _carve(DKDV, {"HD": hd, "BM": tile, "NWG": nwg, "OVERLAP": overlap})
+    fused = role == "dkdv_dq"
+    bufs = range(3 if overlap and not fused else 2)
+    if role.startswith("dkdv"):
+        env = _carve(DKDV, {"HD": hd, "BM": tile, "NWG": nwg, "OVERLAP": overlap and not fused, "DQ": fused})
         assert env["QBUFS"] == len(bufs)
         regions = {"sK": env["KV_BYTES"], "sV": env["KV_BYTES"], "sQ": len(bufs) * env["QT_BYTES"],
                    "sdO": len(bufs) * env["QT_BYTES"]}
-        stats = 4 * 2 * len(bufs) * tile   # sL: [QBUFS][lse2 BM | delta BM] floats after sdO
+        if fused:   # dS^T: the CTA's keys x the tile's BM queries, 16-bit
+            regions["sdS"] = env["BN"] * tile * 2
+        stats = 4 * 2 * len(bufs) * tile   # sL: [QBUFS][lse2 BM | delta BM] floats after sdO (DQ: after sdS)
         kws = [(0 if env["SPLIT"] else 64 * wg) * 128 for wg in range(nwg)]   # SPLIT: both on the same keys
         a_tiles = [env["sK"] + o for o in kws] + [env["sV"] + o for o in kws]
         a_rows, b_rows = env["BN"], tile
@@ -277,18 +289,158 @@ def test_shared_memory_carve_and_descriptors(role, hd, overlap, two_cta):
     for kk in range(pv_rows // 16):
         start, lbo_v, sbo_v = _pv_desc(kk, pv_rows)
         descs += [(base + t + start, lbo_v, sbo_v) for t in pv_tiles]
+    if fused:   # dQ += dS K: A the dS^T tile, B the K tile from each warpgroup's first dQ column
+        assert env["sdS"] % 1024 == 0
+        src = _fused_dq_source()
+        for wg in range(nwg):
+            sk_col = _eval(src["b_tile"], {"sK": env["sK"], "dq_col": _eval(src["dq_col"], {"wg": wg, **env}), **env})
+            for kk in range(env["BN"] // 16):
+                a, b = _fused_dq_descs(src, kk, env["BN"])
+                descs += [(base + env["sdS"] + a[0], *a[1:]), (base + sk_col + b[0], *b[1:])]
     for addr, lb, sb in descs:
         d = _desc(addr, lb, sb)
         assert d & 0x3FFF == addr >> 4 and (d >> 16) & 0x3FFF == lb >> 4 and (d >> 32) & 0x3FFF == sb >> 4
         assert addr < 1 << 18 and addr % 1024 < 128 and d >> 62 == 1
 
 
+def _fused_dq_source() -> dict:
+    """The fused dQ's expressions, from the dK/dV kernel (its calls of store_ds_t, wg_ds_k and
+    red_acc_rows) and those three device functions."""
+    def fn(name):
+        return re.search(rf"void {name}\(.*?\n\}}", SRC, re.S).group(0)
+
+    store, dsk, red = fn("store_ds_t"), fn("wg_ds_k"), fn("red_acc_rows")
+    assert "kk < BM / 16" in store and "j < 4" in store and "kk < BN / 16" in dsk
+    assert "r < 2" in red and "nb < N / 8" in red and "if (row >= rows_valid) continue;" in red
+    out = {}
+    out["store_rows"], out["store_base"] = _call(DKDV, r"store_ds_t<(\w+)>\((sdS \+ [^,]+), da, wq, g, t4\)")
+    out["n"], out["bn"], out["a_tile"], out["b_tile"] = _call(
+        DKDV, r"wg_ds_k<T, (\w+), (\w+)>\(dq_part, opaque_u32\((\w+)\), opaque_u32\((.+?)\)\);")
+    out["dq_col"] = _call(DKDV, r"const int dq_col = ([^;]+);")[0]
+    out["row_w"] = _call(DKDV, r"row_w = ([^;,]+);")[0]
+    out["red"] = _call(DKDV, r"red_acc_rows<(\w+)>\(tok_ptr\(dq_acc, b, dqa_sb, s\.q0 \+ row_w, dqa_ss, h, dqa_sh\) "
+                             r"\+ (\w+), dqa_ss, dq_part,\s*([^,]+), ([^,]+), g, t4\)")
+    out["r"], out["col"] = _call(store, r"const int r = ([^,]+), col = ([^;]+);")
+    out["sw_rows"], out["t4_off"] = _call(store, r'"r"\(sds \+ sw128_offset<(\d+)>\(r, col\) \+ ([^)]+)\), "r"\(da\[kk\]\[j\]\)')
+    out["desc"] = _call(dsk, r"wgmma_ss_mn<T, N>\(dq, sw128_desc\(sds \+ ([^,]+), ([^,]+), (\d+)\), "
+                             r"sw128_desc\(sk_col \+ ([^,]+), ([^,]+), (\d+)\),\s*([^;]+)\);")
+    out["red_row"] = _call(red, r"const int row = ([^;]+);")[0]
+    out["red_col"] = _call(red, r"const int col = ([^;]+);")[0]
+    out["red_acc"] = _call(red, r"make_float2\(acc\[([^\]]+)\], acc\[([^\]]+)\]\)")
+    assert "col < cols_valid" in red and "base + row * row_stride + col" in red
+    return out
+
+
+def _fused_dq_descs(src: dict, kk: int, bn: int):
+    """((start, LBO, SBO) of the A = dS^T descriptor relative to the tile, the same of B = K
+    relative to the warpgroup's first column), at k16 step kk."""
+    a_off, a_lbo, a_sbo, b_off, b_lbo, b_sbo, _ = src["desc"]
+    env = {"kk": kk, "BN": bn}
+    return ((_eval(a_off, env), _eval(a_lbo, env), int(a_sbo)), (_eval(b_off, env), _eval(b_lbo, env), int(b_sbo)))
+
+
+@pytest.mark.parametrize("hd", configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS)
+def test_fused_dq_operands_and_coordinates(hd):
+    """The fused-dQ dK/dV (DQ = true): store_ds_t puts each warpgroup's dS^T A fragments (its 64
+    keys x BM queries, acc_to_a_frags' layout) into the SW128 tile sdS [BN keys x BM queries] at its
+    first key's row, each element once; wg_ds_k reads that tile as the MN-major A operand (dS:
+    queries x keys) and the K tile from the warpgroup's first dQ column as the MN-major B operand,
+    the first k-step overwriting the (uninitialised) partial, so each warpgroup's 64 x HD / 2
+    partial is dS K over the CTA's keys for its half of the columns; red_acc_rows adds each
+    element of the D fragment once into (row, column) of dQ, rows past the sequence and columns
+    past the head dim left alone."""
+    bm, nwg = configs.wgmma_bwd_tile(hd, "dkdv_dq")
+    env = _carve(DKDV, {"HD": hd, "BM": bm, "NWG": nwg, "OVERLAP": False, "DQ": True})
+    bn, dq_n = env["BN"], env["DQ_N"]
+    assert (bm, nwg) == (64, 2) and bn == configs.wgmma_bwd_keys(hd) == 128 and dq_n * nwg == hd
+    src = _fused_dq_source()
+    assert env[src["store_rows"]] == bm and int(src["sw_rows"]) == 64
+    assert (env[src["n"]], env[src["bn"]], src["a_tile"]) == (dq_n, bn, "sdS")
+    assert src["red"] == ("DQ_N", "dq_col", "s.sq - row_w", "head_dim - dq_col")
+    kw_expr = _call(DKDV, r"const int kw = ([^;]+);")[0]
+
+    rng = np.random.default_rng(hd + 2)
+    dst = rng.standard_normal((bn, bm))   # dS^T: the CTA's keys x the query tile's rows
+    k = rng.standard_normal((bn, hd))
+    mk = _store(k, bn)                    # the K tile as the kernel loads it
+    mds = np.full(bn * bm, np.nan)        # sdS, one element per 2 bytes
+    for wg in range(nwg):
+        kw = _eval(kw_expr, {"wg": wg, "SPLIT": env["SPLIT"]})
+        sds = _eval(src["store_base"], {"sdS": 0, "kw": kw})
+        for warp in range(4):
+            for lane in range(32):
+                g, t4 = lane // 4, lane % 4
+                for kk in range(bm // 16):
+                    for j in range(4):
+                        r, col = _eval(src["r"], {"wq": warp, "g": g, "j": j}), _eval(src["col"], {"kk": kk, "j": j})
+                        addr = sds + _sw128_offset(int(src["sw_rows"]), r, col) + _eval(src["t4_off"], {"t4": t4})
+                        assert addr % 4 == 0 and col % 8 == 0
+                        for half in range(2):   # pack2(lo, hi): lo at the lower address
+                            row, kq = _a_coords(warp, lane, j, half)
+                            idx = (addr + 2 * half) // 2
+                            assert np.isnan(mds[idx]), "two stores to one dS^T element"
+                            mds[idx] = dst[kw + row, 16 * kk + kq]
+    assert not np.isnan(mds).any()
+    parts = []
+    for wg in range(nwg):
+        dq_col = _eval(src["dq_col"], {"wg": wg, "DQ_N": dq_n})
+        sk_col = _eval(src["b_tile"], {"sK": 0, "dq_col": dq_col, "BN": bn})
+        part = np.full((64, dq_n), np.nan)   # uninitialised
+        for kk in range(bn // 16):
+            (a0, a_lbo, a_sbo), (b0, b_lbo, b_sbo) = _fused_dq_descs(src, kk, bn)
+            a = _read_mnmajor(mds, a0, a_lbo, a_sbo, bm)              # [16 keys x 64 queries]
+            b = _read_mnmajor(mk, sk_col + b0, b_lbo, b_sbo, dq_n)    # [16 keys x dq_n columns]
+            np.testing.assert_array_equal(a, dst[16 * kk:16 * kk + 16])
+            np.testing.assert_array_equal(b, k[16 * kk:16 * kk + 16, dq_col:dq_col + dq_n])
+            part = a.T @ b + (part if _eval(src["desc"][6], {"kk": kk}) else 0)
+        np.testing.assert_allclose(part, dst.T @ k[:, dq_col:dq_col + dq_n], rtol=1e-10, atol=1e-10)
+        parts.append((dq_col, part))
+    assert [c for c, _ in parts] == [dq_n * wg for wg in range(nwg)]
+    # the reduction: m0 = 0 (any tile: the rows are relative to it), sq rows of the sequence there
+    for sq, head_dim in ((64, hd), (41, hd - 24), (64, 40), (9, 8)):
+        out, hits = np.zeros((64, hd)), np.zeros((64, hd), dtype=int)
+        for dq_col, part in parts:
+            for warp in range(4):
+                row_w = _eval(src["row_w"], {"m0": 0, "wq": warp})
+                rows_valid, cols_valid = sq - row_w, head_dim - dq_col
+                for lane in range(32):
+                    g, t4 = lane // 4, lane % 4
+                    regs = _thread_regs(part, warp, lane, dq_n)
+                    for r in range(2):
+                        row = _eval(src["red_row"], {"g": g, "r": r})
+                        if row >= rows_valid:
+                            continue
+                        for nb in range(dq_n // 8):
+                            col = _eval(src["red_col"], {"nb": nb, "t4": t4})
+                            if col < cols_valid:
+                                for h, i_expr in enumerate(src["red_acc"]):
+                                    out[row_w + row, dq_col + col + h] += regs[_eval(i_expr, {"nb": nb, "r": r})]
+                                    hits[row_w + row, dq_col + col + h] += 1
+        want = np.zeros((64, hd), dtype=bool)
+        want[:sq, :head_dim] = True
+        np.testing.assert_array_equal(hits, want.astype(int))
+        np.testing.assert_allclose(out, np.where(want, dst.T @ k, 0), rtol=1e-10, atol=1e-10)
+
+
 def test_no_overlapped_walk_at_hd_256():
     """The split dK/dV kernel of HD 256 has the serial walk only: a config asking for the
-    overlapped one runs it, and its shared memory fits."""
+    overlapped one runs it, and its shared memory fits. The fused-dQ dK/dV (HD 64 / 128, not
+    at 256) has the serial walk whatever the module's (OVERLAP, the 5th template argument, false;
+    DQ, the 6th, true), with two Q / dO buffers and its dS^T tile."""
     for hd in configs.WGMMA_BWD_HEAD_DIMS:
         cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd, tile=(1, 0))   # the one-CTA tiles
         assert cfg.bwd_overlap == (hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS)
         assert cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
-        assert ("true>" in cfg.kernel_names()["dkdv"]) == cfg.bwd_overlap
+        names = cfg.kernel_names()
+        *_, overlap, dq = re.fullmatch(r"attn_bwd_dkdv_wgmma<(\w+), (\d+), (\d+), (\d+), (\w+), (\w+)>",
+                                       names["dkdv"]).groups()
+        assert (overlap, dq) == ("true" if cfg.bwd_overlap else "false", "false")
+        assert ("dkdv_dq" in names) == (hd in configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS) == cfg.has_fused_dq
+        if cfg.has_fused_dq:
+            assert names["dkdv_dq"] == f"attn_bwd_dkdv_wgmma<pa_bf16, {hd}, 64, 2, false, true>"
+            serial = configs.KernelConfig("bwd_wgmma", "bfloat16", hd, tile=(0, 0))
+            assert names["dkdv_dq"] == serial.kernel_names()["dkdv_dq"]
+            assert cfg.smem_bytes("dkdv_dq") == serial.smem_bytes("dkdv_dq") == (
+                serial.smem_bytes("dkdv") + configs.wgmma_bwd_keys(hd) * 64 * 2)
     assert 256 not in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS
+    assert 256 not in configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS

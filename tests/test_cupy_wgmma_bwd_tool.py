@@ -112,16 +112,42 @@ def test_verdict_and_report():
     assert f"FAIL (different bits in 1 of {len(tool.CHECK_CASES)} checks)" in tool.report(other)
 
 
+@pytest.mark.parametrize("hd,nbytes,verdict", [
+    (128, 4, "PASS"), (128, 8, "PASS"), (128, 12, "FAIL"),
+    (64, 4, "FAIL"),   # HD 64's fused kernel, in the overlap modules too, is not an opt-in walk kernel
+    (64, 0, "PASS")])
+def test_verdict_allows_fused_dq_spills_where_configs_does(hd, nbytes, verdict):
+    """The fused-dQ dK/dV may spill at the head dims of configs.WGMMA_BWD_FUSED_DQ_SPILL_BYTES (HD
+    128: 4 bytes under NVRTC 13.0 and 13.5), at most 8 bytes, and is then listed as allowed; HD
+    64's may not spill at all."""
+    assert set(configs.WGMMA_BWD_FUSED_DQ_SPILL_BYTES) == {128}
+    fused = configs.KernelConfig("bwd_wgmma", "bfloat16", hd).kernel_names()["dkdv_dq"]
+    r = _result()
+    r["compile"]["modules"]["m"]["kernels"][fused] = {"registers": 255, "spill_stores": nbytes,
+                                                      "spill_loads": nbytes, "stack": 8 if nbytes else 0,
+                                                      "smem": 1000}
+    tool.verdict(r)
+    assert r["verdict"] == verdict, r["why"]
+    assert (fused in r["opt_in_spills"]) == (verdict == "PASS" and nbytes > 0)
+    if verdict == "FAIL":
+        assert fused in r["why"]
+
+
 @needs_nvrtc
 def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):
     """The tool's sm_90a compile of a bwd_wgmma module (the cache in tmp_path): every kernel with
-    registers and no spills, and HGMMA in the SASS of both wgmma kernels when cuobjdump exists."""
+    registers and no spills (the fused-dQ dK/dV of HD 64 too), and HGMMA in the SASS of the three
+    wgmma kernels (dK/dV, dQ and the fused-dQ dK/dV, whose third chain dQ += dS K adds 128 keys / 16
+    = 8 per tile to the dK/dV's) when cuobjdump exists."""
     from cupy_wgmma_check import _compile_sm90a, _cuobjdump, sass_counts
 
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
     cfg, secs, err, info = _compile_sm90a(("bwd_wgmma", "bfloat16", 64, None))
     assert err is None, err
     kernels = info["kernels"]
+    names = configs.KernelConfig("bwd_wgmma", "bfloat16", 64).kernel_names()
+    assert set(names) == {"preprocess", "dkdv", "dq", "dkdv_dq"}
+    assert names["dkdv_dq"] == "attn_bwd_dkdv_wgmma<pa_bf16, 64, 64, 2, false, true>"
     assert set(kernels) == set(configs.KernelConfig("bwd_wgmma", "bfloat16", 64).name_expressions())
     assert "NVRTC" in info["nvrtc"] and not info["cached"], info.get("nvrtc")
     # ptxas -v's lines where NVRTC's log has them, the cubin's resource usage where it lacks them
@@ -139,7 +165,10 @@ def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):
         pytest.skip("no cuobjdump")
     counts = sass_counts(info["cubin"])
     wg = {n: c for n, c in counts.items() if "wgmma" in n}
-    assert len(wg) == 2 and all(c["HGMMA"] > 0 and c["LDL"] == 0 for c in wg.values()), counts
+    assert len(wg) == 3 and all(c["HGMMA"] > 0 and c["LDL"] == 0 for c in wg.values()), counts
+    low = info["lowered"]
+    assert set(wg) == {low[names[r]] for r in ("dkdv", "dq", "dkdv_dq")}, counts
+    assert wg[low[names["dkdv_dq"]]]["HGMMA"] == wg[low[names["dkdv"]]]["HGMMA"] + 128 // 16, counts
 
 
 @needs_nvrtc
@@ -212,9 +241,12 @@ def _reference_kernels(monkeypatch, hole=False):
         plan.fake = ("fwd", spec)
         return plan
 
-    def plan_backward(spec, out, lse, dout, cfg=None, dlse=None):
-        plan = orig_b(spec, out, lse, dout, cfg, dlse)
+    def plan_backward(spec, out, lse, dout, cfg=None, dlse=None, fused_dq=None):
+        plan = orig_b(spec, out, lse, dout, cfg, dlse, fused_dq)
         plan.fake = ("bwd", spec, dout, dlse, cfg)
+        assert fused_dq is None or cfg.family == "bwd_wgmma"
+        # the plan launches the fused dK/dV only where asked (and the module has it)
+        assert ("dkdv_dq" in [x.role for x in plan.launches]) == bool(fused_dq and spec.seqlen_k > 0)
         return plan
 
     def execute(plan, device):
@@ -259,6 +291,10 @@ def test_check_case_plumbing_on_cpu(monkeypatch, case):
     assert row["passed"], row
     assert row["repeat_bit_identical"] and set(row["grads"]) == {"dq", "dk", "dv"}
     assert all(g["nan"] == 0 and g["max_diff_vs_mma"] == 0 for g in row["grads"].values())
+    # the fused atomic dQ is checked wherever the module has it (padded HD 64 / 128)
+    assert ("fused" in row) == (case[6] <= 128)
+    if "fused" in row:
+        assert row["fused"]["passed"] and row["fused"]["dkdv_equal_kernel"] and row["fused"]["dq_max_diff_vs_kernel"] == 0
     if case[0] == "d128_causal_br_sq_gt_sk":
         assert row["empty_rows"] > 0 and row["empty_rows_zero_dq"]
     if case[0] == "d64_dlse_window_tl":   # top-left window (30, 10), Sk 300 > Sq 200: keys past 209 unseen

@@ -147,7 +147,8 @@ def _inputs(case):
 
 
 def _config(family: str, dt: str, d: int, dv: int):
-    """The backward module of ``family``: "wgmma" (the sm_90a kernels as ``auto`` builds them),
+    """The backward module of ``family``: "wgmma" (the sm_90a kernels as ``auto`` builds them;
+    "fused": the same module, whose fused-dQ kernel :func:`_plan` runs),
     "other" (the same with the other walk, :data:`OTHER_WALK`: overlapped across tiles or not),
     "alt" (the other tiles, :func:`has_alt_tiles`), "mma" (mma.sync)."""
     from portattn.backends.cupy import configs
@@ -155,21 +156,35 @@ def _config(family: str, dt: str, d: int, dv: int):
     if family == "mma":
         return configs.backward_config(dt, d, dv, mode="auto")
     cfg = configs.wgmma_backward_config(dt, d, dv)
-    if family == "wgmma":
+    if family in ("wgmma", "fused"):
         return cfg
     tile = (configs.wgmma_bwd_other_tiles if family == "alt" else configs.wgmma_bwd_other_walk)(cfg.head_dim)
     return configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim, tile=tile)
 
 
-def run_backward(spec, out, lse, dout, dlse, family: str, poison: bool = True):
-    """dq, dk, dv of ``family`` (:func:`_config`), forced (no switch); ``poison``: the gradient
-    buffers' visible parts are NaN before the launch."""
-    import torch
+def has_fused(dt: str, d: int, dv: int) -> bool:
+    """Whether the wgmma backward of a problem has the fused atomic-dQ dK/dV kernel (``fused``)."""
+    return _configs.wgmma_backward_config(dt, d, dv).has_fused_dq
+
+
+def _plan(spec, out, lse, dout, dlse, family: str):
+    """The backward plan of ``family`` (:func:`_config`; ``fused``: the wgmma module's fused
+    atomic-dQ dK/dV kernel, every other family the deterministic dK/dV and dQ kernels)."""
     from portattn.backends.cupy import runtime
 
     dt = runtime._DTYPE_NAMES[spec.dtype]
     cfg = _config(family, dt, spec.head_dim, spec.head_dim_v)
-    plan = runtime.plan_backward(spec, out, lse, dout, cfg, dlse)
+    return runtime.plan_backward(spec, out, lse, dout, cfg, dlse,
+                                 fused_dq=family == "fused" if cfg.family == "bwd_wgmma" else None)
+
+
+def run_backward(spec, out, lse, dout, dlse, family: str, poison: bool = True):
+    """dq, dk, dv of ``family`` (:func:`_plan`), forced (no switch); ``poison``: the gradient
+    buffers' visible parts are NaN before the launch."""
+    import torch
+    from portattn.backends.cupy import runtime
+
+    plan = _plan(spec, out, lse, dout, dlse, family)
     if poison and plan.launches:
         for t in plan.outputs:
             t.fill_(float("nan"))
@@ -239,12 +254,24 @@ def check_case(case) -> dict:
         row["alt"] = {"passed": rep and all(c.passed and not torch.isnan(a).any() for c, a in zip(cs, a1)),
                       "repeat_bit_identical": rep, "scores": [c.score for c in cs], "text": [str(c) for c in cs]}
         ok = ok and row["alt"]["passed"]
+    if has_fused(dt, spec.head_dim, spec.head_dim_v):
+        # the fused atomic dQ: dq's sum order varies, so checked against float64 (dk / dv come from
+        # the same arithmetic in the same order as the two-kernel backward's: the same bits)
+        f1, f2 = run_backward(spec, out, lse, dout, dlse, "fused"), run_backward(spec, out, lse, dout, dlse, "fused")
+        cs = [compare(name, a, r, n, factor=3, zero_ref_scale=zs) for name, a, r, n in zip(("dq", "dk", "dv"), f1, ref, naive)]
+        same = all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(f1[1:], g1[1:]))
+        row["fused"] = {"passed": same and all(c.passed and not torch.isnan(a).any() for c, a in zip(cs, f1)),
+                        "dkdv_equal_kernel": same, "scores": [c.score for c in cs], "text": [str(c) for c in cs],
+                        "dq_repeat_bit_identical": torch.equal(f1[0].nan_to_num(7.0), f2[0].nan_to_num(7.0)),
+                        "dq_max_diff_vs_kernel": float((f1[0].double() - g1[0].double()).abs().nan_to_num(1e30).max())
+                        if f1[0].numel() else 0.0}
+        ok = ok and row["fused"]["passed"]
     _, ref_lse = reference_forward(build_spec(q.double(), k.double(), v.double(), **kw))
     empty = torch.isneginf(ref_lse)
     row["empty_rows"] = int(empty.sum())
     if bool(empty.any()):
         rows = empty.transpose(0, 1) if spec.is_varlen else empty.transpose(1, 2)
-        row["empty_rows_zero_dq"] = bool((g1[0][rows] == 0).all())
+        row["empty_rows_zero_dq"] = bool((g1[0][rows] == 0).all()) and ("fused" not in row or bool((f1[0][rows] == 0).all()))
         ok = ok and row["empty_rows_zero_dq"]
     unseen = (ref[2] == 0).all(dim=-1)   # keys no query sees: float64 dv = sum_i P_ij dO_i is exactly 0
     row["unseen_keys"] = int(unseen.sum())
@@ -315,9 +342,9 @@ def time_cell(cell) -> dict:
     flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
     row = {"S": seqlen, "B": batch, "H": heads, "D": d, "causal": causal}
     fams = (("wgmma",) + (("other",) if has_other_walk("bfloat16", d, d) else ())
-            + (("alt",) if has_alt_tiles("bfloat16", d, d) else ()) + ("mma",))
-    fns = {fam: (lambda plan=runtime.plan_backward(spec, out, lse, dout, _config(fam, "bfloat16", d, d)):
-                 runtime.execute(plan, spec.device))
+            + (("alt",) if has_alt_tiles("bfloat16", d, d) else ())
+            + (("fused",) if has_fused("bfloat16", d, d) else ()) + ("mma",))
+    fns = {fam: (lambda plan=_plan(spec, out, lse, dout, None, fam): runtime.execute(plan, spec.device))
            for fam in fams}
     qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
     do = dout.transpose(1, 2)
@@ -380,7 +407,11 @@ def verdict(res: dict) -> None:
     # the opt-in overlapped walk's kernels (not what auto builds) may spill up to 8 bytes, as
     # tests/test_cupy_wgmma_bwd.py allows under NVRTC < 13.5 (13.0 spills 4 in its HD 128 dK/dV)
     opt_in = {n for cfg in _configs.wgmma_configs() if cfg.family == "bwd_wgmma" and cfg.bwd_overlap
-              and cfg != _configs.KernelConfig("bwd_wgmma", cfg.dtype, cfg.head_dim) for n in cfg.name_expressions()}
+              and cfg != _configs.KernelConfig("bwd_wgmma", cfg.dtype, cfg.head_dim)
+              for role, n in cfg.kernel_names().items() if role != "dkdv_dq"}   # that one: the default's
+    # ... and the fused-dQ dK/dV where configs allows it a few bytes (HD 128: 4 under NVRTC 13.0 / 13.5)
+    opt_in |= {cfg.kernel_names()["dkdv_dq"] for cfg in _configs.wgmma_configs() if cfg.has_fused_dq
+               and cfg.head_dim in _configs.WGMMA_BWD_FUSED_DQ_SPILL_BYTES}
     spills, allowed = [], []
     for m in c.get("modules", {}).values():
         for k, r in m.get("kernels", {}).items():
@@ -422,6 +453,10 @@ def report(res: dict) -> str:
                      + f" rep {str(r['repeat_bit_identical'])[0]} =other {str(r.get('other_walk_bit_identical'))[0]}"
                      + (f" alt {'/'.join(_fmt(x, 5, 3) for x in r['alt']['scores'])} "
                         f"{'ok' if r['alt']['passed'] else 'FAIL'}" if "alt" in r else "")
+                     + (f" fused {'/'.join(_fmt(x, 5, 3) for x in r['fused']['scores'])} "
+                        f"dkdv= {str(r['fused']['dkdv_equal_kernel'])[0]} "
+                        f"dq rep {str(r['fused']['dq_repeat_bit_identical'])[0]} "
+                        f"{'ok' if r['fused']['passed'] else 'FAIL'}" if "fused" in r else "")
                      + f" empty {r['empty_rows']}"
                      + (f"/{str(r['empty_rows_zero_dq'])[0]}" if "empty_rows_zero_dq" in r else "")
                      + f" unseen {r.get('unseen_keys', 0)}"
@@ -444,7 +479,8 @@ def report(res: dict) -> str:
     L += ["", f"VERDICT (attn_bwd_*_wgmma): {res.get('verdict', 'INCOMPLETE')}" + (f" ({res['why']})" if res.get("why")
                                                                                    else "")]
     if res.get("opt_in_spills"):
-        L.append(f"(allowed: <= 8 bytes of spill in the opt-in overlapped walk's {res['opt_in_spills']})")
+        L.append(f"(allowed: <= 8 bytes of spill in {res['opt_in_spills']}: the opt-in overlapped walk's and the "
+                 f"fused dQ's at HD 128)")
     other = [r["other_walk_bit_identical"] for r in (ch or {}).get("rows", []) if "other_walk_bit_identical" in r]
     L.append(f"the other walk ({OTHER_WALK_NAME}): "
              + ("NOT RUN" if not other else "PASS (the same bits in every check)" if all(other)
@@ -454,17 +490,22 @@ def report(res: dict) -> str:
         L += ["bf16 backward TFLOP/s, B*S = 16k tokens, hidden 2048 (the backward alone)",
               f"(other = {OTHER_WALK_NAME}; its gradients must equal wgmma's bit for bit)",
               f"(alt = the other tiles, {ALT_TILES_NAME}, checked against float64)",
-              f"{'S':>6} {'D':>4} {'causal':>6} {'wgmma':>6} {'other':>6} {'alt':>6} {'mma':>6} {'FA2':>6} {'cuDNN':>6} "
-              f"{'ot/wg':>6} {'alt/wg':>6} {'wg/mma':>6} {'wg/FA2':>6} {'wg/cuDNN':>8} {'mma/FA2':>7}"]
+              "(fused = dQ fused into dK/dV with float32 atomics, not deterministic; checked against float64)",
+              f"{'S':>6} {'D':>4} {'causal':>6} {'wgmma':>6} {'other':>6} {'alt':>6} {'fused':>6} {'mma':>6} {'FA2':>6} "
+              f"{'cuDNN':>6} {'ot/wg':>6} {'alt/wg':>6} {'fu/wg':>6} {'fu/FA2':>6} {'wg/mma':>6} {'wg/FA2':>6} "
+              f"{'wg/cuDNN':>8} {'mma/FA2':>7}"]
         for r in rows:
             L.append(f"{r['S']:>6} {r['D']:>4} {str(r['causal']):>6} {_fmt(r['wgmma_tflops'], 6, 1)} "
                      f"{_fmt(r.get('other_tflops'), 6, 1)} {_fmt(r.get('alt_tflops'), 6, 1)} "
+                     f"{_fmt(r.get('fused_tflops'), 6, 1)} "
                      f"{_fmt(r['mma_tflops'], 6, 1)} {_fmt(r.get('fa2_tflops'), 6, 1)} {_fmt(r.get('cudnn_tflops'), 6, 1)} "
                      f"{_fmt(_ratio(r, 'other_tflops', 'wgmma_tflops'))} {_fmt(_ratio(r, 'alt_tflops', 'wgmma_tflops'))} "
+                     f"{_fmt(_ratio(r, 'fused_tflops', 'wgmma_tflops'))} {_fmt(_ratio(r, 'fused_tflops', 'fa2_tflops'))} "
                      f"{_fmt(_ratio(r, 'wgmma_tflops', 'mma_tflops'))} {_fmt(_ratio(r, 'wgmma_tflops', 'fa2_tflops'))} "
                      f"{_fmt(_ratio(r, 'wgmma_tflops', 'cudnn_tflops'), 8)} {_fmt(_ratio(r, 'mma_tflops', 'fa2_tflops'), 7)}")
         for a, b in (("wgmma_tflops", "mma_tflops"), ("wgmma_tflops", "fa2_tflops"), ("other_tflops", "wgmma_tflops"),
                      ("other_tflops", "fa2_tflops"), ("alt_tflops", "wgmma_tflops"), ("alt_tflops", "fa2_tflops"),
+                     ("fused_tflops", "wgmma_tflops"), ("fused_tflops", "fa2_tflops"), ("fused_tflops", "cudnn_tflops"),
                      ("mma_tflops", "fa2_tflops")):
             xs = [_ratio(r, a, b) for r in rows]
             gm = _geomean(xs)
@@ -485,6 +526,8 @@ def parse_args(argv=None):
     p.add_argument("--time-limit", type=float, default=185.0, help="seconds for the whole run (default 185)")
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--no-tests", action="store_true", help="skip tests/test_cupy_wgmma_bwd.py")
+    p.add_argument("--timings-limit", type=float, default=80.0,
+                   help="seconds at most for the timings child (default 80; cells it cannot reach are listed)")
     p.add_argument("--child", choices=("checks", "timings"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.time_limit <= 0:
@@ -516,7 +559,7 @@ def main(argv=None) -> int:
     _write(a.out, res)
     if not check_failures(res) and left() > 15:   # timings of kernels that failed a check mean nothing
         t = time.perf_counter()
-        res["timings"] = run_child("timings", a.out, min(80.0, left() - 6))
+        res["timings"] = run_child("timings", a.out, min(a.timings_limit, left() - 6))
         res["seconds"]["timings"] = time.perf_counter() - t
         _write(a.out, res)
     if not a.no_tests and left() > 25:

@@ -19,6 +19,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TARGET = os.path.join(os.path.dirname(HERE), "backends", "cupy", "attn_wgmma_ops.cuh")
 NS = (32, 64, 128, 256)
 TYPES = (("pa_half", "f16"), ("pa_bf16", "bf16"))
+#: N of the both-MN-major wrapper: half of padded head dim 64 / 128 (the fused dQ's column halves)
+NS_MN = (32, 64)
 
 
 def _regs(n_acc: int, first: int = 0) -> str:
@@ -36,6 +38,19 @@ def ss(ctype: str, ptx: str, n: int) -> str:
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"
         "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{_regs(acc)}}}, %{acc}, %{acc + 1}, p, 1, 1, 0, 0;\\n}}\\n"
+        : {_outs(acc)}
+        : "l"(da), "l"(db), "r"(scale_d));
+}}
+"""
+
+
+def ss_mn(ctype: str, ptx: str, n: int) -> str:
+    acc = n // 2
+    return f"""template <> __device__ __forceinline__ void wgmma_ss_mn<{ctype}, {n}>(float* d, unsigned long long da,
+                                                                   unsigned long long db, int scale_d) {{
+    asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{_regs(acc)}}}, %{acc}, %{acc + 1}, p, 1, 1, 1, 1;\\n}}\\n"
         : {_outs(acc)}
         : "l"(da), "l"(db), "r"(scale_d));
 }}
@@ -64,6 +79,8 @@ def generate() -> str:
 //   shared-memory matrix descriptors, both K-major (trans-a = trans-b = 0); scale_d = 0 overwrites d.
 // wgmma_rs<T, N>(d, a, desc_b, scale_d): d (+)= A * B, A from registers (4 x b32 per thread, the m16n8k16
 //   A-fragment layout per warp), B an MN-major descriptor (trans-b = 1: B stored [k][n]).
+// wgmma_ss_mn<T, N>(d, desc_a, desc_b, scale_d): d (+)= A * B, both from MN-major descriptors
+//   (trans-a = trans-b = 1: A stored [k][m], B stored [k][n]; the fused dQ += dS K of attn_bwd_wgmma.cu).
 // (wgmma_fence_acc<N>(d), the empty asm on each of the N / 2 accumulators, is one loop: attn_sm90.cuh.)
 // d holds N / 2 floats per thread: d[4i + 0, 1] at (row 16 * warp + lane / 4, column 8i + 2 (lane % 4)
 //   + 0, 1), d[4i + 2, 3] at row + 8 (the PTX ISA's m64nNk16 D fragment).
@@ -72,11 +89,15 @@ template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss(float* d, unsigned long long da, unsigned long long db, int scale_d);
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float* d, const pa_u32* a, unsigned long long db, int scale_d);
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss_mn(float* d, unsigned long long da, unsigned long long db, int scale_d);
 """]
     for n in NS:
         for ctype, ptx in TYPES:
             parts.append(ss(ctype, ptx, n))
             parts.append(rs(ctype, ptx, n))
+            if n in NS_MN:
+                parts.append(ss_mn(ctype, ptx, n))
     return "\n".join(parts)
 
 

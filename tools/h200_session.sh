@@ -35,7 +35,8 @@
 #   gluonbwd            tools/triton_gluon_bwd_check.py: the opt-in Gluon backward's compile, gradients,
 #                       timings; $GLUONBWD_ARGS (e.g. --quick) [260]
 #   cupywgmma           tools/cupy_wgmma_check.py: cupy's sm_90a wgmma forward [300]
-#   cupybwd             tools/cupy_wgmma_bwd_check.py, its backward and the other walk [280]
+#   cupybwd             tools/cupy_wgmma_bwd_check.py, its backward, the other walk and tiles and the
+#                       fused atomic dQ; $CUPYBWD_ARGS (e.g. --no-tests --timings-limit 200) [280]
 #   cupyfwd             tools/cupy_fwd_check.py: cupy's mma.sync forward [140]
 #   sweep[:v]           tools/triton_sweep.py: train (default; compiles per head dim first), fwd
 #                       (--fwd-only), bwd (--bwd-variants); decode (tools/decode_sweep.py),
@@ -367,7 +368,9 @@ step_cupybwd() {
     headline "skipped: tools/cupy_wgmma_bwd_check.py is not in this tree (it comes with cupy's wgmma backward)"
     return 0
   fi
-  tool "$1" "$(limit "${CUPYBWD_LIMIT:-280}")" 15 wgmma_bwd_check.txt tools/cupy_wgmma_bwd_check.py
+  local args=()
+  split args "${CUPYBWD_ARGS:-}"
+  tool "$1" "$(limit "${CUPYBWD_LIMIT:-280}")" 15 wgmma_bwd_check.txt tools/cupy_wgmma_bwd_check.py "${args[@]}"
 }
 
 step_sweep() {

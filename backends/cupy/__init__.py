@@ -6,10 +6,13 @@ Kernels (``attn_fwd.cu``, ``attn_bwd.cu``, ``attn_bwd_mma.cu``, shared helpers i
   fragments, ``cp.async`` K/V tiles overlapping the matmuls, base-2 online softmax with the scale
   folded in; one CTA per (Q tile, head, batch), warps split along the Q rows;
 * forward, float32: IEEE float32 FMA (no TF32);
-* backward, deterministic (no atomics; GQA groups reduced inside the dK/dV CTA): delta
-  preprocess, then dK/dV and dQ kernels on tensor cores for fp16/bf16 at every head dim
-  (``attn_bwd_mma.cu``), in float32 FMA arithmetic for float32 (``attn_bwd.cu``; also for
-  fp16/bf16 through ``PORTATTN_CUPY_BACKWARD=fma`` or ``mma128``, see docs/cupy.md).
+* backward (GQA groups reduced inside the dK/dV CTA): delta preprocess, then dK/dV and dQ
+  kernels on tensor cores for fp16/bf16 at every head dim (``attn_bwd_mma.cu``; on Hopper the
+  wgmma kernels of ``attn_bwd_wgmma.cu``), in float32 FMA arithmetic for float32
+  (``attn_bwd.cu``; also for fp16/bf16 through ``PORTATTN_CUPY_BACKWARD=fma`` or ``mma128``, see
+  docs/cupy.md). Deterministic (no atomics) except where determinism is not requested and the
+  Hopper backward fuses dQ into its dK/dV kernel with float32 atomics (padded head dims 64/128,
+  ``PORTATTN_CUPY_DQ``); a request for determinism always runs the dQ kernel.
 
 Importing this module never imports cupy: a missing cupy or device is a reason from
 :meth:`CupyBackend.unavailable_reasons`. See docs/cupy.md.

@@ -132,6 +132,61 @@ __device__ __forceinline__ void scale_floats(float* x, float f) {
     for (int i = 0; i < N; ++i) x[i] *= f;
 }
 
+// Fused dQ (DQ), store stage: a warpgroup's dS^T (da: BM / 16 A fragments of its 64 keys x BM
+// queries, rows 16 wq + g and + 8 of the warp) into the SW128 tile sds of [keys x BM queries] at
+// its first key row: fragment j of k-step kk holds keys + 8 (j % 2) and queries 16 kk + 8 (j / 2)
+// + 2 t4, + 1. The tile is then the MN-major A operand of dQ += dS K (rows = K = keys, columns =
+// M = queries). One 4-byte store per fragment; the 8 rows g of a warp fall on 8 swizzle phases, so
+// its 32 stores hit 32 banks.
+template <int BM>
+__device__ __forceinline__ void store_ds_t(pa_u32 sds, pa_u32 (*da)[4], int wq, int g, int t4) {
+    static_assert(BM == 64, "the dS^T tile is one 64-column SW128 block");
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int r = 16 * wq + g + 8 * (j % 2), col = 16 * kk + 8 * (j / 2);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sds + sw128_offset<64>(r, col) + 4 * t4), "r"(da[kk][j])
+                         : "memory");
+        }
+}
+
+// Fused dQ, product stage: one warpgroup's dq[64 x N] = dS[64 x BN] K[BN x N] (issued and
+// committed), A = the CTA's dS^T tile sds ([BN keys x 64 queries], MN-major) and B = the K tile
+// from its column sk_col on (MN-major: [BN keys x HD], N columns of it). The first k-step ignores
+// dq's values (dq is a fresh partial per query tile).
+template <typename T, int N, int BN>
+__device__ __forceinline__ void wg_ds_k(float* dq, pa_u32 sds, pa_u32 sk_col) {
+    wgmma_fence_acc<N>(dq);   // the previous tile's reads of dq (its reductions) come first
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+        wgmma_ss_mn<T, N>(dq, sw128_desc(sds + kk * 2048, 64 * 128, 1024), sw128_desc(sk_col + kk * 2048, BN * 128, 1024),
+                          kk > 0 ? 1 : 0);
+    wgmma_commit();
+}
+
+// Fused dQ, reduction stage: a warp's 16 rows x N columns of a dQ partial (the m64nNk16 layout)
+// added into the float32 accumulator (row_stride floats between rows; base at the warp's first row
+// and the partial's first column), rows < rows_valid and columns < cols_valid (a multiple of 8):
+// one float2 atomic add per element pair, so the sum's order is the order the CTAs arrive in.
+template <int N>
+__device__ __forceinline__ void red_acc_rows(float* base, long long row_stride, const float* acc, int rows_valid,
+                                             int cols_valid, int g, int t4) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        if (row >= rows_valid) continue;
+#pragma unroll
+        for (int nb = 0; nb < N / 8; ++nb) {
+            const int col = 8 * nb + 2 * t4;
+            if (col < cols_valid)
+                atomicAdd(reinterpret_cast<float2*>(base + row * row_stride + col),
+                          make_float2(acc[4 * nb + 2 * r], acc[4 * nb + 2 * r + 1]));
+        }
+    }
+}
+
 // Q and dO rows M0 ... M0 + BM - 1 of head H into the SW128 tiles SQ / SDO (zero-filled past the
 // sequence and the head dims) and their rows' lse2 / delta into SL (load_row_stats).
 #define PA_DKDV_WG_LOAD_QUERY_TILE(SQ, SDO, SL, H, M0)                                                             \
@@ -141,12 +196,13 @@ __device__ __forceinline__ void scale_floats(float* x, float f) {
         load_row_stats<BM, NT>(SL, lse, delta, lse_sb, lse_sh, s, b, H, M0, tid);                                  \
     } while (0)
 
-template <typename T, int HD, int BM, int NWG, bool OVERLAP>
+template <typename T, int HD, int BM, int NWG, bool OVERLAP, bool DQ>
 __global__ void __launch_bounds__(NWG * 128, (HD <= 64 && BM <= 32) ? 2 : 1)
 attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
                     const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk,
                     long long dk_sb, long long dk_ss, long long dk_sh, T* __restrict__ dv, long long dv_sb,
-                    long long dv_ss, long long dv_sh) {
+                    long long dv_ss, long long dv_sh, float* __restrict__ dq_acc, long long dqa_sb, long long dqa_ss,
+                    long long dqa_sh) {
     constexpr bool SPLIT = HD > 128;           // warpgroup 0 dV, 1 dK of the same 64 keys (header)
     constexpr int BN = SPLIT ? 64 : 64 * NWG;  // keys per CTA, 64 per warpgroup (SPLIT: 64)
     constexpr int NT = 128 * NWG;
@@ -157,14 +213,16 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
     static_assert(!SPLIT || (NWG == 2 && !OVERLAP), "HD > 128: two warpgroups, one per output; serial walk");
     static_assert(BM % 32 == 0 && BM <= 256, "BM: whole 16-row k-steps and 8-row groups, at most 256 (one wgmma N)");
     static_assert(sizeof(T) == 2, "16-bit elements");
+    static_assert(!DQ || (!SPLIT && !OVERLAP && NWG == 2 && BM == 64), "fused dQ: HD <= 128, serial walk, 64-row tiles");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const pa_u32 raw = smem_addr(smem_raw), base = sw128_align(raw);
     const pa_u32 sK = base;
     const pa_u32 sV = sK + KV_BYTES;
     const pa_u32 sQ = sV + KV_BYTES;               // [QBUFS][BM x HD]
     const pa_u32 sdO = sQ + QBUFS * QT_BYTES;      // [QBUFS][BM x HD]
+    const pa_u32 sdS = sdO + QBUFS * QT_BYTES;     // DQ: dS^T [BN keys x BM queries] (SW128; 1024-aligned)
     // [QBUFS][lse2 BM | delta BM]
-    float* sL = reinterpret_cast<float*>(smem_raw + (sdO + QBUFS * QT_BYTES - raw));
+    float* sL = reinterpret_cast<float*>(smem_raw + (sdS + (DQ ? BN * BM * 2 : 0) - raw));
 
     const WgLane w = wg_lane();
     const int tid = w.tid, wg = w.wg, wq = w.wq, g = w.g, t4 = w.t4;
@@ -201,6 +259,7 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
         zero_floats<BM / 2>(st);
         zero_floats<BM / 2>(dpt);
     }
+    constexpr int DQ_N = HD / 2;   // DQ: the warpgroup's half of a query tile's dQ (64 rows x HD / 2 columns)
 
     for (int it = 0; it < n_iter; ++it) {
         const int buf = OVERLAP ? it % QBUFS : it & 1, nxt = OVERLAP ? (it + 1) % QBUFS : buf ^ 1;
@@ -214,7 +273,9 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
             PA_DKDV_WG_LOAD_QUERY_TILE(sQ + nxt * QT_BYTES, sdO + nxt * QT_BYTES, sL + nxt * 2 * BM, h1, m1);
             cp_async_commit();
         }
-        if (!tile_any_visible(s, m0, BM, nw0, 64, win_left, win_right)) {   // uniform per warpgroup
+        // uniform per warpgroup (DQ: per CTA, both warpgroups meet at the dS^T barrier below)
+        if (DQ ? !tile_any_visible(s, m0, BM, n0, BN, win_left, win_right)
+               : !tile_any_visible(s, m0, BM, nw0, 64, win_left, win_right)) {
             if (OVERLAP) wgmma_wait<0>();      // the tile before's dV / dK, before its buffer is refilled
             continue;
         }
@@ -256,7 +317,26 @@ attn_bwd_dkdv_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_s
             wgmma_fence_acc<BM>(dpt);
             wg_dscores_keys<BM>(st, dpt, lse2_t + BM, t4);
             acc_to_a_frags<T, BM>(da, dpt);
+            if constexpr (DQ) store_ds_t<BM>(sdS + kw * 128, da, wq, g, t4);
             wg_pv<T, HD, BM>(dk_acc, da, sQb, OVERLAP ? acc_in : 1);
+        }
+        // 5. DQ (dV and dK may still run): both warpgroups' dS^T stored and visible to wgmma; the
+        //    warpgroup's dQ columns of the tile, dS (all BN keys) K, reduced into dq_acc with
+        //    float2 atomics once they land (dq_acc is scaled and rounded after the kernel).
+        if constexpr (DQ) {
+            wgmma_wait<1>();   // dV retired (dK still runs): P^T's fragments free for dQ's accumulators
+            fence_proxy_async();
+            __syncthreads();
+            // a fresh partial per tile, set by the chain's first product (scale-d 0): declared here,
+            // not zeroed (no mov into it while dK runs, and not live across the walk)
+            float dq_part[DQ_N / 2];
+            const int dq_col = wg * DQ_N;   // K's columns dq_col ... (opaque: see wg_qk's)
+            wg_ds_k<T, DQ_N, BN>(dq_part, opaque_u32(sdS), opaque_u32(sK + (dq_col / 64) * (BN * 128) + (dq_col % 64) * 2));
+            wgmma_wait<0>();
+            wgmma_fence_acc<DQ_N>(dq_part);
+            const int h = walk.head(it), row_w = m0 + wq * 16;
+            red_acc_rows<DQ_N>(tok_ptr(dq_acc, b, dqa_sb, s.q0 + row_w, dqa_ss, h, dqa_sh) + dq_col, dqa_ss, dq_part,
+                               s.sq - row_w, head_dim - dq_col, g, t4);
         }
         acc_in = 1;
         if (!OVERLAP) {

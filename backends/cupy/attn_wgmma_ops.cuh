@@ -5,6 +5,8 @@
 //   shared-memory matrix descriptors, both K-major (trans-a = trans-b = 0); scale_d = 0 overwrites d.
 // wgmma_rs<T, N>(d, a, desc_b, scale_d): d (+)= A * B, A from registers (4 x b32 per thread, the m16n8k16
 //   A-fragment layout per warp), B an MN-major descriptor (trans-b = 1: B stored [k][n]).
+// wgmma_ss_mn<T, N>(d, desc_a, desc_b, scale_d): d (+)= A * B, both from MN-major descriptors
+//   (trans-a = trans-b = 1: A stored [k][m], B stored [k][n]; the fused dQ += dS K of attn_bwd_wgmma.cu).
 // (wgmma_fence_acc<N>(d), the empty asm on each of the N / 2 accumulators, is one loop: attn_sm90.cuh.)
 // d holds N / 2 floats per thread: d[4i + 0, 1] at (row 16 * warp + lane / 4, column 8i + 2 (lane % 4)
 //   + 0, 1), d[4i + 2, 3] at row + 8 (the PTX ISA's m64nNk16 D fragment).
@@ -13,6 +15,8 @@ template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss(float* d, unsigned long long da, unsigned long long db, int scale_d);
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float* d, const pa_u32* a, unsigned long long db, int scale_d);
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss_mn(float* d, unsigned long long da, unsigned long long db, int scale_d);
 
 template <> __device__ __forceinline__ void wgmma_ss<pa_half, 32>(float* d, unsigned long long da,
                                                                 unsigned long long db, int scale_d) {
@@ -30,6 +34,15 @@ template <> __device__ __forceinline__ void wgmma_rs<pa_half, 32>(float* d, cons
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+template <> __device__ __forceinline__ void wgmma_ss_mn<pa_half, 32>(float* d, unsigned long long da,
+                                                                   unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(scale_d));
 }
 
 template <> __device__ __forceinline__ void wgmma_ss<pa_bf16, 32>(float* d, unsigned long long da,
@@ -50,6 +63,15 @@ template <> __device__ __forceinline__ void wgmma_rs<pa_bf16, 32>(float* d, cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
+template <> __device__ __forceinline__ void wgmma_ss_mn<pa_bf16, 32>(float* d, unsigned long long da,
+                                                                   unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
 template <> __device__ __forceinline__ void wgmma_ss<pa_half, 64>(float* d, unsigned long long da,
                                                                 unsigned long long db, int scale_d) {
     asm volatile(
@@ -68,6 +90,15 @@ template <> __device__ __forceinline__ void wgmma_rs<pa_half, 64>(float* d, cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
+template <> __device__ __forceinline__ void wgmma_ss_mn<pa_half, 64>(float* d, unsigned long long da,
+                                                                   unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
 template <> __device__ __forceinline__ void wgmma_ss<pa_bf16, 64>(float* d, unsigned long long da,
                                                                 unsigned long long db, int scale_d) {
     asm volatile(
@@ -84,6 +115,15 @@ template <> __device__ __forceinline__ void wgmma_rs<pa_bf16, 64>(float* d, cons
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+template <> __device__ __forceinline__ void wgmma_ss_mn<pa_bf16, 64>(float* d, unsigned long long da,
+                                                                   unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(scale_d));
 }
 
 template <> __device__ __forceinline__ void wgmma_ss<pa_half, 128>(float* d, unsigned long long da,

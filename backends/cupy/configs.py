@@ -215,6 +215,32 @@ WGMMA_BWD_TWO_CTA_CAPABLE = (64,)
 #: S 1k/4k/16k, causal and not) HD 64's ran 0.94-1.07 x the one-CTA tiles (geomean 1.00), its
 #: gradient checks passing: twice the CTAs, but half-size products and twice the per-tile work.
 WGMMA_BWD_TWO_CTA_HEAD_DIMS: tuple = ()
+#: Padded head dims whose wgmma backward module also has the fused-dQ dK/dV kernel (role
+#: ``dkdv_dq``, attn_bwd_dkdv_wgmma<..., DQ = true>): the dK/dV CTA also forms dQ += dS K for each
+#: query tile it visits and adds it into a float32 buffer with atomics, so the dQ kernel (and its
+#: recomputed S and dP) is not launched: five products per tile pair instead of seven. dQ's sum
+#: order then depends on the CTAs' timing, so it runs only when determinism is not requested
+#: (docs/semantics.md), on the one-CTA tiles (64-row query tiles, two warpgroups: each takes half
+#: of dQ's columns over the CTA's 128 keys).
+WGMMA_BWD_FUSED_DQ_HEAD_DIMS = (64, 128)
+#: Of those, where ``PORTATTN_CUPY_DQ=auto`` (the default) takes the fused kernel when
+#: determinism is not requested: where the H200 timed it faster than the two-kernel backward
+#: (2026-12-04, tools/cupy_wgmma_bwd_check.py ``fused``, bf16, 16k tokens, hidden 2048, S 1k/4k/16k,
+#: causal and not: 1.11-1.21 x at HD 64, 1.03-1.16 x at HD 128, geomean 1.13; its 16 HD 64/128
+#: gradient checks against float64 passed, dK / dV bit-identical to the two-kernel backward's).
+WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS: tuple = (64, 128)
+#: Bytes of spill (stores, and stack) the fused-dQ dK/dV kernel may have at padded head dim 128:
+#: 255 registers and 4 bytes of spill under NVRTC 13.0 and 13.5, measured with them (above); every
+#: other default kernel must have none (tests/test_cupy_wgmma_bwd.py, tools/cupy_wgmma_bwd_check.py).
+WGMMA_BWD_FUSED_DQ_SPILL_BYTES = {128: 8}
+#: Environment switch of the 16-bit wgmma backward's dQ when determinism is not requested (read at
+#: call time by :func:`fused_dq_choice`): ``auto`` (default, also unset/empty) = the fused atomic
+#: dQ at :data:`WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS`, the dQ kernel elsewhere; ``atomic`` = the fused
+#: atomic dQ wherever the module has it; ``kernel`` = the deterministic dQ kernel always.
+#: Determinism requested (PORTATTN_DETERMINISTIC, torch.use_deterministic_algorithms) always takes
+#: the dQ kernel.
+DQ_ENV = "PORTATTN_CUPY_DQ"
+DQ_MODES = ("auto", "atomic", "kernel")
 
 
 def wgmma_bwd_tile(hd: int, role: str, two_cta: bool = False) -> tuple[int, int]:
@@ -249,6 +275,31 @@ def wgmma_bwd_other_tiles(hd: int) -> tuple:
     :data:`WGMMA_BWD_TWO_CTA_CAPABLE`; serial walk): the two-CTA tiles where ``auto`` takes the
     one-CTA ones, and the other way round."""
     return (0, int(hd not in WGMMA_BWD_TWO_CTA_HEAD_DIMS))
+
+
+def dq_mode() -> str:
+    """The value of :data:`DQ_ENV` (``auto`` when unset); ValueError names the choices."""
+    return _env_mode(DQ_ENV, DQ_MODES, "auto = the fused atomic dQ where the H200 timed it faster, when "
+                                       "determinism is not requested; atomic = wherever the wgmma backward "
+                                       "has it; kernel = the deterministic dQ kernel always")
+
+
+def fused_dq_choice(cfg: KernelConfig, deterministic: bool, mode: str | None = None) -> tuple[bool, str]:
+    """(whether the backward module ``cfg`` runs its fused atomic dQ, why), for a call that
+    requests determinism or not; ``mode`` (default :data:`DQ_ENV`): see :data:`DQ_MODES`."""
+    mode = dq_mode() if mode is None else mode
+    if "dkdv_dq" not in cfg.kernel_names():
+        return False, (f"{cfg.family} at padded head dim {cfg.head_dim} has no fused dQ (the wgmma backward has it "
+                       f"at {', '.join(map(str, WGMMA_BWD_FUSED_DQ_HEAD_DIMS))}, one-CTA tiles): the dQ kernel")
+    if deterministic:
+        return False, "determinism requested: the deterministic dQ kernel"
+    if mode == "kernel":
+        return False, f"{DQ_ENV}=kernel: the deterministic dQ kernel"
+    if mode == "auto" and cfg.head_dim not in WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS:
+        auto = ", ".join(map(str, WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS)) or "none"
+        return False, (f"padded head dim {cfg.head_dim} (auto fuses dQ at {auto}; {DQ_ENV}=atomic fuses it "
+                       f"wherever it exists): the dQ kernel")
+    return True, f"{DQ_ENV}={mode}, determinism not requested: dQ fused into dK/dV with float32 atomics"
 
 
 def wgmma_bwd_keys(hd: int) -> int:
@@ -365,9 +416,12 @@ class KernelConfig:
         if self.family == "bwd_wgmma":
             (bm, nwg_k), (bn, nwg_q) = self.bwd_tile("dkdv"), self.bwd_tile("dq")
             ov = "true" if self.bwd_overlap else "false"
-            return {"preprocess": f"attn_bwd_preprocess<{t}>",
-                    "dkdv": f"attn_bwd_dkdv_wgmma<{t}, {hd}, {bm}, {nwg_k}, {ov}>",
-                    "dq": f"attn_bwd_dq_wgmma<{t}, {hd}, {bn}, {nwg_q}, {ov}>"}
+            names = {"preprocess": f"attn_bwd_preprocess<{t}>",
+                     "dkdv": f"attn_bwd_dkdv_wgmma<{t}, {hd}, {bm}, {nwg_k}, {ov}, false>",
+                     "dq": f"attn_bwd_dq_wgmma<{t}, {hd}, {bn}, {nwg_q}, {ov}>"}
+            if self.has_fused_dq:   # the serial walk whatever the module's
+                names["dkdv_dq"] = f"attn_bwd_dkdv_wgmma<{t}, {hd}, {bm}, {nwg_k}, false, true>"
+            return names
         if self.family == "bwd_mma":
             names = {"preprocess": f"attn_bwd_preprocess<{t}>"}
             for kernel in ("dkdv", "dq"):
@@ -405,6 +459,13 @@ class KernelConfig:
             return bool(self.tile[1])
         return self.head_dim in WGMMA_BWD_TWO_CTA_HEAD_DIMS
 
+    @property
+    def has_fused_dq(self) -> bool:
+        """Whether this wgmma backward module has the fused-dQ dK/dV kernel (``dkdv_dq``, see
+        :data:`WGMMA_BWD_FUSED_DQ_HEAD_DIMS`)."""
+        return (self.family == "bwd_wgmma" and self.head_dim in WGMMA_BWD_FUSED_DQ_HEAD_DIMS
+                and not self.bwd_two_cta)
+
     def bwd_tile(self, role: str) -> tuple[int, int]:
         """:func:`wgmma_bwd_tile` of this wgmma backward module's ``role`` (``dkdv`` / ``dq``)."""
         return wgmma_bwd_tile(self.head_dim, role, self.bwd_two_cta)
@@ -433,7 +494,7 @@ class KernelConfig:
     def block_rows(self, role: str) -> int:
         """Rows (or keys, for dK/dV) one CTA covers along the grid's x axis."""
         if self.family == "bwd_wgmma" and role != "preprocess":
-            return wgmma_bwd_keys(self.head_dim) if role == "dkdv" else 64 * self.bwd_tile(role)[1]
+            return wgmma_bwd_keys(self.head_dim) if role.startswith("dkdv") else 64 * self.bwd_tile(role)[1]
         if self.family == "fwd_wgmma":
             return 64 * wgmma_tile(self.head_dim)[1]
         if self.family == "fwd_wgmma_ws":
@@ -456,13 +517,16 @@ class KernelConfig:
         if self.family == "bwd_wgmma":
             # 1 KB of slack for the 1024-byte alignment of the SW128 tiles; dK/dV: K, V [keys],
             # Q, dO [B][BLOCK_M], lse2 / delta [B][2][BLOCK_M] floats; dQ: Q, dO [64 NWG], K [B][BLOCK_N],
-            # V [2][BLOCK_N]; B = 3 buffers with the overlapped walk, else 2
+            # V [2][BLOCK_N]; B = 3 buffers with the overlapped walk, else 2; the fused-dQ dK/dV
+            # (serial walk) adds its dS^T tile, [keys x BLOCK_M]
             if role == "preprocess":
                 return 0
             tile, nwg = self.bwd_tile(role)
-            bufs = 3 if self.bwd_overlap else 2
-            if role == "dkdv":
-                return 1024 + (2 * wgmma_bwd_keys(hd) + 2 * bufs * tile) * hd * 2 + 8 * bufs * tile
+            bufs = 3 if self.bwd_overlap and role != "dkdv_dq" else 2
+            if role.startswith("dkdv"):
+                keys = wgmma_bwd_keys(hd)
+                ds = keys * tile * 2 if role == "dkdv_dq" else 0
+                return 1024 + (2 * keys + 2 * bufs * tile) * hd * 2 + ds + 8 * bufs * tile
             return 1024 + (2 * 64 * nwg + (bufs + 2) * tile) * hd * 2
         if self.family in WGMMA_FAMILIES:
             # 1 KB of slack: the kernel aligns its SW128 tiles to 1024 bytes; Q, then 2 x K, 2 x V

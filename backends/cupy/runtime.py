@@ -204,6 +204,8 @@ class Plan:
     launches: list = field(default_factory=list)
     outputs: tuple = ()
     keep_alive: tuple = ()    # inputs (possibly padded copies) the launches point into
+    setup: list = field(default_factory=list)    # torch steps before the launches (same stream)
+    finish: list = field(default_factory=list)   # ... and after them
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
@@ -285,7 +287,8 @@ def _grad_buffer(like: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-                  cfg: configs.KernelConfig | None = None, dlse: torch.Tensor | None = None) -> Plan:
+                  cfg: configs.KernelConfig | None = None, dlse: torch.Tensor | None = None,
+                  fused_dq: bool | None = None) -> Plan:
     """Allocate ``(dq, dk, dv)`` and describe the three backward launches.
 
     ``cfg`` overrides the configuration choice: ``configs.fma_backward_config(...)`` forces the
@@ -303,7 +306,7 @@ def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
     if dlse is not None:   # laid out like lse (contiguous spec.lse_shape)
         dlse = dlse.to(device=spec.device, dtype=torch.float32).contiguous()
     if cfg.family in ("bwd_mma", "bwd_wgmma"):
-        return _plan_backward_mma(spec, out, lse, dout, cfg, dlse)
+        return _plan_backward_mma(spec, out, lse, dout, cfg, dlse, fused_dq)
     dq = torch.zeros_like(spec.q, memory_format=torch.contiguous_format)
     dk = torch.zeros_like(spec.k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(spec.v, memory_format=torch.contiguous_format)
@@ -348,11 +351,14 @@ def _preprocess_launch(spec, cfg, out, do_args, delta, lse_strides, dlse) -> Lau
                    _ptr(dlse)])
 
 
-def _plan_backward_mma(spec, out, lse, dout, cfg, dlse) -> Plan:
+def _plan_backward_mma(spec, out, lse, dout, cfg, dlse, fused_dq: bool | None = None) -> Plan:
     """The tensor-core backward (fp16/bf16; ``cfg.family`` "bwd_mma" or "bwd_wgmma", whose
-    kernels take the same arguments): q, k, v and dO with 16-byte aligned rows (padded copies
-    only when needed, as in the forward), gradients allocated at the padded widths (so the kernels
-    store aligned pairs) and sliced back to the caller's head dims."""
+    kernels take the same arguments, the wgmma dK/dV's plus the fused dQ's buffer): q, k, v and dO
+    with 16-byte aligned rows (padded copies only when needed, as in the forward), gradients
+    allocated at the padded widths (so the kernels store aligned pairs) and sliced back to the
+    caller's head dims. ``fused_dq`` (None: :func:`configs.fused_dq_choice` for the call's
+    determinism and ``PORTATTN_CUPY_DQ``) runs the wgmma module's fused atomic-dQ dK/dV kernel in
+    place of the dK/dV and dQ kernels, then dq = scale * the float32 sum."""
     if cfg.family == "bwd_wgmma" and _needs_extras(spec):
         raise ValueError("the wgmma backward has no softcap / ALiBi / bias (cfg=bwd_wgmma): use the bwd_mma config")
     q, k, v = prepare_inputs(spec, tensor_cores=True)
@@ -369,14 +375,31 @@ def _plan_backward_mma(spec, out, lse, dout, cfg, dlse) -> Plan:
     args, keep = common_args(spec, q, k, v)
     do_args = [_ptr(dout), *_strides3(dout, varlen)]
     suffix = "_extras" if _needs_extras(spec) else ""
+    if fused_dq is None:
+        fused_dq = cfg.family == "bwd_wgmma" and configs.fused_dq_choice(cfg, spec.deterministic)[0]
+    elif fused_dq and not cfg.has_fused_dq:
+        raise ValueError(f"fused_dq=True: {cfg.family} at padded head dim {cfg.head_dim} has no fused-dQ kernel "
+                         f"(the wgmma backward has it at {configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS}, one-CTA tiles)")
+    fused_dq = fused_dq and spec.seqlen_k > 0
+    # the fused dK/dV adds scale-free dQ partials into a float32 buffer (zeroed: rows no key sees
+    # stay 0), scaled and rounded into dq after the kernels
+    dq_acc = torch.empty(dq.shape, dtype=torch.float32, device=dq.device) if fused_dq else None
     plan = Plan(outputs=(dq[..., : spec.head_dim], dk[..., : spec.head_dim], dv[..., : spec.head_dim_v]),
-                keep_alive=(keep, out, dout, lse, delta, dlse, dq, dk, dv))
+                keep_alive=(keep, out, dout, lse, delta, dlse, dq_acc, dq, dk, dv))
     plan.launches.append(_preprocess_launch(spec, cfg, out, do_args, delta, args[-2:], dlse))
     if spec.seqlen_k > 0:
-        role = "dkdv" + suffix
-        plan.launches.append(Launch(cfg, role, (_cdiv(spec.seqlen_k, cfg.block_rows(role)), spec.num_heads_kv, spec.batch),
-                                    args + do_args + [_ptr(lse), _ptr(delta), _ptr(dk), *_strides3(dk, varlen),
-                                                      _ptr(dv), *_strides3(dv, varlen)]))
+        role = "dkdv_dq" if fused_dq else "dkdv" + suffix
+        dkdv_args = args + do_args + [_ptr(lse), _ptr(delta), _ptr(dk), *_strides3(dk, varlen),
+                                      _ptr(dv), *_strides3(dv, varlen)]
+        if cfg.family == "bwd_wgmma":   # its dK/dV kernels take the fused dQ's buffer (null when unused)
+            dkdv_args += [_ptr(dq_acc), *(_strides3(dq_acc, varlen) if fused_dq else map(_i64, (0, 0, 0)))]
+        plan.launches.append(Launch(cfg, role, (_cdiv(spec.seqlen_k, cfg.block_rows(role)), spec.num_heads_kv,
+                                                spec.batch), dkdv_args))
+    if fused_dq:
+        scale = float(np.float32(spec.scale))   # the kernels' float32 scale
+        plan.setup.append(dq_acc.zero_)
+        plan.finish.append(lambda: dq.copy_(dq_acc.mul_(scale)))
+        return plan
     role = "dq" + suffix
     plan.launches.append(Launch(cfg, role, (_cdiv(spec.seqlen_q, cfg.block_rows(role)), spec.num_heads_q, spec.batch),
                                 args + do_args + [_ptr(lse), _ptr(delta), _ptr(dq), *_strides3(dq, varlen)]))
@@ -386,9 +409,13 @@ def _plan_backward_mma(spec, out, lse, dout, cfg, dlse) -> Plan:
 def execute(plan: Plan, device: torch.device) -> None:
     if not plan.launches:
         return
+    for step in plan.setup:
+        step()
     with _Launcher(device) as launcher:
         for item in plan.launches:
             launcher.launch(item.cfg, item.role, item.grid, item.args)
+    for step in plan.finish:
+        step()
 
 
 def forward(spec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,7 +427,8 @@ def forward(spec) -> tuple[torch.Tensor, torch.Tensor]:
 
 def backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,
              force_fma: bool = False):
-    """``(dq, dk, dv, None)``: deterministic (no atomics). fp16/bf16 run on tensor cores (float32
+    """``(dq, dk, dv, None)``: deterministic (no atomics) unless the Hopper backward fuses dQ with
+    float32 atomics (determinism not requested, ``PORTATTN_CUPY_DQ``, :func:`plan_backward`). fp16/bf16 run on tensor cores (float32
     accumulation) at every head dim unless ``PORTATTN_CUPY_BACKWARD`` says otherwise (see
     :func:`backward_choice`; ``wgmma``: the sm_90a kernels where they apply); float32 runs the
     FMA kernels. ``force_fma`` (private:
