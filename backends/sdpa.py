@@ -56,11 +56,14 @@ def _fused_kernel_friendly(t: torch.Tensor) -> bool:
     """True when SDPA's fused GPU kernels can read ``t`` as it is: unit stride on the last
     dim, other strides and the base address 16-byte aligned. On the H200 (torch 2.11, 2026-11-29)
     views with a padded head dim (row stride D + 3) gave NaN from the fused fp16/bf16 kernels
-    and "cutlassF: no kernel found" for fp32, so such views are copied first."""
+    and "cutlassF: no kernel found" for fp32, so such views are copied first. Every stride counts,
+    a size-1 dim's too: the memory-efficient kernel checks them all (an fp16 view of shape
+    (1, 1, 1, 16) with strides (38, 38, 19, 1) raised "cutlassF: no kernel found to launch!" on the
+    H200, 2026-12-04, found by the property suite)."""
     size = t.element_size()
     if t.stride(-1) != 1 or (t.data_ptr() % 16):
         return False
-    return all((s * size) % 16 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+    return all((s * size) % 16 == 0 for s in t.stride()[:-1])
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -71,10 +74,12 @@ def _dense(t: torch.Tensor) -> bool:
 def _dense_copy(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in the dense layout of its own sequence/head order: (B, S, H, D) when its
     sequence stride is the larger, else (B, H, S, D) seen as (B, S, H, D). So a padded view
-    computes on the layout of the dense tensor it is a window of."""
+    computes on the layout of the dense tensor it is a window of. Always a new tensor with the
+    strides its sizes give (``contiguous()`` would return a view whose size-1 dims have odd
+    strides as it is: torch counts it contiguous)."""
     if t.stride(1) >= t.stride(2):
-        return t.contiguous()
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.transpose(1, 2).clone(memory_format=torch.contiguous_format).transpose(1, 2)
 
 
 def _copies_unfriendly_views(spec) -> bool:

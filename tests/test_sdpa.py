@@ -85,6 +85,24 @@ def test_views_the_fused_gpu_kernels_cannot_read_are_detected():
     assert not _fused_kernel_friendly(torch.randn(2, 40, 4, 48).transpose(-1, -2))
     assert _fused_kernel_friendly(torch.randn(2, 40, 4, 48, dtype=torch.float16))
     assert _fused_kernel_friendly(torch.randn(2, 4, 40, 48, dtype=torch.float16).transpose(1, 2))
+    # size-1 dims with strides that are not 16-byte multiples (a view into a padded buffer, as the
+    # property suite made one): torch calls it contiguous, the memory-efficient kernel refuses it
+    odd = torch.randn(1, 1, 1, 38, dtype=torch.float16).as_strided((1, 1, 1, 16), (38, 38, 19, 1))
+    assert odd.is_contiguous() and not _fused_kernel_friendly(odd)
+    assert _fused_kernel_friendly(torch.randn(1, 1, 1, 16, dtype=torch.float16))
+
+
+def test_dense_copy_gives_the_strides_of_its_sizes():
+    """The copy of an unfriendly view is a new tensor whose strides follow its sizes, even where
+    torch counts the view contiguous (size-1 dims with odd strides): then the fused kernels can
+    read it (backends/sdpa.py _dense_copy)."""
+    from portattn.backends.sdpa import _dense_copy, _fused_kernel_friendly
+    odd = torch.randn(1, 1, 1, 38, dtype=torch.float16).as_strided((1, 1, 1, 16), (38, 38, 19, 1))
+    copy = _dense_copy(odd)
+    assert copy.stride() == (16, 16, 16, 1) and torch.equal(copy, odd) and _fused_kernel_friendly(copy)
+    bhsd = torch.randn(2, 3, 5, 16, dtype=torch.float16).transpose(1, 2)[:, :, :, :8]   # (B, S, H, D) view
+    c2 = _dense_copy(bhsd)
+    assert torch.equal(c2, bhsd) and c2.transpose(1, 2).is_contiguous() and c2.data_ptr() != bhsd.data_ptr()
 
 
 @pytest.mark.parametrize("device", DEVICES)
