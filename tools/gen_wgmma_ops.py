@@ -31,26 +31,16 @@ def _outs(n_acc: int) -> str:
     return ", ".join(f'"+f"(d[{i}])' for i in range(n_acc))
 
 
-def ss(ctype: str, ptx: str, n: int) -> str:
-    acc = n // 2
-    return f"""template <> __device__ __forceinline__ void wgmma_ss<{ctype}, {n}>(float* d, unsigned long long da,
-                                                                unsigned long long db, int scale_d) {{
+def ss(ctype: str, ptx: str, n: int, mn_major: bool = False) -> str:
+    """wgmma_ss (both operands K-major) or, ``mn_major``, wgmma_ss_mn (both MN-major: trans-a =
+    trans-b = 1)."""
+    acc, name, trans = n // 2, "wgmma_ss_mn" if mn_major else "wgmma_ss", "1, 1" if mn_major else "0, 0"
+    pad = " " * len(name)
+    return f"""template <> __device__ __forceinline__ void {name}<{ctype}, {n}>(float* d, unsigned long long da,
+{" " * 56}{pad}unsigned long long db, int scale_d) {{
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{_regs(acc)}}}, %{acc}, %{acc + 1}, p, 1, 1, 0, 0;\\n}}\\n"
-        : {_outs(acc)}
-        : "l"(da), "l"(db), "r"(scale_d));
-}}
-"""
-
-
-def ss_mn(ctype: str, ptx: str, n: int) -> str:
-    acc = n // 2
-    return f"""template <> __device__ __forceinline__ void wgmma_ss_mn<{ctype}, {n}>(float* d, unsigned long long da,
-                                                                   unsigned long long db, int scale_d) {{
-    asm volatile(
-        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{_regs(acc)}}}, %{acc}, %{acc + 1}, p, 1, 1, 1, 1;\\n}}\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{_regs(acc)}}}, %{acc}, %{acc + 1}, p, 1, 1, {trans};\\n}}\\n"
         : {_outs(acc)}
         : "l"(da), "l"(db), "r"(scale_d));
 }}
@@ -97,7 +87,7 @@ __device__ __forceinline__ void wgmma_ss_mn(float* d, unsigned long long da, uns
             parts.append(ss(ctype, ptx, n))
             parts.append(rs(ctype, ptx, n))
             if n in NS_MN:
-                parts.append(ss_mn(ctype, ptx, n))
+                parts.append(ss(ctype, ptx, n, mn_major=True))
     return "\n".join(parts)
 
 
