@@ -288,7 +288,7 @@ def fused_dq_choice(cfg: KernelConfig, deterministic: bool, mode: str | None = N
     """(whether the backward module ``cfg`` runs its fused atomic dQ, why), for a call that
     requests determinism or not; ``mode`` (default :data:`DQ_ENV`): see :data:`DQ_MODES`."""
     mode = dq_mode() if mode is None else mode
-    if "dkdv_dq" not in cfg.kernel_names():
+    if not cfg.has_fused_dq:
         return False, (f"{cfg.family} at padded head dim {cfg.head_dim} has no fused dQ (the wgmma backward has it "
                        f"at {', '.join(map(str, WGMMA_BWD_FUSED_DQ_HEAD_DIMS))}, one-CTA tiles): the dQ kernel")
     if deterministic:
