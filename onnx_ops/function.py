@@ -233,6 +233,10 @@ def FlashAttentionLoop(Q, K, V, hq, hkv, alibi_slopes, bias5, bias_cols, mask5, 
     l = op.Expand(zero_f, op.Concat(rows_shape, one1, axis=0))
     acc = op.Expand(zero_f, op.Concat(rows_shape, op.Shape(v5, start=4, end=5), axis=0))
     n_blocks = op.Div(op.Sub(op.Add(op.Sub(col_hi, col_lo), block), one), block)
+    # no row (Sq or B·Hq zero): no block is visited. onnxruntime 1.30's broadcasting refuses the
+    # empty blocks' (B, Hkv, G, 0, ...) products (Mul: "4 by 16"); 1.32 accepts them.
+    has_rows = op.Min(op.ReduceProd(rows_shape, keepdims=0), one)
+    n_blocks = op.Mul(n_blocks, has_rows)
     for blk_index in range(n_blocks):
         j0 = op.Add(col_lo, op.Mul(blk_index, block))
         j1 = op.Min(op.Add(j0, block), col_hi)

@@ -62,7 +62,10 @@ class Launches:
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Record the backward's launches (ops calls ``launcher.fast(kernel)[grid](...)``)."""
+    """Record the backward's launches (ops calls ``launcher.fast(kernel)[grid](...)``). The
+    portable backward is pinned: the atomic dQ is its dK/dV kernel's, and on Hopper ``auto``
+    takes the Gluon backward at D 128 / 256 (``gluon_bwd.auto_takes``), which launches neither."""
+    monkeypatch.setenv("PORTATTN_TRITON_BACKWARD", "portable")
     rec = Launches()
     fast = ops.launcher.fast
     names = {id(getattr(kernels, n)): n for n in ("attn_bwd_prep", "attn_bwd_dq", "attn_bwd_dkdv")}

@@ -223,6 +223,7 @@ for d in (128, 256):
         ptx = k.asm["ptx"]
         out[f"D{d} {atomic}"] = dict(shared=int(k.metadata.shared), wgmma=ptx.count("wgmma.mma_async"),
                                      mma_sync=ptx.count("mma.sync"), red_f32=len(re.findall(r"red\.[a-z.]*add[a-z0-9.]*f32", ptx)),
+                                     atom_f32=len(re.findall(r"\batom\.[a-z.]*add[a-z0-9.]*f32", ptx)),
                                      atom=len(re.findall(r"\batom\.", ptx)))
 print(json.dumps(out))
 """
@@ -231,12 +232,15 @@ print(json.dumps(out))
 def test_atomic_dq_compiles_to_wgmma_and_float32_reductions_on_sm90():
     """attn_bwd_dkdv with DQ_ATOMIC (issue #14) for sm_90's atomic rows (D 128, and D 256's split
     row): every product a wgmma (dQ is formed transposed, Kᵀ dSᵀ, so its M dimension is the head
-    dim even for 16-row query tiles), dQ added with fire-and-forget float32 reductions (red, not
-    atom: nothing reads the old value), within the shared memory limit; without DQ_ATOMIC no
-    reduction is left. One subprocess, no GPU."""
+    dim even for 16-row query tiles), dQ added with float32 global adds and no other atomic,
+    within the shared memory limit; without DQ_ATOMIC no add is left. Which instruction carries
+    the add is Triton's choice: 3.7 and later write fire-and-forget reductions (``red``), 3.6 (the
+    H200's) vector ``atom.global.gpu.relaxed.add.v4.f32`` whose results nothing reads. One
+    subprocess, no GPU."""
     got = compile_in_subprocess(_ATOMIC_DQ)
     for d in (128, 256):
         plain, atomic = got[f"D{d} False"], got[f"D{d} True"]
-        assert plain["red_f32"] == 0 and atomic["red_f32"] > 0 and atomic["atom"] == 0, got
+        adds = atomic["red_f32"] + atomic["atom_f32"]
+        assert plain["red_f32"] + plain["atom"] == 0 and adds > 0 and atomic["atom"] == atomic["atom_f32"], got
         assert atomic["wgmma"] > plain["wgmma"] > 0 and atomic["mma_sync"] == 0, got
         assert atomic["shared"] <= 232448, got
