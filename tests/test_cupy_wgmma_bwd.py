@@ -134,6 +134,9 @@ def test_wgmma_backward_config_geometry():
             assert cfg.has_fused_dq == fused
             if fused:
                 expect["dkdv_dq"] = f"attn_bwd_dkdv_wgmma<{cfg.ctype}, {hd}, {bm}, {nwk}, false, true>"
+                # the opt-in warp-specialized ones (attn_bwd_dkdv_wgmma_ws.cu)
+                expect["dkdv_dq_ws"] = f"attn_bwd_dkdv_wgmma_ws<{cfg.ctype}, {hd}, false>"
+                expect["dkdv_dq_wsl"] = f"attn_bwd_dkdv_wgmma_ws<{cfg.ctype}, {hd}, true>"
             assert cfg.kernel_names() == expect
             if hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS:
                 # the other walk: the same launch geometry, a third Q/dO (dK/dV) or K (dQ) buffer when overlapped
@@ -160,6 +163,12 @@ def test_wgmma_backward_config_geometry():
                 assert cfg.bwd_tile("dkdv_dq") == (bm, nwk) == (64, 2)
                 assert cfg.smem_bytes("dkdv_dq") == serial.smem_bytes("dkdv") + keys * 64 * 2
                 assert cfg.smem_bytes("dkdv_dq") <= cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
+                # warp-specialized: a producer warpgroup beside the two consumers, two dS^T tiles
+                # and four 8-byte mbarriers; the same keys per CTA
+                for role in ("dkdv_dq_ws", "dkdv_dq_wsl"):
+                    assert cfg.threads(role) == 384 and cfg.block_rows(role) == keys
+                    assert cfg.smem_bytes(role) == serial.smem_bytes("dkdv") + 2 * keys * 64 * 2 + 32
+                    assert cfg.smem_bytes(role) <= cfg.max_smem_bytes()
             assert cfg.threads("dq") == 128 * nwq and cfg.block_rows("dq") == 64 * nwq
             assert cfg.threads("preprocess") == configs.PRE_THREADS and cfg.smem_bytes("preprocess") == 0
             assert cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
@@ -248,7 +257,8 @@ def test_wgmma_backward_plan_matches_signature(kw):
     # the default: the fused dQ where configs.fused_dq_choice takes it
     fused = configs.fused_dq_choice(cfg, spec.deterministic)[0]
     default = runtime.plan_backward(spec, out, lse, out.clone(), cfg)
-    assert [x.role for x in default.launches] == (["preprocess", "dkdv_dq"] if fused else ["preprocess", "dkdv", "dq"])
+    assert [x.role for x in default.launches] == (["preprocess", configs.fused_dq_role()] if fused
+                                                  else ["preprocess", "dkdv", "dq"])
     with pytest.raises(ValueError, match="softcap"):
         runtime.plan_backward(build_spec(q, k, v, softcap=2.0), out, lse, out.clone(), cfg)
 
@@ -279,7 +289,7 @@ def _plan_on_cpu(cfg, fused_dq=None, deterministic=False, d=None, dv=None, **kw)
 
 def test_fused_dq_mode_env(monkeypatch):
     monkeypatch.delenv(configs.DQ_ENV, raising=False)
-    assert configs.DQ_ENV == "PORTATTN_CUPY_DQ" and configs.DQ_MODES == ("auto", "atomic", "kernel")
+    assert configs.DQ_ENV == "PORTATTN_CUPY_DQ" and configs.DQ_MODES == ("auto", "atomic", "kernel", "ws", "ws_local")
     assert configs.dq_mode() == "auto"
     monkeypatch.setenv(configs.DQ_ENV, "")
     assert configs.dq_mode() == "auto"
@@ -341,7 +351,7 @@ def test_fused_dq_choice(dt, monkeypatch):
 @pytest.mark.parametrize("hd", configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS)
 @pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window": (40, 8)}])
 def test_fused_dq_plan(hd, kw):
-    """plan_backward(..., fused_dq=True) with the wgmma module (CPU tensors: nothing launches):
+    """plan_backward(..., fused_dq="dkdv_dq") with the wgmma module (CPU tensors: nothing launches):
     the preprocess and the fused-dQ dK/dV only (no dQ kernel), the dK/dV's grid and arguments (the
     kernel's signature, the float32 dQ buffer and its strides last), setup zeroing that buffer and
     finish writing dq = scale * it into the caller's dq; the same module without it passes a null
@@ -349,7 +359,7 @@ def test_fused_dq_plan(hd, kw):
     d, dv = hd - 24, hd - 40   # padded to hd; dq, dk and dv at their 8-aligned widths
     cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd)
     assert configs.wgmma_backward_config("bfloat16", d, dv) == cfg
-    spec, plan = _plan_on_cpu(cfg, fused_dq=True, d=d, dv=dv, **kw)
+    spec, plan = _plan_on_cpu(cfg, fused_dq="dkdv_dq", d=d, dv=dv, **kw)
     assert [x.role for x in plan.launches] == ["preprocess", "dkdv_dq"]
     pre, dkdv = plan.launches
     assert dkdv.cfg == cfg and cfg.kernel_names()[dkdv.role] == f"attn_bwd_dkdv_wgmma<pa_bf16, {hd}, 64, 2, false, true>"
@@ -389,7 +399,7 @@ def test_fused_dq_plan_default_follows_the_choice(monkeypatch):
     monkeypatch.setattr(configs, "WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS", ())
     assert roles(_plan_on_cpu(cfg)[1]) == ["preprocess", "dkdv", "dq"]            # auto, fusing nowhere
     monkeypatch.setattr(configs, "WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS", (128,))
-    assert roles(_plan_on_cpu(cfg)[1]) == ["preprocess", "dkdv_dq"]
+    assert roles(_plan_on_cpu(cfg)[1]) == ["preprocess", configs.WGMMA_BWD_FUSED_DQ_AUTO_ROLE]
     assert roles(_plan_on_cpu(cfg, deterministic=True)[1]) == ["preprocess", "dkdv", "dq"]
     monkeypatch.setenv(configs.DQ_ENV, "atomic")
     assert roles(_plan_on_cpu(cfg)[1]) == ["preprocess", "dkdv_dq"]
@@ -428,11 +438,21 @@ def test_runtime_falls_back_when_sm90a_does_not_compile(monkeypatch):
 
 
 # ----- CPU: the sm_90a compile -------------------------------------------------------------------
+#: the opt-in warp-specialized fused-dQ dK/dV roles (attn_bwd_wgmma_ws.cu), checked by their own tests
+WS_ROLES = ("dkdv_dq_ws", "dkdv_dq_wsl")
+
+
 def _bwd_wgmma_names() -> list:
-    """The sm_90a backward's kernels (not the preprocess), each once: the fused-dQ dK/dV is the
-    same kernel in the modules of either walk."""
+    """The sm_90a backward's kernels (not the preprocess, not the warp-specialized ones), each
+    once: the fused-dQ dK/dV is the same kernel in the modules of either walk."""
     return list(dict.fromkeys(n for c in configs.wgmma_configs() if c.family == "bwd_wgmma"
-                              for r, n in c.kernel_names().items() if r != "preprocess"))
+                              for r, n in c.kernel_names().items() if r != "preprocess" and r not in WS_ROLES))
+
+
+def _ws_names() -> list:
+    """The warp-specialized fused-dQ dK/dV kernels, each once."""
+    return list(dict.fromkeys(c.kernel_names()[r] for c in configs.wgmma_configs() if c.family == "bwd_wgmma"
+                              and c.has_fused_dq for r in WS_ROLES))
 
 
 def _fused_dq_names() -> set:
@@ -546,6 +566,106 @@ def test_sm90a_ptx_keeps_backward_wgmma_registers_behind_the_fences():
         assert body.count("atom.global.add.v2.f32") + body.count("red.global.add.v2.f32") == (hd // 8 if dq else 0), name
 
 
+# ----- CPU: the opt-in warp-specialized fused-dQ dK/dV (attn_bwd_wgmma_ws.cu) -------------------
+def test_ws_fused_dq_modes_and_roles(monkeypatch):
+    """PORTATTN_CUPY_DQ=ws / ws_local fuse dQ (not when determinism is requested) and name the
+    warp-specialized roles; auto and atomic the fused kernel's; a role the module lacks is an error."""
+    cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", 128)
+    assert configs.FUSED_DQ_ROLES == {"dkdv_dq": "atomic", "dkdv_dq_ws": "ws", "dkdv_dq_wsl": "ws_local"}
+    assert configs.WGMMA_BWD_FUSED_DQ_AUTO_ROLE == "dkdv_dq_ws"   # timed on the H200 (configs says)
+    for mode, role in (("auto", "dkdv_dq_ws"), ("atomic", "dkdv_dq"), ("ws", "dkdv_dq_ws"), ("ws_local", "dkdv_dq_wsl")):
+        assert configs.fused_dq_role(mode) == role
+        monkeypatch.setenv(configs.DQ_ENV, mode)
+        assert configs.fused_dq_role() == role
+        fused, why = configs.fused_dq_choice(cfg, False)
+        assert fused and (("warp-specialized" in why) == role.startswith("dkdv_dq_ws")), why
+        assert not configs.fused_dq_choice(cfg, True)[0]
+        spec, plan = _plan_on_cpu(cfg)
+        assert [x.role for x in plan.launches] == ["preprocess", role]
+        spec, plan = _plan_on_cpu(cfg, deterministic=True)
+        assert [x.role for x in plan.launches] == ["preprocess", "dkdv", "dq"]
+    monkeypatch.delenv(configs.DQ_ENV)
+    with pytest.raises(ValueError, match="fused_dq='dkdv_dq_wx'"):
+        _plan_on_cpu(cfg, fused_dq="dkdv_dq_wx")
+    with pytest.raises(ValueError, match="no fused-dQ kernel"):
+        _plan_on_cpu(configs.KernelConfig("bwd_wgmma", "bfloat16", 256), fused_dq="dkdv_dq_ws")
+
+
+@pytest.mark.parametrize("role", WS_ROLES)
+def test_ws_fused_dq_plan(role):
+    """fused_dq=<role>: the preprocess and that kernel, 384 threads, the fused kernel's grid and
+    arguments (its signature: the dK/dV's plus the float32 dQ buffer), the same setup / finish."""
+    cfg = configs.KernelConfig("bwd_wgmma", "float16", 64)
+    spec, plan = _plan_on_cpu(cfg, fused_dq=role, causal=True)
+    _, fused = _plan_on_cpu(cfg, fused_dq=True, causal=True)
+    assert [x.role for x in plan.launches] == ["preprocess", role]
+    ws, ref = plan.launches[1], fused.launches[1]
+    assert cfg.kernel_names()[role] == f"attn_bwd_dkdv_wgmma_ws<pa_half, 64, {'true' if role.endswith('l') else 'false'}>"
+    assert len(ws.args) == len(ref.args) == _wgmma_param_count("attn_bwd_dkdv_wgmma_ws")
+    assert ws.grid == ref.grid and cfg.threads(role) == 384 and cfg.smem_bytes(role) > cfg.smem_bytes("dkdv_dq")
+    assert len(plan.setup) == len(plan.finish) == 1
+
+
+def _ws_source() -> str:
+    src = configs.source(configs.WGMMA_SOURCE_FILES)
+    return src[src.index("attn_bwd_dkdv_wgmma_ws(PA_COMMON_PARAMS"):]
+
+
+def test_ws_kernel_protocol_in_the_source():
+    """The producer / consumer protocol as written: full barriers count the producer's 128
+    threads and empty ones both consumers' 256; the producer waits on `empty` with the parity of
+    the stage's previous use and every consumer waits on `full` with the tile's; the consumers
+    arrive on `empty` once per tile on every path (skipped tiles too); the dQ barrier is one
+    warpgroup's 128 threads (ids 2, 3) or both consumers' 256 (id 1); the register split fits the
+    register file."""
+    src = _ws_source()
+    assert "mbar_init(bar_full + 8 * st, 128);" in src and "mbar_init(bar_empty + 8 * st, 256);" in src
+    assert "if (it >= STAGES) mbar_wait(bar_empty + 8 * st, ((it / STAGES) - 1) & 1);" in src
+    assert "mbar_wait(bar_full + 8 * stg, (it / STAGES) & 1);" in src
+    loop = src[src.index("for (int it = 0; it < n_iter; ++it) {\n        const int stg"):src.index("// Epilogue")]
+    skip = loop[loop.index("tile_any_visible"):loop.index("continue;")]
+    assert skip.count("mbar_arrive(bar_empty + 8 * stg);") == 1
+    assert loop.count("mbar_arrive(bar_empty + 8 * stg);") == 2 and "if (part == 0) mbar_arrive" in loop
+    assert "named_bar_sync(2 + c, 128);" in loop and "named_bar_sync(1, 256);" in loop
+    assert "dsb ^= 1;" in loop and loop.index("dsb ^= 1;") > loop.index("red_acc_rows")
+    regs = re.search(r"PRODUCER_REGS = HD == 64 \? (\d+) : (\d+), CONSUMER_REGS = HD == 64 \? (\d+) : (\d+);", src)
+    p64, p128, c64, c128 = map(int, regs.groups())
+    for p, c in ((p64, c64), (p128, c128)):
+        assert 128 * p + 256 * c <= 64512 and p % 8 == 0 and c % 8 == 0 and 24 <= p and c <= 256
+
+
+@needs_nvrtc
+def test_ws_kernels_compile_within_their_spill_allowance_and_keep_the_chains(tmp_path):
+    """Every warp-specialized kernel compiles for sm_90a (no wgmma serialised), within
+    WGMMA_BWD_WS_SPILL_BYTES, with the register split in its SASS (USETMAXREG) and HGMMA only; in
+    its PTX no ordinary instruction touches a chain's registers in flight, the fused dQ's products
+    are MN-major at N = HD / 2 over 128 keys (ws) or N = 64 over 64 keys per column block (wsl),
+    with HD / 8 (ws) or HD / 4 (wsl) float2 atomic adds per thread and tile."""
+    names = _ws_names()
+    assert len(names) == 2 * len(configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS) * 2
+    log, lowered = compile_check.compile_names(names, "90a", cubin_out=str(tmp_path / "ws.cubin"))
+    assert "serialized" not in log, log
+    for r in compile_check.parse_ptxas_log(log, lowered, "90a"):
+        if log.strip():
+            assert max(r.spill_stores or 0, r.spill_loads or 0, r.stack or 0) <= configs.WGMMA_BWD_WS_SPILL_BYTES, r
+    for name, body in _sm90a_ptx_entries(names).items():
+        hd, local = int(re.search(r"<\w+, (\d+),", name).group(1)), name.endswith("true>")
+        assert wgmma_register_hazards(body) == [], name
+        assert body.count("setmaxnreg.dec") == body.count("setmaxnreg.inc") == 1, name
+        mn = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(?:f16\.f16|bf16\.bf16) [^;]*, p, 1, 1, 1, 1;",
+                        body)
+        assert mn == ([str(64)] * (hd // 64) * 4 if local else [str(hd // 2)] * 8), name
+        adds = body.count("atom.global.add.v2.f32") + body.count("red.global.add.v2.f32")
+        assert adds == (hd // 4 if local else hd // 8), name
+    try:
+        sass = _sass(str(tmp_path / "ws.cubin"))
+    except pytest.skip.Exception:
+        return
+    for name, low in lowered.items():
+        block = sass.split(f"Function : {low}")[1].split("Function : ")[0]
+        assert "USETMAXREG" in block and "HGMMA." in block and "HMMA." not in block, name
+
+
 # ----- GPU ---------------------------------------------------------------------------------------
 def _wgmma_bwd_cases():
     try:
@@ -620,6 +740,70 @@ def test_wgmma_backward_matches_reference(monkeypatch, case, dtype):
         if not diff <= 2 * res.tolerance:
             bad.append(f"{name}: max|wgmma - mma| = {diff:.3g} > {2 * res.tolerance:.3g}")
     assert not bad, f"{case} {dtype}: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("mode", ["ws", "ws_local"])
+@pytest.mark.parametrize("case", [c for c in _wgmma_bwd_cases() if c in (
+    "basic", "causal_br_sq_gt_sk", "causal_br_empty_ctas", "gqa_causal", "varlen_causal", "varlen_window")])
+@pytest.mark.gpu
+@sm90_only
+def test_ws_fused_dq_matches_reference(monkeypatch, case, mode):
+    """The opt-in warp-specialized fused-dQ dK/dV (PORTATTN_CUPY_DQ=ws / ws_local) at the padded
+    HD 64 / 128 of the case: dk and dv bit-identical to the deterministic backward's (the same
+    products in the same order), dq against float64, rows with no visible key exactly 0."""
+    from portattn.backends.cupy import CupyBackend, runtime
+    from test_cupy import _grad_scale, _grads, _inputs, _to_layout
+
+    from portattn.numerics import compare
+    from portattn.reference import naive_forward, reference_forward
+
+    q, k, v, kw = _inputs(case, torch.bfloat16, seed=13)
+    spec = build_spec(q, k, v, **kw)
+    monkeypatch.setenv(configs.BACKWARD_ENV, "wgmma")
+    cfg = runtime.backward_choice(spec)[0]
+    if not cfg.has_fused_dq:
+        pytest.skip(f"padded HD {cfg.head_dim}: no fused dQ")
+    be = CupyBackend()
+    out, lse = be.forward(spec)
+    dout = torch.randn(spec.out_shape, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda")
+    dout = dout.to(torch.bfloat16)
+    det = be.backward(dataclasses.replace(spec, deterministic=True), out, lse, dout)[:3]
+    monkeypatch.setenv(configs.DQ_ENV, mode)
+    ws = be.backward(spec, out, lse, dout)[:3]
+    torch.cuda.synchronize()
+    assert torch.equal(ws[1], det[1]) and torch.equal(ws[2], det[2]), f"{mode}: dk / dv differ"
+    assert _zero_grad_rows_ok(spec, kw, q, k, v, ws[0]), "rows with no visible key must get zero dq"
+    r = _to_layout(_grads(reference_forward, q, k, v, kw, dout, torch.float64)[0], kw)
+    n = _to_layout(_grads(naive_forward, q, k, v, kw, dout, torch.bfloat16)[0], kw)
+    res = compare("dq", ws[0], r, n, factor=3, zero_ref_scale=_grad_scale(spec, dout, k, v))
+    assert res.passed, f"{case} {mode}: {res}"
+
+
+@pytest.mark.parametrize("mode", ["ws", "ws_local"])
+@pytest.mark.gpu
+@sm90_only
+def test_ws_fused_dq_large_and_bad_cu_seqlens(monkeypatch, mode):
+    """The warp-specialized kernels on many tiles per CTA (GQA, causal and not, HD 64 and 128) and
+    on the bad-cu_seqlens cases (they must stay in bounds)."""
+    import test_cu_seqlens_safety
+    from portattn.backends.cupy import CupyBackend
+    from test_cu_seqlens_safety import BAD, run_bad_case
+    from test_cupy import assert_large_backward_close
+
+    monkeypatch.setenv(configs.BACKWARD_ENV, "wgmma")
+    monkeypatch.setenv(configs.DQ_ENV, mode)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for d in configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS:
+        q = torch.randn(2, 1024, 8, d, generator=g, device="cuda").to(torch.bfloat16)
+        k, v = (torch.randn(2, 1024, 2, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+        for causal in (False, True):
+            spec = build_spec(q, k, v, causal=causal)
+            out, lse = CupyBackend().forward(spec)
+            dout = torch.randn(spec.out_shape, generator=g, device="cuda").to(torch.bfloat16)
+            assert_large_backward_close(q, k, v, causal, dout, CupyBackend().backward(spec, out, lse, dout)[:3])
+        monkeypatch.setattr(test_cu_seqlens_safety, "D", d)
+        for name in sorted(BAD):
+            run_bad_case(monkeypatch, "cupy", name, "causal", dtype=torch.bfloat16, device="cuda")
 
 
 @pytest.mark.parametrize("d", configs.WGMMA_BWD_HEAD_DIMS)

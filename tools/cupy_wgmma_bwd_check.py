@@ -96,6 +96,9 @@ OTHER_WALK_NAME = ("the walk that leaves each tile's dV/dK and dQ in flight into
                    if OTHER_WALK[0] else "the walk that retires each tile's products within it")
 ALT_TILES_NAME = (f"at HD {'/'.join(map(str, _configs.WGMMA_BWD_TWO_CTA_CAPABLE))}: the "
                   + ("one-CTA tiles" if _configs.WGMMA_BWD_TWO_CTA_HEAD_DIMS else "two-CTA tiles"))
+#: The fused atomic-dQ dK/dV kernels, as families of this tool: family -> configs.FUSED_DQ_ROLES role
+#: ("fused" the one PORTATTN_CUPY_DQ=auto runs; "ws" / "wsl" the opt-in warp-specialized ones)
+FUSED_FAMILIES = {"fused": "dkdv_dq", "ws": "dkdv_dq_ws", "wsl": "dkdv_dq_wsl"}
 #: timed cells (S, D, causal), most informative first
 TIME_CELLS = [(s, d, c) for s in (4096, 1024, 16384) for d in (128, 256, 64) for c in (False, True)]
 
@@ -148,7 +151,7 @@ def _inputs(case):
 
 def _config(family: str, dt: str, d: int, dv: int):
     """The backward module of ``family``: "wgmma" (the sm_90a kernels as ``auto`` builds them;
-    "fused": the same module, whose fused-dQ kernel :func:`_plan` runs),
+    "fused", "ws", "wsl": the same module, whose fused-dQ kernel of :data:`FUSED_FAMILIES` :func:`_plan` runs),
     "other" (the same with the other walk, :data:`OTHER_WALK`: overlapped across tiles or not),
     "alt" (the other tiles, :func:`has_alt_tiles`), "mma" (mma.sync)."""
     from portattn.backends.cupy import configs
@@ -156,7 +159,7 @@ def _config(family: str, dt: str, d: int, dv: int):
     if family == "mma":
         return configs.backward_config(dt, d, dv, mode="auto")
     cfg = configs.wgmma_backward_config(dt, d, dv)
-    if family in ("wgmma", "fused"):
+    if family == "wgmma" or family in FUSED_FAMILIES:
         return cfg
     tile = (configs.wgmma_bwd_other_tiles if family == "alt" else configs.wgmma_bwd_other_walk)(cfg.head_dim)
     return configs.KernelConfig(cfg.family, cfg.dtype, cfg.head_dim, tile=tile)
@@ -168,14 +171,15 @@ def has_fused(dt: str, d: int, dv: int) -> bool:
 
 
 def _plan(spec, out, lse, dout, dlse, family: str):
-    """The backward plan of ``family`` (:func:`_config`; ``fused``: the wgmma module's fused
-    atomic-dQ dK/dV kernel, every other family the deterministic dK/dV and dQ kernels)."""
+    """The backward plan of ``family`` (:func:`_config`; ``fused``, ``ws``, ``wsl``: the wgmma
+    module's fused atomic-dQ dK/dV kernel of that role, every other family the deterministic dK/dV
+    and dQ kernels)."""
     from portattn.backends.cupy import runtime
 
     dt = runtime._DTYPE_NAMES[spec.dtype]
     cfg = _config(family, dt, spec.head_dim, spec.head_dim_v)
     return runtime.plan_backward(spec, out, lse, dout, cfg, dlse,
-                                 fused_dq=family == "fused" if cfg.family == "bwd_wgmma" else None)
+                                 fused_dq=FUSED_FAMILIES.get(family, False) if cfg.family == "bwd_wgmma" else None)
 
 
 def run_backward(spec, out, lse, dout, dlse, family: str, poison: bool = True):
@@ -254,24 +258,27 @@ def check_case(case) -> dict:
         row["alt"] = {"passed": rep and all(c.passed and not torch.isnan(a).any() for c, a in zip(cs, a1)),
                       "repeat_bit_identical": rep, "scores": [c.score for c in cs], "text": [str(c) for c in cs]}
         ok = ok and row["alt"]["passed"]
-    if has_fused(dt, spec.head_dim, spec.head_dim_v):
+    fused_dq = {}   # family -> its dq (rows with no visible key are checked below)
+    for fam in (FUSED_FAMILIES if has_fused(dt, spec.head_dim, spec.head_dim_v) else ()):
         # the fused atomic dQ: dq's sum order varies, so checked against float64 (dk / dv come from
         # the same arithmetic in the same order as the two-kernel backward's: the same bits)
-        f1, f2 = run_backward(spec, out, lse, dout, dlse, "fused"), run_backward(spec, out, lse, dout, dlse, "fused")
+        f1, f2 = run_backward(spec, out, lse, dout, dlse, fam), run_backward(spec, out, lse, dout, dlse, fam)
         cs = [compare(name, a, r, n, factor=3, zero_ref_scale=zs) for name, a, r, n in zip(("dq", "dk", "dv"), f1, ref, naive)]
         same = all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(f1[1:], g1[1:]))
-        row["fused"] = {"passed": same and all(c.passed and not torch.isnan(a).any() for c, a in zip(cs, f1)),
-                        "dkdv_equal_kernel": same, "scores": [c.score for c in cs], "text": [str(c) for c in cs],
-                        "dq_repeat_bit_identical": torch.equal(f1[0].nan_to_num(7.0), f2[0].nan_to_num(7.0)),
-                        "dq_max_diff_vs_kernel": float((f1[0].double() - g1[0].double()).abs().nan_to_num(1e30).max())
-                        if f1[0].numel() else 0.0}
-        ok = ok and row["fused"]["passed"]
+        row[fam] = {"passed": same and all(c.passed and not torch.isnan(a).any() for c, a in zip(cs, f1)),
+                    "dkdv_equal_kernel": same, "scores": [c.score for c in cs], "text": [str(c) for c in cs],
+                    "dq_repeat_bit_identical": torch.equal(f1[0].nan_to_num(7.0), f2[0].nan_to_num(7.0)),
+                    "dq_max_diff_vs_kernel": float((f1[0].double() - g1[0].double()).abs().nan_to_num(1e30).max())
+                    if f1[0].numel() else 0.0}
+        fused_dq[fam] = f1[0]
+        ok = ok and row[fam]["passed"]
     _, ref_lse = reference_forward(build_spec(q.double(), k.double(), v.double(), **kw))
     empty = torch.isneginf(ref_lse)
     row["empty_rows"] = int(empty.sum())
     if bool(empty.any()):
         rows = empty.transpose(0, 1) if spec.is_varlen else empty.transpose(1, 2)
-        row["empty_rows_zero_dq"] = bool((g1[0][rows] == 0).all()) and ("fused" not in row or bool((f1[0][rows] == 0).all()))
+        row["empty_rows_zero_dq"] = bool((g1[0][rows] == 0).all()) and all(bool((d[rows] == 0).all())
+                                                                           for d in fused_dq.values())
         ok = ok and row["empty_rows_zero_dq"]
     unseen = (ref[2] == 0).all(dim=-1)   # keys no query sees: float64 dv = sum_i P_ij dO_i is exactly 0
     row["unseen_keys"] = int(unseen.sum())
@@ -343,7 +350,7 @@ def time_cell(cell) -> dict:
     row = {"S": seqlen, "B": batch, "H": heads, "D": d, "causal": causal}
     fams = (("wgmma",) + (("other",) if has_other_walk("bfloat16", d, d) else ())
             + (("alt",) if has_alt_tiles("bfloat16", d, d) else ())
-            + (("fused",) if has_fused("bfloat16", d, d) else ()) + ("mma",))
+            + (tuple(FUSED_FAMILIES) if has_fused("bfloat16", d, d) else ()) + ("mma",))
     fns = {fam: (lambda plan=_plan(spec, out, lse, dout, None, fam): runtime.execute(plan, spec.device))
            for fam in fams}
     qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
@@ -412,12 +419,17 @@ def verdict(res: dict) -> None:
     # ... and the fused-dQ dK/dV where configs allows it a few bytes (HD 128: 4 under NVRTC 13.0 / 13.5)
     opt_in |= {cfg.kernel_names()["dkdv_dq"] for cfg in _configs.wgmma_configs() if cfg.has_fused_dq
                and cfg.head_dim in _configs.WGMMA_BWD_FUSED_DQ_SPILL_BYTES}
+    # ... and the opt-in warp-specialized ones up to configs.WGMMA_BWD_WS_SPILL_BYTES (their producer
+    # runs on 24 / 56 registers; at HD 128 the consumers on 240)
+    ws = {n for cfg in _configs.wgmma_configs() if cfg.has_fused_dq
+          for role, n in cfg.kernel_names().items() if role in ("dkdv_dq_ws", "dkdv_dq_wsl")}
     spills, allowed = [], []
     for m in c.get("modules", {}).values():
         for k, r in m.get("kernels", {}).items():
             worst = max(r.get("spill_stores") or 0, r.get("spill_loads") or 0, r.get("stack") or 0)
             if "wgmma" in k and worst:
-                (allowed if k in opt_in and worst <= 8 else spills).append(k)
+                ok = (k in opt_in and worst <= 8) or (k in ws and worst <= _configs.WGMMA_BWD_WS_SPILL_BYTES)
+                (allowed if ok else spills).append(k)
     if spills:
         why.append(f"spills/stack in {spills}")
     res["opt_in_spills"] = allowed
@@ -453,10 +465,10 @@ def report(res: dict) -> str:
                      + f" rep {str(r['repeat_bit_identical'])[0]} =other {str(r.get('other_walk_bit_identical'))[0]}"
                      + (f" alt {'/'.join(_fmt(x, 5, 3) for x in r['alt']['scores'])} "
                         f"{'ok' if r['alt']['passed'] else 'FAIL'}" if "alt" in r else "")
-                     + (f" fused {'/'.join(_fmt(x, 5, 3) for x in r['fused']['scores'])} "
-                        f"dkdv= {str(r['fused']['dkdv_equal_kernel'])[0]} "
-                        f"dq rep {str(r['fused']['dq_repeat_bit_identical'])[0]} "
-                        f"{'ok' if r['fused']['passed'] else 'FAIL'}" if "fused" in r else "")
+                     + "".join(f" {fam} {'/'.join(_fmt(x, 5, 3) for x in r[fam]['scores'])} "
+                               f"dkdv= {str(r[fam]['dkdv_equal_kernel'])[0]} "
+                               f"dq rep {str(r[fam]['dq_repeat_bit_identical'])[0]} "
+                               f"{'ok' if r[fam]['passed'] else 'FAIL'}" for fam in FUSED_FAMILIES if fam in r)
                      + f" empty {r['empty_rows']}"
                      + (f"/{str(r['empty_rows_zero_dq'])[0]}" if "empty_rows_zero_dq" in r else "")
                      + f" unseen {r.get('unseen_keys', 0)}"
@@ -479,8 +491,8 @@ def report(res: dict) -> str:
     L += ["", f"VERDICT (attn_bwd_*_wgmma): {res.get('verdict', 'INCOMPLETE')}" + (f" ({res['why']})" if res.get("why")
                                                                                    else "")]
     if res.get("opt_in_spills"):
-        L.append(f"(allowed: <= 8 bytes of spill in {res['opt_in_spills']}: the opt-in overlapped walk's and the "
-                 f"fused dQ's at HD 128)")
+        L.append(f"(allowed: spills in {res['opt_in_spills']}: <= 8 bytes in the opt-in overlapped walk's and the "
+                 f"fused dQ's at HD 128, <= {_configs.WGMMA_BWD_WS_SPILL_BYTES} in the opt-in warp-specialized ones)")
     other = [r["other_walk_bit_identical"] for r in (ch or {}).get("rows", []) if "other_walk_bit_identical" in r]
     L.append(f"the other walk ({OTHER_WALK_NAME}): "
              + ("NOT RUN" if not other else "PASS (the same bits in every check)" if all(other)
@@ -491,6 +503,7 @@ def report(res: dict) -> str:
               f"(other = {OTHER_WALK_NAME}; its gradients must equal wgmma's bit for bit)",
               f"(alt = the other tiles, {ALT_TILES_NAME}, checked against float64)",
               "(fused = dQ fused into dK/dV with float32 atomics, not deterministic; checked against float64)",
+              "(ws / wsl = the same by the warp-specialized dK/dV kernel: dQ split by columns / per consumer)",
               f"{'S':>6} {'D':>4} {'causal':>6} {'wgmma':>6} {'other':>6} {'alt':>6} {'fused':>6} {'mma':>6} {'FA2':>6} "
               f"{'cuDNN':>6} {'ot/wg':>6} {'alt/wg':>6} {'fu/wg':>6} {'fu/FA2':>6} {'wg/mma':>6} {'wg/FA2':>6} "
               f"{'wg/cuDNN':>8} {'mma/FA2':>7}"]
@@ -502,11 +515,16 @@ def report(res: dict) -> str:
                      f"{_fmt(_ratio(r, 'other_tflops', 'wgmma_tflops'))} {_fmt(_ratio(r, 'alt_tflops', 'wgmma_tflops'))} "
                      f"{_fmt(_ratio(r, 'fused_tflops', 'wgmma_tflops'))} {_fmt(_ratio(r, 'fused_tflops', 'fa2_tflops'))} "
                      f"{_fmt(_ratio(r, 'wgmma_tflops', 'mma_tflops'))} {_fmt(_ratio(r, 'wgmma_tflops', 'fa2_tflops'))} "
-                     f"{_fmt(_ratio(r, 'wgmma_tflops', 'cudnn_tflops'), 8)} {_fmt(_ratio(r, 'mma_tflops', 'fa2_tflops'), 7)}")
+                     f"{_fmt(_ratio(r, 'wgmma_tflops', 'cudnn_tflops'), 8)} {_fmt(_ratio(r, 'mma_tflops', 'fa2_tflops'), 7)}"
+                     + (f"  ws {_fmt(r.get('ws_tflops'), 6, 1)} wsl {_fmt(r.get('wsl_tflops'), 6, 1)} "
+                        f"ws/fu {_fmt(_ratio(r, 'ws_tflops', 'fused_tflops'))} wsl/fu {_fmt(_ratio(r, 'wsl_tflops', 'fused_tflops'))} "
+                        f"ws/FA2 {_fmt(_ratio(r, 'ws_tflops', 'fa2_tflops'))} wsl/FA2 {_fmt(_ratio(r, 'wsl_tflops', 'fa2_tflops'))}"
+                        if "ws_tflops" in r else ""))
         for a, b in (("wgmma_tflops", "mma_tflops"), ("wgmma_tflops", "fa2_tflops"), ("other_tflops", "wgmma_tflops"),
                      ("other_tflops", "fa2_tflops"), ("alt_tflops", "wgmma_tflops"), ("alt_tflops", "fa2_tflops"),
                      ("fused_tflops", "wgmma_tflops"), ("fused_tflops", "fa2_tflops"), ("fused_tflops", "cudnn_tflops"),
-                     ("mma_tflops", "fa2_tflops")):
+                     ("ws_tflops", "fused_tflops"), ("wsl_tflops", "fused_tflops"), ("ws_tflops", "fa2_tflops"),
+                     ("wsl_tflops", "fa2_tflops"), ("mma_tflops", "fa2_tflops")):
             xs = [_ratio(r, a, b) for r in rows]
             gm = _geomean(xs)
             if gm:
@@ -528,6 +546,8 @@ def parse_args(argv=None):
     p.add_argument("--no-tests", action="store_true", help="skip tests/test_cupy_wgmma_bwd.py")
     p.add_argument("--timings-limit", type=float, default=80.0,
                    help="seconds at most for the timings child (default 80; cells it cannot reach are listed)")
+    p.add_argument("--checks-limit", type=float, default=110.0,
+                   help="seconds at most for the checks child (default 110: each fused family runs twice per case)")
     p.add_argument("--child", choices=("checks", "timings"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.time_limit <= 0:
@@ -553,7 +573,7 @@ def main(argv=None) -> int:
     res["seconds"]["compile"] = time.perf_counter() - t
     _write(a.out, res)
     t = time.perf_counter()
-    res["checks"] = run_child("checks", a.out, min(70.0, left() - 45))
+    res["checks"] = run_child("checks", a.out, min(a.checks_limit, left() - 45))
     res["seconds"]["checks"] = time.perf_counter() - t
     verdict(res)
     _write(a.out, res)

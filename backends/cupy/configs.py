@@ -35,7 +35,8 @@ NVRTC_OPTIONS = ("--std=c++17",)
 #: load_row_stats2, store_acc_rows, lse_log2, tile_needs_mask); templates only, nothing of theirs
 #: is instantiated unless named.
 WGMMA_SOURCE_FILES = ("attn_common.cuh", "attn_wgmma_ops.cuh", "attn_sm90.cuh", "attn_fwd_wgmma.cu",
-                      "attn_fwd_wgmma_ws.cu", "attn_bwd.cu", "attn_bwd_mma.cu", "attn_bwd_wgmma.cu")
+                      "attn_fwd_wgmma_ws.cu", "attn_bwd.cu", "attn_bwd_mma.cu", "attn_bwd_wgmma.cu",
+                      "attn_bwd_wgmma_ws.cu")
 #: The sm_90a families: the wgmma forward, its warp-specialized variant, the layout probe, the
 #: wgmma backward.
 WGMMA_FAMILIES = ("fwd_wgmma", "fwd_wgmma_ws", "wgmma_probe", "bwd_wgmma")
@@ -233,14 +234,36 @@ WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS: tuple = (64, 128)
 #: 255 registers and 4 bytes of spill under NVRTC 13.0 and 13.5, measured with them (above); every
 #: other default kernel must have none (tests/test_cupy_wgmma_bwd.py, tools/cupy_wgmma_bwd_check.py).
 WGMMA_BWD_FUSED_DQ_SPILL_BYTES = {128: 8}
+#: Bytes of spill (stores, loads, stack) the warp-specialized fused-dQ dK/dV kernels
+#: (``dkdv_dq_ws``, ``dkdv_dq_wsl``; attn_bwd_wgmma_ws.cu) may have: their producer warpgroup
+#: runs on 56 registers at HD 64 and 24 at HD 128 (its loop-invariant addresses spill), and at
+#: HD 128 the consumers on 240 (a few loop-invariant values spill): NVRTC 13.0 (the H200 image's)
+#: 28 bytes at HD 64 and 96-120 at HD 128, NVRTC 13.5 12 and 104-144 (timed with them:
+#: :data:`WGMMA_BWD_FUSED_DQ_AUTO_ROLE`).
+WGMMA_BWD_WS_SPILL_BYTES = 256
 #: Environment switch of the 16-bit wgmma backward's dQ when determinism is not requested (read at
 #: call time by :func:`fused_dq_choice`): ``auto`` (default, also unset/empty) = the fused atomic
-#: dQ at :data:`WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS`, the dQ kernel elsewhere; ``atomic`` = the fused
-#: atomic dQ wherever the module has it; ``kernel`` = the deterministic dQ kernel always.
-#: Determinism requested (PORTATTN_DETERMINISTIC, torch.use_deterministic_algorithms) always takes
-#: the dQ kernel.
+#: dQ at :data:`WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS` by :data:`WGMMA_BWD_FUSED_DQ_AUTO_ROLE`, the dQ
+#: kernel elsewhere; ``atomic`` = the fused atomic dQ by the two-warpgroup kernel wherever the
+#: module has it; ``kernel`` = the deterministic dQ kernel always; ``ws`` / ``ws_local`` = the fused
+#: atomic dQ by the warp-specialized dK/dV kernel (see :data:`FUSED_DQ_ROLES`). Determinism requested (PORTATTN_DETERMINISTIC,
+#: torch.use_deterministic_algorithms) always takes the dQ kernel.
 DQ_ENV = "PORTATTN_CUPY_DQ"
-DQ_MODES = ("auto", "atomic", "kernel")
+DQ_MODES = ("auto", "atomic", "kernel", "ws", "ws_local")
+#: The fused-dQ dK/dV role ``PORTATTN_CUPY_DQ=auto`` runs: the warp-specialized kernel, dQ split by
+#: columns between the consumers. On the H200 (2026-12-04, tools/cupy_wgmma_bwd_check.py, bf16,
+#: 16k tokens, hidden 2048, S 1k/4k/16k, HD 64/128, causal and not) it ran 0.997-1.086 x the
+#: fused kernel (geomean 1.051; 0.81-1.13 x FA2), its 16 gradient checks passing with dK / dV
+#: bit-identical to the two-kernel backward's; dQ per consumer (``dkdv_dq_wsl``: twice the atomics)
+#: ran 0.83-1.03 x (geomean 0.92).
+WGMMA_BWD_FUSED_DQ_AUTO_ROLE = "dkdv_dq_ws"
+#: The fused-dQ dK/dV kernels of a module with :attr:`KernelConfig.has_fused_dq`, by role:
+#: ``dkdv_dq`` attn_bwd_dkdv_wgmma<..., DQ = true> (two consumer warpgroups, CTA barriers per
+#: tile), ``dkdv_dq_ws`` attn_bwd_dkdv_wgmma_ws<..., false> (a producer warpgroup, mbarriers; the
+#: consumers meet once per tile for dQ) and ``dkdv_dq_wsl`` attn_bwd_dkdv_wgmma_ws<..., true>
+#: (each consumer's dQ over its own keys: no tie between them). The mode of :data:`DQ_ENV` that
+#: runs each (``auto``: :data:`WGMMA_BWD_FUSED_DQ_AUTO_ROLE`).
+FUSED_DQ_ROLES = {"dkdv_dq": "atomic", "dkdv_dq_ws": "ws", "dkdv_dq_wsl": "ws_local"}
 
 
 def wgmma_bwd_tile(hd: int, role: str, two_cta: bool = False) -> tuple[int, int]:
@@ -284,6 +307,15 @@ def dq_mode() -> str:
                                        "has it; kernel = the deterministic dQ kernel always")
 
 
+def fused_dq_role(mode: str | None = None) -> str:
+    """The fused-dQ dK/dV role (:data:`FUSED_DQ_ROLES`) that ``mode`` (default :data:`DQ_ENV`)
+    runs when :func:`fused_dq_choice` fuses."""
+    mode = dq_mode() if mode is None else mode
+    if mode == "auto":
+        return WGMMA_BWD_FUSED_DQ_AUTO_ROLE
+    return {"ws": "dkdv_dq_ws", "ws_local": "dkdv_dq_wsl"}.get(mode, "dkdv_dq")
+
+
 def fused_dq_choice(cfg: KernelConfig, deterministic: bool, mode: str | None = None) -> tuple[bool, str]:
     """(whether the backward module ``cfg`` runs its fused atomic dQ, why), for a call that
     requests determinism or not; ``mode`` (default :data:`DQ_ENV`): see :data:`DQ_MODES`."""
@@ -299,7 +331,10 @@ def fused_dq_choice(cfg: KernelConfig, deterministic: bool, mode: str | None = N
         auto = ", ".join(map(str, WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS)) or "none"
         return False, (f"padded head dim {cfg.head_dim} (auto fuses dQ at {auto}; {DQ_ENV}=atomic fuses it "
                        f"wherever it exists): the dQ kernel")
-    return True, f"{DQ_ENV}={mode}, determinism not requested: dQ fused into dK/dV with float32 atomics"
+    how = {"dkdv_dq": " (the two-warpgroup kernel)", "dkdv_dq_ws": " (the warp-specialized kernel)",
+           "dkdv_dq_wsl": " (the warp-specialized kernel, dQ per consumer)"}
+    return True, (f"{DQ_ENV}={mode}, determinism not requested: dQ fused into dK/dV with float32 atomics"
+                  + how[fused_dq_role(mode)])
 
 
 def wgmma_bwd_keys(hd: int) -> int:
@@ -421,6 +456,8 @@ class KernelConfig:
                      "dq": f"attn_bwd_dq_wgmma<{t}, {hd}, {bn}, {nwg_q}, {ov}>"}
             if self.has_fused_dq:   # the serial walk whatever the module's
                 names["dkdv_dq"] = f"attn_bwd_dkdv_wgmma<{t}, {hd}, {bm}, {nwg_k}, false, true>"
+                names["dkdv_dq_ws"] = f"attn_bwd_dkdv_wgmma_ws<{t}, {hd}, false>"
+                names["dkdv_dq_wsl"] = f"attn_bwd_dkdv_wgmma_ws<{t}, {hd}, true>"
             return names
         if self.family == "bwd_mma":
             names = {"preprocess": f"attn_bwd_preprocess<{t}>"}
@@ -475,6 +512,8 @@ class KernelConfig:
 
     # ----- launch geometry ---------------------------------------------------------------
     def threads(self, role: str) -> int:
+        if self.family == "bwd_wgmma" and role in ("dkdv_dq_ws", "dkdv_dq_wsl"):
+            return 384   # a producer and two consumer warpgroups
         if self.family == "bwd_wgmma" and role != "preprocess":
             return 128 * self.bwd_tile(role)[1]
         if self.family == "fwd_wgmma":
@@ -518,10 +557,14 @@ class KernelConfig:
             # 1 KB of slack for the 1024-byte alignment of the SW128 tiles; dK/dV: K, V [keys],
             # Q, dO [B][BLOCK_M], lse2 / delta [B][2][BLOCK_M] floats; dQ: Q, dO [64 NWG], K [B][BLOCK_N],
             # V [2][BLOCK_N]; B = 3 buffers with the overlapped walk, else 2; the fused-dQ dK/dV
-            # (serial walk) adds its dS^T tile, [keys x BLOCK_M]
+            # (serial walk) adds its dS^T tile, [keys x BLOCK_M]; the warp-specialized one two of
+            # them and 4 mbarriers
             if role == "preprocess":
                 return 0
             tile, nwg = self.bwd_tile(role)
+            if role in ("dkdv_dq_ws", "dkdv_dq_wsl"):
+                keys = wgmma_bwd_keys(hd)
+                return 1024 + (2 * keys + 4 * tile) * hd * 2 + 2 * keys * tile * 2 + 32 + 16 * tile
             bufs = 3 if self.bwd_overlap and role != "dkdv_dq" else 2
             if role.startswith("dkdv"):
                 keys = wgmma_bwd_keys(hd)

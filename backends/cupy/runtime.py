@@ -288,7 +288,7 @@ def _grad_buffer(like: torch.Tensor, width: int) -> torch.Tensor:
 
 def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                   cfg: configs.KernelConfig | None = None, dlse: torch.Tensor | None = None,
-                  fused_dq: bool | None = None) -> Plan:
+                  fused_dq: bool | str | None = None) -> Plan:
     """Allocate ``(dq, dk, dv)`` and describe the three backward launches.
 
     ``cfg`` overrides the configuration choice: ``configs.fma_backward_config(...)`` forces the
@@ -296,7 +296,7 @@ def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
     :func:`backward_choice` chooses (``PORTATTN_CUPY_BACKWARD``, the device's compute capability
     and shared-memory limit: a tensor-core module that does not fit falls back to the FMA one). ``dlse`` (float32,
     ``spec.lse_shape``, or None) is the gradient of the returned lse: the kernel that forms
-    delta (preprocess or stats) subtracts it.
+    delta (preprocess or stats) subtracts it. ``fused_dq``: see :func:`_plan_backward_mma`.
     """
     if cfg is None:
         cfg = backward_choice(spec)[0]
@@ -351,14 +351,16 @@ def _preprocess_launch(spec, cfg, out, do_args, delta, lse_strides, dlse) -> Lau
                    _ptr(dlse)])
 
 
-def _plan_backward_mma(spec, out, lse, dout, cfg, dlse, fused_dq: bool | None = None) -> Plan:
+def _plan_backward_mma(spec, out, lse, dout, cfg, dlse, fused_dq: bool | str | None = None) -> Plan:
     """The tensor-core backward (fp16/bf16; ``cfg.family`` "bwd_mma" or "bwd_wgmma", whose
     kernels take the same arguments, the wgmma dK/dV's plus the fused dQ's buffer): q, k, v and dO
     with 16-byte aligned rows (padded copies only when needed, as in the forward), gradients
     allocated at the padded widths (so the kernels store aligned pairs) and sliced back to the
     caller's head dims. ``fused_dq`` (None: :func:`configs.fused_dq_choice` for the call's
     determinism and ``PORTATTN_CUPY_DQ``) runs the wgmma module's fused atomic-dQ dK/dV kernel in
-    place of the dK/dV and dQ kernels, then dq = scale * the float32 sum."""
+    place of the dK/dV and dQ kernels, then dq = scale * the float32 sum: True (or the choice)
+    runs the role :func:`configs.fused_dq_role` names for ``PORTATTN_CUPY_DQ``, a role of
+    :data:`configs.FUSED_DQ_ROLES` that one."""
     if cfg.family == "bwd_wgmma" and _needs_extras(spec):
         raise ValueError("the wgmma backward has no softcap / ALiBi / bias (cfg=bwd_wgmma): use the bwd_mma config")
     q, k, v = prepare_inputs(spec, tensor_cores=True)
@@ -375,10 +377,13 @@ def _plan_backward_mma(spec, out, lse, dout, cfg, dlse, fused_dq: bool | None = 
     args, keep = common_args(spec, q, k, v)
     do_args = [_ptr(dout), *_strides3(dout, varlen)]
     suffix = "_extras" if _needs_extras(spec) else ""
+    if isinstance(fused_dq, str) and fused_dq not in configs.FUSED_DQ_ROLES:
+        raise ValueError(f"fused_dq={fused_dq!r}: a bool or one of {tuple(configs.FUSED_DQ_ROLES)}")
+    fused_role = fused_dq if isinstance(fused_dq, str) else None
     if fused_dq is None:
         fused_dq = cfg.family == "bwd_wgmma" and configs.fused_dq_choice(cfg, spec.deterministic)[0]
     elif fused_dq and not cfg.has_fused_dq:
-        raise ValueError(f"fused_dq=True: {cfg.family} at padded head dim {cfg.head_dim} has no fused-dQ kernel "
+        raise ValueError(f"fused_dq={fused_dq!r}: {cfg.family} at padded head dim {cfg.head_dim} has no fused-dQ kernel "
                          f"(the wgmma backward has it at {configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS}, one-CTA tiles)")
     fused_dq = fused_dq and spec.seqlen_k > 0
     # the fused dK/dV adds scale-free dQ partials into a float32 buffer (zeroed: rows no key sees
@@ -388,7 +393,7 @@ def _plan_backward_mma(spec, out, lse, dout, cfg, dlse, fused_dq: bool | None = 
                 keep_alive=(keep, out, dout, lse, delta, dlse, dq_acc, dq, dk, dv))
     plan.launches.append(_preprocess_launch(spec, cfg, out, do_args, delta, args[-2:], dlse))
     if spec.seqlen_k > 0:
-        role = "dkdv_dq" if fused_dq else "dkdv" + suffix
+        role = (fused_role or configs.fused_dq_role()) if fused_dq else "dkdv" + suffix
         dkdv_args = args + do_args + [_ptr(lse), _ptr(delta), _ptr(dk), *_strides3(dk, varlen),
                                       _ptr(dv), *_strides3(dv, varlen)]
         if cfg.family == "bwd_wgmma":   # its dK/dV kernels take the fused dQ's buffer (null when unused)
