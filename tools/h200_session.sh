@@ -47,16 +47,14 @@
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls; export PYTHONPATH=$PWD for
 # tools run outside this script):
-#   PROFILE=ci PROPERTIES_LIMIT=520 bash tools/h200_session.sh properties   # the Hypothesis suite whole
-#                                        # (2026-12-04 it stopped at 420 s after the sdpa strided-view failure,
-#                                        # since mended in backends/sdpa.py; re-run it first)
-#   TESTS_WORKERS=4 bash tools/h200_session.sh par:tests:gpu              # the whole GPU test set on the final
-#                                        # kernels (2026-12-04 ran tests:cupy and tests:callpath on 7f18c81)
-#   bash tools/h200_session.sh cupybwd   # after a backward change (2026-12-04: the fused atomic dQ, 1.13 x: auto
-#                                        # at HD 64/128; its early-dQ variant 1.000 x: dropped)
-#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench            # the grid after a kernel change
+#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench            # the grid on the current kernels
+#                                        # (2026-12-04's is 7f18c81's: before the warp-specialized fused dQ)
+#   bash tools/h200_session.sh cupybwd   # after a backward change (2026-12-04: the warp-specialized fused dQ
+#                                        # 1.05 x the two-warpgroup one, auto since; dQ per consumer 0.92 x)
 #   RERUN=1 PREV=benchmarks/results/conformance-h200.json CASES='...' bash tools/h200_session.sh catalogue:cupy
 #                                        # the catalogue for the backends whose defaults change
+#   TESTS_WORKERS=10 bash tools/h200_session.sh par:tests:gpu   # the whole GPU set takes two calls from a cold
+#                                        # cache (2026-12-04: 530 s reached 62 % with 5 workers); split by file
 # and e.g. after a partial catalogue:
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:triton,cupy
 #
