@@ -619,7 +619,10 @@ def test_ws_kernel_protocol_in_the_source():
     warpgroup's 128 threads (ids 2, 3) or both consumers' 256 (id 1); the register split fits the
     register file."""
     src = _ws_source()
-    assert "mbar_init(bar_full + 8 * st, 128);" in src and "mbar_init(bar_empty + 8 * st, 256);" in src
+    assert "mbar_ring_init<STAGES>(bar_full, bar_empty, 128, 256);" in src
+    ring = configs.source(("attn_sm90.cuh",))
+    ring = ring[ring.index("void mbar_ring_init("):]
+    assert "mbar_init(bar_full + 8 * st, full_count);" in ring and "mbar_init(bar_empty + 8 * st, empty_count);" in ring
     assert "if (it >= STAGES) mbar_wait(bar_empty + 8 * st, ((it / STAGES) - 1) & 1);" in src
     assert "mbar_wait(bar_full + 8 * stg, (it / STAGES) & 1);" in src
     loop = src[src.index("for (int it = 0; it < n_iter; ++it) {\n        const int stg"):src.index("// Epilogue")]

@@ -27,8 +27,7 @@ def _expr(pattern: str) -> str:
 
 STAGES = int(_expr(r"constexpr int STAGES = (\d+);"))
 COUNT_Q = int(_expr(r"mbar_init\(bar_q, (\d+)\)"))
-COUNT_FULL = int(_expr(r"mbar_init\(bar_full \+ 8 \* st, (\d+)\)"))
-COUNT_EMPTY = int(_expr(r"mbar_init\(bar_empty \+ 8 \* st, (\d+)\)"))
+COUNT_FULL, COUNT_EMPTY = map(int, _expr(r"mbar_ring_init<STAGES>\(bar_full, bar_empty, (\d+, \d+)\)").split(","))
 EMPTY_PARITY = _expr(r"mbar_wait\(bar_empty \+ 8 \* st, (.*?)\);")
 FULL_PARITY = _expr(r"mbar_wait\(bar_full \+ 8 \* st, (.*?)\);")
 SYNC_ID, SYNC_COUNT = _expr(r"named_bar_sync\((.*?)\);").rsplit(",", 1)

@@ -56,14 +56,7 @@ attn_bwd_dkdv_wgmma_ws(PA_COMMON_PARAMS, const T* __restrict__ dout, long long d
     PA_KEY_CTA_PROLOGUE(BN);
     const QueryTileWalk<BM> walk(hk, gqa_ratio, cta.r_lo, cta.r_hi);
     const int n_iter = walk.n_iter;
-    if (tid == 0) {
-#pragma unroll
-        for (int st = 0; st < STAGES; ++st) {
-            mbar_init(bar_full + 8 * st, 128);
-            mbar_init(bar_empty + 8 * st, 256);
-        }
-        fence_mbarrier_init();
-    }
+    if (tid == 0) mbar_ring_init<STAGES>(bar_full, bar_empty, 128, 256);
     __syncthreads();
 
     if (wg == 0) {

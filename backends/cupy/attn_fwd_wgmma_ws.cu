@@ -41,12 +41,7 @@ attn_fwd_wgmma_ws(PA_COMMON_PARAMS, T* __restrict__ o, long long o_sb, long long
     const int n_tiles = n_first < n_hi ? (n_hi - n_first + BN - 1) / BN : 0;
     if (tid == 0) {
         mbar_init(bar_q, 128);
-#pragma unroll
-        for (int st = 0; st < STAGES; ++st) {
-            mbar_init(bar_full + 8 * st, 128);
-            mbar_init(bar_empty + 8 * st, 256);
-        }
-        fence_mbarrier_init();
+        mbar_ring_init<STAGES>(bar_full, bar_empty, 128, 256);
     }
     __syncthreads();
 

@@ -252,3 +252,15 @@ __device__ __forceinline__ void cp_async_wait_group() {
 __device__ __forceinline__ void fence_mbarrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
+// One thread: the `full` (full_count arrivals) and `empty` (empty_count) mbarriers of a ring of
+// STAGES stages (8 bytes apart each), then the fence that publishes them and any initialised
+// before; the caller's __syncthreads follows.
+template <int STAGES>
+__device__ __forceinline__ void mbar_ring_init(pa_u32 bar_full, pa_u32 bar_empty, int full_count, int empty_count) {
+#pragma unroll
+    for (int st = 0; st < STAGES; ++st) {
+        mbar_init(bar_full + 8 * st, full_count);
+        mbar_init(bar_empty + 8 * st, empty_count);
+    }
+    fence_mbarrier_init();
+}
