@@ -134,7 +134,7 @@ def test_wgmma_backward_config_geometry():
             assert cfg.has_fused_dq == fused
             if fused:
                 expect["dkdv_dq"] = f"attn_bwd_dkdv_wgmma<{cfg.ctype}, {hd}, {bm}, {nwk}, false, true>"
-                # the opt-in warp-specialized ones (attn_bwd_dkdv_wgmma_ws.cu)
+                # the warp-specialized ones (attn_bwd_dkdv_wgmma_ws.cu)
                 expect["dkdv_dq_ws"] = f"attn_bwd_dkdv_wgmma_ws<{cfg.ctype}, {hd}, false>"
                 expect["dkdv_dq_wsl"] = f"attn_bwd_dkdv_wgmma_ws<{cfg.ctype}, {hd}, true>"
             assert cfg.kernel_names() == expect
@@ -165,7 +165,7 @@ def test_wgmma_backward_config_geometry():
                 assert cfg.smem_bytes("dkdv_dq") <= cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
                 # warp-specialized: a producer warpgroup beside the two consumers, two dS^T tiles
                 # and four 8-byte mbarriers; the same keys per CTA
-                for role in ("dkdv_dq_ws", "dkdv_dq_wsl"):
+                for role in WS_ROLES:
                     assert cfg.threads(role) == 384 and cfg.block_rows(role) == keys
                     assert cfg.smem_bytes(role) == serial.smem_bytes("dkdv") + 2 * keys * 64 * 2 + 32
                     assert cfg.smem_bytes(role) <= cfg.max_smem_bytes()
@@ -438,8 +438,8 @@ def test_runtime_falls_back_when_sm90a_does_not_compile(monkeypatch):
 
 
 # ----- CPU: the sm_90a compile -------------------------------------------------------------------
-#: the opt-in warp-specialized fused-dQ dK/dV roles (attn_bwd_wgmma_ws.cu), checked by their own tests
-WS_ROLES = ("dkdv_dq_ws", "dkdv_dq_wsl")
+#: the warp-specialized fused-dQ dK/dV roles (attn_bwd_wgmma_ws.cu), checked by their own tests
+WS_ROLES = configs.WS_FUSED_DQ_ROLES
 
 
 def _bwd_wgmma_names() -> list:
@@ -566,12 +566,13 @@ def test_sm90a_ptx_keeps_backward_wgmma_registers_behind_the_fences():
         assert body.count("atom.global.add.v2.f32") + body.count("red.global.add.v2.f32") == (hd // 8 if dq else 0), name
 
 
-# ----- CPU: the opt-in warp-specialized fused-dQ dK/dV (attn_bwd_wgmma_ws.cu) -------------------
+# ----- CPU: the warp-specialized fused-dQ dK/dV (attn_bwd_wgmma_ws.cu) --------------------------
 def test_ws_fused_dq_modes_and_roles(monkeypatch):
     """PORTATTN_CUPY_DQ=ws / ws_local fuse dQ (not when determinism is requested) and name the
-    warp-specialized roles; auto and atomic the fused kernel's; a role the module lacks is an error."""
+    warp-specialized roles; auto the warp-specialized one, atomic the two-warpgroup one; a role the module lacks is an error."""
     cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", 128)
     assert configs.FUSED_DQ_ROLES == {"dkdv_dq": "atomic", "dkdv_dq_ws": "ws", "dkdv_dq_wsl": "ws_local"}
+    assert configs.WS_FUSED_DQ_ROLES == ("dkdv_dq_ws", "dkdv_dq_wsl")
     assert configs.WGMMA_BWD_FUSED_DQ_AUTO_ROLE == "dkdv_dq_ws"   # timed on the H200 (configs says)
     for mode, role in (("auto", "dkdv_dq_ws"), ("atomic", "dkdv_dq"), ("ws", "dkdv_dq_ws"), ("ws_local", "dkdv_dq_wsl")):
         assert configs.fused_dq_role(mode) == role
@@ -751,7 +752,7 @@ def test_wgmma_backward_matches_reference(monkeypatch, case, dtype):
 @pytest.mark.gpu
 @sm90_only
 def test_ws_fused_dq_matches_reference(monkeypatch, case, mode):
-    """The opt-in warp-specialized fused-dQ dK/dV (PORTATTN_CUPY_DQ=ws / ws_local) at the padded
+    """The warp-specialized fused-dQ dK/dV (PORTATTN_CUPY_DQ=ws / ws_local) at the padded
     HD 64 / 128 of the case: dk and dv bit-identical to the deterministic backward's (the same
     products in the same order), dq against float64, rows with no visible key exactly 0."""
     from portattn.backends.cupy import CupyBackend, runtime

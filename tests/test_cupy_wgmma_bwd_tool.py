@@ -148,8 +148,8 @@ def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):
     names = configs.KernelConfig("bwd_wgmma", "bfloat16", 64).kernel_names()
     assert set(names) == {"preprocess", "dkdv", "dq", "dkdv_dq", "dkdv_dq_ws", "dkdv_dq_wsl"}
     assert names["dkdv_dq"] == "attn_bwd_dkdv_wgmma<pa_bf16, 64, 64, 2, false, true>"
-    # the opt-in warp-specialized kernels: their producer's spill, within WGMMA_BWD_WS_SPILL_BYTES
-    ws = {names[r] for r in ("dkdv_dq_ws", "dkdv_dq_wsl")}
+    # the warp-specialized kernels: their producer's spill, within WGMMA_BWD_WS_SPILL_BYTES
+    ws = {names[r] for r in configs.WS_FUSED_DQ_ROLES}
     assert set(kernels) == set(configs.KernelConfig("bwd_wgmma", "bfloat16", 64).name_expressions())
     assert "NVRTC" in info["nvrtc"] and not info["cached"], info.get("nvrtc")
     # ptxas -v's lines where NVRTC's log has them, the cubin's resource usage where it lacks them
@@ -208,7 +208,7 @@ def test_registers_come_from_the_cubin_when_the_log_lacks_them(tmp_path, monkeyp
         assert k["from"] == "cuobjdump -res-usage"
         assert with_log["kernels"][name]["from"] in ("ptxas -v", "cuobjdump -res-usage")
         assert k["registers"] == with_log["kernels"][name]["registers"], k
-        if "_ws<" in name:   # the opt-in warp-specialized kernels: the stack and spill ptxas reported
+        if "_ws<" in name:   # the warp-specialized kernels: the stack and spill ptxas reported
             assert k["stack"] == with_log["kernels"][name]["stack"] <= configs.WGMMA_BWD_WS_SPILL_BYTES, k
             continue
         assert k["stack"] == 0 and k["local"] == 0, k

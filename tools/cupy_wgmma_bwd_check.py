@@ -97,7 +97,8 @@ OTHER_WALK_NAME = ("the walk that leaves each tile's dV/dK and dQ in flight into
 ALT_TILES_NAME = (f"at HD {'/'.join(map(str, _configs.WGMMA_BWD_TWO_CTA_CAPABLE))}: the "
                   + ("one-CTA tiles" if _configs.WGMMA_BWD_TWO_CTA_HEAD_DIMS else "two-CTA tiles"))
 #: The fused atomic-dQ dK/dV kernels, as families of this tool: family -> configs.FUSED_DQ_ROLES role
-#: ("fused" the one PORTATTN_CUPY_DQ=auto runs; "ws" / "wsl" the opt-in warp-specialized ones)
+#: ("fused" the two-warpgroup kernel, PORTATTN_CUPY_DQ=atomic; "ws" / "wsl" the warp-specialized ones,
+#: "ws" what auto runs: configs.WGMMA_BWD_FUSED_DQ_AUTO_ROLE)
 FUSED_FAMILIES = {"fused": "dkdv_dq", "ws": "dkdv_dq_ws", "wsl": "dkdv_dq_wsl"}
 #: timed cells (S, D, causal), most informative first
 TIME_CELLS = [(s, d, c) for s in (4096, 1024, 16384) for d in (128, 256, 64) for c in (False, True)]
@@ -419,10 +420,10 @@ def verdict(res: dict) -> None:
     # ... and the fused-dQ dK/dV where configs allows it a few bytes (HD 128: 4 under NVRTC 13.0 / 13.5)
     opt_in |= {cfg.kernel_names()["dkdv_dq"] for cfg in _configs.wgmma_configs() if cfg.has_fused_dq
                and cfg.head_dim in _configs.WGMMA_BWD_FUSED_DQ_SPILL_BYTES}
-    # ... and the opt-in warp-specialized ones up to configs.WGMMA_BWD_WS_SPILL_BYTES (their producer
-    # runs on 24 / 56 registers; at HD 128 the consumers on 240)
-    ws = {n for cfg in _configs.wgmma_configs() if cfg.has_fused_dq
-          for role, n in cfg.kernel_names().items() if role in ("dkdv_dq_ws", "dkdv_dq_wsl")}
+    # ... and the warp-specialized ones up to configs.WGMMA_BWD_WS_SPILL_BYTES (their producer runs
+    # on 24 / 56 registers; at HD 128 the consumers on 240)
+    ws = {cfg.kernel_names()[role] for cfg in _configs.wgmma_configs() if cfg.has_fused_dq
+          for role in _configs.WS_FUSED_DQ_ROLES}
     spills, allowed = [], []
     for m in c.get("modules", {}).values():
         for k, r in m.get("kernels", {}).items():
@@ -492,7 +493,7 @@ def report(res: dict) -> str:
                                                                                    else "")]
     if res.get("opt_in_spills"):
         L.append(f"(allowed: spills in {res['opt_in_spills']}: <= 8 bytes in the opt-in overlapped walk's and the "
-                 f"fused dQ's at HD 128, <= {_configs.WGMMA_BWD_WS_SPILL_BYTES} in the opt-in warp-specialized ones)")
+                 f"fused dQ's at HD 128, <= {_configs.WGMMA_BWD_WS_SPILL_BYTES} in the warp-specialized ones)")
     other = [r["other_walk_bit_identical"] for r in (ch or {}).get("rows", []) if "other_walk_bit_identical" in r]
     L.append(f"the other walk ({OTHER_WALK_NAME}): "
              + ("NOT RUN" if not other else "PASS (the same bits in every check)" if all(other)

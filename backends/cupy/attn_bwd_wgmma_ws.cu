@@ -1,4 +1,5 @@
-// portattn CuPy backend: the warp-specialized fused-dQ dK/dV kernel (sm_90a, opt-in).
+// portattn CuPy backend: the warp-specialized fused-dQ dK/dV kernel (sm_90a; LOCAL_DQ = false is
+// what PORTATTN_CUPY_DQ=auto runs, configs.WGMMA_BWD_FUSED_DQ_AUTO_ROLE).
 //
 // attn_bwd_dkdv_wgmma_ws<T, HD, LOCAL_DQ>  the problems, arguments, tiles and per-tile products
 //   of attn_bwd_dkdv_wgmma<T, HD, 64, 2, false, true> (attn_bwd_wgmma.cu: 128 keys of one kv head

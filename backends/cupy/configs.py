@@ -235,7 +235,7 @@ WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS: tuple = (64, 128)
 #: other default kernel must have none (tests/test_cupy_wgmma_bwd.py, tools/cupy_wgmma_bwd_check.py).
 WGMMA_BWD_FUSED_DQ_SPILL_BYTES = {128: 8}
 #: Bytes of spill (stores, loads, stack) the warp-specialized fused-dQ dK/dV kernels
-#: (``dkdv_dq_ws``, ``dkdv_dq_wsl``; attn_bwd_wgmma_ws.cu) may have: their producer warpgroup
+#: (:data:`WS_FUSED_DQ_ROLES`; attn_bwd_wgmma_ws.cu) may have: their producer warpgroup
 #: runs on 56 registers at HD 64 and 24 at HD 128 (its loop-invariant addresses spill), and at
 #: HD 128 the consumers on 240 (a few loop-invariant values spill): NVRTC 13.0 (the H200 image's)
 #: 28 bytes at HD 64 and 96-120 at HD 128, NVRTC 13.5 12 and 104-144 (timed with them:
@@ -264,6 +264,8 @@ WGMMA_BWD_FUSED_DQ_AUTO_ROLE = "dkdv_dq_ws"
 #: (each consumer's dQ over its own keys: no tie between them). The mode of :data:`DQ_ENV` that
 #: runs each (``auto``: :data:`WGMMA_BWD_FUSED_DQ_AUTO_ROLE`).
 FUSED_DQ_ROLES = {"dkdv_dq": "atomic", "dkdv_dq_ws": "ws", "dkdv_dq_wsl": "ws_local"}
+#: Of those, the warp-specialized ones (384 threads, their own shared-memory carve-up and spill allowance)
+WS_FUSED_DQ_ROLES = ("dkdv_dq_ws", "dkdv_dq_wsl")
 
 
 def wgmma_bwd_tile(hd: int, role: str, two_cta: bool = False) -> tuple[int, int]:
@@ -303,8 +305,9 @@ def wgmma_bwd_other_tiles(hd: int) -> tuple:
 def dq_mode() -> str:
     """The value of :data:`DQ_ENV` (``auto`` when unset); ValueError names the choices."""
     return _env_mode(DQ_ENV, DQ_MODES, "auto = the fused atomic dQ where the H200 timed it faster, when "
-                                       "determinism is not requested; atomic = wherever the wgmma backward "
-                                       "has it; kernel = the deterministic dQ kernel always")
+                                       "determinism is not requested; atomic = the two-warpgroup fused kernel "
+                                       "wherever the wgmma backward has it; kernel = the deterministic dQ kernel "
+                                       "always; ws / ws_local = the warp-specialized fused kernels")
 
 
 def fused_dq_role(mode: str | None = None) -> str:
@@ -313,7 +316,7 @@ def fused_dq_role(mode: str | None = None) -> str:
     mode = dq_mode() if mode is None else mode
     if mode == "auto":
         return WGMMA_BWD_FUSED_DQ_AUTO_ROLE
-    return {"ws": "dkdv_dq_ws", "ws_local": "dkdv_dq_wsl"}.get(mode, "dkdv_dq")
+    return {m: role for role, m in FUSED_DQ_ROLES.items()}.get(mode, "dkdv_dq")
 
 
 def fused_dq_choice(cfg: KernelConfig, deterministic: bool, mode: str | None = None) -> tuple[bool, str]:
@@ -512,7 +515,7 @@ class KernelConfig:
 
     # ----- launch geometry ---------------------------------------------------------------
     def threads(self, role: str) -> int:
-        if self.family == "bwd_wgmma" and role in ("dkdv_dq_ws", "dkdv_dq_wsl"):
+        if self.family == "bwd_wgmma" and role in WS_FUSED_DQ_ROLES:
             return 384   # a producer and two consumer warpgroups
         if self.family == "bwd_wgmma" and role != "preprocess":
             return 128 * self.bwd_tile(role)[1]
@@ -562,7 +565,7 @@ class KernelConfig:
             if role == "preprocess":
                 return 0
             tile, nwg = self.bwd_tile(role)
-            if role in ("dkdv_dq_ws", "dkdv_dq_wsl"):
+            if role in WS_FUSED_DQ_ROLES:
                 keys = wgmma_bwd_keys(hd)
                 return 1024 + (2 * keys + 4 * tile) * hd * 2 + 2 * keys * tile * 2 + 32 + 16 * tile
             bufs = 3 if self.bwd_overlap and role != "dkdv_dq" else 2
