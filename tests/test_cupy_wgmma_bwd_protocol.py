@@ -1,8 +1,8 @@
 """CPU model of the warp-specialized fused-dQ dK/dV kernel's synchronisation (attn_bwd_wgmma_ws.cu).
 
 The producer warpgroup and the consumers' eight warps run as interleaved agents against the
-mbarrier and bar.sync models of test_cupy_wgmma_protocol.py (the PTX ISA's arrive counts per
-phase, ``try_wait.parity``, named barriers completing at ``count`` threads). A consumer is modelled
+mbarrier and bar.sync models of tests/_sync_model.py (the PTX ISA's arrive counts per phase,
+``try_wait.parity``, named barriers completing at ``count`` threads). A consumer is modelled
 warp by warp, because the dS^T buffers' reuse rests on the barrier between a warpgroup's warps.
 The stage count, the mbarrier counts, the parities and the dQ barrier's ids and thread counts are
 read *from the source* (evaluated in Python). Random schedules and random tile visibility
@@ -11,11 +11,16 @@ each tile count that nothing deadlocks, a warp reads a stage only after its tile
 producer never refills a stage a warp still reads, every dQ product reads dS^T that every warp it
 needs has stored for that tile, and no warp overwrites dS^T that a dQ product still reads.
 """
+import os
 import random
 import re
+import sys
 
 import pytest
 from portattn.backends.cupy import configs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _sync_model import MBar, NamedBar, run_agents, wait  # noqa: E402
 
 SRC = configs.source(("attn_bwd_wgmma_ws.cu",))
 SRC = SRC[SRC.index("attn_bwd_dkdv_wgmma_ws(PA_COMMON_PARAMS"):]
@@ -38,39 +43,6 @@ assert "dsb ^= 1;" in SRC and DS_BUFFERS == 2   # the kernel alternates two dS^T
 WARP = 32
 
 
-class MBar:
-    def __init__(self, count):
-        self.count, self.pending, self.done = count, count, 0
-
-    def arrive(self, n):
-        self.pending -= n
-        assert self.pending >= 0, "more arrivals than the phase's count"
-        if self.pending == 0:
-            self.done, self.pending = self.done + 1, self.count
-
-    def ready(self, parity):
-        return self.done % 2 != parity
-
-
-class NamedBar:
-    def __init__(self):
-        self.gen, self.arrived, self.count = 0, 0, None
-
-    def arrive(self, count, n=WARP):
-        assert self.count in (None, count), "one named barrier used with two thread counts"
-        self.count = count
-        self.arrived += n
-        gen = self.gen
-        if self.arrived == count:
-            self.gen, self.arrived = self.gen + 1, 0
-        return gen
-
-
-def _wait(cond):
-    while not cond():
-        yield "blocked"
-
-
 class State:
     def __init__(self, n_tiles, local, visible, ds_buffers=DS_BUFFERS):
         self.bars = {"full": [MBar(COUNT_FULL) for _ in range(STAGES)], "empty": [MBar(COUNT_EMPTY) for _ in range(STAGES)]}
@@ -89,7 +61,7 @@ def _producer(S):
         st = it % STAGES
         if it >= STAGES:
             parity = eval(EMPTY_PARITY, {}, {"it": it, "STAGES": STAGES})
-            yield from _wait(lambda st=st, p=parity: S.bars["empty"][st].ready(p))
+            yield from wait(lambda st=st, p=parity: S.bars["empty"][st].ready(p))
         assert not S.stage_readers[st], f"tile {it} overwrites stage {st} while {S.stage_readers[st]} still read it"
         S.stage_tile[st] = it
         yield "ran"
@@ -103,7 +75,7 @@ def _consumer_warp(S, c, wq):
     for it in range(S.n_tiles):
         st = it % STAGES
         parity = eval(FULL_PARITY, {}, {"it": it, "STAGES": STAGES})
-        yield from _wait(lambda st=st, p=parity: S.bars["full"][st].ready(p))
+        yield from wait(lambda st=st, p=parity: S.bars["full"][st].ready(p))
         assert S.stage_tile[st] == it, f"warp {me} reads stage {st} for tile {it}, it holds {S.stage_tile[st]}"
         if not S.visible(it, c):
             S.bars["empty"][st].arrive(WARP)
@@ -122,8 +94,8 @@ def _consumer_warp(S, c, wq):
         else:
             bid, cnt = eval(SHARED_ID, {}, env), int(SHARED_COUNT)
         bar = S.named.setdefault(bid, NamedBar())
-        gen = bar.arrive(cnt)
-        yield from _wait(lambda b=bar, g=gen: b.gen > g)
+        gen = bar.arrive(cnt, WARP)
+        yield from wait(lambda b=bar, g=gen: b.gen > g)
         # dQ: reads the consumer's own 64 keys (LOCAL_DQ) or both consumers' 128
         halves = (c,) if S.local else (0, 1)
         for h in halves:
@@ -152,21 +124,8 @@ def _run(n_tiles, local, seed, ds_buffers=DS_BUFFERS):
         vis = {(it, c): cta[it] for it in range(n_tiles) for c in (0, 1)}
     S = State(n_tiles, local, lambda it, c: vis[(it, c)], ds_buffers)
     agents = {"producer": _producer(S), **{f"c{c}w{w}": _consumer_warp(S, c, w) for c in (0, 1) for w in range(4)}}
-    blocked = {}
-    for _ in range(200000):
-        if not agents:
-            return S
-        name = rng.choice(sorted(agents))
-        try:
-            blocked[name] = next(agents[name]) == "blocked"
-        except StopIteration:
-            del agents[name]
-            blocked.pop(name, None)
-            continue
-        if len(blocked) == len(agents) and all(blocked.values()):
-            if all(next(agents[n]) == "blocked" for n in sorted(agents)):
-                raise AssertionError(f"deadlock: n_tiles {n_tiles} local {local}: {sorted(agents)} blocked")
-    raise AssertionError("no progress")
+    run_agents(agents, rng, f"n_tiles {n_tiles} local {local}")
+    return S
 
 
 def test_protocol_counts_match_the_warpgroups():

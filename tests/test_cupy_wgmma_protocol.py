@@ -1,20 +1,22 @@
 """CPU model of the warp-specialized wgmma forward's synchronisation (attn_fwd_wgmma_ws.cu).
 
-The producer warpgroup and the two consumer warpgroups run as interleaved agents against models
-of the PTX ISA's mbarrier (9.7.13.15: an arrive-count per phase; ``try_wait.parity P`` succeeds
-once the phase of parity P has completed, i.e. while the number of completed phases has the other
-parity: a fresh barrier passes a wait on parity 1) and of bar.sync / bar.arrive (9.7.13.1: a
-barrier completes when ``count`` threads arrived; bar.sync also waits for that). The arrival
+The producer warpgroup and the two consumer warpgroups run as interleaved agents against the
+models of the PTX ISA's mbarrier and bar.sync / bar.arrive in tests/_sync_model.py. The arrival
 counts, parities, named-barrier ids and the pingpong's skipped arrive are read *from the source*
 (evaluated in Python), and many random schedules check for each tile count that nothing
 deadlocks, every consumer reads a stage only after the tile it wants landed there, and the
 producer never refills a stage that a consumer is still reading.
 """
+import os
 import random
 import re
+import sys
 
 import pytest
 from portattn.backends.cupy import configs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _sync_model import MBar, NamedBar, run_agents, wait  # noqa: E402
 
 SRC = configs.source(("attn_fwd_wgmma_ws.cu",))
 
@@ -37,80 +39,47 @@ FIRST_IF = _expr(r"if \(PINGPONG && (.*?)\) named_bar_arrive\(1, 256\)")
 WG = 128   # threads per warpgroup: each agent's arrive stands for its 128 threads
 
 
-class MBar:
-    def __init__(self, count):
-        self.count, self.pending, self.done = count, count, 0
-
-    def arrive(self, n=WG):
-        self.pending -= n
-        assert self.pending >= 0, "more arrivals than the phase's count"
-        if self.pending == 0:
-            self.done, self.pending = self.done + 1, self.count
-
-    def ready(self, parity):
-        return self.done % 2 != parity
-
-
-class NamedBar:
-    def __init__(self):
-        self.gen, self.arrived, self.count = 0, 0, None
-
-    def arrive(self, count):
-        assert self.count in (None, count), "one named barrier used with two thread counts"
-        self.count = count
-        self.arrived += WG
-        gen = self.gen
-        if self.arrived == count:
-            self.gen, self.arrived = self.gen + 1, 0
-        return gen
-
-
-def _wait(cond):
-    while not cond():
-        yield "blocked"
-
-
 def _producer(st_of, bars, n_tiles, stage_tile, readers):
     stage_tile[0] = 0 if n_tiles > 0 else None
     yield "ran"
-    bars["q"].arrive()
+    bars["q"].arrive(WG)
     if n_tiles > 0:
-        bars["full"][0].arrive()
+        bars["full"][0].arrive(WG)
     for it in range(1, n_tiles):
         st = it % STAGES
         if it >= STAGES:
             parity = eval(EMPTY_PARITY, {}, {"it": it, "STAGES": STAGES})
-            yield from _wait(lambda st=st, p=parity: bars["empty"][st].ready(p))
+            yield from wait(lambda st=st, p=parity: bars["empty"][st].ready(p))
         assert not readers[st], f"tile {it} overwrites stage {st} while {readers[st]} still read it"
         stage_tile[st] = it
         yield "ran"
-        bars["full"][st].arrive()
+        bars["full"][st].arrive(WG)
         yield "ran"
 
 
 def _consumer(c, bars, named, n_tiles, pingpong, stage_tile, readers):
     env = {"c": c, "n_tiles": n_tiles}
     if pingpong and eval(FIRST_IF, {}, env):
-        named[1].arrive(256)
-    yield from _wait(lambda: bars["q"].ready(0))
+        named[1].arrive(256, WG)
+    yield from wait(lambda: bars["q"].ready(0))
     for it in range(n_tiles):
         st = it % STAGES
         env["it"] = it
         parity = eval(FULL_PARITY, {}, {"it": it, "STAGES": STAGES})
-        yield from _wait(lambda st=st, p=parity: bars["full"][st].ready(p))
+        yield from wait(lambda st=st, p=parity: bars["full"][st].ready(p))
         assert stage_tile[st] == it, f"consumer {c} reads stage {st} for tile {it}, it holds {stage_tile[st]}"
         readers[st].add(c)
         if pingpong:
             bid, cnt = eval(SYNC_ID, {}, env), eval(SYNC_COUNT, {}, env)
-            gen = named[bid].arrive(cnt)
-            yield from _wait(lambda b=bid, g=gen: named[b].gen > g)
+            gen = named[bid].arrive(cnt, WG)
+            yield from wait(lambda b=bid, g=gen: named[b].gen > g)
         yield "ran"   # S = Q K^T issued
         if pingpong and eval(ARRIVE_IF, {}, env):
-            named[eval(ARRIVE_ID, {}, env)].arrive(256)
+            named[eval(ARRIVE_ID, {}, env)].arrive(256, WG)
         yield "ran"   # softmax, O += P V, waited
         assert stage_tile[st] == it, f"stage {st} refilled while consumer {c} read tile {it}"
         readers[st].discard(c)
-        bars["empty"][st].arrive()
+        bars["empty"][st].arrive(WG)
         yield "ran"
 
 
@@ -122,22 +91,8 @@ def _run(n_tiles, pingpong, seed):
     stage_tile, readers = [None] * STAGES, [set() for _ in range(STAGES)]
     agents = {"producer": _producer(None, bars, n_tiles, stage_tile, readers),
               **{f"consumer{c}": _consumer(c, bars, named, n_tiles, pingpong, stage_tile, readers) for c in (0, 1)}}
-    blocked = {}
-    for _ in range(100000):
-        if not agents:
-            return named
-        name = rng.choice(sorted(agents))
-        try:
-            blocked[name] = next(agents[name]) == "blocked"
-        except StopIteration:
-            del agents[name]
-            blocked.pop(name, None)
-            continue
-        if len(blocked) == len(agents) and all(blocked.values()):
-            # every live agent reported blocked at its last step: step each once more to be sure
-            if all(next(agents[n]) == "blocked" for n in sorted(agents)):
-                raise AssertionError(f"deadlock: n_tiles {n_tiles} pingpong {pingpong}: {sorted(agents)} blocked")
-    raise AssertionError("no progress")
+    run_agents(agents, rng, f"n_tiles {n_tiles} pingpong {pingpong}", max_steps=100000)
+    return named
 
 
 def test_protocol_counts_match_the_warpgroups():
