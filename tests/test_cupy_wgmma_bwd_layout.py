@@ -310,13 +310,8 @@ def _fused_dq_source() -> dict:
         return re.search(rf"void {name}\(.*?\n\}}", SRC, re.S).group(0)
 
     store, dsk, red = fn("store_ds_t"), fn("wg_ds_k"), fn("red_acc_rows")
-    # red_acc_rows: for_acc_pairs' fragment walk (attn_bwd_mma.cu, shared with the epilogues'
-    # stores) from column 0 of the partial, each pair a float2 atomic add
-    walk = re.search(r"void for_acc_pairs\(.*?\n\}", configs.source(("attn_bwd_mma.cu",)), re.S).group(0)
     assert "kk < BM / 16" in store and "j < 4" in store and "kk < KEYS / 16" in dsk and "int KEYS = BN>" in SRC
-    assert "for_acc_pairs<N / 8>(acc, rows_valid, 0, cols_valid, g, t4, [&](int row, int col, float x, float y)" in red
-    assert "make_float2(x, y)" in red
-    assert "r < 2" in walk and "dt < NT_D" in walk and "if (row >= rows_valid) continue;" in walk
+    assert "r < 2" in red and "nb < N / 8" in red and "if (row >= rows_valid) continue;" in red
     out = {}
     out["store_rows"], out["store_base"] = _call(DKDV, r"store_ds_t<(\w+)>\((sdS \+ [^,]+), da, wq, g, t4\)")
     out["n"], out["bn"], out["a_tile"], out["b_tile"] = _call(
@@ -329,10 +324,10 @@ def _fused_dq_source() -> dict:
     out["sw_rows"], out["t4_off"] = _call(store, r'"r"\(sds \+ sw128_offset<(\d+)>\(r, col\) \+ ([^)]+)\), "r"\(da\[kk\]\[j\]\)')
     out["desc"] = _call(dsk, r"wgmma_ss_mn<T, N>\(dq, sw128_desc\(sds \+ ([^,]+), ([^,]+), (\d+)\), "
                              r"sw128_desc\(sk_col \+ ([^,]+), ([^,]+), (\d+)\),\s*([^;]+)\);")
-    out["red_row"] = _call(walk, r"const int row = ([^;]+);")[0]
-    out["red_col"] = _call(walk, r"const int col = ([^;]+);")[0].replace("col0", "0")
-    out["red_acc"] = _call(walk, r"op\(row, col, acc\[([^\]]+)\], acc\[([^\]]+)\]\)")
-    assert "col < cols_valid" in walk and "base + row * row_stride + col" in red
+    out["red_row"] = _call(red, r"const int row = ([^;]+);")[0]
+    out["red_col"] = _call(red, r"const int col = ([^;]+);")[0]
+    out["red_acc"] = _call(red, r"make_float2\(acc\[([^\]]+)\], acc\[([^\]]+)\]\)")
+    assert "col < cols_valid" in red and "base + row * row_stride + col" in red
     return out
 
 
@@ -416,10 +411,10 @@ def test_fused_dq_operands_and_coordinates(hd):
                         if row >= rows_valid:
                             continue
                         for nb in range(dq_n // 8):
-                            col = _eval(src["red_col"], {"dt": nb, "t4": t4})
+                            col = _eval(src["red_col"], {"nb": nb, "t4": t4})
                             if col < cols_valid:
                                 for h, i_expr in enumerate(src["red_acc"]):
-                                    out[row_w + row, dq_col + col + h] += regs[_eval(i_expr, {"dt": nb, "r": r})]
+                                    out[row_w + row, dq_col + col + h] += regs[_eval(i_expr, {"nb": nb, "r": r})]
                                     hits[row_w + row, dq_col + col + h] += 1
         want = np.zeros((64, hd), dtype=bool)
         want[:sq, :head_dim] = True

@@ -72,14 +72,12 @@ __device__ __forceinline__ bool tile_needs_mask(const SeqInfo& s, int m0, int bm
     return (m0 + bm > s.sq) || keys_need_mask(s, m0, bm, n0, bn, left, right);
 }
 
-// Walk a warp's 16 x 8 NT_D float accumulator (the mma.sync m16n8 fragment, and a warp's share of
-// the Hopper kernels' 64-row one: rows g and g + 8 of each n8 tile, the pair acc[4 dt + 2 r],
-// acc[4 dt + 2 r + 1] at row g + 8 r and column col0 + 8 dt + 2 t4): op(row, col, x, y) for rows
-// < rows_valid and columns < cols_valid (a multiple of 8, so a pair never straddles it). The
-// epilogues' stores and the fused dQ's atomic reduction differ only in op.
-template <int NT_D, typename Op>
-__device__ __forceinline__ void for_acc_pairs(const float* acc, int rows_valid, int col0, int cols_valid, int g, int t4,
-                                              Op op) {
+// Store a warp's 16 x HD float accumulator (rows g and g + 8 of each n8 tile) as T pairs:
+// rows < rows_valid, columns < cols_valid (a multiple of 8, so a pair never straddles it).
+// The accumulator holds columns col0 + [0, 8 * NT_D) of the rows.
+template <typename T, int NT_D>
+__device__ __forceinline__ void store_acc_rows(T* base, long long row_stride, const float (*acc)[4], int rows_valid,
+                                               int col0, int cols_valid, int g, int t4) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = g + 8 * r;
@@ -87,19 +85,11 @@ __device__ __forceinline__ void for_acc_pairs(const float* acc, int rows_valid, 
 #pragma unroll
         for (int dt = 0; dt < NT_D; ++dt) {
             const int col = col0 + dt * 8 + 2 * t4;
-            if (col < cols_valid) op(row, col, acc[4 * dt + 2 * r], acc[4 * dt + 2 * r + 1]);
+            if (col < cols_valid)
+                *reinterpret_cast<pa_u32*>(base + row * row_stride + col) =
+                    Elem<T>::pack2(acc[dt][2 * r], acc[dt][2 * r + 1]);
         }
     }
-}
-
-// Store a warp's 16 x HD float accumulator as T pairs (for_acc_pairs' rows and columns; base at
-// column 0, the accumulator holding columns col0 + [0, 8 * NT_D)).
-template <typename T, int NT_D>
-__device__ __forceinline__ void store_acc_rows(T* base, long long row_stride, const float (*acc)[4], int rows_valid,
-                                               int col0, int cols_valid, int g, int t4) {
-    for_acc_pairs<NT_D>(&acc[0][0], rows_valid, col0, cols_valid, g, t4, [&](int row, int col, float x, float y) {
-        *reinterpret_cast<pa_u32*>(base + row * row_stride + col) = Elem<T>::pack2(x, y);
-    });
 }
 
 // lse2 (lse_log2) and delta of a thread's two accumulator rows i0 and i0 + 8 of head h into

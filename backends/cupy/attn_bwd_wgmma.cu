@@ -175,9 +175,18 @@ __device__ __forceinline__ void wg_ds_k(float* dq, pa_u32 sds, pa_u32 sk_col) {
 template <int N>
 __device__ __forceinline__ void red_acc_rows(float* base, long long row_stride, const float* acc, int rows_valid,
                                              int cols_valid, int g, int t4) {
-    for_acc_pairs<N / 8>(acc, rows_valid, 0, cols_valid, g, t4, [&](int row, int col, float x, float y) {
-        atomicAdd(reinterpret_cast<float2*>(base + row * row_stride + col), make_float2(x, y));
-    });
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        if (row >= rows_valid) continue;
+#pragma unroll
+        for (int nb = 0; nb < N / 8; ++nb) {
+            const int col = 8 * nb + 2 * t4;
+            if (col < cols_valid)
+                atomicAdd(reinterpret_cast<float2*>(base + row * row_stride + col),
+                          make_float2(acc[4 * nb + 2 * r], acc[4 * nb + 2 * r + 1]));
+        }
+    }
 }
 
 // Q and dO rows M0 ... M0 + BM - 1 of head H into the SW128 tiles SQ / SDO (zero-filled past the
