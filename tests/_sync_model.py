@@ -64,6 +64,12 @@ def run_agents(agents: dict, rng, what: str, max_steps: int = 200000) -> None:
             continue
         if len(blocked) == len(agents) and all(blocked.values()):
             # every live agent reported blocked at its last step: step each once more to be sure
-            if all(next(agents[n]) == "blocked" for n in sorted(agents)):
+            for n in sorted(agents):
+                try:
+                    blocked[n] = next(agents[n]) == "blocked"
+                except StopIteration:
+                    del agents[n]
+                    blocked.pop(n)
+            if agents and all(blocked.values()):
                 raise AssertionError(f"deadlock: {what}: {sorted(agents)} blocked")
     raise AssertionError(f"no progress: {what}")

@@ -77,9 +77,10 @@ def test_backward_choice(mode):
     for cap in ((8, 0), (8, 9), (10, 0), None):
         assert fam("bfloat16", 128, 128, cap=cap) == other
     assert fam("float32", 128, 128) == "bwd"
-    # 120 KB: the mma.sync modules at HD 128 fit (<= 104 KB), the wgmma ones (133 KB) do not
-    assert fam("bfloat16", 128, 128, smem=120 * 1024) == ("bwd_mma" if mode != "fma" else "bwd")
-    assert fam("bfloat16", 64, 64, smem=120 * 1024) == wg
+    # 131 KB: the mma.sync modules at HD 128 fit (<= 104 KB), the wgmma one (226 KB with the
+    # warp-specialized kernel's two K/V buffers) does not; HD 64's wgmma module (130 KB) does
+    assert fam("bfloat16", 128, 128, smem=131 * 1024) == ("bwd_mma" if mode != "fma" else "bwd")
+    assert fam("bfloat16", 64, 64, smem=131 * 1024) == wg
     cfg, why = _choose(mode, "bfloat16", 128, 128)
     assert configs.BACKWARD_ENV in why and mode in why
     if mode == "auto":
@@ -163,11 +164,13 @@ def test_wgmma_backward_config_geometry():
                 assert cfg.bwd_tile("dkdv_dq") == (bm, nwk) == (64, 2)
                 assert cfg.smem_bytes("dkdv_dq") == serial.smem_bytes("dkdv") + keys * 64 * 2
                 assert cfg.smem_bytes("dkdv_dq") <= cfg.max_smem_bytes() <= configs.SMEM_LIMITS[90]
-                # warp-specialized: a producer warpgroup beside the two consumers, two dS^T tiles
-                # and four 8-byte mbarriers; the same keys per CTA
+                # warp-specialized: a producer warpgroup beside the two consumers, a second K/V
+                # buffer, two dS^T tiles, eight 8-byte mbarriers and two int item slots; the same
+                # keys per CTA
                 for role in WS_ROLES:
                     assert cfg.threads(role) == 384 and cfg.block_rows(role) == keys
-                    assert cfg.smem_bytes(role) == serial.smem_bytes("dkdv") + 2 * keys * 64 * 2 + 32
+                    assert cfg.smem_bytes(role) == (serial.smem_bytes("dkdv") + 2 * keys * hd * 2
+                                                    + 2 * keys * 64 * 2 + 8 * 8 + 8)
                     assert cfg.smem_bytes(role) <= cfg.max_smem_bytes()
             assert cfg.threads("dq") == 128 * nwq and cfg.block_rows("dq") == 64 * nwq
             assert cfg.threads("preprocess") == configs.PRE_THREADS and cfg.smem_bytes("preprocess") == 0
@@ -593,18 +596,62 @@ def test_ws_fused_dq_modes_and_roles(monkeypatch):
 
 
 @pytest.mark.parametrize("role", WS_ROLES)
-def test_ws_fused_dq_plan(role):
-    """fused_dq=<role>: the preprocess and that kernel, 384 threads, the fused kernel's grid and
-    arguments (its signature: the dK/dV's plus the float32 dQ buffer), the same setup / finish."""
+def test_ws_fused_dq_plan(monkeypatch, role):
+    """fused_dq=<role>: the preprocess and that kernel, 384 threads, the fused kernel's arguments
+    plus (kv heads, batch, the work-item counter), a 1-d grid: one CTA per work item (the fused
+    kernel's grid, flattened) or, persistent, min(items, SMs); setup zeroes the counter and the
+    dQ buffer, finish writes dq."""
+    from portattn.backends.cupy import runtime
+
     cfg = configs.KernelConfig("bwd_wgmma", "float16", 64)
-    spec, plan = _plan_on_cpu(cfg, fused_dq=role, causal=True)
-    _, fused = _plan_on_cpu(cfg, fused_dq=True, causal=True)
-    assert [x.role for x in plan.launches] == ["preprocess", role]
-    ws, ref = plan.launches[1], fused.launches[1]
-    assert cfg.kernel_names()[role] == f"attn_bwd_dkdv_wgmma_ws<pa_half, 64, {'true' if role.endswith('l') else 'false'}>"
-    assert len(ws.args) == len(ref.args) == _wgmma_param_count("attn_bwd_dkdv_wgmma_ws")
-    assert ws.grid == ref.grid and cfg.threads(role) == 384 and cfg.smem_bytes(role) > cfg.smem_bytes("dkdv_dq")
-    assert len(plan.setup) == len(plan.finish) == 1
+    _, fused = _plan_on_cpu(cfg, fused_dq="dkdv_dq", causal=True)
+    ref = fused.launches[1]
+    items = ref.grid[0] * ref.grid[1] * ref.grid[2]
+    assert ref.grid == (2, 2, 2)
+    auto = 5 if configs.WS_PERSISTENT_AUTO else items
+    for persistent, sms, ctas in ((False, 3, items), (True, 3, 3), (True, 132, items), (None, 5, auto)):
+        monkeypatch.setattr(runtime, "_sm_count", lambda device, n=sms: n)
+        spec = _plan_on_cpu(cfg, causal=True)[0]
+        plan = runtime.plan_backward(spec, torch.randn(spec.out_shape, dtype=torch.float16), torch.randn(spec.lse_shape),
+                                     torch.randn(spec.out_shape, dtype=torch.float16), cfg, fused_dq=role,
+                                     persistent=persistent)
+        assert [x.role for x in plan.launches] == ["preprocess", role]
+        ws = plan.launches[1]
+        assert cfg.kernel_names()[role] == f"attn_bwd_dkdv_wgmma_ws<pa_half, 64, {'true' if role.endswith('l') else 'false'}>"
+        assert len(ws.args) == len(ref.args) + 3 == _wgmma_param_count("attn_bwd_dkdv_wgmma_ws")
+        counter = plan.keep_alive[-1]
+        assert [int(a) for a in ws.args[-3:]] == [spec.num_heads_kv, spec.batch, counter.data_ptr()]
+        assert counter.dtype == torch.int32 and counter.numel() == 1
+        assert ws.grid == (ctas, 1, 1), (persistent, sms)
+        assert cfg.threads(role) == 384 and cfg.smem_bytes(role) > cfg.smem_bytes("dkdv_dq")
+        assert len(plan.setup) == 2 and len(plan.finish) == 1
+        counter.fill_(7)
+        for step in plan.setup:
+            step()
+        assert int(counter) == 0
+    monkeypatch.setenv(configs.WS_PERSISTENT_ENV, "sometimes")
+    with pytest.raises(ValueError, match="PORTATTN_CUPY_BWD_PERSISTENT"):
+        _plan_on_cpu(cfg, fused_dq=role)
+
+
+def test_ws_persistent_switch(monkeypatch):
+    monkeypatch.delenv(configs.WS_PERSISTENT_ENV, raising=False)
+    assert configs.ws_persistent() == configs.WS_PERSISTENT_AUTO
+    for mode, want in (("1", True), ("0", False), ("auto", configs.WS_PERSISTENT_AUTO)):
+        monkeypatch.setenv(configs.WS_PERSISTENT_ENV, mode)
+        assert configs.ws_persistent() == want and configs.ws_persistent(mode) == want
+    with pytest.raises(ValueError, match="persistent mode"):
+        configs.ws_persistent("yes")
+
+
+def test_ws_shared_memory_fits_one_cta_per_sm():
+    """Two K/V buffers, the Q / dO ring, two dS^T buffers, 8 mbarriers and the item slots fit the
+    227 KB a CTA may have on sm_90 at both head dims."""
+    for hd in configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS:
+        cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd)
+        for role in WS_ROLES:
+            assert cfg.smem_bytes(role) <= 227 * 1024, (hd, cfg.smem_bytes(role))
+    assert configs.KernelConfig("bwd_wgmma", "bfloat16", 128).smem_bytes("dkdv_dq_ws") == 231496
 
 
 def _ws_source() -> str:
@@ -614,19 +661,29 @@ def _ws_source() -> str:
 
 def test_ws_kernel_protocol_in_the_source():
     """The producer / consumer protocol as written: full barriers count the producer's 128
-    threads and empty ones both consumers' 256; the producer waits on `empty` with the parity of
-    the stage's previous use and every consumer waits on `full` with the tile's; the consumers
-    arrive on `empty` once per tile on every path (skipped tiles too); the dQ barrier is one
-    warpgroup's 128 threads (ids 2, 3) or both consumers' 256 (id 1); the register split fits the
-    register file."""
+    threads and empty ones both consumers' 256, for the Q / dO ring and the K/V buffers alike; the
+    producer waits on `empty` with the parity of the stage's (K/V buffer's) previous use and every
+    consumer waits on `full` with the tile's (item's), ring tiles counted over all items; the
+    consumers arrive on `empty` once per tile on every path (skipped tiles too) and on `kv_empty`
+    once per item; the producer publishes every item (one that loads nothing too, and the end) on
+    `kv_full`; the dQ barrier is one warpgroup's 128 threads (ids 2, 3) or both consumers' 256 (id
+    1), the producer's item barrier id 4; the register split fits the register file."""
     src = _ws_source()
     assert "mbar_ring_init<STAGES>(bar_full, bar_empty, 128, 256);" in src
+    assert "mbar_ring_init<KV_BUFS>(bar_kv_full, bar_kv_empty, 128, 256);" in src
     ring = configs.source(("attn_sm90.cuh",))
     ring = ring[ring.index("void mbar_ring_init("):]
     assert "mbar_init(bar_full + 8 * st, full_count);" in ring and "mbar_init(bar_empty + 8 * st, empty_count);" in ring
-    assert "if (it >= STAGES) mbar_wait(bar_empty + 8 * st, ((it / STAGES) - 1) & 1);" in src
-    assert "mbar_wait(bar_full + 8 * stg, (it / STAGES) & 1);" in src
-    loop = src[src.index("for (int it = 0; it < n_iter; ++it) {\n        const int stg"):src.index("// Epilogue")]
+    prod = src[src.index("if (wg == 0) {"):src.index("// ----- consumers -----")]
+    cons = src[src.index("// ----- consumers -----"):]
+    assert "if (rt >= STAGES) mbar_wait(bar_empty + 8 * st, ((rt / STAGES) - 1) & 1);" in prod
+    assert "if (n >= KV_BUFS) mbar_wait(bar_kv_empty + 8 * kb, ((n / KV_BUFS) - 1) & 1);" in prod
+    assert prod.count("mbar_arrive(bar_kv_full + 8 * kb);") == 3 and "named_bar_sync(4, 128);" in prod
+    assert "mbar_wait(bar_full + 8 * stg, (rt / STAGES) & 1);" in cons
+    assert "mbar_wait(bar_kv_full + 8 * kb, (n / KV_BUFS) & 1);" in cons
+    assert cons.count("mbar_arrive(bar_kv_empty + 8 * kb);") == 1
+    assert cons.index("mbar_arrive(bar_kv_empty + 8 * kb);") > cons.index("dsb ^= 1;")
+    loop = cons[cons.index("for (int it = 0; it < n_iter; ++it, ++rt) {"):cons.index("// Epilogue")]
     skip = loop[loop.index("tile_any_visible"):loop.index("continue;")]
     assert skip.count("mbar_arrive(bar_empty + 8 * stg);") == 1
     assert loop.count("mbar_arrive(bar_empty + 8 * stg);") == 2 and "if (part == 0) mbar_arrive" in loop
@@ -641,7 +698,7 @@ def test_ws_kernel_protocol_in_the_source():
 @needs_nvrtc
 def test_ws_kernels_compile_within_their_spill_allowance_and_keep_the_chains(tmp_path):
     """Every warp-specialized kernel compiles for sm_90a (no wgmma serialised), within
-    WGMMA_BWD_WS_SPILL_BYTES, with the register split in its SASS (USETMAXREG) and HGMMA only; in
+    configs.ws_spill_bytes, with the register split in its SASS (USETMAXREG) and HGMMA only; in
     its PTX no ordinary instruction touches a chain's registers in flight, the fused dQ's products
     are MN-major at N = HD / 2 over 128 keys (ws) or N = 64 over 64 keys per column block (wsl),
     with HD / 8 (ws) or HD / 4 (wsl) float2 atomic adds per thread and tile."""
@@ -651,7 +708,7 @@ def test_ws_kernels_compile_within_their_spill_allowance_and_keep_the_chains(tmp
     assert "serialized" not in log, log
     for r in compile_check.parse_ptxas_log(log, lowered, "90a"):
         if log.strip():
-            assert max(r.spill_stores or 0, r.spill_loads or 0, r.stack or 0) <= configs.WGMMA_BWD_WS_SPILL_BYTES, r
+            assert max(r.spill_stores or 0, r.spill_loads or 0, r.stack or 0) <= configs.ws_spill_bytes(r.name), r
     for name, body in _sm90a_ptx_entries(names).items():
         hd, local = int(re.search(r"<\w+, (\d+),", name).group(1)), name.endswith("true>")
         assert wgmma_register_hazards(body) == [], name
@@ -746,15 +803,31 @@ def test_wgmma_backward_matches_reference(monkeypatch, case, dtype):
     assert not bad, f"{case} {dtype}: " + "; ".join(bad)
 
 
+def _ws_grid(monkeypatch, grid: str) -> None:
+    """The warp-specialized kernels' grid for a test: "sm" one CTA per SM (persistent), "3" three
+    CTAs taking every work item (many items per CTA, both K/V buffers reused), "item" one CTA per
+    work item."""
+    from portattn.backends.cupy import runtime
+
+    monkeypatch.setenv(configs.WS_PERSISTENT_ENV, "0" if grid == "item" else "1")
+    if grid == "3":
+        monkeypatch.setattr(runtime, "_sm_count", lambda device: 3)
+
+
+WS_GRIDS = ["sm", "3", "item"]
+
+
+@pytest.mark.parametrize("grid", WS_GRIDS)
 @pytest.mark.parametrize("mode", ["ws", "ws_local"])
 @pytest.mark.parametrize("case", [c for c in _wgmma_bwd_cases() if c in (
     "basic", "causal_br_sq_gt_sk", "causal_br_empty_ctas", "gqa_causal", "varlen_causal", "varlen_window")])
 @pytest.mark.gpu
 @sm90_only
-def test_ws_fused_dq_matches_reference(monkeypatch, case, mode):
+def test_ws_fused_dq_matches_reference(monkeypatch, case, mode, grid):
     """The warp-specialized fused-dQ dK/dV (PORTATTN_CUPY_DQ=ws / ws_local) at the padded
-    HD 64 / 128 of the case: dk and dv bit-identical to the deterministic backward's (the same
-    products in the same order), dq against float64, rows with no visible key exactly 0."""
+    HD 64 / 128 of the case, on each grid (_ws_grid): dk and dv bit-identical to the deterministic
+    backward's (the same products in the same order), dq against float64, rows with no visible
+    key exactly 0."""
     from portattn.backends.cupy import CupyBackend, runtime
     from test_cupy import _grad_scale, _grads, _inputs, _to_layout
 
@@ -773,6 +846,7 @@ def test_ws_fused_dq_matches_reference(monkeypatch, case, mode):
     dout = dout.to(torch.bfloat16)
     det = be.backward(dataclasses.replace(spec, deterministic=True), out, lse, dout)[:3]
     monkeypatch.setenv(configs.DQ_ENV, mode)
+    _ws_grid(monkeypatch, grid)
     ws = be.backward(spec, out, lse, dout)[:3]
     torch.cuda.synchronize()
     assert torch.equal(ws[1], det[1]) and torch.equal(ws[2], det[2]), f"{mode}: dk / dv differ"
@@ -783,12 +857,13 @@ def test_ws_fused_dq_matches_reference(monkeypatch, case, mode):
     assert res.passed, f"{case} {mode}: {res}"
 
 
+@pytest.mark.parametrize("grid", WS_GRIDS)
 @pytest.mark.parametrize("mode", ["ws", "ws_local"])
 @pytest.mark.gpu
 @sm90_only
-def test_ws_fused_dq_large_and_bad_cu_seqlens(monkeypatch, mode):
+def test_ws_fused_dq_large_and_bad_cu_seqlens(monkeypatch, mode, grid):
     """The warp-specialized kernels on many tiles per CTA (GQA, causal and not, HD 64 and 128) and
-    on the bad-cu_seqlens cases (they must stay in bounds)."""
+    on the bad-cu_seqlens cases (they must stay in bounds), on each grid (_ws_grid)."""
     import test_cu_seqlens_safety
     from portattn.backends.cupy import CupyBackend
     from test_cu_seqlens_safety import BAD, run_bad_case
@@ -796,6 +871,7 @@ def test_ws_fused_dq_large_and_bad_cu_seqlens(monkeypatch, mode):
 
     monkeypatch.setenv(configs.BACKWARD_ENV, "wgmma")
     monkeypatch.setenv(configs.DQ_ENV, mode)
+    _ws_grid(monkeypatch, grid)
     g = torch.Generator(device="cuda").manual_seed(6)
     for d in configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS:
         q = torch.randn(2, 1024, 8, d, generator=g, device="cuda").to(torch.bfloat16)

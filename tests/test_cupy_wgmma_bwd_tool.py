@@ -148,7 +148,7 @@ def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):
     names = configs.KernelConfig("bwd_wgmma", "bfloat16", 64).kernel_names()
     assert set(names) == {"preprocess", "dkdv", "dq", "dkdv_dq", "dkdv_dq_ws", "dkdv_dq_wsl"}
     assert names["dkdv_dq"] == "attn_bwd_dkdv_wgmma<pa_bf16, 64, 64, 2, false, true>"
-    # the warp-specialized kernels: their producer's spill, within WGMMA_BWD_WS_SPILL_BYTES
+    # the warp-specialized kernels: their producer's spill, within configs.ws_spill_bytes
     ws = {names[r] for r in configs.WS_FUSED_DQ_ROLES}
     assert set(kernels) == set(configs.KernelConfig("bwd_wgmma", "bfloat16", 64).name_expressions())
     assert "NVRTC" in info["nvrtc"] and not info["cached"], info.get("nvrtc")
@@ -164,7 +164,7 @@ def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):
                                            f"{info['cached']}; PTX fallback {info['ptx_fallback']}")
         if name in ws:
             assert k["registers"] and max(k["spill_stores"] or 0, k["stack"] or 0, k.get("local") or 0) <= \
-                configs.WGMMA_BWD_WS_SPILL_BYTES, why
+                configs.ws_spill_bytes(name), why
             continue
         assert k["registers"] and not k["spill_stores"] and not k["stack"] and not k.get("local"), why
     if _cuobjdump() is None:
@@ -209,7 +209,7 @@ def test_registers_come_from_the_cubin_when_the_log_lacks_them(tmp_path, monkeyp
         assert with_log["kernels"][name]["from"] in ("ptxas -v", "cuobjdump -res-usage")
         assert k["registers"] == with_log["kernels"][name]["registers"], k
         if "_ws<" in name:   # the warp-specialized kernels: the stack and spill ptxas reported
-            assert k["stack"] == with_log["kernels"][name]["stack"] <= configs.WGMMA_BWD_WS_SPILL_BYTES, k
+            assert k["stack"] == with_log["kernels"][name]["stack"] <= configs.ws_spill_bytes(name), k
             continue
         assert k["stack"] == 0 and k["local"] == 0, k
 
@@ -256,13 +256,17 @@ def _reference_kernels(monkeypatch, hole=False):
         plan.fake = ("fwd", spec)
         return plan
 
-    def plan_backward(spec, out, lse, dout, cfg=None, dlse=None, fused_dq=None):
-        plan = orig_b(spec, out, lse, dout, cfg, dlse, fused_dq)
+    def plan_backward(spec, out, lse, dout, cfg=None, dlse=None, fused_dq=None, persistent=None):
+        plan = orig_b(spec, out, lse, dout, cfg, dlse, fused_dq, persistent)
         plan.fake = ("bwd", spec, dout, dlse, cfg)
         assert fused_dq is None or cfg.family == "bwd_wgmma"
         # the plan launches the fused dK/dV only where asked (and the module has it), the role asked
         role = fused_dq if isinstance(fused_dq, str) else "dkdv_dq"
         assert (role in [x.role for x in plan.launches]) == bool(fused_dq and spec.seqlen_k > 0)
+        # the warp-specialized kernels on the grid asked: 3 CTAs for "ws3", one per work item for "ws1"
+        ws = [x for x in plan.launches if x.role in configs.WS_FUSED_DQ_ROLES]
+        if ws and isinstance(persistent, int) and not isinstance(persistent, bool):
+            assert ws[0].grid[0] == min(persistent, -(-spec.seqlen_k // 128) * spec.num_heads_kv * spec.batch)
         return plan
 
     def execute(plan, device):

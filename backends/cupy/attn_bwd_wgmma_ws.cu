@@ -30,8 +30,8 @@ attn_bwd_dkdv_wgmma_ws(PA_COMMON_PARAMS, const T* __restrict__ dout, long long d
                        const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk,
                        long long dk_sb, long long dk_ss, long long dk_sh, T* __restrict__ dv, long long dv_sb,
                        long long dv_ss, long long dv_sh, float* __restrict__ dq_acc, long long dqa_sb,
-                       long long dqa_ss, long long dqa_sh) {
-    constexpr int BM = 64, BN = 128, STAGES = 2;
+                       long long dqa_ss, long long dqa_sh, int kv_heads, int batch, int* __restrict__ next_item) {
+    constexpr int BM = 64, BN = 128, STAGES = 2, KV_BUFS = 2;
     constexpr int NT = 128;                    // the producer's threads (PA_DKDV_WG_LOAD_QUERY_TILE)
     constexpr int KV_BYTES = BN * HD * 2;      // the K (or V) tile
     constexpr int QT_BYTES = BM * HD * 2;      // one Q (or dO) stage
@@ -44,128 +44,170 @@ attn_bwd_dkdv_wgmma_ws(PA_COMMON_PARAMS, const T* __restrict__ dout, long long d
     static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 64512, "the register file");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const pa_u32 raw = smem_addr(smem_raw), base = sw128_align(raw);
-    const pa_u32 sK = base;
-    const pa_u32 sV = sK + KV_BYTES;
-    const pa_u32 sQ = sV + KV_BYTES;                       // [STAGES][BM x HD]
+    const pa_u32 sKV = base;                               // [KV_BUFS][K | V]
+    const pa_u32 sQ = sKV + KV_BUFS * 2 * KV_BYTES;        // [STAGES][BM x HD]
     const pa_u32 sdO = sQ + STAGES * QT_BYTES;             // [STAGES][BM x HD]
     const pa_u32 sdS = sdO + STAGES * QT_BYTES;            // [2][BN x BM] (SW128; 1024-aligned)
-    const pa_u32 bar_full = sdS + 2 * DS_BYTES;            // mbarriers: full[STAGES], empty[STAGES]
-    const pa_u32 bar_empty = bar_full + 8 * STAGES;
-    float* sL = reinterpret_cast<float*>(smem_raw + (bar_empty + 8 * STAGES - raw));   // [STAGES][lse2 | delta]
+    const pa_u32 bar_full = sdS + 2 * DS_BYTES;            // mbarriers: full[STAGES], empty[STAGES],
+    const pa_u32 bar_empty = bar_full + 8 * STAGES;        // kv_full[KV_BUFS], kv_empty[KV_BUFS]
+    const pa_u32 bar_kv_full = bar_empty + 8 * STAGES;
+    const pa_u32 bar_kv_empty = bar_kv_full + 8 * KV_BUFS;
+    const pa_u32 slots = bar_kv_empty + 8 * KV_BUFS;       // the items of the CTA's last two: int[2]
+    volatile int* item_slot = reinterpret_cast<volatile int*>(smem_raw + (slots - raw));
+    float* sL = reinterpret_cast<float*>(smem_raw + (slots + 8 - raw));   // [STAGES][lse2 | delta]
 
     const int tid = threadIdx.x, wg = tid / 128;
-    PA_KEY_CTA_PROLOGUE(BN);
-    const QueryTileWalk<BM> walk(hk, gqa_ratio, cta.r_lo, cta.r_hi);
-    const int n_iter = walk.n_iter;
-    if (tid == 0) mbar_ring_init<STAGES>(bar_full, bar_empty, 128, 256);
+    const int n_x = (seqlen_k + BN - 1) / BN, n_items = n_x * kv_heads * batch;
+    if (tid == 0) {
+        mbar_ring_init<STAGES>(bar_full, bar_empty, 128, 256);
+        mbar_ring_init<KV_BUFS>(bar_kv_full, bar_kv_empty, 128, 256);
+    }
     __syncthreads();
 
     if (wg == 0) {
-        // ----- producer: K and V with the first tile, then tile it into stage it % STAGES once the
-        // consumers released it (tile it - STAGES), published as soon as it has landed -----
+        // ----- producer: per item, its K and V into K/V buffer n % KV_BUFS (once the consumers
+        // released the item before the last there), then tile it into ring stage rt % STAGES once
+        // the consumers released tile rt - STAGES, each published as soon as landed (K and V with
+        // the first tile) -----
         setmaxnreg_dec<PRODUCER_REGS>();
-        for (int it = 0; it < n_iter; ++it) {
-            const int st = it % STAGES;
-            if (it >= STAGES) mbar_wait(bar_empty + 8 * st, ((it / STAGES) - 1) & 1);
-            if (it == 0) {
-                load_tile_sw128<T, BN, HD, NT>(sK, cta.k_tile, k_ss, s.sk - n0, head_dim, tid);
-                load_tile_sw128<T, BN, HD, NT>(sV, cta.v_tile, v_ss, s.sk - n0, head_dim_v, tid);
+        int rt = 0;                            // ring tiles loaded, over all items
+        for (int n = 0;; ++n) {
+            const int kb = n % KV_BUFS;
+            if (n >= KV_BUFS) mbar_wait(bar_kv_empty + 8 * kb, ((n / KV_BUFS) - 1) & 1);
+            if (tid == 0) item_slot[n % 2] = n == 0 ? (int)blockIdx.x : (int)gridDim.x + atomicAdd(next_item, 1);
+            named_bar_sync(4, 128);
+            const int item = item_slot[n % 2];
+            if (item >= n_items) {             // no work left: the consumers see it through kv_full
+                mbar_arrive(bar_kv_full + 8 * kb);
+                return;
             }
-            PA_DKDV_WG_LOAD_QUERY_TILE(sQ + st * QT_BYTES, sdO + st * QT_BYTES, sL + st * 2 * BM, walk.head(it),
-                                       walk.row0(it));
-            cp_async_commit();
-            cp_async_wait_all();
-            fence_proxy_async();
-            mbar_arrive(bar_full + 8 * st);
+            const KeyCta<T> cta = PA_KEY_ITEM(item, n_x, BN);
+            const SeqInfo& s = cta.s;
+            const int b = cta.b;
+            const QueryTileWalk<BM> walk(cta.hk, gqa_ratio, cta.r_lo, cta.r_hi);
+            const int n_iter = cta.empty() ? 0 : walk.n_iter;
+            if (n_iter > 0) {                  // K and V land with the first tile (one commit group)
+                const pa_u32 sK = sKV + kb * 2 * KV_BYTES;
+                load_tile_sw128<T, BN, HD, NT>(sK, cta.k_tile, k_ss, s.sk - cta.n0, head_dim, tid);
+                load_tile_sw128<T, BN, HD, NT>(sK + KV_BYTES, cta.v_tile, v_ss, s.sk - cta.n0, head_dim_v, tid);
+            }
+            for (int it = 0; it < n_iter; ++it, ++rt) {
+                const int st = rt % STAGES;
+                if (rt >= STAGES) mbar_wait(bar_empty + 8 * st, ((rt / STAGES) - 1) & 1);
+                PA_DKDV_WG_LOAD_QUERY_TILE(sQ + st * QT_BYTES, sdO + st * QT_BYTES, sL + st * 2 * BM, walk.head(it),
+                                           walk.row0(it));
+                cp_async_commit();
+                cp_async_wait_all();
+                fence_proxy_async();
+                if (it == 0) mbar_arrive(bar_kv_full + 8 * kb);
+                mbar_arrive(bar_full + 8 * st);
+            }
+            if (n_iter == 0) mbar_arrive(bar_kv_full + 8 * kb);   // nothing to load: the item alone
         }
-        return;
     }
 
     // ----- consumers -----
     setmaxnreg_inc<CONSUMER_REGS>();
     const int c = wg - 1, lane = tid % 32, wq = (tid / 32) % 4, g = lane / 4, t4 = lane % 4;
     const float scale_log2 = scale * PA_LOG2E;
-    float dk_acc[HD / 2], dv_acc[HD / 2];      // rows (keys) g, g + 8 of the warp's 16
-    zero_floats<HD / 2>(dk_acc);
-    zero_floats<HD / 2>(dv_acc);
     const int kw = 64 * c;                     // the consumer's first key in the CTA
-    const int nw0 = n0 + kw;                   // ... in the sequence
-    const int j0 = nw0 + wq * 16 + g;          // this thread's keys: j0, j0 + 8
-    const pa_u32 sKw = sK + kw * 128, sVw = sV + kw * 128;   // 8-row groups are 1024 B
     pa_u32 pa[BM / 16][4], da[BM / 16][4];     // P^T and dS^T as A fragments
     float st[BM / 2], dpt[BM / 2];             // S^T and dP^T of a tile
+    float dk_acc[HD / 2], dv_acc[HD / 2];      // rows (keys) g, g + 8 of the warp's 16
     constexpr int DQ_N = LOCAL_DQ ? 64 : HD / 2;          // columns of one dQ product
     constexpr int DQ_PARTS = LOCAL_DQ ? HD / 64 : 1;      // products per tile
+    int rt = 0;                                // ring tiles consumed, over all items
     int dsb = 0;                               // the dS^T buffer of the next computed tile
 
-    for (int it = 0; it < n_iter; ++it) {
-        const int stg = it % STAGES, m0 = walk.row0(it);
-        mbar_wait(bar_full + 8 * stg, (it / STAGES) & 1);
-        // uniform per consumer (LOCAL_DQ) or per CTA (both consumers meet at named barrier 1)
-        if (LOCAL_DQ ? !tile_any_visible(s, m0, BM, nw0, 64, win_left, win_right)
-                     : !tile_any_visible(s, m0, BM, n0, BN, win_left, win_right)) {
-            mbar_arrive(bar_empty + 8 * stg);
-            continue;
-        }
-        fence_proxy_async();
-        const pa_u32 sQb = sQ + stg * QT_BYTES, sdOb = sdO + stg * QT_BYTES, sdSb = sdS + dsb * DS_BYTES;
-        const float* lse2_t = sL + stg * 2 * BM;
+    for (int n = 0;; ++n) {
+        const int kb = n % KV_BUFS;
+        mbar_wait(bar_kv_full + 8 * kb, (n / KV_BUFS) & 1);
+        const int item = item_slot[n % 2];
+        if (item >= n_items) return;
+        const KeyCta<T> cta = PA_KEY_ITEM(item, n_x, BN);
+        const SeqInfo& s = cta.s;
+        const int b = cta.b, n0 = cta.n0;
+        const QueryTileWalk<BM> walk(cta.hk, gqa_ratio, cta.r_lo, cta.r_hi);
+        const int n_iter = cta.empty() ? 0 : walk.n_iter;
+        const int nw0 = n0 + kw;                   // the consumer's first key in the sequence
+        const int j0 = nw0 + wq * 16 + g;          // this thread's keys: j0, j0 + 8
+        const pa_u32 sK = sKV + kb * 2 * KV_BYTES;
+        const pa_u32 sKw = sK + kw * 128, sVw = sK + KV_BYTES + kw * 128;   // 8-row groups are 1024 B
+        zero_floats<HD / 2>(dk_acc);
+        zero_floats<HD / 2>(dv_acc);
 
-        // S^T = K_c Q^T and dP^T = V_c dO^T, two commit groups
-        zero_floats<BM / 2>(st);
-        zero_floats<BM / 2>(dpt);
-        wg_qk<T, HD, BN, BM>(st, opaque_u32(sKw), sQb);
-        wg_qk<T, HD, BN, BM>(dpt, opaque_u32(sVw), sdOb);
-        // S^T landed: P^T in place, re-packed; dV_c += P^T dO issued
-        wgmma_wait<1>();
-        wgmma_fence_acc<BM>(st);
-        const bool check = tile_needs_mask(s, m0, BM, nw0, 64, win_left, win_right);
-        wg_probs_keys<BM>(st, lse2_t, check, s, j0, m0, t4, scale_log2, win_left, win_right);
-        acc_to_a_frags<T, BM>(pa, st);
-        wg_pv<T, HD, BM>(dv_acc, pa, sdOb, 1);
-        // dP^T landed: dS^T in place, re-packed, stored for dQ; dK_c += dS^T Q issued
-        wgmma_wait<1>();
-        wgmma_fence_acc<BM>(dpt);
-        wg_dscores_keys<BM>(st, dpt, lse2_t + BM, t4);
-        acc_to_a_frags<T, BM>(da, dpt);
-        store_ds_t<BM>(sdSb + kw * 128, da, wq, g, t4);
-        wg_pv<T, HD, BM>(dk_acc, da, sQb, 1);
-        // dV retired (dK still runs): P^T's fragments free for dQ's accumulators; the dS^T this
-        // dQ reads stored and visible to wgmma
-        wgmma_wait<1>();
-        fence_proxy_async();
-        if (LOCAL_DQ)
-            named_bar_sync(2 + c, 128);
-        else
-            named_bar_sync(1, 256);
-        const int h = walk.head(it), row_w = m0 + wq * 16;
-        float* const dq_rows = tok_ptr(dq_acc, b, dqa_sb, s.q0 + row_w, dqa_ss, h, dqa_sh);
-#pragma unroll
-        for (int part = 0; part < DQ_PARTS; ++part) {
-            // a fresh partial per product, set by its chain's first k-step (scale-d 0)
-            float dq_part[DQ_N / 2];
-            const int dq_col = LOCAL_DQ ? 64 * part : c * DQ_N;   // K's columns dq_col ...
-            const pa_u32 sk_col = sK + (dq_col / 64) * (BN * 128) + (dq_col % 64) * 2;
+        for (int it = 0; it < n_iter; ++it, ++rt) {
+            const int stg = rt % STAGES, m0 = walk.row0(it);
+            mbar_wait(bar_full + 8 * stg, (rt / STAGES) & 1);
+            // uniform per consumer (LOCAL_DQ) or per CTA (both consumers meet at named barrier 1)
+            if (LOCAL_DQ ? !tile_any_visible(s, m0, BM, nw0, 64, win_left, win_right)
+                         : !tile_any_visible(s, m0, BM, n0, BN, win_left, win_right)) {
+                mbar_arrive(bar_empty + 8 * stg);
+                continue;
+            }
+            fence_proxy_async();
+            const pa_u32 sQb = sQ + stg * QT_BYTES, sdOb = sdO + stg * QT_BYTES, sdSb = sdS + dsb * DS_BYTES;
+            const float* lse2_t = sL + stg * 2 * BM;
+
+            // S^T = K_c Q^T and dP^T = V_c dO^T, two commit groups
+            zero_floats<BM / 2>(st);
+            zero_floats<BM / 2>(dpt);
+            wg_qk<T, HD, BN, BM>(st, opaque_u32(sKw), sQb);
+            wg_qk<T, HD, BN, BM>(dpt, opaque_u32(sVw), sdOb);
+            // S^T landed: P^T in place, re-packed; dV_c += P^T dO issued
+            wgmma_wait<1>();
+            wgmma_fence_acc<BM>(st);
+            const bool check = tile_needs_mask(s, m0, BM, nw0, 64, win_left, win_right);
+            wg_probs_keys<BM>(st, lse2_t, check, s, j0, m0, t4, scale_log2, win_left, win_right);
+            acc_to_a_frags<T, BM>(pa, st);
+            wg_pv<T, HD, BM>(dv_acc, pa, sdOb, 1);
+            // dP^T landed: dS^T in place, re-packed, stored for dQ; dK_c += dS^T Q issued
+            wgmma_wait<1>();
+            wgmma_fence_acc<BM>(dpt);
+            wg_dscores_keys<BM>(st, dpt, lse2_t + BM, t4);
+            acc_to_a_frags<T, BM>(da, dpt);
+            store_ds_t<BM>(sdSb + kw * 128, da, wq, g, t4);
+            wg_pv<T, HD, BM>(dk_acc, da, sQb, 1);
+            // dV retired (dK still runs): P^T's fragments free for dQ's accumulators; the dS^T this
+            // dQ reads stored and visible to wgmma
+            wgmma_wait<1>();
+            fence_proxy_async();
             if (LOCAL_DQ)
-                wg_ds_k<T, DQ_N, BN, 64>(dq_part, opaque_u32(sdSb + kw * 128), opaque_u32(sk_col + kw * 128));
+                named_bar_sync(2 + c, 128);
             else
-                wg_ds_k<T, DQ_N, BN>(dq_part, opaque_u32(sdSb), opaque_u32(sk_col));
-            wgmma_wait<0>();
-            wgmma_fence_acc<DQ_N>(dq_part);
-            if (part == 0) mbar_arrive(bar_empty + 8 * stg);   // dK retired: Q, dO and the stats are read
-            red_acc_rows<DQ_N>(dq_rows + dq_col, dqa_ss, dq_part, s.sq - row_w, head_dim - dq_col, g, t4);
+                named_bar_sync(1, 256);
+            const int h = walk.head(it), row_w = m0 + wq * 16;
+            float* const dq_rows = tok_ptr(dq_acc, b, dqa_sb, s.q0 + row_w, dqa_ss, h, dqa_sh);
+#pragma unroll
+            for (int part = 0; part < DQ_PARTS; ++part) {
+                // a fresh partial per product, set by its chain's first k-step (scale-d 0)
+                float dq_part[DQ_N / 2];
+                const int dq_col = LOCAL_DQ ? 64 * part : c * DQ_N;   // K's columns dq_col ...
+                const pa_u32 sk_col = sK + (dq_col / 64) * (BN * 128) + (dq_col % 64) * 2;
+                if (LOCAL_DQ)
+                    wg_ds_k<T, DQ_N, BN, 64>(dq_part, opaque_u32(sdSb + kw * 128), opaque_u32(sk_col + kw * 128));
+                else
+                    wg_ds_k<T, DQ_N, BN>(dq_part, opaque_u32(sdSb), opaque_u32(sk_col));
+                wgmma_wait<0>();
+                wgmma_fence_acc<DQ_N>(dq_part);
+                if (part == 0) mbar_arrive(bar_empty + 8 * stg);   // dK retired: Q, dO and the stats are read
+                red_acc_rows<DQ_N>(dq_rows + dq_col, dqa_ss, dq_part, s.sq - row_w, head_dim - dq_col, g, t4);
+            }
+            wgmma_fence_acc<HD>(dv_acc);
+            wgmma_fence_acc<HD>(dk_acc);
+            dsb ^= 1;
         }
-        wgmma_fence_acc<HD>(dv_acc);
-        wgmma_fence_acc<HD>(dk_acc);
-        dsb ^= 1;
-    }
+        // every product of the item retired (dQ's wait_group 0): K and V are read
+        mbar_arrive(bar_kv_empty + 8 * kb);
+        if (cta.empty()) continue;
 
-    // Epilogue: the warp's 16 keys of dK (times the softmax scale) and dV; keys past the
-    // sequence end and columns past the head dims are not stored.
-    const int key_w = nw0 + wq * 16;
-    scale_floats<HD / 2>(dk_acc, scale);
-    store_acc_rows<T, HD / 8>(tok_ptr(dk, b, dk_sb, s.k0 + key_w, dk_ss, hk, dk_sh), dk_ss,
-                              reinterpret_cast<const float (*)[4]>(dk_acc), s.sk - key_w, 0, head_dim, g, t4);
-    store_acc_rows<T, HD / 8>(tok_ptr(dv, b, dv_sb, s.k0 + key_w, dv_ss, hk, dv_sh), dv_ss,
-                              reinterpret_cast<const float (*)[4]>(dv_acc), s.sk - key_w, 0, head_dim_v, g, t4);
+        // Epilogue: the warp's 16 keys of dK (times the softmax scale) and dV; keys past the
+        // sequence end and columns past the head dims are not stored.
+        const int key_w = nw0 + wq * 16;
+        scale_floats<HD / 2>(dk_acc, scale);
+        store_acc_rows<T, HD / 8>(tok_ptr(dk, b, dk_sb, s.k0 + key_w, dk_ss, cta.hk, dk_sh), dk_ss,
+                                  reinterpret_cast<const float (*)[4]>(dk_acc), s.sk - key_w, 0, head_dim, g, t4);
+        store_acc_rows<T, HD / 8>(tok_ptr(dv, b, dv_sb, s.k0 + key_w, dv_ss, cta.hk, dv_sh), dv_ss,
+                                  reinterpret_cast<const float (*)[4]>(dv_acc), s.sk - key_w, 0, head_dim_v, g, t4);
+    }
 }

@@ -196,20 +196,30 @@ struct KeyCta {
     const T* v_tile;
     __device__ __forceinline__ bool empty() const { return n0 >= s.sk; }
 };
+// key_cta_at: the same for key tile x of kv head hk in batch b (a persistent kernel's work item).
+template <typename T>
+__device__ __forceinline__ KeyCta<T> key_cta_at(int x, int hk, int b, int bn, const int* cu_q, const int* cu_k,
+                                                int seqlen_q, int seqlen_k, int total_q, int total_k, int top_left,
+                                                int left, int right, const T* k, long long k_sb, long long k_ss,
+                                                long long k_sh, const T* v, long long v_sb, long long v_ss,
+                                                long long v_sh) {
+    KeyCta<T> c;
+    c.b = b;
+    c.hk = hk;
+    c.s = seq_info(c.b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
+    c.n0 = x * bn;
+    row_range(c.s, c.n0, c.n0 + bn - 1, left, right, &c.r_lo, &c.r_hi);
+    c.k_tile = tok_ptr(k, c.b, k_sb, c.s.k0 + c.n0, k_ss, c.hk, k_sh);
+    c.v_tile = tok_ptr(v, c.b, v_sb, c.s.k0 + c.n0, v_ss, c.hk, v_sh);
+    return c;
+}
 template <typename T>
 __device__ __forceinline__ KeyCta<T> key_cta(int bn, const int* cu_q, const int* cu_k, int seqlen_q, int seqlen_k,
                                              int total_q, int total_k, int top_left, int left, int right, const T* k,
                                              long long k_sb, long long k_ss, long long k_sh, const T* v,
                                              long long v_sb, long long v_ss, long long v_sh) {
-    KeyCta<T> c;
-    c.b = blockIdx.z;
-    c.hk = blockIdx.y;
-    c.s = seq_info(c.b, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left);
-    c.n0 = blockIdx.x * bn;
-    row_range(c.s, c.n0, c.n0 + bn - 1, left, right, &c.r_lo, &c.r_hi);
-    c.k_tile = tok_ptr(k, c.b, k_sb, c.s.k0 + c.n0, k_ss, c.hk, k_sh);
-    c.v_tile = tok_ptr(v, c.b, v_sb, c.s.k0 + c.n0, v_ss, c.hk, v_sh);
-    return c;
+    return key_cta_at<T>(blockIdx.x, blockIdx.y, blockIdx.z, bn, cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k,
+                         top_left, left, right, k, k_sb, k_ss, k_sh, v, v_sb, v_ss, v_sh);
 }
 
 // The prologues above and the score terms of (b, h), from a kernel's PA_COMMON_PARAMS.
@@ -219,6 +229,11 @@ __device__ __forceinline__ KeyCta<T> key_cta(int bn, const int* cu_q, const int*
                PA_KV_ARGS)
 #define PA_KEY_CTA(BN) \
     key_cta<T>((BN), cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, top_left, win_left, win_right, PA_KV_ARGS)
+// Work item ITEM of a persistent dK/dV kernel over NX key tiles of BN: the KeyCta a grid
+// (NX, kv_heads, batch) gives block (ITEM % NX, ITEM / NX % kv_heads, ITEM / NX / kv_heads).
+#define PA_KEY_ITEM(ITEM, NX, BN)                                                                              \
+    key_cta_at<T>((ITEM) % (NX), (ITEM) / (NX) % kv_heads, (ITEM) / (NX) / kv_heads, (BN), cu_q, cu_k, seqlen_q, \
+                  seqlen_k, total_q, total_k, top_left, win_left, win_right, PA_KV_ARGS)
 #define PA_MODS(B, H) \
     make_mods(scale, softcap, alibi, alibi_sb, bias, bias_kind, bias_sb, bias_sh, bias_si, bias_sj, (B), (H))
 // The tensor-core kernels' score terms: all of them with EXTRAS; otherwise only the scale (the

@@ -235,12 +235,18 @@ WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS: tuple = (64, 128)
 #: other default kernel must have none (tests/test_cupy_wgmma_bwd.py, tools/cupy_wgmma_bwd_check.py).
 WGMMA_BWD_FUSED_DQ_SPILL_BYTES = {128: 8}
 #: Bytes of spill (stores, loads, stack) the warp-specialized fused-dQ dK/dV kernels
-#: (:data:`WS_FUSED_DQ_ROLES`; attn_bwd_wgmma_ws.cu) may have: their producer warpgroup
-#: runs on 56 registers at HD 64 and 24 at HD 128 (its loop-invariant addresses spill), and at
-#: HD 128 the consumers on 240 (a few loop-invariant values spill): NVRTC 13.0 (the H200 image's)
-#: 28 bytes at HD 64 and 96-120 at HD 128, NVRTC 13.5 12 and 104-144 (timed with them:
-#: :data:`WGMMA_BWD_FUSED_DQ_AUTO_ROLE`).
-WGMMA_BWD_WS_SPILL_BYTES = 256
+#: (:data:`WS_FUSED_DQ_ROLES`; attn_bwd_wgmma_ws.cu) may have, by role: their producer warpgroup
+#: runs on 56 registers at HD 64 and 24 at HD 128 (at HD 128 its per-item and loop-invariant values
+#: spill), the consumers on 224 / 240 (at HD 128 a few loop-invariant values spill, and in
+#: ``dkdv_dq_wsl``, whose dQ runs two products per tile, more). NVRTC 13.5: none at HD 64; at HD
+#: 128 124-176 bytes (ws) and 560-680 (wsl) (:func:`ws_spill_bytes`).
+WGMMA_BWD_WS_SPILL_BYTES = {"dkdv_dq_ws": 256, "dkdv_dq_wsl": 768}
+
+
+def ws_spill_bytes(kernel_name: str) -> int:
+    """:data:`WGMMA_BWD_WS_SPILL_BYTES` of a warp-specialized kernel's name expression
+    (``attn_bwd_dkdv_wgmma_ws<T, HD, LOCAL_DQ>``)."""
+    return WGMMA_BWD_WS_SPILL_BYTES["dkdv_dq_wsl" if kernel_name.replace(" ", "").endswith(",true>") else "dkdv_dq_ws"]
 #: Environment switch of the 16-bit wgmma backward's dQ when determinism is not requested (read at
 #: call time by :func:`fused_dq_choice`): ``auto`` (default, also unset/empty) = the fused atomic
 #: dQ at :data:`WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS` by :data:`WGMMA_BWD_FUSED_DQ_AUTO_ROLE`, the dQ
@@ -266,6 +272,21 @@ WGMMA_BWD_FUSED_DQ_AUTO_ROLE = "dkdv_dq_ws"
 FUSED_DQ_ROLES = {"dkdv_dq": "atomic", "dkdv_dq_ws": "ws", "dkdv_dq_wsl": "ws_local"}
 #: Of those, the warp-specialized ones (384 threads, their own shared-memory carve-up and spill allowance)
 WS_FUSED_DQ_ROLES = ("dkdv_dq_ws", "dkdv_dq_wsl")
+#: The warp-specialized kernels take work items (a key tile of a kv head of a batch element, in the
+#: order of a grid ``(key tiles, kv heads, batch)``) from a counter in global memory, each CTA its
+#: next as its producer finishes loading the last: with one CTA per item (``0``) they are the
+#: one-item-per-CTA kernel; with one CTA per SM (``1``, persistent) the producer loads the next
+#: item's K, V (two K/V buffers) and first query tiles while the consumers finish the last and
+#: store its dK / dV. Environment switch (read at call time by :func:`ws_persistent`): ``auto``
+#: (default; :data:`WS_PERSISTENT_AUTO`), ``1`` or ``0``.
+WS_PERSISTENT_ENV = "PORTATTN_CUPY_BWD_PERSISTENT"
+WS_PERSISTENT_MODES = ("auto", "1", "0")
+#: What ``auto`` of :data:`WS_PERSISTENT_ENV` runs: persistent. On the H200 (2026-12-04,
+#: tools/cupy_wgmma_bwd_check.py ``ws`` against ``ws1``; bf16, 16k tokens, hidden 2048, S 1k/4k/16k,
+#: HD 64/128, causal and not) it ran 1.004-1.043 x one CTA per item (geomean 1.021; 1.03-1.04 at
+#: S 1k, where a CTA's items are short), the gradient checks passing on both grids and on three
+#: CTAs taking every item (``ws3``).
+WS_PERSISTENT_AUTO = True
 
 
 def wgmma_bwd_tile(hd: int, role: str, two_cta: bool = False) -> tuple[int, int]:
@@ -300,6 +321,17 @@ def wgmma_bwd_other_tiles(hd: int) -> tuple:
     :data:`WGMMA_BWD_TWO_CTA_CAPABLE`; serial walk): the two-CTA tiles where ``auto`` takes the
     one-CTA ones, and the other way round."""
     return (0, int(hd not in WGMMA_BWD_TWO_CTA_HEAD_DIMS))
+
+
+def ws_persistent(mode: str | None = None) -> bool:
+    """Whether the warp-specialized fused-dQ kernels launch one CTA per SM (persistent) or one per
+    work item; ``mode`` (default :data:`WS_PERSISTENT_ENV`): see :data:`WS_PERSISTENT_MODES`."""
+    mode = _env_mode(WS_PERSISTENT_ENV, WS_PERSISTENT_MODES,
+                     "auto = the H200's choice; 1 = one CTA per SM taking work items; 0 = one CTA per item") \
+        if mode is None else mode
+    if mode not in WS_PERSISTENT_MODES:
+        raise ValueError(f"persistent mode {mode!r}: one of {WS_PERSISTENT_MODES}")
+    return WS_PERSISTENT_AUTO if mode == "auto" else mode == "1"
 
 
 def dq_mode() -> str:
@@ -561,13 +593,13 @@ class KernelConfig:
             # Q, dO [B][BLOCK_M], lse2 / delta [B][2][BLOCK_M] floats; dQ: Q, dO [64 NWG], K [B][BLOCK_N],
             # V [2][BLOCK_N]; B = 3 buffers with the overlapped walk, else 2; the fused-dQ dK/dV
             # (serial walk) adds its dS^T tile, [keys x BLOCK_M]; the warp-specialized one two of
-            # them and 4 mbarriers
+            # them, two K/V buffers, 8 mbarriers and two work-item slots
             if role == "preprocess":
                 return 0
             tile, nwg = self.bwd_tile(role)
             if role in WS_FUSED_DQ_ROLES:
                 keys = wgmma_bwd_keys(hd)
-                return 1024 + (2 * keys + 4 * tile) * hd * 2 + 2 * keys * tile * 2 + 32 + 16 * tile
+                return 1024 + (4 * keys + 4 * tile) * hd * 2 + 2 * keys * tile * 2 + 64 + 8 + 16 * tile
             bufs = 3 if self.bwd_overlap and role != "dkdv_dq" else 2
             if role.startswith("dkdv"):
                 keys = wgmma_bwd_keys(hd)

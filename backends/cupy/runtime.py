@@ -10,6 +10,7 @@ kept in :data:`_MODULES`; CuPy also keeps the binaries in its on-disk kernel cac
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -288,7 +289,7 @@ def _grad_buffer(like: torch.Tensor, width: int) -> torch.Tensor:
 
 def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                   cfg: configs.KernelConfig | None = None, dlse: torch.Tensor | None = None,
-                  fused_dq: bool | str | None = None) -> Plan:
+                  fused_dq: bool | str | None = None, persistent: bool | int | None = None) -> Plan:
     """Allocate ``(dq, dk, dv)`` and describe the three backward launches.
 
     ``cfg`` overrides the configuration choice: ``configs.fma_backward_config(...)`` forces the
@@ -296,7 +297,8 @@ def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
     :func:`backward_choice` chooses (``PORTATTN_CUPY_BACKWARD``, the device's compute capability
     and shared-memory limit: a tensor-core module that does not fit falls back to the FMA one). ``dlse`` (float32,
     ``spec.lse_shape``, or None) is the gradient of the returned lse: the kernel that forms
-    delta (preprocess or stats) subtracts it. ``fused_dq``: see :func:`_plan_backward_mma`.
+    delta (preprocess or stats) subtracts it. ``fused_dq``: see :func:`_plan_backward_mma`;
+    ``persistent``: the warp-specialized fused-dQ kernels' grid (:func:`_work_item_grid`).
     """
     if cfg is None:
         cfg = backward_choice(spec)[0]
@@ -306,7 +308,7 @@ def plan_backward(spec, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
     if dlse is not None:   # laid out like lse (contiguous spec.lse_shape)
         dlse = dlse.to(device=spec.device, dtype=torch.float32).contiguous()
     if cfg.family in ("bwd_mma", "bwd_wgmma"):
-        return _plan_backward_mma(spec, out, lse, dout, cfg, dlse, fused_dq)
+        return _plan_backward_mma(spec, out, lse, dout, cfg, dlse, fused_dq, persistent)
     dq = torch.zeros_like(spec.q, memory_format=torch.contiguous_format)
     dk = torch.zeros_like(spec.k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(spec.v, memory_format=torch.contiguous_format)
@@ -351,7 +353,8 @@ def _preprocess_launch(spec, cfg, out, do_args, delta, lse_strides, dlse) -> Lau
                    _ptr(dlse)])
 
 
-def _plan_backward_mma(spec, out, lse, dout, cfg, dlse, fused_dq: bool | str | None = None) -> Plan:
+def _plan_backward_mma(spec, out, lse, dout, cfg, dlse, fused_dq: bool | str | None = None,
+                       persistent: bool | int | None = None) -> Plan:
     """The tensor-core backward (fp16/bf16; ``cfg.family`` "bwd_mma" or "bwd_wgmma", whose
     kernels take the same arguments, the wgmma dK/dV's plus the fused dQ's buffer): q, k, v and dO
     with 16-byte aligned rows (padded copies only when needed, as in the forward), gradients
@@ -371,12 +374,6 @@ def _plan_backward_mma(spec, out, lse, dout, cfg, dlse, fused_dq: bool | str | N
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     varlen = spec.is_varlen
-    dq = _grad_buffer(spec.q, q.shape[-1])
-    dk = _grad_buffer(spec.k, k.shape[-1])
-    dv = _grad_buffer(spec.v, v.shape[-1])
-    args, keep = common_args(spec, q, k, v)
-    do_args = [_ptr(dout), *_strides3(dout, varlen)]
-    suffix = "_extras" if _needs_extras(spec) else ""
     if isinstance(fused_dq, str) and fused_dq not in configs.FUSED_DQ_ROLES:
         raise ValueError(f"fused_dq={fused_dq!r}: a bool or one of {tuple(configs.FUSED_DQ_ROLES)}")
     fused_role = fused_dq if isinstance(fused_dq, str) else None
@@ -386,6 +383,14 @@ def _plan_backward_mma(spec, out, lse, dout, cfg, dlse, fused_dq: bool | str | N
         raise ValueError(f"fused_dq={fused_dq!r}: {cfg.family} at padded head dim {cfg.head_dim} has no fused-dQ kernel "
                          f"(the wgmma backward has it at {configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS}, one-CTA tiles)")
     fused_dq = fused_dq and spec.seqlen_k > 0
+    # the fused path writes every element of dq (scale * its float32 sum), so it needs no zeros
+    dq = (torch.empty((*spec.q.shape[:-1], q.shape[-1]), dtype=spec.q.dtype, device=spec.device) if fused_dq
+          else _grad_buffer(spec.q, q.shape[-1]))
+    dk = _grad_buffer(spec.k, k.shape[-1])
+    dv = _grad_buffer(spec.v, v.shape[-1])
+    args, keep = common_args(spec, q, k, v)
+    do_args = [_ptr(dout), *_strides3(dout, varlen)]
+    suffix = "_extras" if _needs_extras(spec) else ""
     # the fused dK/dV adds scale-free dQ partials into a float32 buffer (zeroed: rows no key sees
     # stay 0), scaled and rounded into dq after the kernels
     dq_acc = torch.empty(dq.shape, dtype=torch.float32, device=dq.device) if fused_dq else None
@@ -398,17 +403,53 @@ def _plan_backward_mma(spec, out, lse, dout, cfg, dlse, fused_dq: bool | str | N
                                       _ptr(dv), *_strides3(dv, varlen)]
         if cfg.family == "bwd_wgmma":   # its dK/dV kernels take the fused dQ's buffer (null when unused)
             dkdv_args += [_ptr(dq_acc), *(_strides3(dq_acc, varlen) if fused_dq else map(_i64, (0, 0, 0)))]
-        plan.launches.append(Launch(cfg, role, (_cdiv(spec.seqlen_k, cfg.block_rows(role)), spec.num_heads_kv,
-                                                spec.batch), dkdv_args))
+        grid = (_cdiv(spec.seqlen_k, cfg.block_rows(role)), spec.num_heads_kv, spec.batch)
+        if role in configs.WS_FUSED_DQ_ROLES:
+            grid, next_item = _work_item_grid(grid, spec.device, persistent)
+            dkdv_args += [_i32(spec.num_heads_kv), _i32(spec.batch), _ptr(next_item)]
+            plan.keep_alive += (next_item,)
+            plan.setup.append(next_item.zero_)
+        plan.launches.append(Launch(cfg, role, grid, dkdv_args))
     if fused_dq:
         scale = float(np.float32(spec.scale))   # the kernels' float32 scale
         plan.setup.append(dq_acc.zero_)
-        plan.finish.append(lambda: dq.copy_(dq_acc.mul_(scale)))
+        # one pass: read the float32 sum, write dq (torch.mul's float32 result rounded into dq's dtype)
+        plan.finish.append(lambda: torch.mul(dq_acc, scale, out=dq))
         return plan
     role = "dq" + suffix
     plan.launches.append(Launch(cfg, role, (_cdiv(spec.seqlen_q, cfg.block_rows(role)), spec.num_heads_q, spec.batch),
                                 args + do_args + [_ptr(lse), _ptr(delta), _ptr(dq), *_strides3(dq, varlen)]))
     return plan
+
+
+@functools.cache
+def _cuda_sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int | None:
+    """The SMs of a CUDA device (None for others: plans built on the CPU, in tests)."""
+    if device.type != "cuda":
+        return None
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _work_item_grid(grid: tuple, device: torch.device, persistent: bool | int | None) -> tuple[tuple, torch.Tensor]:
+    """The 1-d grid of a kernel that takes work items (``grid``'s blocks, x fastest) from a
+    counter, and the counter (an int32, zeroed by the plan's setup before each launch): one CTA per
+    SM when ``persistent`` is True (None: :func:`configs.ws_persistent`), one per item when False;
+    an int: that many CTAs (at most one per item; tests run many items per CTA with it)."""
+    items = grid[0] * grid[1] * grid[2]
+    if items >= 2**31:
+        raise ValueError(f"{items} work items (key tiles x kv heads x batch) exceed the kernel's int32 counter")
+    persistent = configs.ws_persistent() if persistent is None else persistent
+    if isinstance(persistent, bool):
+        ctas = _sm_count(device) if persistent else None
+    elif isinstance(persistent, int) and persistent > 0:
+        ctas = persistent
+    else:
+        raise ValueError(f"persistent={persistent!r}: True, False, None or a positive CTA count")
+    return (max(min(items, ctas or items), 1), 1, 1), torch.empty(1, dtype=torch.int32, device=device)
 
 
 def execute(plan: Plan, device: torch.device) -> None:
