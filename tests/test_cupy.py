@@ -420,10 +420,10 @@ def test_forward_kv_stages_2_is_bit_identical(monkeypatch, case):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("dv", [8, 40, 64, 128, 200, 256])
 def test_preprocess_vector_and_element_reads_agree(dtype, dv):
-    """attn_bwd_preprocess reads rows that start 16-byte aligned 16 bytes at a time and others
-    element by element, with the same sequential fmaf sum: delta is bit-identical for the same
+    """attn_bwd_preprocess's delta (one sequential fmaf sum per row) is bit-identical for the same
     values aligned (a fresh tensor) and misaligned (the same rows one element into a buffer), and
-    within float32 rounding of float64 (with dlse subtracted)."""
+    within float32 rounding of float64 (with dlse subtracted): the guard for a kernel that reads
+    aligned rows in wider loads."""
     from portattn.backends.cupy import configs, runtime
 
     g = torch.Generator(device="cuda").manual_seed(dv)
