@@ -106,7 +106,7 @@ def test_wgmma_config_geometry():
     # tiles), the preprocess once per dtype, and the fused-dQ dK/dV (serial walk, one-CTA tiles)
     # at HD 64 and 128 once per dtype; 12 configs of three kernels each, plus the fused one in the
     # 8 configs of HD 64 / 128 on the one-CTA tiles (either walk: both carry the same fused kernel),
-    # and beside it the two opt-in warp-specialized ones
+    # and beside it the warp-specialized one
     fused = [c for c in configs.wgmma_configs() if c.family == "bwd_wgmma" and c.has_fused_dq]
     assert sorted({(c.dtype, c.head_dim) for c in fused}) == sorted(
         (dt, hd) for dt in configs.TENSOR_CORE_DTYPES for hd in configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS)
@@ -114,10 +114,10 @@ def test_wgmma_config_geometry():
     assert {c.kernel_names()["dkdv_dq"] for c in fused} == {
         f"attn_bwd_dkdv_wgmma<{configs.KernelConfig('bwd_wgmma', dt, hd).ctype}, {hd}, 64, 2, false, true>"
         for dt in configs.TENSOR_CORE_DTYPES for hd in configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS}
-    assert {c.kernel_names()[r] for c in fused for r in ("dkdv_dq_ws", "dkdv_dq_wsl")} == {
-        f"attn_bwd_dkdv_wgmma_ws<{configs.KernelConfig('bwd_wgmma', dt, hd).ctype}, {hd}, {local}>"
-        for dt in configs.TENSOR_CORE_DTYPES for hd in configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS for local in ("false", "true")}
-    assert len(set(bwd)) == 26 + 4 + 8 and len(bwd) == 36 + 8 * 3
+    assert {c.kernel_names()["dkdv_dq_ws"] for c in fused} == {
+        f"attn_bwd_dkdv_wgmma_ws<{configs.KernelConfig('bwd_wgmma', dt, hd).ctype}, {hd}>"
+        for dt in configs.TENSOR_CORE_DTYPES for hd in configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS}
+    assert len(set(bwd)) == 26 + 4 + 4 and len(bwd) == 36 + 8 * 2
     assert configs.KernelConfig("fwd_mma", "bfloat16", 128).arch is None
 
 

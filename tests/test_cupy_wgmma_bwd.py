@@ -136,8 +136,7 @@ def test_wgmma_backward_config_geometry():
             if fused:
                 expect["dkdv_dq"] = f"attn_bwd_dkdv_wgmma<{cfg.ctype}, {hd}, {bm}, {nwk}, false, true>"
                 # the warp-specialized ones (attn_bwd_dkdv_wgmma_ws.cu)
-                expect["dkdv_dq_ws"] = f"attn_bwd_dkdv_wgmma_ws<{cfg.ctype}, {hd}, false>"
-                expect["dkdv_dq_wsl"] = f"attn_bwd_dkdv_wgmma_ws<{cfg.ctype}, {hd}, true>"
+                expect["dkdv_dq_ws"] = f"attn_bwd_dkdv_wgmma_ws<{cfg.ctype}, {hd}>"
             assert cfg.kernel_names() == expect
             if hd in configs.WGMMA_BWD_OVERLAP_HEAD_DIMS:
                 # the other walk: the same launch geometry, a third Q/dO (dK/dV) or K (dQ) buffer when overlapped
@@ -292,7 +291,7 @@ def _plan_on_cpu(cfg, fused_dq=None, deterministic=False, d=None, dv=None, **kw)
 
 def test_fused_dq_mode_env(monkeypatch):
     monkeypatch.delenv(configs.DQ_ENV, raising=False)
-    assert configs.DQ_ENV == "PORTATTN_CUPY_DQ" and configs.DQ_MODES == ("auto", "atomic", "kernel", "ws", "ws_local")
+    assert configs.DQ_ENV == "PORTATTN_CUPY_DQ" and configs.DQ_MODES == ("auto", "atomic", "kernel", "ws")
     assert configs.dq_mode() == "auto"
     monkeypatch.setenv(configs.DQ_ENV, "")
     assert configs.dq_mode() == "auto"
@@ -571,13 +570,14 @@ def test_sm90a_ptx_keeps_backward_wgmma_registers_behind_the_fences():
 
 # ----- CPU: the warp-specialized fused-dQ dK/dV (attn_bwd_wgmma_ws.cu) --------------------------
 def test_ws_fused_dq_modes_and_roles(monkeypatch):
-    """PORTATTN_CUPY_DQ=ws / ws_local fuse dQ (not when determinism is requested) and name the
-    warp-specialized roles; auto the warp-specialized one, atomic the two-warpgroup one; a role the module lacks is an error."""
+    """PORTATTN_CUPY_DQ=ws fuses dQ (not when determinism is requested) by the warp-specialized
+    role, as auto does; atomic by the two-warpgroup one; a role the module lacks is an error, and
+    so is the removed ws_local mode."""
     cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", 128)
-    assert configs.FUSED_DQ_ROLES == {"dkdv_dq": "atomic", "dkdv_dq_ws": "ws", "dkdv_dq_wsl": "ws_local"}
-    assert configs.WS_FUSED_DQ_ROLES == ("dkdv_dq_ws", "dkdv_dq_wsl")
+    assert configs.FUSED_DQ_ROLES == {"dkdv_dq": "atomic", "dkdv_dq_ws": "ws"}
+    assert configs.WS_FUSED_DQ_ROLES == ("dkdv_dq_ws",)
     assert configs.WGMMA_BWD_FUSED_DQ_AUTO_ROLE == "dkdv_dq_ws"   # timed on the H200 (configs says)
-    for mode, role in (("auto", "dkdv_dq_ws"), ("atomic", "dkdv_dq"), ("ws", "dkdv_dq_ws"), ("ws_local", "dkdv_dq_wsl")):
+    for mode, role in (("auto", "dkdv_dq_ws"), ("atomic", "dkdv_dq"), ("ws", "dkdv_dq_ws")):
         assert configs.fused_dq_role(mode) == role
         monkeypatch.setenv(configs.DQ_ENV, mode)
         assert configs.fused_dq_role() == role
@@ -588,9 +588,13 @@ def test_ws_fused_dq_modes_and_roles(monkeypatch):
         assert [x.role for x in plan.launches] == ["preprocess", role]
         spec, plan = _plan_on_cpu(cfg, deterministic=True)
         assert [x.role for x in plan.launches] == ["preprocess", "dkdv", "dq"]
+    monkeypatch.setenv(configs.DQ_ENV, "ws_local")
+    with pytest.raises(ValueError, match="PORTATTN_CUPY_DQ='ws_local'"):
+        configs.fused_dq_choice(cfg, False)
     monkeypatch.delenv(configs.DQ_ENV)
-    with pytest.raises(ValueError, match="fused_dq='dkdv_dq_wx'"):
-        _plan_on_cpu(cfg, fused_dq="dkdv_dq_wx")
+    for gone in ("dkdv_dq_wx", "dkdv_dq_wsl"):
+        with pytest.raises(ValueError, match=f"fused_dq='{gone}'"):
+            _plan_on_cpu(cfg, fused_dq=gone)
     with pytest.raises(ValueError, match="no fused-dQ kernel"):
         _plan_on_cpu(configs.KernelConfig("bwd_wgmma", "bfloat16", 256), fused_dq="dkdv_dq_ws")
 
@@ -617,7 +621,7 @@ def test_ws_fused_dq_plan(monkeypatch, role):
                                      persistent=persistent)
         assert [x.role for x in plan.launches] == ["preprocess", role]
         ws = plan.launches[1]
-        assert cfg.kernel_names()[role] == f"attn_bwd_dkdv_wgmma_ws<pa_half, 64, {'true' if role.endswith('l') else 'false'}>"
+        assert cfg.kernel_names()[role] == "attn_bwd_dkdv_wgmma_ws<pa_half, 64>"
         assert len(ws.args) == len(ref.args) + 3 == _wgmma_param_count("attn_bwd_dkdv_wgmma_ws")
         counter = plan.keep_alive[-1]
         assert [int(a) for a in ws.args[-3:]] == [spec.num_heads_kv, spec.batch, counter.data_ptr()]
@@ -664,10 +668,10 @@ def test_ws_kernel_protocol_in_the_source():
     threads and empty ones both consumers' 256, for the Q / dO ring and the K/V buffers alike; the
     producer waits on `empty` with the parity of the stage's (K/V buffer's) previous use and every
     consumer waits on `full` with the tile's (item's), ring tiles counted over all items; the
-    consumers arrive on `empty` once per tile on every path (skipped tiles too) and on `kv_empty`
-    once per item; the producer publishes every item (one that loads nothing too, and the end) on
-    `kv_full`; the dQ barrier is one warpgroup's 128 threads (ids 2, 3) or both consumers' 256 (id
-    1), the producer's item barrier id 4; the register split fits the register file."""
+    consumers arrive on `empty` once per tile on every path (skipped tiles too, computed ones once
+    dK retired) and on `kv_empty` once per item; the producer publishes every item (one that loads
+    nothing too, and the end) on `kv_full`; the dQ barrier is both consumers' 256 threads (id 1),
+    the producer's item barrier id 4; the register split fits the register file."""
     src = _ws_source()
     assert "mbar_ring_init<STAGES>(bar_full, bar_empty, 128, 256);" in src
     assert "mbar_ring_init<KV_BUFS>(bar_kv_full, bar_kv_empty, 128, 256);" in src
@@ -686,8 +690,9 @@ def test_ws_kernel_protocol_in_the_source():
     loop = cons[cons.index("for (int it = 0; it < n_iter; ++it, ++rt) {"):cons.index("// Epilogue")]
     skip = loop[loop.index("tile_any_visible"):loop.index("continue;")]
     assert skip.count("mbar_arrive(bar_empty + 8 * stg);") == 1
-    assert loop.count("mbar_arrive(bar_empty + 8 * stg);") == 2 and "if (part == 0) mbar_arrive" in loop
-    assert "named_bar_sync(2 + c, 128);" in loop and "named_bar_sync(1, 256);" in loop
+    assert loop.count("mbar_arrive(bar_empty + 8 * stg);") == 2
+    assert loop.index("wgmma_wait<0>();") < loop.rindex("mbar_arrive(bar_empty + 8 * stg);")   # after dK retired
+    assert loop.count("named_bar_sync(") == 1 and "named_bar_sync(1, 256);" in loop
     assert "dsb ^= 1;" in loop and loop.index("dsb ^= 1;") > loop.index("red_acc_rows")
     regs = re.search(r"PRODUCER_REGS = HD == 64 \? (\d+) : (\d+), CONSUMER_REGS = HD == 64 \? (\d+) : (\d+);", src)
     p64, p128, c64, c128 = map(int, regs.groups())
@@ -698,26 +703,25 @@ def test_ws_kernel_protocol_in_the_source():
 @needs_nvrtc
 def test_ws_kernels_compile_within_their_spill_allowance_and_keep_the_chains(tmp_path):
     """Every warp-specialized kernel compiles for sm_90a (no wgmma serialised), within
-    configs.ws_spill_bytes, with the register split in its SASS (USETMAXREG) and HGMMA only; in
+    WGMMA_BWD_WS_SPILL_BYTES, with the register split in its SASS (USETMAXREG) and HGMMA only; in
     its PTX no ordinary instruction touches a chain's registers in flight, the fused dQ's products
-    are MN-major at N = HD / 2 over 128 keys (ws) or N = 64 over 64 keys per column block (wsl),
-    with HD / 8 (ws) or HD / 4 (wsl) float2 atomic adds per thread and tile."""
+    are MN-major at N = HD / 2 over 128 keys, with HD / 8 float2 atomic adds per thread and tile."""
     names = _ws_names()
-    assert len(names) == 2 * len(configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS) * 2
+    assert len(names) == 2 * len(configs.WGMMA_BWD_FUSED_DQ_HEAD_DIMS)
     log, lowered = compile_check.compile_names(names, "90a", cubin_out=str(tmp_path / "ws.cubin"))
     assert "serialized" not in log, log
     for r in compile_check.parse_ptxas_log(log, lowered, "90a"):
         if log.strip():
-            assert max(r.spill_stores or 0, r.spill_loads or 0, r.stack or 0) <= configs.ws_spill_bytes(r.name), r
+            assert max(r.spill_stores or 0, r.spill_loads or 0, r.stack or 0) <= configs.WGMMA_BWD_WS_SPILL_BYTES, r
     for name, body in _sm90a_ptx_entries(names).items():
-        hd, local = int(re.search(r"<\w+, (\d+),", name).group(1)), name.endswith("true>")
+        hd = int(re.search(r"<\w+, (\d+)>", name).group(1))
         assert wgmma_register_hazards(body) == [], name
         assert body.count("setmaxnreg.dec") == body.count("setmaxnreg.inc") == 1, name
         mn = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(?:f16\.f16|bf16\.bf16) [^;]*, p, 1, 1, 1, 1;",
                         body)
-        assert mn == ([str(64)] * (hd // 64) * 4 if local else [str(hd // 2)] * 8), name
+        assert mn == [str(hd // 2)] * 8, name
         adds = body.count("atom.global.add.v2.f32") + body.count("red.global.add.v2.f32")
-        assert adds == (hd // 4 if local else hd // 8), name
+        assert adds == hd // 8, name
     try:
         sass = _sass(str(tmp_path / "ws.cubin"))
     except pytest.skip.Exception:
@@ -818,13 +822,13 @@ WS_GRIDS = ["sm", "3", "item"]
 
 
 @pytest.mark.parametrize("grid", WS_GRIDS)
-@pytest.mark.parametrize("mode", ["ws", "ws_local"])
+@pytest.mark.parametrize("mode", ["ws"])
 @pytest.mark.parametrize("case", [c for c in _wgmma_bwd_cases() if c in (
     "basic", "causal_br_sq_gt_sk", "causal_br_empty_ctas", "gqa_causal", "varlen_causal", "varlen_window")])
 @pytest.mark.gpu
 @sm90_only
 def test_ws_fused_dq_matches_reference(monkeypatch, case, mode, grid):
-    """The warp-specialized fused-dQ dK/dV (PORTATTN_CUPY_DQ=ws / ws_local) at the padded
+    """The warp-specialized fused-dQ dK/dV (PORTATTN_CUPY_DQ=ws) at the padded
     HD 64 / 128 of the case, on each grid (_ws_grid): dk and dv bit-identical to the deterministic
     backward's (the same products in the same order), dq against float64, rows with no visible
     key exactly 0."""
@@ -858,7 +862,7 @@ def test_ws_fused_dq_matches_reference(monkeypatch, case, mode, grid):
 
 
 @pytest.mark.parametrize("grid", WS_GRIDS)
-@pytest.mark.parametrize("mode", ["ws", "ws_local"])
+@pytest.mark.parametrize("mode", ["ws"])
 @pytest.mark.gpu
 @sm90_only
 def test_ws_fused_dq_large_and_bad_cu_seqlens(monkeypatch, mode, grid):

@@ -10,8 +10,8 @@ source* (evaluated in Python).
 
 A CTA takes work items one after the other (the model draws their tile counts; 0 is an item no
 query row sees, which loads nothing) until the counter runs out, the end published like an item.
-Random schedules and random tile visibility (per CTA for ``LOCAL_DQ = false``, per consumer for
-``true``, as the kernel skips tiles) check that nothing deadlocks; that each warp reads the item
+Random schedules and random tile visibility (per CTA, as the kernel skips tiles) check that
+nothing deadlocks; that each warp reads the item
 the producer published for it; that a warp reads a stage only after its tile landed there and a
 K/V buffer only while it holds its item's K and V; that the producer never refills a stage or a
 K/V buffer a warp still reads, nor rewrites a slot a producer warp has not read; that every dQ
@@ -57,8 +57,7 @@ SLOT_WRITE = _expr(r"if \(tid == 0\) item_slot\[(.*?)\] =", PROD)
 SLOT_READ_P = _expr(r"const int item = item_slot\[(.*?)\];", PROD)
 SLOT_READ_C = _expr(r"const int item = item_slot\[(.*?)\];", CONS)
 PROD_BAR_ID, PROD_BAR_COUNT = map(int, _expr(r"named_bar_sync\((\d+, \d+)\);", PROD).split(","))
-LOCAL_ID, LOCAL_COUNT = _expr(r"if \(LOCAL_DQ\)\s*named_bar_sync\((.*?)\);").rsplit(",", 1)
-SHARED_ID, SHARED_COUNT = _expr(r"else\s*named_bar_sync\((.*?)\);").rsplit(",", 1)
+DQ_BAR_ID, DQ_BAR_COUNT = map(int, _expr(r"named_bar_sync\((\d+, \d+)\);", CONS).split(","))
 DS_BUFFERS = int(_expr(r"const pa_u32 bar_full = sdS \+ (\d+) \* DS_BYTES;"))
 assert "dsb ^= 1;" in SRC and DS_BUFFERS == 2   # the kernel alternates two dS^T buffers
 # the consumers release the item's K/V buffer after its tile loop (every product retired)
@@ -73,7 +72,7 @@ def _ev(expr, **env):
 
 
 class State:
-    def __init__(self, items, local, visible, ds_buffers=DS_BUFFERS, slots=2):
+    def __init__(self, items, visible, ds_buffers=DS_BUFFERS, slots=2):
         self.bars = {name: [MBar(cnt) for _ in range(n)] for name, cnt, n in (
             ("full", COUNT_FULL, STAGES), ("empty", COUNT_EMPTY, STAGES),
             ("kv_full", COUNT_KV_FULL, KV_BUFS), ("kv_empty", COUNT_KV_EMPTY, KV_BUFS))}
@@ -87,7 +86,7 @@ class State:
         self.ds = {}
         self.ds_buffers = ds_buffers
         self.ds_readers = {(b, h): set() for b in range(ds_buffers) for h in (0, 1)}
-        self.local, self.visible = local, visible
+        self.visible = visible
 
 
 def _producer_warp(S, w):
@@ -169,15 +168,11 @@ def _consumer_warp(S, c, wq):
             assert not readers, f"warp {me} overwrites dS^T buffer {dsb} half {c} while {readers} read it"
             S.ds[(dsb, c, wq)] = (n, it)
             yield "ran"
-            if S.local:
-                bid, cnt = _ev(LOCAL_ID, c=c), int(LOCAL_COUNT)
-            else:
-                bid, cnt = _ev(SHARED_ID, c=c), int(SHARED_COUNT)
-            bar = S.named.setdefault(bid, NamedBar())
-            gen = bar.arrive(cnt, WARP)
+            bar = S.named.setdefault(DQ_BAR_ID, NamedBar())
+            gen = bar.arrive(DQ_BAR_COUNT, WARP)
             yield from wait(lambda b=bar, g=gen: b.gen > g)
-            # dQ: reads the consumer's own 64 keys (LOCAL_DQ) or both consumers' 128, and K
-            halves = (c,) if S.local else (0, 1)
+            # dQ: reads both consumers' dS^T (the item's 128 keys) and K
+            halves = (0, 1)
             for h in halves:
                 for w in range(4):
                     assert S.ds.get((dsb, h, w)) == (n, it), (f"warp {me}'s dQ of tile {(n, it)} reads buffer {dsb} "
@@ -199,54 +194,47 @@ def _consumer_warp(S, c, wq):
         yield "ran"   # the epilogue: registers to global memory
 
 
-def _run(items, local, seed, ds_buffers=DS_BUFFERS, slots=2):
+def _run(items, seed, ds_buffers=DS_BUFFERS, slots=2):
     rng = random.Random(seed)
-    if local:   # each consumer skips its own tiles
-        vis = {(n, it, c): rng.random() < 0.8 for n, t in enumerate(items) for it in range(t) for c in (0, 1)}
-    else:       # the whole CTA skips a tile
-        cta = {(n, it): rng.random() < 0.8 for n, t in enumerate(items) for it in range(t)}
-        vis = {(n, it, c): cta[(n, it)] for (n, it) in cta for c in (0, 1)}
-    S = State(items, local, lambda n, it, c: vis[(n, it, c)], ds_buffers, slots)
+    vis = {(n, it): rng.random() < 0.8 for n, t in enumerate(items) for it in range(t)}   # the CTA skips a tile
+    S = State(items, lambda n, it, c: vis[(n, it)], ds_buffers, slots)
     agents = {**{f"p{w}": _producer_warp(S, w) for w in range(4)},
               **{f"c{c}w{w}": _consumer_warp(S, c, w) for c in (0, 1) for w in range(4)}}
-    run_agents(agents, rng, f"items {items} local {local}")
+    run_agents(agents, rng, f"items {items}")
     return S
 
 
 def test_protocol_counts_match_the_warpgroups():
     assert COUNT_FULL == COUNT_KV_FULL == 128 and COUNT_EMPTY == COUNT_KV_EMPTY == 256   # producer; consumers
-    assert int(LOCAL_COUNT) == 128 and int(SHARED_COUNT) == 256 and PROD_BAR_COUNT == 128
-    assert {_ev(LOCAL_ID, c=c) for c in (0, 1)} == {2, 3} and _ev(SHARED_ID, c=0) == 1
-    assert PROD_BAR_ID not in {0, 1, 2, 3}   # its own id: not __syncthreads' nor the consumers'
+    assert DQ_BAR_COUNT == 256 and PROD_BAR_COUNT == 128 and DQ_BAR_ID == 1
+    assert PROD_BAR_ID not in {0, DQ_BAR_ID}   # its own id: not __syncthreads' nor the consumers'
     assert STAGES == 2 and KV_BUFS == 2
 
 
 ITEMS = [[], [0], [1], [3], [2, 0, 3], [1, 1, 1, 1], [0, 0, 2], [5, 2], [1, 0, 4, 2, 0, 1]]
 
 
-@pytest.mark.parametrize("local", [False, True])
 @pytest.mark.parametrize("items", ITEMS, ids=lambda x: "-".join(map(str, x)) or "none")
-def test_ws_backward_protocol_has_no_deadlock_or_race(items, local):
-    for seed in range(30):
-        S = _run(items, local, seed)
+def test_ws_backward_protocol_has_no_deadlock_or_race(items):
+    for seed in range(60):
+        S = _run(items, seed)
         for bar in S.named.values():
             assert bar.arrived == 0, "a named barrier left with arrivals nobody syncs on"
 
 
-@pytest.mark.parametrize("local", [False, True])
-def test_model_sees_a_single_ds_buffer(local):
+def test_model_sees_a_single_ds_buffer():
     """With one dS^T buffer instead of two, a warp overwrites rows that a dQ product still reads
     (or reads rows of the next tile): the model can fail."""
     with pytest.raises(AssertionError):
         for seed in range(60):
-            _run([4], local, seed, ds_buffers=1)
+            _run([4], seed, ds_buffers=1)
 
 
 def test_model_sees_a_wrong_parity(monkeypatch):
     monkeypatch.setitem(globals(), "FULL_PARITY", "((rt // STAGES) + 1) & 1")
     with pytest.raises(AssertionError):
         for seed in range(20):
-            _run([3], True, seed)
+            _run([3], seed)
 
 
 def test_model_sees_one_kv_buffer_without_its_wait(monkeypatch):
@@ -255,7 +243,7 @@ def test_model_sees_one_kv_buffer_without_its_wait(monkeypatch):
     monkeypatch.setitem(globals(), "KV_EMPTY_WAIT", "False")
     with pytest.raises(AssertionError):
         for seed in range(60):
-            _run([1, 1, 1, 1, 1], False, seed)
+            _run([1, 1, 1, 1, 1], seed)
 
 
 def test_model_sees_a_single_item_slot():
@@ -263,4 +251,4 @@ def test_model_sees_a_single_item_slot():
     last one."""
     with pytest.raises(AssertionError):
         for seed in range(200):
-            _run([0, 0, 0, 0, 1], False, seed, slots=1)
+            _run([0, 0, 0, 0, 1], seed, slots=1)

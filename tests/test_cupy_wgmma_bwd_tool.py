@@ -146,9 +146,9 @@ def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):
     assert err is None, err
     kernels = info["kernels"]
     names = configs.KernelConfig("bwd_wgmma", "bfloat16", 64).kernel_names()
-    assert set(names) == {"preprocess", "dkdv", "dq", "dkdv_dq", "dkdv_dq_ws", "dkdv_dq_wsl"}
+    assert set(names) == {"preprocess", "dkdv", "dq", "dkdv_dq", "dkdv_dq_ws"}
     assert names["dkdv_dq"] == "attn_bwd_dkdv_wgmma<pa_bf16, 64, 64, 2, false, true>"
-    # the warp-specialized kernels: their producer's spill, within configs.ws_spill_bytes
+    # the warp-specialized kernel: its producer's spill, within configs.WGMMA_BWD_WS_SPILL_BYTES
     ws = {names[r] for r in configs.WS_FUSED_DQ_ROLES}
     assert set(kernels) == set(configs.KernelConfig("bwd_wgmma", "bfloat16", 64).name_expressions())
     assert "NVRTC" in info["nvrtc"] and not info["cached"], info.get("nvrtc")
@@ -164,7 +164,7 @@ def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):
                                            f"{info['cached']}; PTX fallback {info['ptx_fallback']}")
         if name in ws:
             assert k["registers"] and max(k["spill_stores"] or 0, k["stack"] or 0, k.get("local") or 0) <= \
-                configs.ws_spill_bytes(name), why
+                configs.WGMMA_BWD_WS_SPILL_BYTES, why
             continue
         assert k["registers"] and not k["spill_stores"] and not k["stack"] and not k.get("local"), why
     if _cuobjdump() is None:
@@ -172,14 +172,12 @@ def test_compile_step_reports_registers_and_hgmma(tmp_path, monkeypatch):
     counts = sass_counts(info["cubin"])
     low = info["lowered"]
     wg = {n: c for n, c in counts.items() if "wgmma" in n}
-    assert len(wg) == 5 and all(c["HGMMA"] > 0 and (c["LDL"] == 0 or n in {low[x] for x in ws})
+    assert len(wg) == 4 and all(c["HGMMA"] > 0 and (c["LDL"] == 0 or n in {low[x] for x in ws})
                                 for n, c in wg.items()), counts
-    assert set(wg) == {low[names[r]] for r in ("dkdv", "dq", "dkdv_dq", "dkdv_dq_ws", "dkdv_dq_wsl")}, counts
+    assert set(wg) == {low[names[r]] for r in ("dkdv", "dq", "dkdv_dq", "dkdv_dq_ws")}, counts
     assert wg[low[names["dkdv_dq"]]]["HGMMA"] == wg[low[names["dkdv"]]]["HGMMA"] + 128 // 16, counts
-    # the same products per tile: dQ over the CTA's 128 keys (ws) or each consumer's 64 keys at
-    # N = 64 (wsl: HD 64 / 64 products of 64 / 16 k-steps)
+    # the same products per tile: dQ over the CTA's 128 keys
     assert wg[low[names["dkdv_dq_ws"]]]["HGMMA"] == wg[low[names["dkdv_dq"]]]["HGMMA"], counts
-    assert wg[low[names["dkdv_dq_wsl"]]]["HGMMA"] == wg[low[names["dkdv"]]]["HGMMA"] + 64 // 16, counts
 
 
 @needs_nvrtc
@@ -209,7 +207,7 @@ def test_registers_come_from_the_cubin_when_the_log_lacks_them(tmp_path, monkeyp
         assert with_log["kernels"][name]["from"] in ("ptxas -v", "cuobjdump -res-usage")
         assert k["registers"] == with_log["kernels"][name]["registers"], k
         if "_ws<" in name:   # the warp-specialized kernels: the stack and spill ptxas reported
-            assert k["stack"] == with_log["kernels"][name]["stack"] <= configs.ws_spill_bytes(name), k
+            assert k["stack"] == with_log["kernels"][name]["stack"] <= configs.WGMMA_BWD_WS_SPILL_BYTES, k
             continue
         assert k["stack"] == 0 and k["local"] == 0, k
 

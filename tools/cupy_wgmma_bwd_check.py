@@ -97,14 +97,14 @@ OTHER_WALK_NAME = ("the walk that leaves each tile's dV/dK and dQ in flight into
 ALT_TILES_NAME = (f"at HD {'/'.join(map(str, _configs.WGMMA_BWD_TWO_CTA_CAPABLE))}: the "
                   + ("one-CTA tiles" if _configs.WGMMA_BWD_TWO_CTA_HEAD_DIMS else "two-CTA tiles"))
 #: The fused atomic-dQ dK/dV kernels, as families of this tool: family -> configs.FUSED_DQ_ROLES role
-#: ("fused" the two-warpgroup kernel, PORTATTN_CUPY_DQ=atomic; "ws" / "wsl" the warp-specialized ones,
-#: "ws" what auto runs: configs.WGMMA_BWD_FUSED_DQ_AUTO_ROLE), as (role, persistent: the plan's grid,
+#: ("fused" the two-warpgroup kernel, PORTATTN_CUPY_DQ=atomic; "ws" the warp-specialized one that
+#: auto runs, configs.WGMMA_BWD_FUSED_DQ_AUTO_ROLE), as (role, persistent: the plan's grid,
 #: runtime._work_item_grid: one CTA per SM, "ws1" one per work item, "ws3" three CTAs taking every
 #: item: checked, not timed)
 FUSED_FAMILIES = {"fused": ("dkdv_dq", None), "ws": ("dkdv_dq_ws", True), "ws1": ("dkdv_dq_ws", False),
-                  "wsl": ("dkdv_dq_wsl", True), "ws3": ("dkdv_dq_ws", 3)}
+                  "ws3": ("dkdv_dq_ws", 3)}
 #: the fused families timed
-TIMED_FUSED = ("fused", "ws", "ws1", "wsl")
+TIMED_FUSED = ("fused", "ws", "ws1")
 #: timed cells (S, D, causal), most informative first
 TIME_CELLS = [(s, d, c) for s in (4096, 1024, 16384) for d in (128, 256, 64) for c in (False, True)]
 
@@ -157,7 +157,7 @@ def _inputs(case):
 
 def _config(family: str, dt: str, d: int, dv: int):
     """The backward module of ``family``: "wgmma" (the sm_90a kernels as ``auto`` builds them;
-    "fused", "ws", "ws1", "wsl", "ws3": the same module, whose fused-dQ kernel of :data:`FUSED_FAMILIES`
+    "fused", "ws", "ws1", "ws3": the same module, whose fused-dQ kernel of :data:`FUSED_FAMILIES`
     :func:`_plan` runs on its grid),
     "other" (the same with the other walk, :data:`OTHER_WALK`: overlapped across tiles or not),
     "alt" (the other tiles, :func:`has_alt_tiles`), "mma" (mma.sync)."""
@@ -178,7 +178,7 @@ def has_fused(dt: str, d: int, dv: int) -> bool:
 
 
 def _plan(spec, out, lse, dout, dlse, family: str):
-    """The backward plan of ``family`` (:func:`_config`; ``fused``, ``ws``, ``ws1``, ``wsl``, ``ws3``: the wgmma
+    """The backward plan of ``family`` (:func:`_config`; ``fused``, ``ws``, ``ws1``, ``ws3``: the wgmma
     module's fused atomic-dQ dK/dV kernel of that role, every other family the deterministic dK/dV
     and dQ kernels)."""
     from portattn.backends.cupy import runtime
@@ -427,7 +427,7 @@ def verdict(res: dict) -> None:
     # ... and the fused-dQ dK/dV where configs allows it a few bytes (HD 128: 4 under NVRTC 13.0 / 13.5)
     opt_in |= {cfg.kernel_names()["dkdv_dq"] for cfg in _configs.wgmma_configs() if cfg.has_fused_dq
                and cfg.head_dim in _configs.WGMMA_BWD_FUSED_DQ_SPILL_BYTES}
-    # ... and the warp-specialized ones up to configs.ws_spill_bytes (their producer runs
+    # ... and the warp-specialized ones up to configs.WGMMA_BWD_WS_SPILL_BYTES (their producer runs
     # on 24 / 56 registers; at HD 128 the consumers on 240)
     ws = {cfg.kernel_names()[role] for cfg in _configs.wgmma_configs() if cfg.has_fused_dq
           for role in _configs.WS_FUSED_DQ_ROLES}
@@ -436,7 +436,7 @@ def verdict(res: dict) -> None:
         for k, r in m.get("kernels", {}).items():
             worst = max(r.get("spill_stores") or 0, r.get("spill_loads") or 0, r.get("stack") or 0)
             if "wgmma" in k and worst:
-                ok = (k in opt_in and worst <= 8) or (k in ws and worst <= _configs.ws_spill_bytes(k))
+                ok = (k in opt_in and worst <= 8) or (k in ws and worst <= _configs.WGMMA_BWD_WS_SPILL_BYTES)
                 (allowed if ok else spills).append(k)
     if spills:
         why.append(f"spills/stack in {spills}")
@@ -500,7 +500,7 @@ def report(res: dict) -> str:
                                                                                    else "")]
     if res.get("opt_in_spills"):
         L.append(f"(allowed: spills in {res['opt_in_spills']}: <= 8 bytes in the opt-in overlapped walk's and the "
-                 f"fused dQ's at HD 128, <= {_configs.WGMMA_BWD_WS_SPILL_BYTES} in the warp-specialized ones by role)")
+                 f"fused dQ's at HD 128, <= {_configs.WGMMA_BWD_WS_SPILL_BYTES} in the warp-specialized one)")
     other = [r["other_walk_bit_identical"] for r in (ch or {}).get("rows", []) if "other_walk_bit_identical" in r]
     L.append(f"the other walk ({OTHER_WALK_NAME}): "
              + ("NOT RUN" if not other else "PASS (the same bits in every check)" if all(other)
@@ -511,8 +511,8 @@ def report(res: dict) -> str:
               f"(other = {OTHER_WALK_NAME}; its gradients must equal wgmma's bit for bit)",
               f"(alt = the other tiles, {ALT_TILES_NAME}, checked against float64)",
               "(fused = dQ fused into dK/dV with float32 atomics, not deterministic; checked against float64)",
-              "(ws / wsl = the same by the warp-specialized dK/dV kernel, one CTA per SM taking work items: dQ split "
-              "by columns / per consumer; ws1 = ws with one CTA per work item)",
+              "(ws = the same by the warp-specialized dK/dV kernel, one CTA per SM taking work items; ws1 = ws with "
+              "one CTA per work item)",
               f"{'S':>6} {'D':>4} {'causal':>6} {'wgmma':>6} {'other':>6} {'alt':>6} {'fused':>6} {'mma':>6} {'FA2':>6} "
               f"{'cuDNN':>6} {'ot/wg':>6} {'alt/wg':>6} {'fu/wg':>6} {'fu/FA2':>6} {'wg/mma':>6} {'wg/FA2':>6} "
               f"{'wg/cuDNN':>8} {'mma/FA2':>7}"]
@@ -526,16 +526,15 @@ def report(res: dict) -> str:
                      f"{_fmt(_ratio(r, 'wgmma_tflops', 'mma_tflops'))} {_fmt(_ratio(r, 'wgmma_tflops', 'fa2_tflops'))} "
                      f"{_fmt(_ratio(r, 'wgmma_tflops', 'cudnn_tflops'), 8)} {_fmt(_ratio(r, 'mma_tflops', 'fa2_tflops'), 7)}"
                      + (f"  ws {_fmt(r.get('ws_tflops'), 6, 1)} ws1 {_fmt(r.get('ws1_tflops'), 6, 1)} "
-                        f"wsl {_fmt(r.get('wsl_tflops'), 6, 1)} ws/ws1 {_fmt(_ratio(r, 'ws_tflops', 'ws1_tflops'))} "
-                        f"ws/fu {_fmt(_ratio(r, 'ws_tflops', 'fused_tflops'))} wsl/fu {_fmt(_ratio(r, 'wsl_tflops', 'fused_tflops'))} "
-                        f"ws/FA2 {_fmt(_ratio(r, 'ws_tflops', 'fa2_tflops'))} wsl/FA2 {_fmt(_ratio(r, 'wsl_tflops', 'fa2_tflops'))}"
+                        f"ws/ws1 {_fmt(_ratio(r, 'ws_tflops', 'ws1_tflops'))} "
+                        f"ws/fu {_fmt(_ratio(r, 'ws_tflops', 'fused_tflops'))} "
+                        f"ws/FA2 {_fmt(_ratio(r, 'ws_tflops', 'fa2_tflops'))}"
                         if "ws_tflops" in r else ""))
         for a, b in (("wgmma_tflops", "mma_tflops"), ("wgmma_tflops", "fa2_tflops"), ("other_tflops", "wgmma_tflops"),
                      ("other_tflops", "fa2_tflops"), ("alt_tflops", "wgmma_tflops"), ("alt_tflops", "fa2_tflops"),
                      ("fused_tflops", "wgmma_tflops"), ("fused_tflops", "fa2_tflops"), ("fused_tflops", "cudnn_tflops"),
                      ("ws_tflops", "fused_tflops"), ("ws1_tflops", "fused_tflops"), ("ws_tflops", "ws1_tflops"),
-                     ("wsl_tflops", "fused_tflops"), ("ws_tflops", "fa2_tflops"),
-                     ("wsl_tflops", "fa2_tflops"), ("mma_tflops", "fa2_tflops")):
+                     ("ws_tflops", "fa2_tflops"), ("mma_tflops", "fa2_tflops")):
             xs = [_ratio(r, a, b) for r in rows]
             gm = _geomean(xs)
             if gm:

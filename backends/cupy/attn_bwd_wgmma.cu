@@ -151,18 +151,16 @@ __device__ __forceinline__ void store_ds_t(pa_u32 sds, pa_u32 (*da)[4], int wq, 
         }
 }
 
-// Fused dQ, product stage: one warpgroup's dq[64 x N] = dS[64 x KEYS] K[KEYS x N] (issued and
-// committed), A = the dS^T tile sds ([KEYS keys x 64 queries] of the CTA's [BN x 64], MN-major)
-// and B = the K tile ([BN keys x HD], MN-major) from its key row and column sk_col on, N columns
-// of it. KEYS = BN: all the CTA's keys; 64: one warpgroup's (attn_bwd_wgmma_ws.cu, LOCAL_DQ). The
-// first k-step ignores dq's values (dq is a fresh partial per query tile).
-template <typename T, int N, int BN, int KEYS = BN>
+// Fused dQ, product stage: one warpgroup's dq[64 x N] = dS[64 x BN] K[BN x N] (issued and
+// committed), A = the dS^T tile sds ([BN keys x 64 queries], MN-major) and B = the K tile ([BN
+// keys x HD], MN-major) from column sk_col on, N columns of it. The first k-step ignores dq's
+// values (dq is a fresh partial per query tile).
+template <typename T, int N, int BN>
 __device__ __forceinline__ void wg_ds_k(float* dq, pa_u32 sds, pa_u32 sk_col) {
-    static_assert(KEYS % 16 == 0 && KEYS <= BN, "whole k16 steps of the CTA's keys");
     wgmma_fence_acc<N>(dq);   // the previous tile's reads of dq (its reductions) come first
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < KEYS / 16; ++kk)
+    for (int kk = 0; kk < BN / 16; ++kk)
         wgmma_ss_mn<T, N>(dq, sw128_desc(sds + kk * 2048, 64 * 128, 1024), sw128_desc(sk_col + kk * 2048, BN * 128, 1024),
                           kk > 0 ? 1 : 0);
     wgmma_commit();

@@ -1,30 +1,33 @@
-// portattn CuPy backend: the warp-specialized fused-dQ dK/dV kernel (sm_90a; LOCAL_DQ = false is
-// what PORTATTN_CUPY_DQ=auto runs, configs.WGMMA_BWD_FUSED_DQ_AUTO_ROLE).
+// portattn CuPy backend: the warp-specialized fused-dQ dK/dV kernel (sm_90a; what
+// PORTATTN_CUPY_DQ=auto runs, configs.WGMMA_BWD_FUSED_DQ_AUTO_ROLE).
 //
-// attn_bwd_dkdv_wgmma_ws<T, HD, LOCAL_DQ>  the problems, arguments, tiles and per-tile products
-//   of attn_bwd_dkdv_wgmma<T, HD, 64, 2, false, true> (attn_bwd_wgmma.cu: 128 keys of one kv head
-//   per CTA, 64-row query tiles, dQ added into a float32 buffer with atomics), with the loads moved
-//   to a producer warpgroup, so that no CTA-wide barrier ties the two consumer warpgroups per tile
-//   (the fused kernel has two: the tile landed, and the dS^T exchange):
-//   * warpgroup 0, the producer (setmaxnreg down to PRODUCER_REGS): K and V, then each query
-//     tile's Q, dO (cp.async) and row statistics (lse log2 e, delta: plain stores) into a ring of
-//     2 stages; once a stage's copies landed, fence.proxy.async and an arrive on its `full`
-//     mbarrier (128 arrivals). A stage is refilled after its `empty` mbarrier (256 arrivals).
-//   * warpgroups 1 and 2, the consumers (setmaxnreg up to CONSUMER_REGS): keys 64c ... 64c + 63 of the CTA;
-//     per tile: wait on `full`, then S^T, dP^T, P^T, dV, dS^T and dK exactly as the fused kernel,
-//     dS^T stored into the dS^T buffer of the tile, dQ, an arrive on `empty`.
-//   * dQ, LOCAL_DQ = false: the two consumers' dS^T meet at named barrier 1 (256 threads) and
-//     consumer c adds dS K[:, c HD/2 ...] over the CTA's 128 keys, as the fused kernel does;
-//     LOCAL_DQ = true: consumer c waits only for its own warps (named barrier 2 + c, 128 threads)
-//     and adds dS_c K_c over its own 64 keys, every column (64 at a time): twice the atomics, and
-//     nothing ties the consumers together.
+// attn_bwd_dkdv_wgmma_ws<T, HD>  the problems, tiles and per-tile products of
+//   attn_bwd_dkdv_wgmma<T, HD, 64, 2, false, true> (attn_bwd_wgmma.cu: 128 keys of one kv head
+//   per work item, 64-row query tiles, dQ added into a float32 buffer with atomics), with the loads
+//   moved to a producer warpgroup, so that no CTA-wide barrier ties the two consumer warpgroups per
+//   tile (the fused kernel has two: the tile landed, and the dS^T exchange), and persistent CTAs:
+//   * work items (a key tile of a kv head of a batch element, in the order of the fused kernel's
+//     grid): a CTA's first is its block index, each next one its producer takes from a counter in
+//     global memory (next_item, zeroed before the launch) and publishes through an item slot.
+//   * warpgroup 0, the producer (setmaxnreg down to PRODUCER_REGS): per item K and V into one of
+//     two K/V buffers, then each query tile's Q, dO (cp.async) and row statistics (lse log2 e,
+//     delta: plain stores) into a ring of 2 stages that runs on across items; once a stage's copies
+//     landed, fence.proxy.async and an arrive on its `full` mbarrier (128 arrivals), K and V's
+//     on `kv_full` with the item's first tile. A stage is refilled after its `empty` mbarrier (256
+//     arrivals), a K/V buffer after its `kv_empty` (256).
+//   * warpgroups 1 and 2, the consumers (setmaxnreg up to CONSUMER_REGS): keys 64c ... 64c + 63 of
+//     the item; per tile: wait on `full`, then S^T, dP^T, P^T, dV, dS^T and dK exactly as the fused
+//     kernel, dS^T stored into the dS^T buffer of the tile, dQ, an arrive on `empty`; per item, an
+//     arrive on `kv_empty` after its last product, then its dK and dV stored.
+//   * dQ: the two consumers' dS^T meet at named barrier 1 (256 threads) and consumer c adds
+//     dS K[:, c HD/2 ...] over the item's 128 keys, as the fused kernel does.
 //   Two dS^T buffers alternate over the tiles a consumer computes (skipped tiles do not count): a
 //   warp stores a tile's dS^T only after the barrier of the tile before, which each reader of the
 //   buffer's previous contents passes after its dQ product retired. dK and dV are bit-identical
 //   to the fused kernel's (the same products in the same order); dQ's float32 sums differ in
 //   order (atomics) as the fused kernel's do between runs.
 
-template <typename T, int HD, bool LOCAL_DQ>
+template <typename T, int HD>
 __global__ void __launch_bounds__(384, 1)
 attn_bwd_dkdv_wgmma_ws(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb, long long do_ss, long long do_sh,
                        const float* __restrict__ lse, const float* __restrict__ delta, T* __restrict__ dk,
@@ -114,8 +117,7 @@ attn_bwd_dkdv_wgmma_ws(PA_COMMON_PARAMS, const T* __restrict__ dout, long long d
     pa_u32 pa[BM / 16][4], da[BM / 16][4];     // P^T and dS^T as A fragments
     float st[BM / 2], dpt[BM / 2];             // S^T and dP^T of a tile
     float dk_acc[HD / 2], dv_acc[HD / 2];      // rows (keys) g, g + 8 of the warp's 16
-    constexpr int DQ_N = LOCAL_DQ ? 64 : HD / 2;          // columns of one dQ product
-    constexpr int DQ_PARTS = LOCAL_DQ ? HD / 64 : 1;      // products per tile
+    constexpr int DQ_N = HD / 2;               // columns of the consumer's dQ product
     int rt = 0;                                // ring tiles consumed, over all items
     int dsb = 0;                               // the dS^T buffer of the next computed tile
 
@@ -139,9 +141,8 @@ attn_bwd_dkdv_wgmma_ws(PA_COMMON_PARAMS, const T* __restrict__ dout, long long d
         for (int it = 0; it < n_iter; ++it, ++rt) {
             const int stg = rt % STAGES, m0 = walk.row0(it);
             mbar_wait(bar_full + 8 * stg, (rt / STAGES) & 1);
-            // uniform per consumer (LOCAL_DQ) or per CTA (both consumers meet at named barrier 1)
-            if (LOCAL_DQ ? !tile_any_visible(s, m0, BM, nw0, 64, win_left, win_right)
-                         : !tile_any_visible(s, m0, BM, n0, BN, win_left, win_right)) {
+            // uniform per CTA (both consumers meet at named barrier 1)
+            if (!tile_any_visible(s, m0, BM, n0, BN, win_left, win_right)) {
                 mbar_arrive(bar_empty + 8 * stg);
                 continue;
             }
@@ -172,25 +173,18 @@ attn_bwd_dkdv_wgmma_ws(PA_COMMON_PARAMS, const T* __restrict__ dout, long long d
             // dQ reads stored and visible to wgmma
             wgmma_wait<1>();
             fence_proxy_async();
-            if (LOCAL_DQ)
-                named_bar_sync(2 + c, 128);
-            else
-                named_bar_sync(1, 256);
+            named_bar_sync(1, 256);
             const int h = walk.head(it), row_w = m0 + wq * 16;
             float* const dq_rows = tok_ptr(dq_acc, b, dqa_sb, s.q0 + row_w, dqa_ss, h, dqa_sh);
-#pragma unroll
-            for (int part = 0; part < DQ_PARTS; ++part) {
-                // a fresh partial per product, set by its chain's first k-step (scale-d 0)
+            {
+                // a fresh partial, set by its chain's first k-step (scale-d 0)
                 float dq_part[DQ_N / 2];
-                const int dq_col = LOCAL_DQ ? 64 * part : c * DQ_N;   // K's columns dq_col ...
+                const int dq_col = c * DQ_N;   // K's columns dq_col ... (SW128 blocks of 64)
                 const pa_u32 sk_col = sK + (dq_col / 64) * (BN * 128) + (dq_col % 64) * 2;
-                if (LOCAL_DQ)
-                    wg_ds_k<T, DQ_N, BN, 64>(dq_part, opaque_u32(sdSb + kw * 128), opaque_u32(sk_col + kw * 128));
-                else
-                    wg_ds_k<T, DQ_N, BN>(dq_part, opaque_u32(sdSb), opaque_u32(sk_col));
+                wg_ds_k<T, DQ_N, BN>(dq_part, opaque_u32(sdSb), opaque_u32(sk_col));
                 wgmma_wait<0>();
                 wgmma_fence_acc<DQ_N>(dq_part);
-                if (part == 0) mbar_arrive(bar_empty + 8 * stg);   // dK retired: Q, dO and the stats are read
+                mbar_arrive(bar_empty + 8 * stg);   // dK retired: Q, dO and the stats are read
                 red_acc_rows<DQ_N>(dq_rows + dq_col, dqa_ss, dq_part, s.sq - row_w, head_dim - dq_col, g, t4);
             }
             wgmma_fence_acc<HD>(dv_acc);

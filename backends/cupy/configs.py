@@ -234,44 +234,37 @@ WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS: tuple = (64, 128)
 #: 255 registers and 4 bytes of spill under NVRTC 13.0 and 13.5, measured with them (above); every
 #: other default kernel must have none (tests/test_cupy_wgmma_bwd.py, tools/cupy_wgmma_bwd_check.py).
 WGMMA_BWD_FUSED_DQ_SPILL_BYTES = {128: 8}
-#: Bytes of spill (stores, loads, stack) the warp-specialized fused-dQ dK/dV kernels
-#: (:data:`WS_FUSED_DQ_ROLES`; attn_bwd_wgmma_ws.cu) may have, by role: their producer warpgroup
-#: runs on 56 registers at HD 64 and 24 at HD 128 (at HD 128 its per-item and loop-invariant values
-#: spill), the consumers on 224 / 240 (at HD 128 a few loop-invariant values spill, and in
-#: ``dkdv_dq_wsl``, whose dQ runs two products per tile, more). NVRTC 13.5: none at HD 64; at HD
-#: 128 124-176 bytes (ws) and 560-680 (wsl) (:func:`ws_spill_bytes`).
-WGMMA_BWD_WS_SPILL_BYTES = {"dkdv_dq_ws": 256, "dkdv_dq_wsl": 768}
-
-
-def ws_spill_bytes(kernel_name: str) -> int:
-    """:data:`WGMMA_BWD_WS_SPILL_BYTES` of a warp-specialized kernel's name expression
-    (``attn_bwd_dkdv_wgmma_ws<T, HD, LOCAL_DQ>``)."""
-    return WGMMA_BWD_WS_SPILL_BYTES["dkdv_dq_wsl" if kernel_name.replace(" ", "").endswith(",true>") else "dkdv_dq_ws"]
+#: Bytes of spill (stores, loads, stack) the warp-specialized fused-dQ dK/dV kernel
+#: (:data:`WS_FUSED_DQ_ROLES`; attn_bwd_wgmma_ws.cu) may have: its producer warpgroup runs on 56
+#: registers at HD 64 and 24 at HD 128 (at HD 128 its per-item and loop-invariant values spill),
+#: the consumers on 224 / 240 (at HD 128 a few loop-invariant values spill). NVRTC 13.0 (the
+#: H200's): none at HD 64, 92-120 bytes at HD 128; NVRTC 13.5 none and 112-176 (timed with them).
+WGMMA_BWD_WS_SPILL_BYTES = 256
 #: Environment switch of the 16-bit wgmma backward's dQ when determinism is not requested (read at
 #: call time by :func:`fused_dq_choice`): ``auto`` (default, also unset/empty) = the fused atomic
 #: dQ at :data:`WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS` by :data:`WGMMA_BWD_FUSED_DQ_AUTO_ROLE`, the dQ
 #: kernel elsewhere; ``atomic`` = the fused atomic dQ by the two-warpgroup kernel wherever the
-#: module has it; ``kernel`` = the deterministic dQ kernel always; ``ws`` / ``ws_local`` = the fused
-#: atomic dQ by the warp-specialized dK/dV kernel (see :data:`FUSED_DQ_ROLES`). Determinism requested (PORTATTN_DETERMINISTIC,
-#: torch.use_deterministic_algorithms) always takes the dQ kernel.
+#: module has it; ``kernel`` = the deterministic dQ kernel always; ``ws`` = the fused atomic dQ by
+#: the warp-specialized dK/dV kernel (see :data:`FUSED_DQ_ROLES`). Determinism requested
+#: (PORTATTN_DETERMINISTIC, torch.use_deterministic_algorithms) always takes the dQ kernel.
 DQ_ENV = "PORTATTN_CUPY_DQ"
-DQ_MODES = ("auto", "atomic", "kernel", "ws", "ws_local")
+DQ_MODES = ("auto", "atomic", "kernel", "ws")
 #: The fused-dQ dK/dV role ``PORTATTN_CUPY_DQ=auto`` runs: the warp-specialized kernel, dQ split by
 #: columns between the consumers. On the H200 (2026-12-04, tools/cupy_wgmma_bwd_check.py, bf16,
 #: 16k tokens, hidden 2048, S 1k/4k/16k, HD 64/128, causal and not) it ran 0.997-1.086 x the
 #: fused kernel (geomean 1.051; 0.81-1.13 x FA2), its 16 gradient checks passing with dK / dV
-#: bit-identical to the two-kernel backward's; dQ per consumer (``dkdv_dq_wsl``: twice the atomics)
-#: ran 0.83-1.03 x (geomean 0.92).
+#: bit-identical to the two-kernel backward's. A variant with dQ per consumer over its own 64 keys
+#: (twice the atomics, no barrier between the consumers) ran 0.83-1.03 x (geomean 0.92) then and
+#: 0.69-0.99 x (0.81, its consumers spilling) once persistent, and was removed.
 WGMMA_BWD_FUSED_DQ_AUTO_ROLE = "dkdv_dq_ws"
 #: The fused-dQ dK/dV kernels of a module with :attr:`KernelConfig.has_fused_dq`, by role:
 #: ``dkdv_dq`` attn_bwd_dkdv_wgmma<..., DQ = true> (two consumer warpgroups, CTA barriers per
-#: tile), ``dkdv_dq_ws`` attn_bwd_dkdv_wgmma_ws<..., false> (a producer warpgroup, mbarriers; the
-#: consumers meet once per tile for dQ) and ``dkdv_dq_wsl`` attn_bwd_dkdv_wgmma_ws<..., true>
-#: (each consumer's dQ over its own keys: no tie between them). The mode of :data:`DQ_ENV` that
-#: runs each (``auto``: :data:`WGMMA_BWD_FUSED_DQ_AUTO_ROLE`).
-FUSED_DQ_ROLES = {"dkdv_dq": "atomic", "dkdv_dq_ws": "ws", "dkdv_dq_wsl": "ws_local"}
+#: tile) and ``dkdv_dq_ws`` attn_bwd_dkdv_wgmma_ws (a producer warpgroup, mbarriers, persistent
+#: CTAs; the consumers meet once per tile for dQ). The mode of :data:`DQ_ENV` that runs each
+#: (``auto``: :data:`WGMMA_BWD_FUSED_DQ_AUTO_ROLE`).
+FUSED_DQ_ROLES = {"dkdv_dq": "atomic", "dkdv_dq_ws": "ws"}
 #: Of those, the warp-specialized ones (384 threads, their own shared-memory carve-up and spill allowance)
-WS_FUSED_DQ_ROLES = ("dkdv_dq_ws", "dkdv_dq_wsl")
+WS_FUSED_DQ_ROLES = ("dkdv_dq_ws",)
 #: The warp-specialized kernels take work items (a key tile of a kv head of a batch element, in the
 #: order of a grid ``(key tiles, kv heads, batch)``) from a counter in global memory, each CTA its
 #: next as its producer finishes loading the last: with one CTA per item (``0``) they are the
@@ -339,7 +332,7 @@ def dq_mode() -> str:
     return _env_mode(DQ_ENV, DQ_MODES, "auto = the fused atomic dQ where the H200 timed it faster, when "
                                        "determinism is not requested; atomic = the two-warpgroup fused kernel "
                                        "wherever the wgmma backward has it; kernel = the deterministic dQ kernel "
-                                       "always; ws / ws_local = the warp-specialized fused kernels")
+                                       "always; ws = the warp-specialized fused kernel")
 
 
 def fused_dq_role(mode: str | None = None) -> str:
@@ -366,8 +359,7 @@ def fused_dq_choice(cfg: KernelConfig, deterministic: bool, mode: str | None = N
         auto = ", ".join(map(str, WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS)) or "none"
         return False, (f"padded head dim {cfg.head_dim} (auto fuses dQ at {auto}; {DQ_ENV}=atomic fuses it "
                        f"wherever it exists): the dQ kernel")
-    how = {"dkdv_dq": " (the two-warpgroup kernel)", "dkdv_dq_ws": " (the warp-specialized kernel)",
-           "dkdv_dq_wsl": " (the warp-specialized kernel, dQ per consumer)"}
+    how = {"dkdv_dq": " (the two-warpgroup kernel)", "dkdv_dq_ws": " (the warp-specialized kernel)"}
     return True, (f"{DQ_ENV}={mode}, determinism not requested: dQ fused into dK/dV with float32 atomics"
                   + how[fused_dq_role(mode)])
 
@@ -491,8 +483,7 @@ class KernelConfig:
                      "dq": f"attn_bwd_dq_wgmma<{t}, {hd}, {bn}, {nwg_q}, {ov}>"}
             if self.has_fused_dq:   # the serial walk whatever the module's
                 names["dkdv_dq"] = f"attn_bwd_dkdv_wgmma<{t}, {hd}, {bm}, {nwg_k}, false, true>"
-                names["dkdv_dq_ws"] = f"attn_bwd_dkdv_wgmma_ws<{t}, {hd}, false>"
-                names["dkdv_dq_wsl"] = f"attn_bwd_dkdv_wgmma_ws<{t}, {hd}, true>"
+                names["dkdv_dq_ws"] = f"attn_bwd_dkdv_wgmma_ws<{t}, {hd}>"
             return names
         if self.family == "bwd_mma":
             names = {"preprocess": f"attn_bwd_preprocess<{t}>"}
