@@ -47,12 +47,13 @@
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls; export PYTHONPATH=$PWD for
 # tools run outside this script):
-#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench            # the grid on the current kernels
-#                                        # (2026-12-04's is 7f18c81's: before the warp-specialized fused dQ)
-#   bash tools/h200_session.sh cupybwd   # after a backward change (2026-12-04: the warp-specialized fused dQ
-#                                        # 1.05 x the two-warpgroup one, auto since; dQ per consumer 0.92 x)
-#   RERUN=1 PREV=benchmarks/results/conformance-h200.json CASES='...' bash tools/h200_session.sh catalogue:cupy
-#                                        # the catalogue for the backends whose defaults change
+#   git show c28abd6 -- backends/cupy/attn_bwd.cu | git apply   # the preprocess's 16-byte reads (reverted,
+#                                        # never run: 2026-12-04's ncu put the preprocess at 270-280 us, ~18 % of
+#                                        # the backward at S 1k), then:
+#   TESTS_WORKERS=4 bash tools/h200_session.sh tests:cupy cupybwd   # its GPU test and the gradient checks
+#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench    # the grid (2026-12-04's is 55fe0eb's)
+#   RERUN=1 PREV=benchmarks/results/conformance-h200.json CUPY_SHARDS=4 bash tools/h200_session.sh catalogue:cupy
+#                                        # the catalogue for the backends whose kernels change
 #   TESTS_WORKERS=10 bash tools/h200_session.sh par:tests:gpu   # the whole GPU set takes two calls from a cold
 #                                        # cache (2026-12-04: 530 s reached 62 % with 5 workers); split by file
 # and e.g. after a partial catalogue:
