@@ -648,6 +648,27 @@ def test_ws_persistent_switch(monkeypatch):
         configs.ws_persistent("yes")
 
 
+def test_work_item_grid_bounds(monkeypatch):
+    """The work-item grid: at most one CTA per item, at least one CTA; an int CTA count must be
+    positive; more items than the kernel's int32 counter holds is refused by name."""
+    from portattn.backends.cupy import runtime
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(runtime, "_sm_count", lambda device: 132)
+    assert runtime._work_item_grid((3, 2, 2), cpu, True)[0] == (12, 1, 1)
+    assert runtime._work_item_grid((30, 8, 4), cpu, True)[0] == (132, 1, 1)
+    assert runtime._work_item_grid((30, 8, 4), cpu, False)[0] == (960, 1, 1)
+    assert runtime._work_item_grid((30, 8, 4), cpu, 7)[0] == (7, 1, 1)
+    assert runtime._work_item_grid((0, 8, 4), cpu, True)[0] == (1, 1, 1)
+    grid, counter = runtime._work_item_grid((5, 1, 1), cpu, 100)
+    assert grid == (5, 1, 1) and counter.dtype == torch.int32 and counter.shape == (1,)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="positive CTA count"):
+            runtime._work_item_grid((5, 1, 1), cpu, bad)
+    with pytest.raises(ValueError, match="int32 counter"):
+        runtime._work_item_grid((2**20, 2**11, 1), cpu, True)
+
+
 def test_ws_shared_memory_fits_one_cta_per_sm():
     """Two K/V buffers, the Q / dO ring, two dS^T buffers, 8 mbarriers and the item slots fit the
     227 KB a CTA may have on sm_90 at both head dims."""
