@@ -433,7 +433,8 @@ def test_preprocess_vector_and_element_reads_agree(dtype, dv):
     o = torch.randn(B, S, H, dv, generator=g, device="cuda").to(dtype)
     do = torch.randn(B, S, H, dv, generator=g, device="cuda").to(dtype)
     dlse = torch.randn(spec.lse_shape, generator=g, device="cuda")
-    cfg = configs.backward_config(runtime._DTYPE_NAMES[dtype], dv, dv, mode="fma")
+    # the preprocess takes the head dim at run time: one module per dtype serves every dv
+    cfg = configs.backward_config(runtime._DTYPE_NAMES[dtype], 64, 64, mode="fma")
 
     def delta_of(o, do):
         delta = torch.full(spec.lse_shape, float("nan"), device="cuda")
