@@ -64,16 +64,20 @@ def get_function(cfg: configs.KernelConfig, role: str, device_index: int):
     return mod[role]
 
 
-_SMEM_OPTIN: dict[int, int | None] = {}
+@functools.cache
+def _cuda_props(index: int):
+    """``torch.cuda.get_device_properties`` of a device index, once per process."""
+    return torch.cuda.get_device_properties(index)
+
+
+def _device_props(device: torch.device):
+    """The properties of a CUDA device (its index, or the current device's)."""
+    return _cuda_props(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def smem_optin(device: torch.device) -> int | None:
     """The device's opt-in shared memory per block (bytes), or None when torch does not say."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMEM_OPTIN:
-        props = torch.cuda.get_device_properties(idx)
-        _SMEM_OPTIN[idx] = getattr(props, "shared_memory_per_block_optin", None)
-    return _SMEM_OPTIN[idx]
+    return getattr(_device_props(device), "shared_memory_per_block_optin", None)
 
 
 def _ptr(t: torch.Tensor | None):
@@ -422,16 +426,9 @@ def _plan_backward_mma(spec, out, lse, dout, cfg, dlse, fused_dq: bool | str | N
     return plan
 
 
-@functools.cache
-def _cuda_sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _sm_count(device: torch.device) -> int | None:
     """The SMs of a CUDA device (None for others: plans built on the CPU, in tests)."""
-    if device.type != "cuda":
-        return None
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _device_props(device).multi_processor_count if device.type == "cuda" else None
 
 
 def _work_item_grid(grid: tuple, device: torch.device, persistent: bool | int | None) -> tuple[tuple, torch.Tensor]:
