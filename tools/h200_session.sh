@@ -47,10 +47,13 @@
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls; export PYTHONPATH=$PWD for
 # tools run outside this script):
-#   git show c28abd6 -- backends/cupy/attn_bwd.cu | git apply   # the preprocess's 16-byte reads (reverted,
-#                                        # never run: 2026-12-04's ncu put the preprocess at 270-280 us, ~18 % of
-#                                        # the backward at S 1k), then:
-#   TESTS_WORKERS=4 bash tools/h200_session.sh tests:cupy cupybwd   # its GPU test and the gradient checks
+#   git merge pending-gpu-run            # two kernel changes built and checked on the CPU only (2026-12-04):
+#                                        # the preprocess's 16-byte reads (ncu put it at 270-280 us, ~18 % of the
+#                                        # backward at S 1k) and HD 256's fused dQ (dQ^T = K^T dS^T, opt-in:
+#                                        # PORTATTN_CUPY_DQ=atomic), then:
+#   TESTS_WORKERS=4 bash tools/h200_session.sh tests:cupy cupybwd   # their GPU tests; cupybwd checks the fused
+#                                        # family at HD 256 (5 cases) and times it beside the dQ kernel and FA2;
+#                                        # if it passes and is faster, add 256 to WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS
 #   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench    # the grid (2026-12-04's is 55fe0eb's)
 #   RERUN=1 PREV=benchmarks/results/conformance-h200.json CUPY_SHARDS=4 bash tools/h200_session.sh catalogue:cupy
 #                                        # the catalogue for the backends whose kernels change
