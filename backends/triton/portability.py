@@ -296,21 +296,19 @@ def ptx_instructions(kernel: str, dtype: torch.dtype, features: Features = PLAIN
     return dict(collections.Counter(ops))
 
 
-def compile_case(case: Case) -> dict:
-    """Compile one case; returns a row of the report (``ok`` False on error or over the limit)."""
+def _compile_row(case: Case, fn, signature) -> dict:
+    """Compile ``fn`` for ``case``'s target with ``signature`` ((signature, constexprs, attrs) of
+    :func:`_ast_source`; a callable giving them, so that its errors are the case's too): a row of
+    the report (``ok`` False on a compile error or over the shared-memory limit)."""
     import triton
 
-    from . import kernels
-    fn = getattr(kernels, case.kernel)
     row = dict(kernel=case.kernel, config=case.describe(), target=str(case.target), limit=case.smem_limit,
                shared=None, regs=None, spills=None, ok=False, error="", seconds=0.0)
     start = time.perf_counter()
     try:
-        sig, consts, attrs = _signature(fn, case)
-        compiled = triton.compile(_ast_source(fn, sig, consts, attrs), target=_gpu_target(case.target),
+        compiled = triton.compile(_ast_source(fn, *signature()), target=_gpu_target(case.target),
                                   options=case.config.launch_options())
-        shared = int(compiled.metadata.shared)
-        row["shared"] = shared
+        row["shared"] = shared = int(compiled.metadata.shared)
         if case.target.vendor == "nvidia":
             row["regs"], row["spills"] = _nvidia_resources(compiled.asm["cubin"])
         else:
@@ -324,6 +322,13 @@ def compile_case(case: Case) -> dict:
         row["error"] = " | ".join(line for line in msg if line.strip())[-400:]
     row["seconds"] = round(time.perf_counter() - start, 2)
     return row
+
+
+def compile_case(case: Case) -> dict:
+    """Compile one case; returns a row of the report (``ok`` False on error or over the limit)."""
+    from . import kernels
+    fn = getattr(kernels, case.kernel)
+    return _compile_row(case, fn, lambda: _signature(fn, case))
 
 
 # ----- driver -------------------------------------------------------------------------------
@@ -495,30 +500,9 @@ def _decode_signature(fn, case: Case):
 
 
 def _compile_decode_case(case: Case) -> dict:
-    import triton
-
     from . import decode
     fn = getattr(decode, case.kernel)
-    row = dict(kernel=case.kernel, config=case.describe(), target=str(case.target), limit=case.smem_limit,
-               shared=None, regs=None, spills=None, ok=False, error="", seconds=0.0)
-    start = time.perf_counter()
-    try:
-        compiled = triton.compile(_ast_source(fn, *_decode_signature(fn, case)), target=_gpu_target(case.target),
-                                  options=case.config.launch_options())
-        row["shared"] = shared = int(compiled.metadata.shared)
-        if case.target.vendor == "nvidia":
-            row["regs"], row["spills"] = _nvidia_resources(compiled.asm["cubin"])
-        else:
-            row["regs"], row["spills"] = _amd_resources(compiled.asm.get("amdgcn", ""))
-        if shared > case.smem_limit:
-            row["error"] = f"shared memory {shared} B > limit {case.smem_limit} B"
-        else:
-            row["ok"] = True
-    except Exception as exc:  # any compile error is a failed case, reported with its message
-        msg = f"{type(exc).__name__}: {exc}".strip().splitlines()
-        row["error"] = " | ".join(line for line in msg if line.strip())[-400:]
-    row["seconds"] = round(time.perf_counter() - start, 2)
-    return row
+    return _compile_row(case, fn, lambda: _decode_signature(fn, case))
 
 
 _attention_cases = cases
