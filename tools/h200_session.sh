@@ -47,10 +47,11 @@
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls; export PYTHONPATH=$PWD for
 # tools run outside this script):
-#   git merge pending-gpu-run            # two kernel changes built and checked on the CPU only (2026-12-04):
+#   git merge pending-gpu-run            # three kernel changes built and checked on the CPU only (2026-12-04):
 #                                        # the preprocess's 16-byte reads (ncu put it at 270-280 us, ~18 % of the
-#                                        # backward at S 1k) and HD 256's fused dQ (dQ^T = K^T dS^T, opt-in:
-#                                        # PORTATTN_CUPY_DQ=atomic), then:
+#                                        # backward at S 1k); HD 256's dK/dV handing P^T from one warpgroup to the
+#                                        # other (S^T once: the default deterministic path changes); HD 256's
+#                                        # fused dQ (dQ^T = K^T dS^T, opt-in: PORTATTN_CUPY_DQ=atomic), then:
 #   TESTS_WORKERS=4 bash tools/h200_session.sh tests:cupy cupybwd   # their GPU tests; cupybwd checks the fused
 #                                        # family at HD 256 (5 cases) and times it beside the dQ kernel and FA2;
 #                                        # if it passes and is faster, add 256 to WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS
