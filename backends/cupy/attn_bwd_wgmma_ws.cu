@@ -84,11 +84,7 @@ attn_bwd_dkdv_wgmma_ws(PA_COMMON_PARAMS, const T* __restrict__ dout, long long d
                 mbar_arrive(bar_kv_full + 8 * kb);
                 return;
             }
-            const KeyCta<T> cta = PA_KEY_ITEM(item, n_x, BN);
-            const SeqInfo& s = cta.s;
-            const int b = cta.b;
-            const QueryTileWalk<BM> walk(cta.hk, gqa_ratio, cta.r_lo, cta.r_hi);
-            const int n_iter = cta.empty() ? 0 : walk.n_iter;
+            PA_KEY_ITEM_PROLOGUE(item, n_x, BN, BM);
             if (n_iter > 0) {                  // K and V land with the first tile (one commit group)
                 const pa_u32 sK = sKV + kb * 2 * KV_BYTES;
                 load_tile_sw128<T, BN, HD, NT>(sK, cta.k_tile, k_ss, s.sk - cta.n0, head_dim, tid);
@@ -126,11 +122,8 @@ attn_bwd_dkdv_wgmma_ws(PA_COMMON_PARAMS, const T* __restrict__ dout, long long d
         mbar_wait(bar_kv_full + 8 * kb, (n / KV_BUFS) & 1);
         const int item = item_slot[n % 2];
         if (item >= n_items) return;
-        const KeyCta<T> cta = PA_KEY_ITEM(item, n_x, BN);
-        const SeqInfo& s = cta.s;
-        const int b = cta.b, n0 = cta.n0;
-        const QueryTileWalk<BM> walk(cta.hk, gqa_ratio, cta.r_lo, cta.r_hi);
-        const int n_iter = cta.empty() ? 0 : walk.n_iter;
+        PA_KEY_ITEM_PROLOGUE(item, n_x, BN, BM);
+        const int n0 = cta.n0;
         const int nw0 = n0 + kw;                   // the consumer's first key in the sequence
         const int j0 = nw0 + wq * 16 + g;          // this thread's keys: j0, j0 + 8
         const pa_u32 sK = sKV + kb * 2 * KV_BYTES;

@@ -261,6 +261,17 @@ __device__ __forceinline__ KeyCta<T> key_cta(int bn, const int* cu_q, const int*
     const SeqInfo& s = cta.s;                                                       \
     const int b = cta.b, hk = cta.hk, n0 = cta.n0
 
+// The prologue of a persistent key kernel's work item ITEM (PA_KEY_ITEM, NX key tiles of BN keys
+// a sequence): declares cta, s, b and the item's query-tile walk of BM-row tiles, with n_iter its
+// iterations (0 for an item past its sequence's keys, which no query row sees). Used by each
+// warpgroup role that decodes the item (the warp-specialized backward of the sm_90a module).
+#define PA_KEY_ITEM_PROLOGUE(ITEM, NX, BN, BM)                                      \
+    const KeyCta<T> cta = PA_KEY_ITEM(ITEM, NX, BN);                                \
+    const SeqInfo& s = cta.s;                                                       \
+    const int b = cta.b;                                                            \
+    const QueryTileWalk<BM> walk(cta.hk, gqa_ratio, cta.r_lo, cta.r_hi);            \
+    const int n_iter = cta.empty() ? 0 : walk.n_iter
+
 // The prologue of the FMA row kernels (float32 forward, stats, dQ): TPR threads per query row,
 // thread tid owns row i = m0 + tid / TPR with sub = tid % TPR; declares tid, row, sub, cta, s, b,
 // h, m0, n_hi, i and mods, and returns from a CTA past its sequence's rows.
