@@ -296,17 +296,18 @@ def ptx_instructions(kernel: str, dtype: torch.dtype, features: Features = PLAIN
     return dict(collections.Counter(ops))
 
 
-def _compile_row(case: Case, fn, signature) -> dict:
-    """Compile ``fn`` for ``case``'s target with ``signature`` ((signature, constexprs, attrs) of
-    :func:`_ast_source`; a callable giving them, so that its errors are the case's too): a row of
-    the report (``ok`` False on a compile error or over the shared-memory limit)."""
+def _compile_row(case: Case, fn, signature_of) -> dict:
+    """Compile ``fn`` for ``case``'s target: a row of the report (``ok`` False on a compile error
+    or over the shared-memory limit). ``signature_of(fn, case)`` gives :func:`_ast_source`'s
+    (signature, constexprs, attrs); it is called inside the row's ``try``, so that its errors are
+    the case's too."""
     import triton
 
     row = dict(kernel=case.kernel, config=case.describe(), target=str(case.target), limit=case.smem_limit,
                shared=None, regs=None, spills=None, ok=False, error="", seconds=0.0)
     start = time.perf_counter()
     try:
-        compiled = triton.compile(_ast_source(fn, *signature()), target=_gpu_target(case.target),
+        compiled = triton.compile(_ast_source(fn, *signature_of(fn, case)), target=_gpu_target(case.target),
                                   options=case.config.launch_options())
         row["shared"] = shared = int(compiled.metadata.shared)
         if case.target.vendor == "nvidia":
@@ -328,7 +329,7 @@ def compile_case(case: Case) -> dict:
     """Compile one case; returns a row of the report (``ok`` False on error or over the limit)."""
     from . import kernels
     fn = getattr(kernels, case.kernel)
-    return _compile_row(case, fn, lambda: _signature(fn, case))
+    return _compile_row(case, fn, _signature)
 
 
 # ----- driver -------------------------------------------------------------------------------
@@ -502,7 +503,7 @@ def _decode_signature(fn, case: Case):
 def _compile_decode_case(case: Case) -> dict:
     from . import decode
     fn = getattr(decode, case.kernel)
-    return _compile_row(case, fn, lambda: _decode_signature(fn, case))
+    return _compile_row(case, fn, _decode_signature)
 
 
 _attention_cases = cases
