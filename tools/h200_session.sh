@@ -47,15 +47,11 @@
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls; export PYTHONPATH=$PWD for
 # tools run outside this script):
-#   git merge pending-gpu-run            # three kernel changes built and checked on the CPU only (2026-12-04):
-#                                        # the preprocess's 16-byte reads (ncu put it at 270-280 us, ~18 % of the
-#                                        # backward at S 1k); HD 256's dK/dV handing P^T from one warpgroup to the
-#                                        # other (S^T once: the default deterministic path changes); HD 256's
-#                                        # fused dQ (dQ^T = K^T dS^T, opt-in: PORTATTN_CUPY_DQ=atomic), then:
-#   TESTS_WORKERS=4 bash tools/h200_session.sh tests:cupy cupybwd   # their GPU tests; cupybwd checks the fused
-#                                        # family at HD 256 (5 cases) and times it beside the dQ kernel and FA2;
-#                                        # if it passes and is faster, add 256 to WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS
-#   WARM_DTYPES="bf16 fp16" bash tools/h200_session.sh warm bench    # the grid (2026-12-04's is 55fe0eb's)
+#   TESTS_WORKERS=4 bash tools/h200_session.sh cupybwd tests:cupy   # main's cupy backward with the preprocess's
+#                                        # 16-byte reads (2026-12-05's check ran HD 256's P^T hand-over, not landed);
+#                                        # then any kernel change of the session beside it (its GPU tests first)
+#   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> bash tools/h200_session.sh warm bench   # the grid on
+#                                        # main's kernels (2026-12-05's D 256 cupy backward column is the hand-over)
 #   RERUN=1 PREV=benchmarks/results/conformance-h200.json CUPY_SHARDS=4 bash tools/h200_session.sh catalogue:cupy
 #                                        # the catalogue for the backends whose kernels change
 #   TESTS_WORKERS=10 bash tools/h200_session.sh par:tests:gpu   # the whole GPU set takes two calls from a cold
