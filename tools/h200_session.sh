@@ -50,6 +50,10 @@
 #   TESTS_WORKERS=4 bash tools/h200_session.sh cupybwd tests:cupy   # main's cupy backward with the preprocess's
 #                                        # 16-byte reads (2026-12-05's check ran HD 256's P^T hand-over, not landed);
 #                                        # then any kernel change of the session beside it (its GPU tests first)
+#   git checkout exp/hd256-bm64 && CUPYBWD_ARGS=--no-tests bash tools/h200_session.sh cupybwd   # HD 256's split
+#                                        # dK/dV with 64-row query tiles (one commit on main; checked on the CPU
+#                                        # only, under NVRTC 13.0 too): if its D 256 rows beat main's, merge it,
+#                                        # then tests:cupy and catalogue:cupy on it; otherwise drop the branch
 #   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> bash tools/h200_session.sh warm bench   # the grid on
 #                                        # main's kernels (2026-12-05's D 256 cupy backward column is the hand-over)
 #   RERUN=1 PREV=benchmarks/results/conformance-h200.json CUPY_SHARDS=4 bash tools/h200_session.sh catalogue:cupy
