@@ -26,6 +26,10 @@ def test_the_default_grid_is_the_issue_grid():
     assert {c.dtype for c in cells} == {"bf16", "fp16"} and {c.causal for c in cells} == {False, True}
     assert all(c.B * c.S == 16384 and c.H * c.D == 2048 for c in cells)
     assert cells[0].dtype == "bf16" and cells[0].D == 128   # the headline cells first (a time limit keeps them)
+    # each shape's dtypes back to back (their comparison does not take in the run's drift)
+    for a, b in zip(cells[::2], cells[1::2]):
+        assert (a.dtype, b.dtype) == ("bf16", "fp16") and (a.D, a.S, a.causal, a.B, a.H) == (b.D, b.S, b.causal, b.B, b.H)
+    assert [c.D for c in cells[::24]] == [128, 64, 256]
     with pytest.raises(ValueError, match="does not divide the hidden size"):
         bench.grid(head_dims=(48,), hidden=64)
     with pytest.raises(ValueError, match="dtype"):
