@@ -54,6 +54,9 @@
 #                                        # dK/dV with 64-row query tiles (one commit on main; checked on the CPU
 #                                        # only, under NVRTC 13.0 too): if its D 256 rows beat main's, merge it,
 #                                        # then tests:cupy and catalogue:cupy on it; otherwise drop the branch
+#   git checkout exp/hd256-handover-bm64 && CUPYBWD_ARGS=--no-tests bash tools/h200_session.sh cupybwd   # the
+#                                        # same with warpgroup 0 handing P^T to warpgroup 1 (no spill under 13.0);
+#                                        # its base is main at 4612c29 (tried/hd256-handover + one commit)
 #   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> bash tools/h200_session.sh warm bench   # the grid on
 #                                        # main's kernels (2026-12-05's D 256 cupy backward column is the hand-over)
 #   RERUN=1 PREV=benchmarks/results/conformance-h200.json CUPY_SHARDS=4 bash tools/h200_session.sh catalogue:cupy
