@@ -7,13 +7,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VER=${NVRTC_VERSION:-13.0.88}
-DIR=${NVRTC_DIR:-.nvrtc-$VER}
-LIB=$PWD/$DIR/nvidia/cu13/lib
+DIR=$(realpath -m "${NVRTC_DIR:-.nvrtc-$VER}")
+LIB=$DIR/nvidia/cu13/lib
 [[ -f $LIB/libnvrtc.so.13 ]] || python -m pip install -q --target "$DIR" "nvidia-cuda-nvrtc==$VER"
 # cuda.bindings loads libnvrtc.so.13 by name; the preloaded one answers it, and its builtins come
 # from the same folder
 export LD_LIBRARY_PATH=$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} LD_PRELOAD=$LIB/libnvrtc.so.13
-got=$(python -c "from cuda.bindings import nvrtc; r = nvrtc.nvrtcVersion(); print(f'{r[1]}.{r[2]}')")
+got=$(python -c "from portattn.backends.cupy import sm90a; print('.'.join(map(str, sm90a.nvrtc_binding().version())))")
 if [[ $got != "${VER%.*}" ]]; then
   echo "NVRTC $got loaded where ${VER%.*} was asked for: the check would not test the H200's compiler" >&2
   exit 1
