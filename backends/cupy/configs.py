@@ -240,6 +240,11 @@ WGMMA_BWD_FUSED_DQ_SPILL_BYTES = {128: 8}
 #: the consumers on 224 / 240 (at HD 128 a few loop-invariant values spill). NVRTC 13.0 (the
 #: H200's): none at HD 64, 92-120 bytes at HD 128; NVRTC 13.5 none and 112-176 (timed with them).
 WGMMA_BWD_WS_SPILL_BYTES = 256
+#: Bytes of spill (stores, loads, stack) the split dK/dV kernel (padded head dims > 128, one
+#: warpgroup per output) may have with its 64-row query tiles: 255 registers and 4 bytes of spill
+#: (8 of stack) under NVRTC 13.0 (the H200's), none under 13.5. EXPERIMENT (branch exp/hd256-bm64):
+#: 64-row tiles at HD 256, not yet run on a GPU.
+WGMMA_BWD_SPLIT_SPILL_BYTES = 8
 #: Environment switch of the 16-bit wgmma backward's dQ when determinism is not requested (read at
 #: call time by :func:`fused_dq_choice`): ``auto`` (default, also unset/empty) = the fused atomic
 #: dQ at :data:`WGMMA_BWD_FUSED_DQ_AUTO_HEAD_DIMS` by :data:`WGMMA_BWD_FUSED_DQ_AUTO_ROLE`, the dQ
@@ -287,10 +292,11 @@ def wgmma_bwd_tile(hd: int, role: str, two_cta: bool = False) -> tuple[int, int]
     two-CTA tiles of :data:`WGMMA_BWD_TWO_CTA_CAPABLE` (32 rows / 32 keys).
 
     ``dkdv``: (BLOCK_M, NWG): the CTA owns 64 keys per warpgroup (two: 128 keys; at HD 256 both
-    share 64 keys, :func:`wgmma_bwd_keys`) and walks query tiles of BLOCK_M rows: 64 up to HD 128
-    (S^T and dP^T: 32 + 32 floats per thread beside dK + dV's HD), 32 at 256 (16 + 16 beside dK's
-    or dV's 128: with 64-row tiles NVRTC 13.0's ptxas spills there, 13.5's does not). K, V and the
-    double-buffered Q / dO: 67 KB at HD 64, 133 KB at HD 128, 129 KB at 256 (one CTA per SM).
+    share 64 keys, :func:`wgmma_bwd_keys`) and walks query tiles of BLOCK_M rows: 64 (S^T and dP^T: 32 + 32 floats per thread beside dK + dV's
+    HD, or at HD 256 beside dK's or dV's 128: 255 registers there, and 4 bytes of spill under
+    NVRTC 13.0, :data:`WGMMA_BWD_SPLIT_SPILL_BYTES`; EXPERIMENT, branch exp/hd256-bm64: the tree's
+    main has 32-row tiles at HD 256, twice as many wgmma k-steps of half the width). K, V and the
+    double-buffered Q / dO: 67 KB at HD 64, 133 KB at HD 128, 194 KB at 256 (one CTA per SM).
     ``dq``: (BLOCK_N, NWG): 64 rows per warpgroup (two: 128 rows) against key tiles of 128 keys
     at HD 64, 64 keys at HD 128 and 32 keys at 256 (S and dP: BLOCK_N / 2 floats each
     beside dQ's HD / 2); 99 / 129 / 193 KB. Chosen from registers and shared memory."""
@@ -299,7 +305,7 @@ def wgmma_bwd_tile(hd: int, role: str, two_cta: bool = False) -> tuple[int, int]
             raise ValueError(f"two-CTA wgmma backward tiles at padded head dim {hd}: only at {WGMMA_BWD_TWO_CTA_CAPABLE}")
         return (32, 2)
     if role.startswith("dkdv"):
-        return (32, 2) if hd > 128 else (64, 2)
+        return (64, 2)
     return (128, 2) if hd <= 64 else (64, 2) if hd <= 128 else (32, 2)
 
 
