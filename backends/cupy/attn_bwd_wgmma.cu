@@ -33,7 +33,7 @@
 //   warpgroup 0 issues S^T and accumulates dV, warpgroup 1 issues S^T and dP^T and accumulates dK
 //   (five products per tile pair instead of four: S^T twice; each warpgroup holds 128
 //   accumulators, as one of HD 128), against 64-row query tiles as below (configs.wgmma_bwd_tile:
-//   255 registers; 32-row tiles ran 1.09-1.24 x slower); the serial walk only.
+//   255 registers; 32-row tiles ran 1.13-1.22 x slower); the serial walk only.
 // attn_bwd_dq_wgmma<T, HD, BN, NWG>  one CTA of NWG warpgroups per (64 NWG query rows, head,
 //   batch); warpgroup w owns rows 64w ... 64w + 63 (as the forward); Q and dO stay in shared
 //   memory, each thread keeps its two rows' lse log2 e and delta in registers, and the visible

@@ -243,8 +243,8 @@ WGMMA_BWD_WS_SPILL_BYTES = 256
 #: Bytes of spill (stores, loads, stack) the split dK/dV kernel (padded head dims > 128, one
 #: warpgroup per output) may have with its 64-row query tiles: 255 registers and 4 bytes of spill
 #: (8 of stack) under NVRTC 13.0 (the GPU image's), none under 13.5. With 32-row tiles it had none,
-#: but ran 1.09-1.24 x slower (H100, 2026-12-05, tools/cupy_wgmma_bwd_check.py: D 256 backward
-#: 1.09-1.18 x FA2 with 64-row tiles against 0.93-0.97 x with 32; Nsight Compute, S 4k: the dK/dV
+#: but ran 1.13-1.22 x slower (H100, 2026-12-05, tools/cupy_wgmma_bwd_check.py: D 256 backward
+#: 1.09-1.18 x FA2 with 64-row tiles against 0.90-1.01 x with 32, in one call; Nsight Compute, S 4k: the dK/dV
 #: kernel 2.63 ms against 3.66).
 WGMMA_BWD_SPLIT_SPILL_BYTES = 8
 #: Environment switch of the 16-bit wgmma backward's dQ when determinism is not requested (read at
@@ -297,7 +297,7 @@ def wgmma_bwd_tile(hd: int, role: str, two_cta: bool = False) -> tuple[int, int]
     share 64 keys, :func:`wgmma_bwd_keys`) and walks query tiles of BLOCK_M = 64 rows (S^T and
     dP^T: 32 + 32 floats per thread beside dK + dV's HD, or at HD 256 beside dK's or dV's 128: 255
     registers there and 4 bytes of spill under NVRTC 13.0, :data:`WGMMA_BWD_SPLIT_SPILL_BYTES`;
-    32-row tiles there, half the width per product, ran 1.09-1.24 x slower). K, V and the
+    32-row tiles there, half the width per product, ran 1.13-1.22 x slower). K, V and the
     double-buffered Q / dO: 67 KB at HD 64, 133 KB at HD 128, 194 KB at 256 (one CTA per SM).
     ``dq``: (BLOCK_N, NWG): 64 rows per warpgroup (two: 128 rows) against key tiles of 128 keys
     at HD 64, 64 keys at HD 128 and 32 keys at 256 (S and dP: BLOCK_N / 2 floats each
