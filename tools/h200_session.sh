@@ -46,21 +46,19 @@
 #
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls; export PYTHONPATH=$PWD for
-# tools run outside this script):
-#   TESTS_WORKERS=4 bash tools/h200_session.sh cupybwd tests:cupy   # main's cupy backward with the preprocess's
-#                                        # 16-byte reads (2026-12-05's check ran HD 256's P^T hand-over, not landed);
-#                                        # then any kernel change of the session beside it (its GPU tests first)
-#   git checkout exp/hd256-bm64 && CUPYBWD_ARGS=--no-tests bash tools/h200_session.sh cupybwd   # HD 256's split
-#                                        # dK/dV with 64-row query tiles (one commit on main; checked on the CPU
-#                                        # only, under NVRTC 13.0 too): if its D 256 rows beat main's, merge it,
-#                                        # then tests:cupy and catalogue:cupy on it; otherwise drop the branch
-#   git checkout exp/hd256-handover-bm64 && CUPYBWD_ARGS=--no-tests bash tools/h200_session.sh cupybwd   # the
-#                                        # same with warpgroup 0 handing P^T to warpgroup 1 (no spill under 13.0);
-#                                        # its base is main at 4612c29 (tried/hd256-handover + one commit)
-#   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> bash tools/h200_session.sh warm bench   # the grid on
-#                                        # main's kernels (2026-12-05's D 256 cupy backward column is the hand-over)
-#   RERUN=1 PREV=benchmarks/results/conformance-h200.json CUPY_SHARDS=4 bash tools/h200_session.sh catalogue:cupy
-#                                        # the catalogue for the backends whose kernels change
+# tools run outside this script). The device tool lends an H100 or an H200 (either, call by call):
+# time a change against main in the same call (tools/ab_session.sh), and keep the results files of
+# the card they ran on (benchmarks/results/*-h200.* for the H200).
+#   bash tools/ab_session.sh --prepare exp/hd256-dq-bn64   # here, then on the device with carry [".exp"]:
+#   CUPYBWD_ARGS= NCU_BACKEND=cupy bash tools/ab_session.sh cupybwd ncu:256   # HD 256's dQ with 64-key
+#                                        # tiles and one V buffer (3a4f936, CPU-checked: 252 registers, no
+#                                        # spill under NVRTC 13.0 / 13.5; the HD 64/128 dQ SASS unchanged)
+#                                        # against main: if its D 256 rows beat main's in both branch runs,
+#                                        # merge it, then the two calls below on main; else drop the branch
+#   TESTS_WORKERS=4 CUPY_SHARDS=4 NCU_BACKEND=cupy bash tools/h200_session.sh par:tests:cupy par:catalogue:cupy ncu:64,128,256
+#                                        # (catalogue: then merge its shards over the committed report with
+#                                        # tools/merge_shards.py --prev, replacing cupy's results)
+#   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> bash tools/h200_session.sh warm bench   # the grid
 #   TESTS_WORKERS=10 bash tools/h200_session.sh par:tests:gpu   # the whole GPU set takes two calls from a cold
 #                                        # cache (2026-12-04: 530 s reached 62 % with 5 workers); split by file
 # and e.g. after a partial catalogue:
