@@ -247,6 +247,7 @@ def test_two_cta_forward_fits_two_ctas_per_sm(tmp_path):
 
 
 @needs_nvrtc
+@pytest.mark.sm90a_compile
 def test_sm90a_module_compiles_without_spills_and_uses_hgmma(tmp_path):
     names = [configs.KernelConfig("fwd_wgmma", "bfloat16", 128).kernel_names()["plain"],
              configs.KernelConfig("fwd_wgmma", "float16", 256, tile=(64, 2, 0)).kernel_names()["plain"],

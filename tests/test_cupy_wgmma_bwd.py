@@ -473,6 +473,7 @@ def _expected_hgmma(name: str) -> int:
 
 
 @needs_nvrtc
+@pytest.mark.sm90a_compile
 def test_wgmma_backward_compiles_without_spills_and_uses_hgmma(tmp_path):
     names = _bwd_wgmma_names()
     fused = _fused_dq_names()
@@ -724,6 +725,7 @@ def test_ws_kernel_protocol_in_the_source():
 
 
 @needs_nvrtc
+@pytest.mark.sm90a_compile
 def test_ws_kernels_compile_within_their_spill_allowance_and_keep_the_chains(tmp_path):
     """Every warp-specialized kernel compiles for sm_90a (no wgmma serialised), within
     WGMMA_BWD_WS_SPILL_BYTES, with the register split in its SASS (USETMAXREG) and HGMMA only; in
