@@ -504,7 +504,8 @@ def report(res: dict) -> str:
                                                                                    else "")]
     if res.get("opt_in_spills"):
         L.append(f"(allowed: spills in {res['opt_in_spills']}: <= 8 bytes in the opt-in overlapped walk's and the "
-                 f"fused dQ's at HD 128, <= {_configs.WGMMA_BWD_WS_SPILL_BYTES} in the warp-specialized one)")
+                 f"fused dQ's at HD 128, <= {_configs.WGMMA_BWD_SPLIT_SPILL_BYTES} in HD 256's split dK/dV, "
+                 f"<= {_configs.WGMMA_BWD_WS_SPILL_BYTES} in the warp-specialized one)")
     other = [r["other_walk_bit_identical"] for r in (ch or {}).get("rows", []) if "other_walk_bit_identical" in r]
     L.append(f"the other walk ({OTHER_WALK_NAME}): "
              + ("NOT RUN" if not other else "PASS (the same bits in every check)" if all(other)
