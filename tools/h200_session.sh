@@ -51,7 +51,7 @@
 # the card they ran on (benchmarks/results/*-h200.* for the H200).
 #   bash tools/ab_session.sh --prepare exp/hd256-dq-bn64   # here, then on the device with carry [".exp"]:
 #   CUPYBWD_ARGS= NCU_BACKEND=cupy bash tools/ab_session.sh cupybwd ncu:256   # HD 256's dQ with 64-key
-#                                        # tiles and one V buffer (3a4f936, CPU-checked: 252 registers, no
+#                                        # tiles and one V buffer (one commit on main, CPU-checked: 252 registers, no
 #                                        # spill under NVRTC 13.0 / 13.5; the HD 64/128 dQ SASS unchanged)
 #                                        # against main: if its D 256 rows beat main's in both branch runs,
 #                                        # merge it, then the two calls below on main; else drop the branch
