@@ -30,7 +30,8 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ti
 
 def session(tmp_path, *steps, dry=True, **env):
     """Run the script from the repository root with OUT and the work dir under tmp_path."""
-    full = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "PY": sys.executable, **env}
+    full = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "PY": sys.executable,
+            "GPU_TAG": "h200", **env}   # the report names of an H200 unless a test asks otherwise
     full.pop("DRY_RUN", None)
     if dry:
         full["DRY_RUN"] = "1"
@@ -277,3 +278,30 @@ def test_merge_shards_carries_an_older_catalogue_forward_only_when_its_cases_are
     with pytest.raises(ValueError, match="cannot be carried"):
         merge_shards.merge(str(d), prev=str(prev))
     assert merge_shards.main([str(d), "--out", str(tmp_path / "m.json"), "--prev", str(prev)]) == 2
+
+
+def test_report_files_take_the_card_name(tmp_path):
+    """GPU_TAG (or, unset, the card nvidia-smi names) names the merged catalogue, the KV-cache
+    report and the fastest grid's files, so an H100 call does not write H200 reports."""
+    p = session(tmp_path / "set", "catalogue:cupy", "kvcache", "fastest:training", GPU_TAG="h100")
+    assert p.returncode == 0, p.stderr
+    merge = [line for line in p.stdout.splitlines() if line.startswith("+ ") and "tools/merge_shards.py" in line]
+    assert merge and all("/conformance-h100.json" in line and "conformance-h200" not in line for line in merge)
+    # the shard plan takes the per-case seconds of the H200's report while the H100 has none
+    assert "--seconds-from benchmarks/results/conformance-h200.json" in p.stdout
+    assert "conformance-kvcache-h100.json" in p.stdout
+    (cmd,) = [c for c in commands(p.stdout) if c[1:3] == [sys.executable, "benchmarks/bench_fastest.py"]]
+    assert cmd[cmd.index("--tag") + 1] == "h100-training"
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{fake}:{os.environ['PATH']}", "GPU_TAG": ""}
+    p = session(tmp_path / "smi", "fastest", **env)
+    assert p.returncode == 0, p.stderr
+    (cmd,) = [c for c in commands(p.stdout) if c[1:3] == [sys.executable, "benchmarks/bench_fastest.py"]]
+    assert cmd[cmd.index("--tag") + 1] == "h100"
+    (fake / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")   # no card answers: the H200's names
+    p = session(tmp_path / "none", "fastest", **env)
+    (cmd,) = [c for c in commands(p.stdout) if c[1:3] == [sys.executable, "benchmarks/bench_fastest.py"]]
+    assert cmd[cmd.index("--tag") + 1] == "h200"

@@ -28,7 +28,7 @@ if [[ ${1:-} == --prepare ]]; then
   # what the runs do not read: the docs and the results (but the catalogue's per-case seconds)
   rm -rf "$EXP/docs" "$EXP/benchmarks/results"
   mkdir -p "$EXP/benchmarks/results"
-  cp benchmarks/results/conformance-h200.json "$EXP/benchmarks/results/" 2> /dev/null
+  cp benchmarks/results/conformance-h[0-9]*.json "$EXP/benchmarks/results/" 2> /dev/null
   echo "$branch ($(git rev-parse --short "$branch")) in $EXP: $(du -sh "$EXP" | cut -f1); call with carry [\".exp\"]"
   exit 0
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call of the H200 device tool (one shell command, at most 600 s, at most 8 files back from
 # $OUT): the steps named on the command line, in that order, then everything packed into
-# $OUT/results.tgz, $OUT/summary.txt and $OUT/env.txt (and $OUT/conformance-h200.json).
+# $OUT/results.tgz, $OUT/summary.txt and $OUT/env.txt (and $OUT/conformance-<GPU_TAG>.json: h200, h100...).
 #
 #   bash tools/h200_session.sh STEP[:ARG] ...           # one step after the other
 #   bash tools/h200_session.sh par:STEP par:STEP STEP   # consecutive par: steps run side by side
@@ -73,7 +73,14 @@ OUT=${OUT:-/tmp/portattn-out}
 PY=${PY:-python3}
 DEADLINE_S=${DEADLINE_S:-560}
 DRY_RUN=${DRY_RUN:-}
-TIMES=${TIMES:-benchmarks/results/conformance-h200.json}   # per-case seconds for the shard plan
+# the card's short name in the report files (conformance-TAG.json, ...): the device tool lends an
+# H100 or an H200, call by call; GPU_TAG overrides it, and h200 stands in where no GPU answers
+GPU_TAG=${GPU_TAG:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
+                     | grep -oiE '[abhl][0-9]{2,3}[a-z]?' | head -1 | tr '[:upper:]' '[:lower:]')}
+GPU_TAG=${GPU_TAG:-h200}
+# per-case seconds for the shard plan: this card's report, else the H200's
+TIMES=${TIMES:-$( [[ -f benchmarks/results/conformance-$GPU_TAG.json ]] && echo "benchmarks/results/conformance-$GPU_TAG.json" \
+                  || echo benchmarks/results/conformance-h200.json)}
 T0=$(date +%s)
 
 STEPS="catalogue tests warm atomicdiag kvcache properties fastest bench decode overhead gluon gluonbwd cupywgmma cupybwd cupyfwd sweep ncu"
@@ -227,12 +234,12 @@ step_catalogue() {
     done < "$shards/plan-$b.txt"
   done
   wait
-  merge=(tools/merge_shards.py "$shards" --out "$dir/conformance-h200.json" ${PREV:+--prev "$PREV"})
-  if [[ -n $DRY_RUN ]]; then echo "+ $PY $(quote "${merge[@]}") && cp $dir/conformance-h200.json $OUT/"; return 0; fi
+  merge=(tools/merge_shards.py "$shards" --out "$dir/conformance-$GPU_TAG.json" ${PREV:+--prev "$PREV"})
+  if [[ -n $DRY_RUN ]]; then echo "+ $PY $(quote "${merge[@]}") && cp $dir/conformance-$GPU_TAG.json $OUT/"; return 0; fi
   sort -V "$shards/rc.txt" 2>/dev/null
   "$PY" "${merge[@]}" > "$dir/conformance.txt" 2>&1
   rc=$?
-  [[ -f $dir/conformance-h200.json ]] && cp "$dir/conformance-h200.json" "$OUT/"
+  [[ -f $dir/conformance-$GPU_TAG.json ]] && cp "$dir/conformance-$GPU_TAG.json" "$OUT/"
   grep -v "^KNOWN" "$dir/conformance.txt" | tail -30
   headline "$(tail -1 "$dir/conformance.txt")"
   return "$rc"
@@ -294,7 +301,7 @@ step_kvcache() {
   local dir=$1 lim rc
   lim=$(limit "${KVCACHE_LIMIT:-200}")
   x "$dir/conformance_kvcache.txt" "$lim" "$PY" -m portattn.conformance.kvcache --devices cuda \
-      --backends "${KVCACHE_BACKENDS:-triton,sdpa,reference}" --json "$dir/conformance-kvcache-h200.json"
+      --backends "${KVCACHE_BACKENDS:-triton,sdpa,reference}" --json "$dir/conformance-kvcache-$GPU_TAG.json"
   rc=$?
   show "$dir/conformance_kvcache.txt" 8
   return "$rc"
@@ -311,15 +318,15 @@ step_properties() {
 }
 
 step_fastest() {
-  local dir=$1 lim which=${2:-${CELLS:-}} what=(--full) tag=h200 cells extra rc
+  local dir=$1 lim which=${2:-${CELLS:-}} what=(--full) tag=$GPU_TAG cells extra rc
   lim=$(limit "${FASTEST_LIMIT:-480}")
   if [[ $which == quick ]]; then
     what=(--quick)
   elif [[ $which == inference || $which == training ]]; then
-    what=(--full --part "$which") tag=h200-$which
+    what=(--full --part "$which") tag=$GPU_TAG-$which
   elif [[ -n $which ]]; then
     IFS=, read -ra cells <<< "$which"
-    what=(--cells "${cells[@]}") tag=h200-cells
+    what=(--cells "${cells[@]}") tag=$GPU_TAG-cells
   fi
   read -ra extra <<< "${FASTEST_ARGS:-}"
   x "$dir/fastest.txt" "$lim" "$PY" benchmarks/bench_fastest.py "${what[@]}" --out "$dir" --tag "$tag" \
@@ -467,11 +474,12 @@ FINAL=()
 
 # the environment: GPU, driver, clocks, versions and every backend's availability, the PORTATTN_* set
 if [[ -n $DRY_RUN ]]; then
-  echo "+ nvidia-smi ...; $PY -m portattn.cli info  (DRY_RUN: $*)" > "$OUT/env.txt"
+  echo "+ nvidia-smi ...; $PY -m portattn.cli info  (DRY_RUN: $*; GPU_TAG=$GPU_TAG)" > "$OUT/env.txt"
 else
   { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv
     timeout 90 "$PY" -m portattn.cli info
     env | grep "^PORTATTN_" || echo "no PORTATTN_* variables set"
+    echo "GPU_TAG=$GPU_TAG (the report files' card name)"
   } > "$OUT/env.txt" 2>&1
   tail -12 "$OUT/env.txt"
 fi
