@@ -47,14 +47,18 @@
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls; export PYTHONPATH=$PWD for
 # tools run outside this script). The device tool lends an H100 or an H200 (either, call by call):
-# time a change against main in the same call (tools/ab_session.sh), and keep the results files of
-# the card they ran on (benchmarks/results/*-h200.* for the H200).
-#   bash tools/ab_session.sh --prepare exp/hd256-dq-bn64   # here, then on the device with carry [".exp"]:
-#   CUPYBWD_ARGS= NCU_BACKEND=cupy bash tools/ab_session.sh cupybwd ncu:256   # HD 256's dQ with 64-key
-#                                        # tiles and one V buffer (one commit on main, CPU-checked: 252 registers, no
-#                                        # spill under NVRTC 13.0 / 13.5; the HD 64/128 dQ SASS unchanged)
-#                                        # against main: if its D 256 rows beat main's in both branch runs,
-#                                        # merge it, then the two calls below on main; else drop the branch
+# time a change against main in the same call (tools/ab_session.sh); the report files carry the
+# card's name (GPU_TAG), so an H100's results sit beside the H200's in benchmarks/results/.
+#   bash tools/ab_session.sh --prepare exp/cupy-bwd-next   # here, then on the device with carry [".exp"]:
+#   CUPYBWD_ARGS= NCU_BACKEND=cupy bash tools/ab_session.sh cupybwd ncu:64,256   # two CPU-checked cupy
+#                                        # backward changes against main, each in its own kernels (the branch
+#                                        # is main + exp/hd256-dq-bn64 + exp/ws-d64-own-dq): HD 256's dQ with
+#                                        # 64-key tiles and one V buffer (252 registers, no spill under NVRTC
+#                                        # 13.0 / 13.5) shows in the D 256 rows; HD 64's warp-specialized
+#                                        # kernel with each consumer's dQ over its own keys (no shared per-tile
+#                                        # barrier, twice the atomics; 168 registers) in the D 64 `ws` column.
+#                                        # Land (cherry-pick) each one whose rows beat main's in both branch
+#                                        # runs, then the two calls below on main; drop the others
 #   TESTS_WORKERS=4 CUPY_SHARDS=4 NCU_BACKEND=cupy bash tools/h200_session.sh par:tests:cupy par:catalogue:cupy ncu:64,128,256
 #                                        # (catalogue: then merge its shards over the committed report with
 #                                        # tools/merge_shards.py --prev, replacing cupy's results)
