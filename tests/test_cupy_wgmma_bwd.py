@@ -501,7 +501,7 @@ def test_wgmma_backward_compiles_without_spills_and_uses_hgmma(tmp_path):
                    and c.head_dim in configs.WGMMA_BWD_FUSED_DQ_SPILL_BYTES}
     assert set(fused_spill) <= fused
     # the split dK/dV (HD > 128, 64-row tiles): 4 bytes under NVRTC 13.0 (WGMMA_BWD_SPLIT_SPILL_BYTES)
-    split = {c.kernel_names()["dkdv"] for c in configs.wgmma_configs() if c.family == "bwd_wgmma" and c.head_dim > 128}
+    split = configs.wgmma_bwd_split_names()
     spill_ok = lambda n: (old_nvrtc and n in opt_in | split) or n in fused_spill  # noqa: E731
     _, lowered, reports = _compile_90a_without_spills(names, cubin, spill_ok=spill_ok)
     for r in reports:   # the fused dK/dV's own allowance and the split dK/dV's (the helper allows 8)

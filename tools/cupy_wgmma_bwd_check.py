@@ -428,8 +428,7 @@ def verdict(res: dict) -> None:
     opt_in |= {cfg.kernel_names()["dkdv_dq"] for cfg in _configs.wgmma_configs() if cfg.has_fused_dq
                and cfg.head_dim in _configs.WGMMA_BWD_FUSED_DQ_SPILL_BYTES}
     # ... and the split dK/dV (HD > 128, 64-row tiles) up to configs.WGMMA_BWD_SPLIT_SPILL_BYTES
-    split = {cfg.kernel_names()["dkdv"] for cfg in _configs.wgmma_configs() if cfg.family == "bwd_wgmma"
-             and cfg.head_dim > 128}
+    split = _configs.wgmma_bwd_split_names()
     # ... and the warp-specialized ones up to configs.WGMMA_BWD_WS_SPILL_BYTES (their producer runs
     # on 24 / 56 registers; at HD 128 the consumers on 240)
     ws = {cfg.kernel_names()[role] for cfg in _configs.wgmma_configs() if cfg.has_fused_dq

@@ -372,6 +372,12 @@ def fused_dq_choice(cfg: KernelConfig, deterministic: bool, mode: str | None = N
                   + how[fused_dq_role(mode)])
 
 
+def wgmma_bwd_split_names() -> set[str]:
+    """The split dK/dV kernels (padded head dims over 128, where :func:`wgmma_bwd_keys` has both
+    warpgroups share 64 keys), whose spill :data:`WGMMA_BWD_SPLIT_SPILL_BYTES` bounds."""
+    return {c.kernel_names()["dkdv"] for c in wgmma_configs() if c.family == "bwd_wgmma" and c.head_dim > 128}
+
+
 def wgmma_bwd_keys(hd: int) -> int:
     """Keys one dK/dV CTA of the wgmma backward owns: 64 per warpgroup, or 64 in all at HD 256
     (one warpgroup accumulates dV, the other dK)."""
