@@ -1,8 +1,10 @@
 """Does a Triton kernel refactor change the machine code? Compile the portability cases of some
 kernels in this tree and in a base git revision, and compare their assembly (no GPU needed).
+``gluon_fwd`` / ``gluon_bwd`` stand for every variant of the Hopper Gluon kernels (sm_90 only).
 
     python tools/same_code.py --base HEAD~1 --kernels decode_split
     python tools/same_code.py --base main --kernels attn_fwd --targets sm_90 sm_80 --quick
+    python tools/same_code.py --base main --kernels gluon_fwd gluon_bwd --targets sm_90
 
 A refactor that only moves code (a helper instead of copies) must compile to the same
 instructions; when it does for every case, the earlier GPU runs still describe it and it needs
@@ -34,6 +36,32 @@ from portattn.backends.triton import portability as p, kernels, decode
 
 kernels_wanted, targets, quick = json.loads(sys.argv[1])
 out = {}
+
+def gluon(key, compile_one):
+    try:
+        out[key] = ["ok", compile_one().asm["ptx"]]
+    except Exception as exc:
+        out[key] = ["error", f"{type(exc).__name__}: {exc}"[:200]]
+
+if "gluon_fwd" in kernels_wanted and "sm_90" in targets:   # every variant the host can launch
+    from portattn.backends.triton import gluon_fwd as gf
+    for d in gf.HEAD_DIMS:
+        for causal, br in ((False, True), (True, True), (True, False)):
+            for pp in (False, True):
+                for res in (False, True):
+                    for pers in (False, True) if d in gf.PERSISTENT_HEAD_DIMS else (False,):
+                        gluon(f"gluon_fwd d{d} causal={causal} bottom_right={br} pingpong={pp} residual={res} "
+                              f"persistent={pers} sm_90",
+                              lambda: gf.compile_for(d, causal=causal, pingpong=pp, residual=res,
+                                                     persistent=pers, bottom_right=br))
+if "gluon_bwd" in kernels_wanted and "sm_90" in targets:
+    from portattn.backends.triton import gluon_bwd as gb
+    for d in gb.HEAD_DIMS:
+        for kernel in gb.kernels_for(d):
+            for causal in (False, True):
+                for gqa in (False, True) if kernel != "dq" else (False,):
+                    gluon(f"gluon_bwd {kernel} d{d} causal={causal} gqa={gqa} sm_90",
+                          lambda: gb.compile_for(kernel, d, causal=causal, gqa=gqa))
 for case in p.cases(quick=quick):
     if case.kernel not in kernels_wanted or str(case.target) not in targets:
         continue
@@ -108,7 +136,7 @@ def _compile_in(tree: str, kernels: list[str], targets: list[str], quick: bool, 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="the git revision to compare against (e.g. HEAD~1, main)")
-    ap.add_argument("--kernels", nargs="+", required=True, help="kernel names (attn_fwd, decode_split, ...)")
+    ap.add_argument("--kernels", nargs="+", required=True, help="kernel names (attn_fwd, decode_split, ...; gluon_fwd, gluon_bwd: every Gluon variant)")
     ap.add_argument("--targets", nargs="+", default=["sm_80", "sm_90", "gfx90a", "gfx942"])
     ap.add_argument("--quick", action="store_true", help="the portability check's quick cases only")
     ap.add_argument("--ignore-params", action="store_true",
