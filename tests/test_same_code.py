@@ -79,3 +79,44 @@ def test_ignore_params_compares_the_code_of_a_kernel_that_gained_an_argument():
     moved = amd.replace("0xcc", "0xe0").replace("200", "208").replace(".offset: 8", ".offset: 16")
     assert same.normalized(moved) != same.normalized(amd)
     assert same.normalized(moved, ignore_params=True) == same.normalized(amd, ignore_params=True)
+
+
+def test_gluon_names_compile_every_gluon_variant(monkeypatch, capsys):
+    """``--kernels gluon_fwd gluon_bwd`` (sm_90): the worker compiles every forward variant the host
+    launches (head dim x causal alignment x ping-pong x residual x persistent where it exists) and
+    every backward launch (x causal x GQA walk for dK/dV), and reports a compile error as a row
+    (compilers stubbed: this checks the enumeration, not triton)."""
+    import json
+    import sys
+    import types
+
+    from portattn.backends.triton import gluon_bwd, gluon_fwd
+    calls = []
+
+    def fwd(d, causal=False, pingpong=None, residual=False, persistent=False, bottom_right=True):
+        calls.append(("fwd", d, causal, bottom_right, pingpong, residual, persistent))
+        if d == 256 and residual and causal:
+            raise RuntimeError("no room")
+        return types.SimpleNamespace(asm={"ptx": f"ptx {calls[-1]}"})
+
+    def bwd(kernel, d, causal=False, gqa=False):
+        calls.append(("bwd", kernel, d, causal, gqa))
+        return types.SimpleNamespace(asm={"ptx": "ptx"})
+
+    monkeypatch.setattr(gluon_fwd, "compile_for", fwd)
+    monkeypatch.setattr(gluon_bwd, "compile_for", bwd)
+    monkeypatch.setattr(sys, "argv", ["worker", json.dumps([["gluon_fwd", "gluon_bwd"], ["sm_90"], True])])
+    exec(same._WORKER, {"__name__": "worker"})
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    fwd_rows = [c for c in calls if c[0] == "fwd"]
+    expect = sum(3 * 2 * 2 * (2 if d in gluon_fwd.PERSISTENT_HEAD_DIMS else 1) for d in gluon_fwd.HEAD_DIMS)
+    assert len(fwd_rows) == len(set(fwd_rows)) == expect
+    assert {(c[2], c[3]) for c in fwd_rows} == {(False, True), (True, True), (True, False)}
+    assert {c[6] for c in fwd_rows if c[1] == 256} == {False}
+    bwd_rows = [c for c in calls if c[0] == "bwd"]
+    assert {(c[1], c[2]) for c in bwd_rows} == {(k, d) for d in gluon_bwd.HEAD_DIMS for k in gluon_bwd.kernels_for(d)}
+    assert all(not c[4] for c in bwd_rows if c[1] == "dq") and any(c[4] for c in bwd_rows)
+    assert len(out) == len(calls)
+    errors = [k for k, v in out.items() if v[0] == "error"]
+    assert errors and all("d256" in k and "causal=True" in k and "residual=True" in k for k in errors)
+    assert all(k.endswith(" sm_90") for k in out)
