@@ -50,8 +50,8 @@
 # time a change against main in the same call (tools/ab_session.sh); the report files carry the
 # card's name (GPU_TAG), so an H100's results sit beside the H200's in benchmarks/results/.
 #   bash tools/ab_session.sh --prepare exp/next   # here (exp/next = main + exp/cupy-bwd-next's two cupy
-#                                        # backward changes + exp/gluon-dynamic's two Gluon forward ones), then
-#                                        # on the device with carry [".exp"], two calls:
+#                                        # backward changes + exp/gluon-dynamic's two Gluon forward ones +
+#                                        # exp/gluon-bwd-atomic-dq), then on the device with carry [".exp"], two calls:
 #   CUPYBWD_ARGS= NCU_BACKEND=cupy bash tools/ab_session.sh cupybwd ncu:64,256   # the cupy changes against
 #                                        # main, each in its own kernels: HD 256's dQ with 64-key tiles and one
 #                                        # V buffer (252 registers, no spill under NVRTC 13.0 / 13.5) shows in
@@ -59,13 +59,16 @@
 #                                        # dQ over its own keys (no shared per-tile barrier, twice the atomics;
 #                                        # 168 registers) in the D 64 `ws` column. Land (cherry-pick) each one
 #                                        # whose rows beat main's in both branch runs; drop the others
-#   cd .exp/b && bash tools/h200_session.sh gluonvar   # the Gluon forward's experiments, each checked
-#                                        # against float64 in a child with a timeout, then timed beside the
-#                                        # defaults in the same process (no main run needed): three consumer
-#                                        # warpgroups at D 64 (FA3's 192-row tiles) and the persistent
-#                                        # variant's dynamic (atomic-counter) schedule at D 64/128 causal. Land
-#                                        # what beats the defaults, with auto rows from these timings; then
-#                                        # the gluon step and the triton catalogue shards on main
+#   cd .exp/b && GLUONBWD_ARGS="--quick --dq-atomic" bash tools/h200_session.sh gluonvar gluonbwd
+#                                        # the Triton experiments in the branch tree alone, each checked
+#                                        # against float64 in a child with a timeout and timed beside the
+#                                        # defaults in the same process (no main run needed): the Gluon
+#                                        # forward's three consumer warpgroups at D 64 (FA3's 192-row tiles)
+#                                        # and its persistent variant's dynamic (atomic-counter) schedule;
+#                                        # the Gluon backward's fused atomic dQ (`gluon_atomic` column, D 128
+#                                        # S 4k under --quick; drop --quick for every cell if time allows).
+#                                        # Land what beats the defaults (auto rows from these timings); then
+#                                        # the gluon / gluonbwd steps and the triton catalogue shards on main
 #   TESTS_WORKERS=4 CUPY_SHARDS=4 NCU_BACKEND=cupy bash tools/h200_session.sh par:tests:cupy par:catalogue:cupy ncu:64,128,256
 #                                        # (catalogue: then merge its shards over the committed report with
 #                                        # tools/merge_shards.py --prev, replacing cupy's results)
