@@ -37,11 +37,13 @@ from portattn.backends.triton import portability as p, kernels, decode
 kernels_wanted, targets, quick = json.loads(sys.argv[1])
 out = {}
 
-def gluon(key, compile_one):
+def record(key, compile_one):
     try:
-        out[key] = ["ok", compile_one().asm["ptx"]]
+        asm = compile_one().asm
     except Exception as exc:
         out[key] = ["error", f"{type(exc).__name__}: {exc}"[:200]]
+        return
+    out[key] = ["ok", asm.get("ptx") or asm.get("amdgcn", "")]
 
 if "gluon_fwd" in kernels_wanted and "sm_90" in targets:   # every variant the host can launch
     from portattn.backends.triton import gluon_fwd as gf
@@ -50,32 +52,27 @@ if "gluon_fwd" in kernels_wanted and "sm_90" in targets:   # every variant the h
             for pp in (False, True):
                 for res in (False, True):
                     for pers in (False, True) if d in gf.PERSISTENT_HEAD_DIMS else (False,):
-                        gluon(f"gluon_fwd d{d} causal={causal} bottom_right={br} pingpong={pp} residual={res} "
-                              f"persistent={pers} sm_90",
-                              lambda: gf.compile_for(d, causal=causal, pingpong=pp, residual=res,
-                                                     persistent=pers, bottom_right=br))
+                        record(f"gluon_fwd d{d} causal={causal} bottom_right={br} pingpong={pp} residual={res} "
+                               f"persistent={pers} sm_90",
+                               lambda: gf.compile_for(d, causal=causal, pingpong=pp, residual=res,
+                                                      persistent=pers, bottom_right=br))
 if "gluon_bwd" in kernels_wanted and "sm_90" in targets:
     from portattn.backends.triton import gluon_bwd as gb
     for d in gb.HEAD_DIMS:
         for kernel in gb.kernels_for(d):
             for causal in (False, True):
                 for gqa in (False, True) if kernel != "dq" else (False,):
-                    gluon(f"gluon_bwd {kernel} d{d} causal={causal} gqa={gqa} sm_90",
-                          lambda: gb.compile_for(kernel, d, causal=causal, gqa=gqa))
+                    record(f"gluon_bwd {kernel} d{d} causal={causal} gqa={gqa} sm_90",
+                           lambda: gb.compile_for(kernel, d, causal=causal, gqa=gqa))
 for case in p.cases(quick=quick):
     if case.kernel not in kernels_wanted or str(case.target) not in targets:
         continue
     mod = decode if case.kernel in p.DECODE_KERNELS else kernels
     fn = getattr(mod, case.kernel)
     sig = p._decode_signature(fn, case) if case.kernel in p.DECODE_KERNELS else p._signature(fn, case)
-    key = f"{case.kernel} {case.describe()} {case.target}"
-    try:
-        compiled = triton.compile(p._ast_source(fn, *sig), target=p._gpu_target(case.target),
-                                  options=case.config.launch_options())
-    except Exception as exc:
-        out[key] = ["error", f"{type(exc).__name__}: {exc}"[:200]]
-        continue
-    out[key] = ["ok", compiled.asm.get("ptx") or compiled.asm.get("amdgcn", "")]
+    record(f"{case.kernel} {case.describe()} {case.target}",
+           lambda: triton.compile(p._ast_source(fn, *sig), target=p._gpu_target(case.target),
+                                  options=case.config.launch_options()))
 print(json.dumps(out))
 """
 
