@@ -239,9 +239,10 @@ def test_shared_memory_carve_and_descriptors(role, hd, overlap, two_cta):
     dK/dV kernel's lse2 / delta floats) end within configs.KernelConfig.smem_bytes minus the 1 KB
     alignment slack, and every descriptor the kernel builds fits the PTX ISA bit fields — for both
     walks (``overlap``: three Q / dO and stats buffers in dK/dV, three K buffers in dQ), the
-    two-CTA tiles (``two_cta``: 32-row query tiles in dK/dV, 32-key tiles in dQ) and the fused-dQ
-    dK/dV (``dkdv_dq``: the serial walk's two buffers whatever the module's walk, then its dS^T
-    tile [keys x BM] before the stats; its dQ += dS K descriptors too)."""
+    two-CTA tiles (``two_cta``: 32-row query tiles in dK/dV, 32-key tiles in dQ), HD 256's dQ (one
+    V buffer beside two K buffers) and the fused-dQ dK/dV (``dkdv_dq``: the serial walk's two
+    buffers whatever the module's walk, then its dS^T tile [keys x BM] before the stats; its
+    dQ += dS K descriptors too)."""
     tile, nwg = configs.wgmma_bwd_tile(hd, role, two_cta)
     cfg = configs.KernelConfig("bwd_wgmma", "bfloat16", hd, tile=(int(overlap), int(two_cta)))
     assert role in cfg.kernel_names()
@@ -265,13 +266,15 @@ def test_shared_memory_carve_and_descriptors(role, hd, overlap, two_cta):
     else:
         env = _carve(DQ, {"HD": hd, "BN": tile, "NWG": nwg, "OVERLAP": overlap})
         assert env["KBUFS"] == len(bufs)
+        vbufs = range(1 if hd > 128 and tile > 32 else 2)   # HD 256's 64-key tiles: one V buffer
+        assert env["VBUFS"] == len(vbufs)
         regions = {"sQ": env["Q_BYTES"], "sdO": env["Q_BYTES"], "sK": len(bufs) * env["KV_BYTES"],
-                   "sV": 2 * env["KV_BYTES"]}
+                   "sV": len(vbufs) * env["KV_BYTES"]}
         stats = 0
         a_tiles = [env["sQ"] + wg * 64 * 128 for wg in range(nwg)] + [env["sdO"] + wg * 64 * 128 for wg in range(nwg)]
         a_rows, b_rows = env["BM"], tile
         k_tiles = [env["sK"] + b * env["KV_BYTES"] for b in bufs]
-        b_tiles = k_tiles + [env["sV"] + b * env["KV_BYTES"] for b in (0, 1)]
+        b_tiles = k_tiles + [env["sV"] + b * env["KV_BYTES"] for b in vbufs]
         pv_rows, pv_tiles = tile, k_tiles
     ordered = sorted(regions, key=lambda r: env[r])
     assert env[ordered[0]] == 0

@@ -21,7 +21,7 @@ SRC = configs.source(configs.WGMMA_SOURCE_FILES)
 
 
 def _c_expr(text: str) -> str:
-    return " ".join(text.split()).replace("(pa_u32)", "").replace("/", "//")
+    return " ".join(text.split()).replace("(pa_u32)", "").replace("/", "//").replace("&&", "and").replace("||", "or")
 
 
 def _sw128_offset(rows, r, col):

@@ -75,7 +75,9 @@ CHECK_CASES = [
     ("d128_mqa_long_dlse", 1, 1024, 1024, 8, 1, 128, 128, {"causal": True, "dlse": True}, "bfloat16"),
     ("d64_dlse_window_tl", 2, 200, 300, 4, 4, 64, 64, {"window": (30, 10), "causal_alignment": "top_left",
                                                        "dlse": True}, "bfloat16"),
-    # HD 256: one warpgroup accumulates dV, the other dK, of the same 64 keys; dQ against 32-key tiles
+    # HD 256: one warpgroup accumulates dV, the other dK, of the same 64 keys; dQ against 64-key
+    # tiles (one V buffer: windows and ragged ends make the two warpgroups skip different tiles
+    # around its CTA barrier)
     ("d256", 2, 257, 391, 4, 2, 256, 256, {}, "bfloat16"),
     ("d256_causal_br_sq_gt_sk", 1, 400, 300, 4, 4, 256, 256, {"causal": True}, "bfloat16"),
     ("d256_fp16_dv192_window", 1, 200, 260, 2, 1, 256, 192, {"window": (50, 10)}, "float16"),

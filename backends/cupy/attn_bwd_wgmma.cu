@@ -42,6 +42,9 @@
 //     in registers; dQ_w += dS K (wgmma_rs, B = K MN-major, wg_pv); dQ scaled and stored at the end.
 //   OVERLAP (opt-in, not yet timed): dQ += dS K of a tile stays in flight into the next tile, whose
 //   first wait_group 1 retires it; K then sits in three buffers (V in two).
+//   HD 256 with 64-key tiles (configs.wgmma_bwd_tile): Q, dO (128 KB) and two K buffers leave room
+//   for one V buffer (224 KB in all), so the next tile's V is loaded once every warpgroup's dP of
+//   this tile retired (a CTA barrier after step 4's first wait), behind P, dS and the dQ product.
 // Two CTAs per SM (configs.WGMMA_BWD_TWO_CTA_CAPABLE): at HD 64, 32-row query tiles in dK/dV and
 // 32-key tiles in dQ keep both kernels within 128 registers a thread, so __launch_bounds__ asks
 // for two CTAs there, one elsewhere.
@@ -378,16 +381,18 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
     constexpr int NT = 128 * NWG;
     constexpr int Q_BYTES = BM * HD * 2;       // the Q (or dO) tile
     constexpr int KV_BYTES = BN * HD * 2;      // one K (or V) buffer
-    constexpr int KBUFS = 2 + OVERLAP;         // K buffers (3 with OVERLAP; V: two)
+    constexpr int KBUFS = 2 + OVERLAP;         // K buffers (3 with OVERLAP)
+    constexpr int VBUFS = (HD > 128 && BN > 32) ? 1 : 2;   // V buffers: one where two would not fit
     static_assert(HD % 64 == 0 && HD <= 256, "HD: whole 64-column SW128 blocks, at most 256 (one wgmma N)");
     static_assert(BN % 32 == 0 && BN <= 256, "BN: whole 16-key k-steps and 8-row groups, at most 256 (one wgmma N)");
     static_assert(sizeof(T) == 2, "16-bit elements");
+    static_assert(VBUFS == 2 || !OVERLAP, "one V buffer: the serial walk only");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const pa_u32 raw = smem_addr(smem_raw), base = sw128_align(raw);
     const pa_u32 sQ = base;
     const pa_u32 sdO = sQ + Q_BYTES;
     const pa_u32 sK = sdO + Q_BYTES;           // [KBUFS][BN x HD]
-    const pa_u32 sV = sK + KBUFS * KV_BYTES;   // [2][BN x HD]
+    const pa_u32 sV = sK + KBUFS * KV_BYTES;   // [VBUFS][BN x HD]
 
     const WgLane w = wg_lane();
     const int tid = w.tid, wg = w.wg, wq = w.wq, g = w.g, t4 = w.t4;
@@ -416,43 +421,57 @@ attn_bwd_dq_wgmma(PA_COMMON_PARAMS, const T* __restrict__ dout, long long do_sb,
     }
 
     for (int n0 = n_first, it = 0; n0 < n_hi; n0 += BN, ++it) {
-        const int kb = it % KBUFS, vb = it & 1;
+        const int kb = it % KBUFS, vb = VBUFS == 2 ? (it & 1) : 0;
         // 1. tile n landed and is visible to wgmma; every warpgroup is done with the V buffer of
         //    tile n - BN and the K buffer of tile n + BN - KBUFS BN (whose dQ product the tile
-        //    before retired): tile n + BN prefetched into them.
+        //    before retired): tile n + BN prefetched into them (one V buffer: its V in step 4).
         cta_tiles_landed();
         if (n0 + BN < n_hi) {
             load_tile_sw128<T, BN, HD, NT>(sK + ((it + 1) % KBUFS) * KV_BYTES, cta.k_seq + (n0 + BN) * k_ss, k_ss,
                                            s.sk - (n0 + BN), head_dim, tid);
-            load_tile_sw128<T, BN, HD, NT>(sV + (vb ^ 1) * KV_BYTES, cta.v_seq + (n0 + BN) * v_ss, v_ss,
-                                           s.sk - (n0 + BN), head_dim_v, tid);
+            if (VBUFS == 2)
+                load_tile_sw128<T, BN, HD, NT>(sV + (vb ^ 1) * KV_BYTES, cta.v_seq + (n0 + BN) * v_ss, v_ss,
+                                               s.sk - (n0 + BN), head_dim_v, tid);
             cp_async_commit();
         }
-        if (!tile_any_visible(s, mw0, 64, n0, BN, win_left, win_right)) {   // uniform per warpgroup
+        const bool visible = tile_any_visible(s, mw0, 64, n0, BN, win_left, win_right);   // uniform per warpgroup
+        if (VBUFS == 2 && !visible) {
             if (OVERLAP) wgmma_wait<0>();      // the tile before's dQ, before its K buffer is refilled
             continue;
         }
         const pa_u32 sKb = sK + kb * KV_BYTES, sVb = sV + vb * KV_BYTES;
 
-        // 2. S = Q_w K^T and dP = dO_w V^T (64 rows x BN keys), two commit groups
-        if (!OVERLAP) {
-            zero_floats<BN / 2>(sc);
-            zero_floats<BN / 2>(dp);
+        if (visible) {
+            // 2. S = Q_w K^T and dP = dO_w V^T (64 rows x BN keys), two commit groups
+            if (!OVERLAP) {
+                zero_floats<BN / 2>(sc);
+                zero_floats<BN / 2>(dp);
+            }
+            wg_qk<T, HD, BM, BN>(sc, opaque_u32(sQw), sKb);
+            wg_qk<T, HD, BM, BN>(dp, opaque_u32(sdOw), sVb);
+
+            // 3. S landed (dP may still run; OVERLAP: the tile before's dQ too, so da is an
+            //    ordinary register again): P in place
+            wgmma_wait<1>();
+            wgmma_fence_acc<BN>(sc);
+            if (OVERLAP) fence_a_frags<BN / 16>(da);
+            const bool check = tile_needs_mask(s, mw0, 64, n0, BN, win_left, win_right);
+            wg_probs_rows<BN>(sc, lse2, check, s, i0, n0, t4, scale_log2, win_left, win_right);
+
+            // 4. dP landed (this warpgroup is done with V)
+            wgmma_wait<0>();
+            wgmma_fence_acc<BN>(dp);
         }
-        wg_qk<T, HD, BM, BN>(sc, opaque_u32(sQw), sKb);
-        wg_qk<T, HD, BM, BN>(dp, opaque_u32(sdOw), sVb);
-
-        // 3. S landed (dP may still run; OVERLAP: the tile before's dQ too, so da is an ordinary
-        //    register again): P in place
-        wgmma_wait<1>();
-        wgmma_fence_acc<BN>(sc);
-        if (OVERLAP) fence_a_frags<BN / 16>(da);
-        const bool check = tile_needs_mask(s, mw0, 64, n0, BN, win_left, win_right);
-        wg_probs_rows<BN>(sc, lse2, check, s, i0, n0, t4, scale_log2, win_left, win_right);
-
-        // 4. dP landed: dS in place, re-packed as A fragments; dQ_w += dS K (K read MN-major)
-        wgmma_wait<0>();
-        wgmma_fence_acc<BN>(dp);
+        if (VBUFS == 1) {   // every warpgroup is done with V: tile n + BN's V into its one buffer
+            __syncthreads();
+            if (n0 + BN < n_hi) {
+                load_tile_sw128<T, BN, HD, NT>(sV, cta.v_seq + (n0 + BN) * v_ss, v_ss, s.sk - (n0 + BN), head_dim_v,
+                                               tid);
+                cp_async_commit();
+            }
+            if (!visible) continue;
+        }
+        //    dS in place, re-packed as A fragments; dQ_w += dS K (K read MN-major)
         wg_dscores_rows<BN>(sc, dp, delta_r);
         acc_to_a_frags<T, BN>(da, dp);
         wg_pv<T, HD, BN>(dq_acc, da, sKb, OVERLAP ? acc_in : 1);

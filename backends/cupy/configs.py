@@ -300,15 +300,18 @@ def wgmma_bwd_tile(hd: int, role: str, two_cta: bool = False) -> tuple[int, int]
     32-row tiles there, half the width per product, ran 1.13-1.22 x slower). K, V and the
     double-buffered Q / dO: 67 KB at HD 64, 133 KB at HD 128, 194 KB at 256 (one CTA per SM).
     ``dq``: (BLOCK_N, NWG): 64 rows per warpgroup (two: 128 rows) against key tiles of 128 keys
-    at HD 64, 64 keys at HD 128 and 32 keys at 256 (S and dP: BLOCK_N / 2 floats each
-    beside dQ's HD / 2); 99 / 129 / 193 KB. Chosen from registers and shared memory."""
+    at HD 64 and 64 keys at HD 128 and 256 (S and dP: BLOCK_N / 2 floats each beside dQ's
+    HD / 2; 252 registers at 256); 99 / 129 / 225 KB (at HD 256 one V buffer, the next tile's V
+    loaded once the tile's dP products retired). Chosen from registers and shared memory.
+    EXPERIMENT (branch exp/hd256-dq-bn64): 64-key dQ tiles at HD 256, not yet run on a GPU; main
+    has 32-key tiles there (193 KB, K and V double-buffered)."""
     if two_cta:
         if hd not in WGMMA_BWD_TWO_CTA_CAPABLE:
             raise ValueError(f"two-CTA wgmma backward tiles at padded head dim {hd}: only at {WGMMA_BWD_TWO_CTA_CAPABLE}")
         return (32, 2)
     if role.startswith("dkdv"):
         return (64, 2)
-    return (128, 2) if hd <= 64 else (64, 2) if hd <= 128 else (32, 2)
+    return (128, 2) if hd <= 64 else (64, 2)
 
 
 def wgmma_bwd_other_walk(hd: int) -> tuple:
@@ -610,7 +613,8 @@ class KernelConfig:
                 keys = wgmma_bwd_keys(hd)
                 ds = keys * tile * 2 if role == "dkdv_dq" else 0
                 return 1024 + (2 * keys + 2 * bufs * tile) * hd * 2 + ds + 8 * bufs * tile
-            return 1024 + (2 * 64 * nwg + (bufs + 2) * tile) * hd * 2
+            vbufs = 1 if hd > 128 and tile > 32 else 2   # one V buffer where two would not fit
+            return 1024 + (2 * 64 * nwg + (bufs + vbufs) * tile) * hd * 2
         if self.family in WGMMA_FAMILIES:
             # 1 KB of slack: the kernel aligns its SW128 tiles to 1024 bytes; Q, then 2 x K, 2 x V
             # (the probe: Q of 64 rows, one K and one V; the warp-specialized kernel: 128 Q rows,
