@@ -49,29 +49,23 @@
 # tools run outside this script). The device tool lends an H100 or an H200 (either, call by call):
 # time a change against main in the same call (tools/ab_session.sh); the report files carry the
 # card's name (GPU_TAG), so an H100's results sit beside the H200's in benchmarks/results/.
-#   bash tools/ab_session.sh --prepare exp/next   # here (exp/next = main + exp/cupy-bwd-next's two cupy
-#                                        # backward changes + exp/gluon-dynamic's two Gluon forward ones +
-#                                        # exp/gluon-bwd-atomic-dq), then on the device with carry [".exp"], two calls:
-#   CUPYBWD_ARGS= NCU_BACKEND=cupy bash tools/ab_session.sh cupybwd ncu:64,256   # the cupy changes against
-#                                        # main, each in its own kernels: HD 256's dQ with 64-key tiles and one
-#                                        # V buffer (252 registers, no spill under NVRTC 13.0 / 13.5) shows in
-#                                        # the D 256 rows; HD 64's warp-specialized kernel with each consumer's
-#                                        # dQ over its own keys (no shared per-tile barrier, twice the atomics;
-#                                        # 168 registers) in the D 64 `ws` column. Land (cherry-pick) each one
-#                                        # whose rows beat main's in both branch runs; drop the others
-#   cd .exp/b && GLUONBWD_ARGS="--quick --dq-atomic" bash tools/h200_session.sh gluonvar gluonbwd
-#                                        # the Triton experiments in the branch tree alone, each checked
-#                                        # against float64 in a child with a timeout and timed beside the
-#                                        # defaults in the same process (no main run needed): the Gluon
+#   bash tools/ab_session.sh --prepare exp/next2  # here (exp/next2 = main + the two Gluon forward
+#                                        # experiments + gluon_variants_check.py), then on the device with
+#                                        # carry [".exp"]:
+#   cd .exp/b && bash tools/h200_session.sh gluonvar   # a whole call (GLUONVAR_LIMIT 520): the Gluon
 #                                        # forward's three consumer warpgroups at D 64 (FA3's 192-row tiles)
-#                                        # and its persistent variant's dynamic (atomic-counter) schedule;
-#                                        # the Gluon backward's fused atomic dQ (`gluon_atomic` column, D 128
-#                                        # S 4k under --quick; drop --quick for every cell if time allows).
-#                                        # Land what beats the defaults (auto rows from these timings); then
-#                                        # the gluon / gluonbwd steps and the triton catalogue shards on main
-#   TESTS_WORKERS=4 CUPY_SHARDS=4 NCU_BACKEND=cupy bash tools/h200_session.sh par:tests:cupy par:catalogue:cupy ncu:64,128,256
-#                                        # (catalogue: then merge its shards over the committed report with
-#                                        # tools/merge_shards.py --prev, replacing cupy's results)
+#                                        # and its persistent variant's dynamic (atomic-counter) schedule, each
+#                                        # checked against float64 in a child (240 s each: a new variant
+#                                        # compiles in 12-18 s there, so 2026-12-05's 120 s children were cut
+#                                        # short, not hung: the one-tile three-consumer checks passed) and timed
+#                                        # beside the defaults, portable, SDPA flash and cuDNN. Land what beats
+#                                        # the defaults (auto rows from these timings), then on main the gluon
+#                                        # step and the triton catalogue shards
+#   TESTS_WORKERS=6 CUPY_SHARDS=2 PREV=benchmarks/results/conformance-h200.json RERUN=1 \
+#     CASES='*d160* *d192* *d256*' NCU_BACKEND=cupy bash tools/h200_session.sh par:tests:cupy par:catalogue:cupy ncu:256
+#                                        # cupy's GPU tests and its HD 256 catalogue cases on the 64-key dQ
+#                                        # tiles (652801a; its gradients passed cupybwd's float64 checks on the
+#                                        # H200, 2026-12-05); merge over the committed report (--prev)
 #   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> bash tools/h200_session.sh warm bench   # the grid
 #   TESTS_WORKERS=10 bash tools/h200_session.sh par:tests:gpu   # the whole GPU set takes two calls from a cold
 #                                        # cache (2026-12-04: 530 s reached 62 % with 5 workers); split by file
