@@ -51,7 +51,7 @@ VARIABLES = {
                           "padded block; read on every backward",
     "PORTATTN_TRITON_FORWARD": "triton's forward: auto (default: the Hopper Gluon kernel, "
                                "backends/triton/gluon_fwd.py, where the H200 timed it faster - D 128 from 1k queries, "
-                               "D 256 from 1k, D 64 non-causal from 4k (persistent) - and gluon_reasons is empty; the "
+                               "D 256 from 1k, D 64 non-causal from 2k (persistent) - and gluon_reasons is empty; the "
                                "portable kernel elsewhere), gluon "
                                "(wherever gluon_reasons is empty) or portable (never Gluon); read on every forward",
     "PORTATTN_TRITON_GLUON_PINGPONG": "0/false/no/off = the Gluon forward's consumer warpgroups do not take turns issuing their "

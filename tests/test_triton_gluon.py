@@ -104,8 +104,8 @@ def _meta_spec(s, d, causal):
     (16384, 128, False, "gluon"), (512, 128, False, "gluon"),     # D 128: where the H200 timed it faster
     (512, 128, True, "gluon"), (256, 128, True, "triton"),        # (causal 512-2k: the persistent row)
     (256, 128, False, "triton"),                                  # below S 512: untimed
-    (16384, 64, False, "gluon"), (4096, 64, False, "gluon"),      # D 64 non-causal from 4k: persistent
-    (2048, 64, False, "triton"), (16384, 64, True, "triton"),     # D 64 short or causal: portable
+    (16384, 64, False, "gluon"), (2048, 64, False, "gluon"),      # D 64 non-causal from 2k: persistent
+    (1024, 64, False, "triton"), (16384, 64, True, "triton"),     # D 64 short or causal: portable
     (512, 64, False, "triton"),
     (1024, 256, True, "gluon"), (512, 256, False, "gluon"),       # D 256 from S 512
     (256, 256, False, "triton"),                                  # D 256 below S 512: untimed
@@ -811,7 +811,7 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
     (256, 128, False, False, False), (512, 128, True, True, True),
     (1024, 128, True, False, True), (4095, 128, True, False, True), (4096, 128, True, False, False),
     (2048, 128, True, True, True), (4096, 128, False, True, True), (4096, 128, True, True, False),
-    (4096, 64, False, False, True), (2048, 64, False, False, False), (4096, 64, True, False, False),
+    (2048, 64, False, False, True), (2047, 64, False, False, False), (4096, 64, True, False, False),
     (4096, 64, False, True, False), (4096, 256, False, False, False)])
 def test_auto_launches_the_persistent_variant_on_its_rows(monkeypatch, sq, d, causal, residual, expect):
     """With the switch unset, a launch takes the persistent variant exactly on AUTO_PERSISTENT's rows

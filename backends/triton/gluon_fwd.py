@@ -888,14 +888,16 @@ AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False
 #: causal at S 2k (--time --cells, the same day) 1.04, training 1.04, so the causal rows end at 4k.
 #: At S 512 (--time --cells, later that day) D 128 persistent / portable 1.37 (training 1.36), causal
 #: 1.16 (training 1.09), so the D 128 rows start at 512; D 64 0.92, causal 0.83: portable there.
-#: Where a
+#: D 64 again (2026-12-05, tools/gluon_variants_check.py's default columns, inference, one run):
+#: persistent / portable 1.01, 1.045, 1.06, 1.07 at S 1k, 2k, 4k, 16k (causal 1k 0.89), so the D 64
+#: row starts at 2k. Where a
 #: row starts below the one-tile kernel's :data:`AUTO_MIN_SEQLEN_Q`, :func:`auto_takes` takes the
 #: Gluon forward from that row's start (D 128 causal at 1k: persistent 1.15 x the portable
-#: kernel, training 1.09 x; D 64 from 4k).
+#: kernel, training 1.09 x; D 64 from 2k).
 AUTO_PERSISTENT = {
     (128, False, False): (512, 1 << 31), (128, True, False): (512, 4096),
     (128, False, True): (512, 1 << 31), (128, True, True): (512, 4096),
-    (64, False, False): (4096, 1 << 31),
+    (64, False, False): (2048, 1 << 31),
 }
 
 

@@ -310,7 +310,7 @@ def _hopper_defaults(b: _Builder):
               Problem(batch=1, seqlen_q=s, seqlen_k=s, heads_q=hq, heads_kv=hkv, head_dim=d, causal=causal,
                       dtype=_DT[dt]), tier="large")
     # the persistent variant's rows (gluon_fwd.AUTO_PERSISTENT) that no case above reaches: D 128
-    # causal at 1k (training and not), D 64 from 4k (inference)
+    # causal at 1k (training and not), D 64 from 2k (inference)
     b.add("large/hopper/train-d128-s1024-causal-h4x2-bf16",
           Problem(batch=2, seqlen_q=1024, seqlen_k=1024, heads_q=4, heads_kv=2, head_dim=128, causal=True,
                   dtype="bfloat16"), tier="large")
