@@ -888,7 +888,7 @@ AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False
 #: causal at S 2k (--time --cells, the same day) 1.04, training 1.04, so the causal rows end at 4k.
 #: At S 512 (--time --cells, later that day) D 128 persistent / portable 1.37 (training 1.36), causal
 #: 1.16 (training 1.09), so the D 128 rows start at 512; D 64 0.92, causal 0.83: portable there.
-#: D 64 again (2026-12-05, tools/gluon_variants_check.py's default columns, inference, one run):
+#: D 64 again (2026-12-05, benchmarks/results/triton-gluon-variants-h200.txt, inference, one run):
 #: persistent / portable 1.01, 1.045, 1.06, 1.07 at S 1k, 2k, 4k, 16k (causal 1k 0.89), so the D 64
 #: row starts at 2k. Where a
 #: row starts below the one-tile kernel's :data:`AUTO_MIN_SEQLEN_Q`, :func:`auto_takes` takes the
