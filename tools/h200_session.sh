@@ -51,12 +51,15 @@
 # card's name (GPU_TAG), so an H100's results sit beside the H200's in benchmarks/results/.
 #   bash tools/ab_session.sh --prepare exp/ws-d64-stages   # here, then on the device with carry [".exp"]:
 #   CUPYBWD_ARGS= NCU_BACKEND=cupy bash tools/ab_session.sh cupybwd ncu:64
-#                                        # cupy's warp-specialized dK/dV (the D 64 backward, #16's widest gap:
-#                                        # 0.86-0.93 x FA2): three Q / dO stages at HD 64 with each tile published
-#                                        # one tile late, and the row statistics by cp.async (its producer waited
-#                                        # on plain loads: 34.5 % of the warps' cycles in L1TEX stalls) — the `ws`
-#                                        # column at D 64 (and D 128, which keeps two stages) against main's. Land
-#                                        # it (cherry-pick) if it beats main in both branch runs
+#                                        # two cupy changes, each in its own kernels: the warp-specialized dK/dV
+#                                        # (the D 64 backward, #16's widest gap: 0.86-0.93 x FA2) with three Q / dO
+#                                        # stages at HD 64, each tile published one tile late, and the row
+#                                        # statistics by cp.async (its producer waited on plain loads: 34.5 % of
+#                                        # the warps' cycles in L1TEX stalls) in the `ws` column at D 64 (D 128
+#                                        # keeps two stages); the serial dK/dV's statistics by cp.async too (every
+#                                        # thread waited a load latency per tile) in the D 256 rows and the D 64 /
+#                                        # 128 `wgmma` column. Land (cherry-pick) each one that beats main in both
+#                                        # branch runs
 #   bash tools/ab_session.sh --prepare exp/next2  # here (exp/next2 = main + the two Gluon forward
 #                                        # experiments + gluon_variants_check.py), then on the device with
 #                                        # carry [".exp"]:
