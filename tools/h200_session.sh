@@ -50,7 +50,9 @@
 # time a change against main in the same call (tools/ab_session.sh); the report files carry the
 # card's name (GPU_TAG), so an H100's results sit beside the H200's in benchmarks/results/.
 #   bash tools/ab_session.sh --prepare exp/ws-d64-stages   # here, then on the device with carry [".exp"]:
-#   CUPYBWD_ARGS= NCU_BACKEND=cupy bash tools/ab_session.sh cupybwd ncu:64
+#   CUPYBWD_ARGS=--no-tests NCU_BACKEND=cupy bash tools/ab_session.sh cupybwd ncu:64
+#                                        # (--no-tests: the check's pytest child ran out of its share of the
+#                                        # 200 s in both 2026-12-05 runs; without it a second branch run fits)
 #                                        # two cupy changes, each in its own kernels: the warp-specialized dK/dV
 #                                        # (the D 64 backward, #16's widest gap: 0.86-0.93 x FA2) with three Q / dO
 #                                        # stages at HD 64, each tile published one tile late, and the row
