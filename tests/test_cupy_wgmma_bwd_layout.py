@@ -266,7 +266,7 @@ def test_shared_memory_carve_and_descriptors(role, hd, overlap, two_cta):
     else:
         env = _carve(DQ, {"HD": hd, "BN": tile, "NWG": nwg, "OVERLAP": overlap})
         assert env["KBUFS"] == len(bufs)
-        vbufs = range(1 if hd > 128 and tile > 32 else 2)   # HD 256's 64-key tiles: one V buffer
+        vbufs = range(configs.wgmma_dq_vbufs(hd, tile))   # the kernel's VBUFS, evaluated from its source
         assert env["VBUFS"] == len(vbufs)
         regions = {"sQ": env["Q_BYTES"], "sdO": env["Q_BYTES"], "sK": len(bufs) * env["KV_BYTES"],
                    "sV": len(vbufs) * env["KV_BYTES"]}

@@ -380,6 +380,14 @@ def wgmma_bwd_split_names() -> set[str]:
     return {c.kernel_names()["dkdv"] for c in wgmma_configs() if c.family == "bwd_wgmma" and c.head_dim > 128}
 
 
+def wgmma_dq_vbufs(hd: int, block_n: int) -> int:
+    """V buffers of the sm_90a dQ kernel (``VBUFS`` in attn_bwd_wgmma.cu): two, so that the next
+    key tile's V loads under the current tile's products, except at head dim > 128 with 64-key
+    tiles, where a second (64 x 256) V buffer would not fit in 227 KB beside Q, dO and the K
+    buffers and the serial walk reloads the one buffer after every warpgroup is done with it."""
+    return 1 if hd > 128 and block_n > 32 else 2
+
+
 def wgmma_bwd_keys(hd: int) -> int:
     """Keys one dK/dV CTA of the wgmma backward owns: 64 per warpgroup, or 64 in all at HD 256
     (one warpgroup accumulates dV, the other dK)."""
@@ -612,8 +620,7 @@ class KernelConfig:
                 keys = wgmma_bwd_keys(hd)
                 ds = keys * tile * 2 if role == "dkdv_dq" else 0
                 return 1024 + (2 * keys + 2 * bufs * tile) * hd * 2 + ds + 8 * bufs * tile
-            vbufs = 1 if hd > 128 and tile > 32 else 2   # one V buffer where two would not fit
-            return 1024 + (2 * 64 * nwg + (bufs + vbufs) * tile) * hd * 2
+            return 1024 + (2 * 64 * nwg + (bufs + wgmma_dq_vbufs(hd, tile)) * tile) * hd * 2
         if self.family in WGMMA_FAMILIES:
             # 1 KB of slack: the kernel aligns its SW128 tiles to 1024 bytes; Q, then 2 x K, 2 x V
             # (the probe: Q of 64 rows, one K and one V; the warp-specialized kernel: 128 Q rows,
