@@ -55,6 +55,7 @@ from bench_report import (  # noqa: E402  (the ratio table, targets, markdown an
     BASELINES,
     NOISY,  # noqa: F401  (benchmarks/bench_fastest.py reads it here)
     _num,
+    card_tag,
     first_calls,
     format_markdown,
     format_text,
@@ -614,12 +615,6 @@ def _run_decode(argv) -> int:
     return int(module.main(argv) or 0)
 
 
-def _tag(env: dict) -> str:
-    if not env.get("gpu"):
-        return "cpu"
-    return env["gpu"].split()[-1].lower().replace("/", "-")
-
-
 def main(argv=None, stream=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--decode" in argv:
@@ -696,7 +691,7 @@ def main(argv=None, stream=None) -> int:
     result["targets"] = targets(result)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"bench-{args.tag or _tag(env)}-{env['date'][:10]}")
+        stem = os.path.join(args.out, f"bench-{args.tag or card_tag(env.get('gpu'))}-{env['date'][:10]}")
         with open(stem + ".json", "w") as fh:
             json.dump(result, fh, indent=1)
         with open(stem + ".md", "w") as fh:

@@ -38,6 +38,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_report import card_tag  # noqa: E402  (the GPU's short name in the file names)
+
 HQ, HKV, D = 32, 4, 128
 SEQLENS = (1024, 4096, 8192, 32768, 131072)
 IMPLS = ("triton", "triton-paged16", "triton-paged256", "sdpa-cudnn", "sdpa-flash")
@@ -412,7 +415,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="Sk 1k, 8k, 128k only")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (do_bench) column")
     ap.add_argument("--out", default=None, help="directory for the JSON and PNG results")
-    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--tag", default=None, help="file name tag (default: the GPU's short name, e.g. h200)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA/ROCm GPU; none is visible", file=sys.stderr)
@@ -455,7 +458,7 @@ def main(argv=None) -> int:
     print("tools/decode_sweep.py times alternative tiles and split counts (same queued timer).")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"bench-decode-{args.tag}-{result['environment']['date'][:10]}")
+        stem = os.path.join(args.out, f"bench-decode-{args.tag or card_tag(result['environment'].get('gpu'))}-{result['environment']['date'][:10]}")
         with open(stem + ".json", "w") as fh:
             json.dump(result, fh, indent=1)
         with open(stem + ".txt", "w") as fh:

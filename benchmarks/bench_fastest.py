@@ -113,7 +113,7 @@ def jobs(quick: bool = False, dry_run: bool = False, part: str | None = None) ->
     return work if part is None else [(c, m) for c, m in work if m in PARTS[part]]
 
 
-def merge(paths: list[str], out: str, tag: str) -> int:
+def merge(paths: list[str], out: str, tag: str | None) -> int:
     """One report of several runs of distinct cells (e.g. ``--part inference`` and ``--part
     training``, a call each): their rows in grid order, the summary recomputed over all of them,
     each run's date, commit, wall time and host overhead kept under ``merged_from``. Runs that
@@ -149,6 +149,7 @@ def merge(paths: list[str], out: str, tag: str) -> int:
                                for path, run in zip(paths, runs)])
     print_report(result)
     os.makedirs(out, exist_ok=True)
+    tag = tag or ba.card_tag(result["environment"].get("gpu"))
     wrote = write_report(result, os.path.join(out, f"fastest-{tag}-{result['environment']['date'][:10]}"))
     print(f"\nwrote {', '.join(wrote)}")
     return 0
@@ -658,7 +659,7 @@ def main(argv=None) -> int:
                     help="PORTATTN_CACHE_DIR for the run (default: a fresh temporary one, so tuning is measured)")
     ap.add_argument("--out", default=None, help="directory for the JSON, the markdown table, the PNG and the "
                                                 "tuning cache")
-    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--tag", default=None, help="file name tag (default: the GPU's short name, e.g. h200)")
     ap.add_argument("--cells", nargs="+", default=None, metavar="'CASE MODE'",
                     help="run only these cells of the grid, named as the table does (e.g. 'D128 S1k causal fwd'): "
                          "a re-check of some cells, reported as such")
@@ -745,7 +746,7 @@ def main(argv=None) -> int:
     print_report(result)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        base = os.path.join(args.out, f"fastest-{args.tag}-{result['environment']['date'][:10]}")
+        base = os.path.join(args.out, f"fastest-{args.tag or ba.card_tag(result['environment'].get('gpu'))}-{result['environment']['date'][:10]}")
         wrote = write_report(result, base)
         cache = tuning.cache_path(device)
         if os.path.exists(cache):

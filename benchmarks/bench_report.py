@@ -5,6 +5,7 @@ dict that it writes as JSON (so they can be redrawn from a saved JSON)."""
 from __future__ import annotations
 
 import math
+import re
 
 #: torch SDPA kernels usable as baselines (called directly, without portattn's dispatch)
 BASELINES = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_math": "MATH",
@@ -14,6 +15,18 @@ LABELS = {"sdpa_flash": "FA2", "sdpa_cudnn": "cuDNN"}
 NOISY = 0.05
 #: the plot's row order of dtypes
 DTYPE_ORDER = ("bf16", "fp16", "fp32")
+#: a card's model in its device name: H100, H200, A100, L40S, ... (the word tools/h200_session.sh's GPU_TAG takes)
+_CARD = re.compile(r"[abhl][0-9]{2,3}[a-z]?", re.IGNORECASE)
+
+
+def card_tag(gpu_name: str | None) -> str:
+    """The short name of a GPU for report file names: ``"NVIDIA H100 80GB HBM3"`` -> ``h100``,
+    ``"NVIDIA H200"`` -> ``h200``; a name without such a model its last word (``"AMD Instinct
+    MI300X"`` -> ``mi300x``); no GPU -> ``cpu``."""
+    if not gpu_name:
+        return "cpu"
+    found = _CARD.search(gpu_name)
+    return (found.group(0) if found else gpu_name.split()[-1]).lower().replace("/", "-")
 
 
 def label(impl: str) -> str:

@@ -412,3 +412,16 @@ def test_cupy_is_held_to_issue_16s_targets():
     assert got["fwd S>=1k >= 1.0 x FA2"]["missed"] == []
     old = {"targets": [{"backend": "cupy", "target": "t", "cells": 1, "worst": 0.5, "worst_cell": "c", "missed": []}]}
     assert bench.target_lines(old) == ["cupy: t: met; worst 0.50 (c)"]
+
+
+@pytest.mark.parametrize(("name", "tag"), [
+    ("NVIDIA H100 80GB HBM3", "h100"),   # the last word is the memory, not the card
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("NVIDIA L40S", "l40s"),
+    ("AMD Instinct MI300X", "mi300x"),
+    (None, "cpu"),
+])
+def test_report_files_are_named_by_the_card(name, tag):
+    # bench-<tag>-<date>.json, bench-decode-<tag>-..., fastest-<tag>-...: one report per machine
+    assert load_script("bench_report").card_tag(name) == tag
