@@ -606,8 +606,9 @@ def test_gpu_matches_reference(name, pingpong):
 @requires_sm90
 @needs_gluon
 @pytest.mark.usefixtures("no_deadlock")
-@pytest.mark.parametrize("sq, causal, kernel", [(4096, True, "gluon"), (2048, True, "persistent"),
-                                                (1024, False, "persistent"), (512, True, "persistent"),
+@pytest.mark.parametrize("sq, causal, kernel", [(4096, True, "gluon"), (2048, True, "gluon"),
+                                                (1024, True, "persistent"), (1024, False, "persistent"),
+                                                (512, True, "persistent"),
                                                 (256, True, "triton")])
 def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal, kernel):
     """``portattn.attention`` on the triton backend with the default switches: the Gluon kernel runs
@@ -809,8 +810,9 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
 @pytest.mark.parametrize("sq, d, causal, residual, expect", [
     (1024, 128, False, False, True), (16384, 128, False, False, True), (512, 128, False, False, True),
     (256, 128, False, False, False), (512, 128, True, True, True),
-    (1024, 128, True, False, True), (4095, 128, True, False, True), (4096, 128, True, False, False),
-    (2048, 128, True, True, True), (4096, 128, False, True, True), (4096, 128, True, True, False),
+    (1024, 128, True, False, True), (2047, 128, True, False, True), (2048, 128, True, False, False),
+    (2047, 128, True, True, True), (2048, 128, True, True, False), (4096, 128, False, True, True),
+    (4096, 128, True, True, False),
     (2048, 64, False, False, True), (2047, 64, False, False, False), (4096, 64, True, False, False),
     (4096, 64, False, True, False), (4096, 256, False, False, False)])
 def test_auto_launches_the_persistent_variant_on_its_rows(monkeypatch, sq, d, causal, residual, expect):

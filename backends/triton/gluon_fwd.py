@@ -885,7 +885,10 @@ AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False
 #: causal 1.23, 0.98, 0.89 (training 1.24, 0.91, 1.01) — a longest-first walk over a fixed grid
 #: balances long causal bands worse than the hardware's own CTA scheduling does; D 64 (against the
 #: portable kernel, which ``auto`` runs there) 1.00, 1.05, 1.06, causal 0.89, 0.94, 0.99; D 128
-#: causal at S 2k (--time --cells, the same day) 1.04, training 1.04, so the causal rows end at 4k.
+#: causal at S 2k (--time --cells, the same day) 1.04, training 1.04; on an H100 (2026-12-05,
+#: benchmarks/results/triton-gluon-persistent-h100.txt, one run) 0.85, training 0.84 (S 512 1.20,
+#: 1k 0.96), so the causal rows end at 2k: the one-tile kernel there is 1.07 x the persistent one
+#: in the geometric mean of the two cards (1.18 x on the H100, 0.96 x on the H200).
 #: At S 512 (--time --cells, later that day) D 128 persistent / portable 1.37 (training 1.36), causal
 #: 1.16 (training 1.09), so the D 128 rows start at 512; D 64 0.92, causal 0.83: portable there.
 #: D 64 again (2026-12-05, benchmarks/results/triton-gluon-variants-h200.txt, inference, one run):
@@ -895,8 +898,8 @@ AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False
 #: Gluon forward from that row's start (D 128 causal at 1k: persistent 1.15 x the portable
 #: kernel, training 1.09 x; D 64 from 2k).
 AUTO_PERSISTENT = {
-    (128, False, False): (512, 1 << 31), (128, True, False): (512, 4096),
-    (128, False, True): (512, 1 << 31), (128, True, True): (512, 4096),
+    (128, False, False): (512, 1 << 31), (128, True, False): (512, 2048),
+    (128, False, True): (512, 1 << 31), (128, True, True): (512, 2048),
     (64, False, False): (2048, 1 << 31),
 }
 
