@@ -46,42 +46,26 @@
 #
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls; export PYTHONPATH=$PWD for
-# tools run outside this script). The device tool lends an H100 or an H200 (either, call by call):
-# time a change against main in the same call (tools/ab_session.sh); the report files carry the
-# card's name (GPU_TAG), so an H100's results sit beside the H200's in benchmarks/results/.
-#   bash tools/ab_session.sh --prepare exp/ws-d64-stages   # here, then on the device with carry [".exp"]:
-#   CUPYBWD_ARGS=--no-tests NCU_BACKEND=cupy bash tools/ab_session.sh cupybwd ncu:64
-#                                        # (--no-tests: the check's pytest child ran out of its share of the
-#                                        # 200 s in both 2026-12-05 runs; without it a second branch run fits)
-#                                        # two cupy changes, each in its own kernels: the warp-specialized dK/dV
-#                                        # (the D 64 backward, #16's widest gap: 0.86-0.93 x FA2) with three Q / dO
-#                                        # stages at HD 64, each tile published one tile late, and the row
-#                                        # statistics by cp.async (its producer waited on plain loads: 34.5 % of
-#                                        # the warps' cycles in L1TEX stalls) in the `ws` column at D 64 (D 128
-#                                        # keeps two stages); the serial dK/dV's statistics by cp.async too (every
-#                                        # thread waited a load latency per tile) in the D 256 rows and the D 64 /
-#                                        # 128 `wgmma` column. Land (cherry-pick) each one that beats main in both
-#                                        # branch runs
-#   bash tools/ab_session.sh --prepare exp/next2  # here (exp/next2 = main + the two Gluon forward
-#                                        # experiments + gluon_variants_check.py), then on the device with
-#                                        # carry [".exp"]:
-#   cd .exp/b && bash tools/h200_session.sh gluonvar   # a whole call (GLUONVAR_LIMIT 520): the Gluon
-#                                        # forward's three consumer warpgroups at D 64 (FA3's 192-row tiles)
-#                                        # and its persistent variant's dynamic (atomic-counter) schedule, each
-#                                        # checked against float64 in a child (240 s each: a new variant
-#                                        # compiles in 12-18 s there, so 2026-12-05's 120 s children were cut
-#                                        # short, not hung: the one-tile three-consumer checks passed) and timed
-#                                        # beside the defaults, portable, SDPA flash and cuDNN. Land what beats
-#                                        # the defaults (auto rows from these timings), then on main the gluon
-#                                        # step and the triton catalogue shards
-#   TESTS_WORKERS=6 CUPY_SHARDS=2 PREV=benchmarks/results/conformance-h200.json RERUN=1 \
-#     CASES='*d160* *d192* *d256*' NCU_BACKEND=cupy bash tools/h200_session.sh par:tests:cupy par:catalogue:cupy ncu:256
-#                                        # cupy's GPU tests and its HD 256 catalogue cases on the 64-key dQ
-#                                        # tiles (652801a; its gradients passed cupybwd's float64 checks on the
-#                                        # H200, 2026-12-05); merge over the committed report (--prev)
-#   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> bash tools/h200_session.sh warm bench   # the grid
-#   TESTS_WORKERS=10 bash tools/h200_session.sh par:tests:gpu   # the whole GPU set takes two calls from a cold
-#                                        # cache (2026-12-04: 530 s reached 62 % with 5 workers); split by file
+# tools run outside this script). The device tool lends an H100 or an H200 (either, call by call;
+# 2026-12-05's three calls all got an H100): time a change against main in the same call
+# (tools/ab_session.sh); the report files carry the card's name (GPU_TAG), so an H100's results sit
+# beside the H200's in benchmarks/results/. Branches are not kept between sessions: time an
+# experiment in the session that builds it, or land it behind a switch.
+#   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> BENCH_LIMIT=420 bash tools/h200_session.sh warm bench
+#                                        # the grid on whichever card comes (bench-<card>.*): the H200's
+#                                        # predates cupy's 64-key HD 256 dQ and auto's D 128 causal persistent
+#                                        # rows ending at 2k; the H100's (2026-12-05) lost its 12 D 256 causal
+#                                        # cells to the 310 s limit on a cold compile cache
+#   TESTS_WORKERS=6 bash tools/h200_session.sh par:tests:gluon par:tests:callpath   # triton's Gluon tests on
+#                                        # the 2k boundary (855131a: dispatch only, kernels unchanged)
+#   python3 tools/gluon_persistent_diag.py --time --cells 512:128:1,1024:128:1,2048:128:1,4096:128:1,1024:64:0,2048:64:0
+#                                        # on an H200 if one comes: the H100 (2026-12-05) and the H200
+#                                        # (2026-12-04) disagree on persistent / one-tile at D 128 causal
+#                                        # (0.85 against 1.04 at S 2k); a second run of each card
+#   cupy, #16's D 64 backward (0.86-0.93 x FA2 on the H200): neither the producers' loads (three stages,
+#                                        # asynchronous statistics: 0.98-1.00 x, cupy-wgmma-bwd-ab-h100.txt)
+#                                        # nor own-keys dQ (0.85-0.96 x) paid; next is ping-pong between the
+#                                        # consumer warpgroups (docs/cupy.md, What limits the backward)
 # and e.g. after a partial catalogue:
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:triton,cupy
 #
