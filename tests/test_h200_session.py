@@ -305,3 +305,20 @@ def test_report_files_take_the_card_name(tmp_path):
     p = session(tmp_path / "none", "fastest", **env)
     (cmd,) = [c for c in commands(p.stdout) if c[1:3] == [sys.executable, "benchmarks/bench_fastest.py"]]
     assert cmd[cmd.index("--tag") + 1] == "h200"
+
+
+def test_warm_caches_runs_every_length_it_is_given_and_defaults_to_the_grid(tmp_path):
+    """tools/warm_caches.py, the `warm` step: forward, training forward and backward at each
+    sequence length (the dispatch rows that pick a kernel key on the query rows, so a warm at one
+    length left the benchmark's Gluon compiles to its timed run); by default the grid's lengths."""
+    bench = load_script("bench_attention")
+    tool = [sys.executable, str(ROOT / "tools" / "warm_caches.py")]
+    p = subprocess.run(tool + ["--help"], capture_output=True, text=True, timeout=120)
+    assert ",".join(map(str, bench.SEQLENS)) in " ".join(p.stdout.split()), p.stdout
+    p = subprocess.run(tool + ["--d", "32", "--backends", "chunked,nonesuch", "--seqlens", "48,80", "--device", "cpu",
+                               "--hidden", "64"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"^warm D32 bf16: \d+s \(2 lengths\)$", p.stdout, re.M), p.stdout
+    # a backend that cannot run is reported once (not once per length), and the others still run
+    assert len(re.findall(r"^nonesuch D32 bf16 S48 causal=(False|True): ", p.stdout, re.M)) == 2, p.stdout
+    assert not re.search(r"^chunked ", p.stdout, re.M), p.stdout
