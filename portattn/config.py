@@ -51,7 +51,8 @@ VARIABLES = {
                           "padded block; read on every backward",
     "PORTATTN_TRITON_FORWARD": "triton's forward: auto (default: the Hopper Gluon kernel, "
                                "backends/triton/gluon_fwd.py, where the H200 timed it faster - D 128 from 1k queries, "
-                               "D 256 from 1k, D 64 non-causal from 2k (persistent) - and gluon_reasons is empty; the "
+                               "D 256 from 1k, D 64 non-causal from 2k and causal from 8k (three consumer warpgroups) - "
+                               "and gluon_reasons is empty; the "
                                "portable kernel elsewhere), gluon "
                                "(wherever gluon_reasons is empty) or portable (never Gluon); read on every forward",
     "PORTATTN_TRITON_GLUON_PINGPONG": "0/false/no/off = the Gluon forward's consumer warpgroups do not take turns issuing their "
@@ -60,6 +61,9 @@ VARIABLES = {
                                         "(query tile, head) work items): unset or empty = auto (where the H200 timed "
                                         "it faster, gluon_fwd.AUTO_PERSISTENT), 1/true/yes/on = always, 0/false/no/off "
                                         "= never; read on every forward",
+    "PORTATTN_TRITON_GLUON_CONSUMERS": "the Gluon forward's consumer warpgroups (64 query rows each): unset or "
+                                       "empty = gluon_fwd.DEFAULT_CONSUMERS per head dim, 2, or 3 (D 64 only: "
+                                       "FA3's 192-row tiles); read on every forward",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
 }
@@ -221,6 +225,22 @@ def triton_gluon_persistent() -> bool | None:
     0/false/no/off (never); anything else raises ``ValueError``."""
     return _parsed("PORTATTN_TRITON_GLUON_PERSISTENT",
                    lambda name, text: None if not text.strip() else _parse_flag(name, text), None)
+
+
+def _parse_consumers(name: str, text: str) -> int | None:
+    text = text.strip()
+    if not text:
+        return None
+    if text not in ("2", "3"):
+        raise ValueError(f"{name}={text!r}: use 2 or 3 (consumer warpgroups), or leave it unset")
+    return int(text)
+
+
+def triton_gluon_consumers() -> int | None:
+    """``PORTATTN_TRITON_GLUON_CONSUMERS``: None when unset or empty (``gluon_fwd.DEFAULT_CONSUMERS``
+    per head dim), else 2 or 3 (the Gluon forward's consumer warpgroups; 3 at D 64 only, where
+    ``gluon_fwd.consumers_for`` refuses another head dim); anything else raises ``ValueError``."""
+    return _parsed("PORTATTN_TRITON_GLUON_CONSUMERS", _parse_consumers, None)
 
 
 TRITON_DQ_MODES = ("auto", "atomic", "kernel")

@@ -104,8 +104,10 @@ def _meta_spec(s, d, causal):
     (16384, 128, False, "gluon"), (512, 128, False, "gluon"),     # D 128: where the H200 timed it faster
     (512, 128, True, "gluon"), (256, 128, True, "triton"),        # (causal 512-2k: the persistent row)
     (256, 128, False, "triton"),                                  # below S 512: untimed
-    (16384, 64, False, "gluon"), (2048, 64, False, "gluon"),      # D 64 non-causal from 2k: persistent
-    (1024, 64, False, "triton"), (16384, 64, True, "triton"),     # D 64 short or causal: portable
+    (16384, 64, False, "gluon"), (2048, 64, False, "gluon"),      # D 64 non-causal from 2k: persistent to 8k
+    (8192, 64, False, "gluon"), (8192, 64, True, "gluon"),        # D 64 from 8k: one-tile (three consumers)
+    (16384, 64, True, "gluon"), (8191, 64, True, "triton"),
+    (1024, 64, False, "triton"), (4096, 64, True, "triton"),      # D 64 short or short causal: portable
     (512, 64, False, "triton"),
     (1024, 256, True, "gluon"), (512, 256, False, "gluon"),       # D 256 from S 512
     (256, 256, False, "triton"),                                  # D 256 below S 512: untimed
@@ -158,7 +160,9 @@ def _record_forwards(monkeypatch):
 
 @pytest.mark.parametrize("s, d, causal, auto", [
     (1024, 128, False, "gluon"), (1024, 128, True, "gluon"), (2048, 128, True, "gluon"),
-    (512, 128, False, "gluon"), (256, 128, False, "triton"), (16384, 64, False, "triton"),   # D 64 training: portable
+    (512, 128, False, "gluon"), (256, 128, False, "triton"),
+    (16384, 64, False, "gluon"), (2048, 64, False, "gluon"), (1024, 64, False, "triton"),   # D 64 training:
+    (8192, 64, True, "gluon"), (4096, 64, True, "triton"),                                  # three consumers
     (4096, 256, True, "gluon"), (512, 256, False, "gluon"), (256, 256, False, "triton"),  # D 256 from S 512
 ])
 def test_forward_for_backward_takes_gluon_where_forward_choice_says(monkeypatch, s, d, causal, auto):
@@ -231,34 +235,43 @@ def test_ops_forward_switch(value, expect):
 
 
 def test_tile_table_fits_hopper_shared_memory():
+    """A Q tile per consumer warpgroup and the K/V ring fit sm_90's 227 KiB per block (barriers
+    aside), with three consumers where a head dim runs them and with the persistent variant's O
+    tiles (one per consumer) at its head dims."""
     for d in gluon_fwd.HEAD_DIMS:
         block_n, stages = gluon_fwd.tile_config(d)
-        smem = 2 * gluon_fwd.WG_M * d * 2 + 2 * stages * block_n * d * 2
-        assert smem + 1024 <= 232448, (d, smem)   # sm_90's 227 KiB per block, barriers aside
+        for consumers in (2, 3) if d in gluon_fwd.THREE_CONSUMER_HEAD_DIMS else (2,):
+            tiles = consumers * (2 if d in gluon_fwd.PERSISTENT_HEAD_DIMS else 1)
+            smem = tiles * gluon_fwd.WG_M * d * 2 + 2 * stages * block_n * d * 2
+            assert smem + 1024 <= 232448, (d, consumers, smem)
 
 
 # ----- cross-compilation for sm_90 (CPU; a subprocess: the test process has the interpreter on) ----
 
-def _compile_rows(dims: str, residual: str = "off") -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def _compile_rows(dims: str, residual: str = "off", pingpong: str = "both") -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PORTATTN_TRITON_GLUON_CONSUMERS")}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run([sys.executable, "-m", "portattn.backends.triton.gluon_fwd", "--json", "--dims", dims,
-                           "--residual", residual], capture_output=True, text=True, env=env, timeout=900)
+                           "--residual", residual, "--pingpong", pingpong], capture_output=True, text=True, env=env,
+                          timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
     assert lines, f"no report (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1])
 
 
-def _check_compiled(rows, dims, residuals=(False,)):
+def _check_compiled(rows, dims, residuals=(False,), pingpongs=(False, True)):
     assert {(r["head_dim"], r["causal"], r["pingpong"], r["residual"]) for r in rows} == {
-        (d, c, p, x) for d in dims for c in (False, True) for p in (False, True) for x in residuals}
+        (d, c, p, x) for d in dims for c in (False, True) for p in pingpongs for x in residuals}
     for r in rows:
         assert "error" not in r, r
         assert r["shared"] <= 232448, r
         assert r["wgmma"] > 0 and r["tma"] > 0, r          # async wgmma, TMA bulk tensor copies
-        assert r["num_warps"] == 12, r                     # 4 + 4 consumers, 1 producer padded to a warpgroup
-        # FA3's register split: consumers grow to 240, the producer shrinks to 24
-        assert 240 in r["setmaxnreg"] and 24 in r["setmaxnreg"], r
+        consumers = r.get("consumers", 2)
+        assert consumers == gluon_fwd.consumers_for(r["head_dim"]), r
+        # 4 warps a consumer, 1 producer padded to a warpgroup; FA3's register split: two consumers
+        # grow to 240, three to 160 (168 the default partition's), the producer shrinks to 24
+        assert r["num_warps"] == 4 * consumers + 4, r
+        assert {2: 240, 3: 160}[consumers] in r["setmaxnreg"] and 24 in r["setmaxnreg"], r
         if r.get("regs") is not None:                      # cuobjdump found: SASS facts
             assert r["HGMMA"] > 0 and r["UTMALDG"] > 0 and r["USETMAXREG"] > 0, r
             # no spills: at every head dim with the H200's triton 3.6; triton 3.9's code spills a
@@ -301,6 +314,39 @@ def test_residual_adds_only_its_stores(d128_rows):
             if res.get("regs") is not None:
                 assert res["UTMASTG"] == 2 * inf["UTMASTG"] and res["UTMALDG"] == inf["UTMALDG"], (inf, res)
                 assert res["HGMMA"] == inf["HGMMA"], (inf, res)
+
+
+@needs_gluon
+def test_three_consumers_cross_compile_at_d64():
+    """D 64's default launch (three consumer warpgroups, ping-pong on; causal and not): 16 warps,
+    the 160 / 24 register split, 192 query rows of Q tiles beside the ring, async wgmma and TMA;
+    no spills under the H200's triton 3.6 (3.9's code spills at D 64, as with two consumers)."""
+    rows = _compile_rows("64", pingpong="on")
+    _check_compiled(rows, (64,), pingpongs=(True,))
+    block_n, stages = gluon_fwd.tile_config(64)
+    for r in rows:
+        assert r["consumers"] == 3 and r["shared"] >= (3 * 64 + 2 * stages * block_n) * 64 * 2, r
+
+
+@pytest.mark.parametrize("value, head_dim, arg, expect", [
+    (None, 64, None, 3), (None, 128, None, 2), (None, 256, None, 2),    # DEFAULT_CONSUMERS
+    ("", 64, None, 3), ("2", 64, None, 2), ("3", 64, None, 3), ("3", 128, None, 2),   # 3 where it can run
+    ("3", 64, 2, 2), (None, 64, 3, 3), (None, 128, 3, ValueError), (None, 64, 4, ValueError),
+    ("4", 64, None, ValueError), ("three", 64, None, ValueError)])
+def test_consumers_switch_and_argument(monkeypatch, value, head_dim, arg, expect):
+    """``consumers_for``: the argument, else PORTATTN_TRITON_GLUON_CONSUMERS (3 only where the head
+    dim can run it), else DEFAULT_CONSUMERS; a count other than 2 or 3, an explicit 3 above D 64
+    or an unparseable switch raise, naming what to change; the launch constexpr follows it."""
+    if value is None:
+        monkeypatch.delenv("PORTATTN_TRITON_GLUON_CONSUMERS", raising=False)
+    else:
+        monkeypatch.setenv("PORTATTN_TRITON_GLUON_CONSUMERS", value)
+    if expect is ValueError:
+        with pytest.raises(ValueError, match="consumer|PORTATTN_TRITON_GLUON_CONSUMERS"):
+            gluon_fwd.consumers_for(head_dim, arg)
+        return
+    assert gluon_fwd.consumers_for(head_dim, arg) == expect
+    assert gluon_fwd.launch_constexprs(head_dim, False, consumers=arg)["CONSUMERS"] == expect
 
 
 @needs_gluon
@@ -423,8 +469,8 @@ def _emulate_rows(qt, rows, k, v, lo, full_lo, full_hi, hi, sk, off, wl, wr, c, 
     return acc / ls[:, None], torch.where(empty, -math.inf, (m * c + torch.log2(ls)) * math.log(2))
 
 
-def _emulate(spec, block_n):
-    """attn_fwd_gluon's grid in float64: 128-row CTAs of two 64-row warpgroups over every (b, h)."""
+def _emulate(spec, block_n, consumers=2):
+    """attn_fwd_gluon's grid in float64: CTAs of ``consumers`` 64-row warpgroups over every (b, h)."""
     q, k, v = (t.double() for t in (spec.q, spec.k, spec.v))
     nb, sq, hq, d = q.shape
     sk = k.shape[1]
@@ -437,9 +483,9 @@ def _emulate(spec, block_n):
     r = hq // k.shape[2]
     for b in range(nb):
         for h in range(hq):
-            for m0 in range(0, sq, 128):
-                phases = _key_phases(m0, sq, sk, off, wl, wr, 128, block_n)
-                for wg in range(2):
+            for m0 in range(0, sq, 64 * consumers):
+                phases = _key_phases(m0, sq, sk, off, wl, wr, 64 * consumers, block_n)
+                for wg in range(consumers):
                     rows = torch.arange(m0 + 64 * wg, m0 + 64 * wg + 64)
                     qt = _kv_tile(q[b, :, h], m0 + 64 * wg, 64)
                     o, lrow = _emulate_rows(qt, rows, k[b, :, h // r], v[b, :, h // r], *phases, sk, off, wl, wr,
@@ -460,12 +506,12 @@ EMULATED = {
 
 
 @pytest.mark.parametrize("name", sorted(EMULATED))
-@pytest.mark.parametrize("block_n", [64, 128])
-def test_emulated_schedule_matches_reference(name, block_n):
+@pytest.mark.parametrize("block_n, consumers", [(64, 2), (128, 2), (128, 3)])
+def test_emulated_schedule_matches_reference(name, block_n, consumers):
     shape, kw = EMULATED[name]
     q, k, v = _qkv(*shape, dtype=torch.float32, seed=3)
     spec = build_spec(q, k, v, **kw)
-    out, lse = _emulate(spec, block_n)
+    out, lse = _emulate(spec, block_n, consumers)
     ref, ref_lse = reference_forward(spec)
     assert compare("out", out.float(), ref, naive_forward(spec)[0]).passed
     assert compare_lse(lse, ref_lse).passed
@@ -606,27 +652,53 @@ def test_gpu_matches_reference(name, pingpong):
 @requires_sm90
 @needs_gluon
 @pytest.mark.usefixtures("no_deadlock")
-@pytest.mark.parametrize("sq, causal, kernel", [(4096, True, "gluon"), (2048, True, "gluon"),
-                                                (1024, True, "persistent"), (1024, False, "persistent"),
-                                                (512, True, "persistent"),
-                                                (256, True, "triton")])
-def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal, kernel):
+@pytest.mark.parametrize("sq, causal, kernel, d", [(4096, True, "gluon", 128), (2048, True, "gluon", 128),
+                                                   (1024, True, "persistent", 128), (1024, False, "persistent", 128),
+                                                   (512, True, "persistent", 128), (256, True, "triton", 128),
+                                                   (8192, True, "gluon", 64), (8192, False, "gluon", 64),
+                                                   (2048, False, "persistent", 64), (4096, True, "triton", 64)])
+def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal, kernel, d):
     """``portattn.attention`` on the triton backend with the default switches: the Gluon kernel runs
     where AUTO_MIN_SEQLEN_Q or AUTO_PERSISTENT has the shape (the launch is seen, and whether it
-    was the persistent variant), the portable one elsewhere; each against float64."""
+    was the persistent variant; at D 64 with three consumers), the portable one elsewhere; each
+    against float64."""
     monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
     monkeypatch.delenv("PORTATTN_TRITON_GLUON_PERSISTENT", raising=False)
+    monkeypatch.delenv("PORTATTN_TRITON_GLUON_CONSUMERS", raising=False)
     import portattn
     ran, pers = [], []
     real, real_for = gluon_fwd.gluon_forward, gluon_fwd.persistent_for
     monkeypatch.setattr(gluon_fwd, "gluon_forward", lambda spec, **kw: ran.append(spec) or real(spec, **kw))
     monkeypatch.setattr(gluon_fwd, "persistent_for", lambda *a, **kw: pers.append(real_for(*a, **kw)) or pers[-1])
-    q, k, v = _qkv(1, sq, sq, 4, 2, 128, device="cuda", seed=11)
+    q, k, v = _qkv(1, sq, sq, 4, 2, d, device="cuda", seed=11)
     out = portattn.attention(q, k, v, causal=causal, backend="triton")
     torch.cuda.synchronize()
     assert bool(ran) == (kernel != "triton") and pers == ([kernel == "persistent"] if ran else [])
+    assert gluon_fwd.consumers_for(d) == (3 if d == 64 else 2)
     spec = build_spec(q, k, v, causal=causal)
     assert compare("out", out, reference_forward(spec)[0], naive_forward(spec)[0]).passed
+
+
+@requires_sm90
+@needs_gluon
+@pytest.mark.usefixtures("no_deadlock")
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("sq, sk, causal, align", [(130, 300, False, "bottom_right"), (100, 257, False, "bottom_right"),
+                                                   (1000, 1000, True, "bottom_right"), (700, 333, True, "bottom_right"),
+                                                   (576, 640, True, "top_left")])
+def test_gpu_three_consumers_match_two_bit_for_bit(monkeypatch, sq, sk, causal, align, persistent):
+    """Three consumer warpgroups (192-row tiles; a third warpgroup partly or wholly past Sq, causal
+    edges inside a tile, fully-masked rows) give two's out and lse bit for bit (each row sees the
+    same key tiles in the same order) and pass against float64, in both kernels."""
+    monkeypatch.delenv("PORTATTN_TRITON_GLUON_CONSUMERS", raising=False)
+    q, k, v = _qkv(2, sq, sk, 4, 2, 64, device="cuda", seed=5)
+    spec = build_spec(q, k, v, causal=causal, causal_alignment=align)
+    o3, l3 = gluon_fwd.gluon_forward(spec, persistent=persistent, consumers=3)
+    o2, l2 = gluon_fwd.gluon_forward(spec, persistent=persistent, consumers=2)
+    torch.cuda.synchronize()
+    assert torch.equal(o3, o2) and torch.equal(l3, l2)
+    ref, ref_lse = reference_forward(spec)
+    assert compare("out", o3, ref, naive_forward(spec)[0]).passed and compare_lse(l3, ref_lse).passed
 
 
 #: GPU_CASES the training forward (RESIDUAL) is checked on: D 64/128/256, fp16, ragged, causal
@@ -756,8 +828,8 @@ def test_persistent_constexprs_and_head_dims():
         smem = 2 * 2 * gluon_fwd.WG_M * d * 2 + 2 * stages * block_n * d * 2
         assert (smem + 1024 <= 232448) == (d in gluon_fwd.PERSISTENT_HEAD_DIMS), (d, smem)
     params = list(gluon_fwd.attn_fwd_gluon.arg_names)
-    assert params[-8:] == ["HEAD_D", "BLOCK_N", "STAGES", "BOTTOM_RIGHT", "LONGEST_FIRST", "PINGPONG", "RESIDUAL",
-                           "PERSISTENT"] and "batch" in params and gluon_fwd._PERSISTENT_ONLY_ARGS == ("batch",)
+    assert params[-9:] == ["HEAD_D", "BLOCK_N", "STAGES", "BOTTOM_RIGHT", "LONGEST_FIRST", "PINGPONG", "RESIDUAL",
+                           "PERSISTENT", "CONSUMERS"] and "batch" in params and gluon_fwd._PERSISTENT_ONLY_ARGS == ("batch",)
 
 
 class _Recorder:
@@ -777,7 +849,8 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
     """The launch plumbing on CPU (the kernel replaced by a recorder): ``auto`` does not take the
     persistent variant for causal bands of 300 or 8192 queries (outside AUTO_PERSISTENT's causal
     rows); the switch or ``persistent=True`` does at D 64/128, with grid
-    (min(#SMs, tiles),) and ``batch`` = B; otherwise grid (cdiv(Sq, 128), B·Hq) and ``batch`` None."""
+    (min(#SMs, tiles),) and ``batch`` = B; otherwise grid (cdiv(Sq, rows), B·Hq) and ``batch`` None;
+    ``rows`` is 64 a consumer warpgroup (three at D 64, gluon_fwd.DEFAULT_CONSUMERS: 192)."""
     if env is None:
         monkeypatch.delenv("PORTATTN_TRITON_GLUON_PERSISTENT", raising=False)
     else:
@@ -787,20 +860,23 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
     monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
     monkeypatch.setattr(gluon_fwd, "_ensure_allocator", lambda: None)
     monkeypatch.setattr(gluon_fwd, "_sm_count", lambda dev: 132)
-    for b, sq, h in ((3, 300, 4), (2, 8192, 16)):     # 36 tiles (grid 36), 2048 tiles (grid 132)
+    rows = 64 * gluon_fwd.consumers_for(d)
+    assert rows == (192 if d == 64 else 128)
+    for b, sq, h in ((3, 300, 4), (2, 8192, 16)):     # 36 tiles (grid 36), 2048 tiles (grid 132) at D 128
         q, k, v = _qkv(b, sq, sq, h, h // 2, d)
         gluon_fwd.gluon_forward(build_spec(q, k, v, causal=True), persistent=arg)
         grid, args, kw = rec.launches[-1]
-        tiles = -(-sq // 128) * b * h
+        tiles = -(-sq // rows) * b * h
         assert kw["PERSISTENT"] is expect and kw["LONGEST_FIRST"] is True and kw["HEAD_D"] == d
+        assert kw["CONSUMERS"] == rows // 64
         assert args[-1] == (b if expect else None)      # batch, the last runtime argument
-        assert grid == ((min(132, tiles),) if expect else (-(-sq // 128), b * h)), grid
+        assert grid == ((min(132, tiles),) if expect else (-(-sq // rows), b * h)), grid
         # a zero stride (K and V broadcast over heads) keeps the one-tile kernel, whose descriptors
         # take the head offset in their base: a rank-4 descriptor would need a stride of 0
         kx, vx = (t[:, :, :1].expand(-1, -1, h // 2, -1) for t in (k, v))
         gluon_fwd.gluon_forward(build_spec(q, kx, vx, causal=True), persistent=arg)
         grid, args, kw = rec.launches[-1]
-        assert kw["PERSISTENT"] is False and grid == (-(-sq // 128), b * h) and args[-1] is None
+        assert kw["PERSISTENT"] is False and grid == (-(-sq // rows), b * h) and args[-1] is None
     # the switch turns the variant on where the Gluon forward runs, not the Gluon forward itself
     monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
     monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
@@ -814,7 +890,9 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
     (2047, 128, True, True, True), (2048, 128, True, True, False), (4096, 128, False, True, True),
     (4096, 128, True, True, False),
     (2048, 64, False, False, True), (2047, 64, False, False, False), (4096, 64, True, False, False),
-    (4096, 64, False, True, False), (4096, 256, False, False, False)])
+    (8191, 64, False, False, True), (8192, 64, False, False, False),        # D 64 inference: 2k-8k
+    (4096, 64, False, True, True), (16383, 64, False, True, True), (16384, 64, False, True, False),   # training
+    (1024, 64, False, True, False), (4096, 256, False, False, False)])
 def test_auto_launches_the_persistent_variant_on_its_rows(monkeypatch, sq, d, causal, residual, expect):
     """With the switch unset, a launch takes the persistent variant exactly on AUTO_PERSISTENT's rows
     (head dim, causal, training = ``residual``, query-row range); ``0`` turns every row off and
@@ -835,17 +913,18 @@ def test_auto_launches_the_persistent_variant_on_its_rows(monkeypatch, sq, d, ca
         assert rec.launches[-1][2]["PERSISTENT"] is want, env
 
 
-def _work_item(w, sq, batch, hq, longest_first):
-    """gluon_fwd._work_item in Python: (b, h, m0)."""
-    num_m, num_bh = -(-sq // 128), batch * hq
+def _work_item(w, sq, batch, hq, longest_first, rows=128):
+    """gluon_fwd._work_item in Python: (b, h, m0) of ``rows``-row query tiles."""
+    num_m, num_bh = -(-sq // rows), batch * hq
     m, bh = (num_m - 1 - w // num_bh, w % num_bh) if longest_first else (w % num_m, w // num_m)
-    return bh // hq, bh % hq, m * 128
+    return bh // hq, bh % hq, m * rows
 
 
 @pytest.mark.parametrize("sq, batch, hq, grid", [(300, 3, 4, 36), (1024, 16, 16, 132), (4096, 1, 3, 132),
                                                  (129, 2, 5, 7)])
 @pytest.mark.parametrize("longest_first", [False, True])
-def test_persistent_walk_covers_every_tile_once_longest_first(sq, batch, hq, grid, longest_first):
+@pytest.mark.parametrize("rows", [128, 192])
+def test_persistent_walk_covers_every_tile_once_longest_first(sq, batch, hq, grid, longest_first, rows):
     """Every (query tile, head) is one CTA's item exactly once; with ``LONGEST_FIRST`` each round of
     the walk (item j of every CTA) starts no shorter tile before a longer one; and the running
     counts of the consumers (ring tiles, non-empty bands: the ping-pong turn count ``kv + bands``)
@@ -855,21 +934,21 @@ def test_persistent_walk_covers_every_tile_once_longest_first(sq, batch, hq, gri
     for pid in range(grid):
         kv = bands = turns = 0
         last_m = None
-        for w in range(pid, -(-sq // 128) * batch * hq, grid):
-            b, h, m0 = _work_item(w, sq, batch, hq, longest_first)
+        for w in range(pid, -(-sq // rows) * batch * hq, grid):
+            b, h, m0 = _work_item(w, sq, batch, hq, longest_first, rows)
             assert (b, h, m0) not in seen and 0 <= b < batch and 0 <= h < hq and 0 <= m0 < sq
             seen[b, h, m0] = pid
             if longest_first:
                 assert last_m is None or m0 <= last_m
                 last_m = m0
-            lo, full_lo, full_hi, hi = _key_phases(m0, sq, sq, 0, gluon_fwd._UNBOUNDED, 0, 128, 128)
+            lo, full_lo, full_hi, hi = _key_phases(m0, sq, sq, 0, gluon_fwd._UNBOUNDED, 0, rows, 128)
             n = len(range(lo, hi, 128))
             if n:   # turn numbers of this band's n + 1 issue points: kv + bands + (0 … n)
                 assert kv + bands == turns
                 turns += n + 1
                 kv += n
                 bands += 1
-    assert len(seen) == -(-sq // 128) * batch * hq
+    assert len(seen) == -(-sq // rows) * batch * hq
 
 
 def test_persistent_helpers_are_shared_by_both_kernels():

@@ -83,6 +83,14 @@ WG_M = 64
 #: its O tiles take 2 x (64, D) more shared memory, which D 256 does not have (64 + 128 + 64 KiB >
 #: 227 KiB); D 256 runs the one-tile kernel
 PERSISTENT_HEAD_DIMS = (64, 128)
+#: the head dims that can run three consumer warpgroups (192-row CTAs; :func:`consumers_for`)
+THREE_CONSUMER_HEAD_DIMS = (64,)
+#: the consumer warpgroups per head dim when neither the call nor ``PORTATTN_TRITON_GLUON_CONSUMERS`` says:
+#: three at D 64, where ``auto`` takes the Gluon forward only on rows an H100 timed with three
+#: (2026-12-05, tools/gluon_consumers_check.py, benchmarks/results/triton-gluon-consumers-h100.txt:
+#: three / two consumers 1.07-1.17 x one-tile and 1.02-1.11 x persistent non-causal, 1.07-1.10 x
+#: causal from S 8k; slower on short causal bands, which stay with the portable kernel)
+DEFAULT_CONSUMERS = {64: 3, 128: 2, 256: 2}
 #: kernel arguments only the persistent variant reads (the constexpr None otherwise, as ORES)
 _PERSISTENT_ONLY_ARGS = ("batch",)
 
@@ -155,14 +163,14 @@ if gl is not None:
 
     @gluon.jit
     def _row_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right, BLOCK_N: gl.constexpr,
-                  BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+                  BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, CONSUMERS: gl.constexpr = 2):
         """The prologue of a Q-stationary CTA (the forward, the backward's dQ) on grid
-        (cdiv(Sq, 128), B·Hq): ``(b, h, h_kv, m0, off, (lo, full_lo, full_hi, hi))`` — its batch,
-        query head and KV head (:func:`_heads`), its first query row ``m0`` of 128 (two consumer
-        warpgroups; the last tile first with ``LONGEST_FIRST``), the alignment ``off``
-        (:func:`_align_offset`) and the band of ``BLOCK_N``-key tiles its rows see in three
-        phases (:func:`_key_phases`)."""
-        BLOCK_M: gl.constexpr = 2 * _WG_M
+        (cdiv(Sq, 64·CONSUMERS), B·Hq): ``(b, h, h_kv, m0, off, (lo, full_lo, full_hi, hi))`` — its
+        batch, query head and KV head (:func:`_heads`), its first query row ``m0`` of 64·CONSUMERS
+        (one 64-row tile per consumer warpgroup; the last tile first with ``LONGEST_FIRST``), the
+        alignment ``off`` (:func:`_align_offset`) and the band of ``BLOCK_N``-key tiles its rows see
+        in three phases (:func:`_key_phases`)."""
+        BLOCK_M: gl.constexpr = CONSUMERS * _WG_M
         pid = _tile_index(LONGEST_FIRST)
         b, h, h_kv = _heads(num_heads_q, gqa_ratio)
         m0 = pid * BLOCK_M
@@ -171,13 +179,13 @@ if gl is not None:
         return b, h, h_kv, m0, off, phases
 
     @gluon.jit
-    def _work_item(w, sq, batch, num_heads_q, gqa_ratio, LONGEST_FIRST: gl.constexpr):
+    def _work_item(w, sq, batch, num_heads_q, gqa_ratio, LONGEST_FIRST: gl.constexpr, CONSUMERS: gl.constexpr):
         """``(b, h, h_kv, m0)`` of work item ``w`` of the persistent forward (:data:`PERSISTENT_HEAD_DIMS`):
-        the items are the cdiv(Sq, 128) query tiles of every (batch, head), numbered head-major (a
+        the items are the cdiv(Sq, 64·CONSUMERS) query tiles of every (batch, head), numbered head-major (a
         head's tiles run side by side and share its K and V in L2), or with ``LONGEST_FIRST``
         tile-major from the last tile (a causal-like band: the tiles that see the most keys start
         first, as :func:`_tile_index`)."""
-        num_m = (sq + 2 * _WG_M - 1) // (2 * _WG_M)
+        num_m = (sq + CONSUMERS * _WG_M - 1) // (CONSUMERS * _WG_M)
         num_bh = batch * num_heads_q
         if LONGEST_FIRST:
             m = num_m - 1 - w // num_bh
@@ -187,7 +195,7 @@ if gl is not None:
             bh = w // num_m
         b = bh // num_heads_q
         h = bh % num_heads_q
-        return b, h, h // gqa_ratio, m * (2 * _WG_M)
+        return b, h, h // gqa_ratio, m * (CONSUMERS * _WG_M)
 
     @gluon.jit
     def _tma_load_rows(desc, row, b, h, bar, dst, PERSISTENT: gl.constexpr):
@@ -210,11 +218,13 @@ if gl is not None:
 
     @gluon.jit
     def _load_q(q_desc, q_smem, q_bar, q_empty, c, m0, b, h, HEAD_D: gl.constexpr, PERSISTENT: gl.constexpr):
-        """The producer's first stage of a tile: both 64-row Q tiles. ``PERSISTENT``: the ``c``-th
+        """The producer's first stage of a tile: the 64-row Q tile of every consumer warpgroup (one
+        per ``q_smem`` slot). ``PERSISTENT``: the ``c``-th
         tile of this CTA, loaded once its warpgroup released the previous one (``q_empty``, waited
         on the parity before the current round's: a fresh barrier passes at once)."""
         tile_bytes: gl.constexpr = _WG_M * HEAD_D * 2
-        for wg in gl.static_range(2):
+        CONSUMERS: gl.constexpr = q_smem.shape[0]
+        for wg in gl.static_range(CONSUMERS):
             if PERSISTENT:
                 mbarrier.wait(q_empty.index(wg), (c & 1) ^ 1)
             mbarrier.expect(q_bar.index(wg), tile_bytes)
@@ -241,28 +251,31 @@ if gl is not None:
         return i
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                  m0, lo, hi, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-        """The load warp of one CTA's tile: both Q tiles (:func:`_load_q`), then K and V of every key
-        tile in [lo, hi) into the ring (:func:`_load_kv`)."""
+    def _producer(args, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+        """The load warp of one CTA's tile: its Q tiles (:func:`_load_q`), then K and V of every key
+        tile in [lo, hi) into the ring (:func:`_load_kv`). ``args``: the kernel's values it takes (a
+        partition's values travel as one tuple, its constexprs beside it)."""
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m0, lo, hi = args
         _load_q(q_desc, q_smem, q_bar, None, 0, m0, 0, 0, HEAD_D, False)
         _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo * 0, lo, hi, 0, 0,
                  BLOCK_N, HEAD_D, STAGES, False)
 
     @gluon.jit
-    def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, batch, num_heads_q, gqa_ratio, sq, sk, off, window_left, window_right,
-                             BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+    def _persistent_producer(args, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                              LONGEST_FIRST: gl.constexpr):
         """The load warp of a persistent CTA: :func:`_producer`'s two stages for each of its work
         items (:func:`_work_item`: every ``num_programs``-th from ``program_id``), the ring count
         running on across items, so the next item's Q and first K/V tiles load while the
         consumers still finish (and store) the current one."""
+        (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, batch,
+         num_heads_q, gqa_ratio, sq, sk, off, window_left, window_right) = args
+        CONSUMERS: gl.constexpr = q_smem.shape[0]
         kv = sq * 0
         c = sq * 0
-        for w in range(gl.program_id(0), gl.cdiv(sq, 2 * _WG_M) * batch * num_heads_q, gl.num_programs(0)):
-            b, h, h_kv, m0 = _work_item(w, sq, batch, num_heads_q, gqa_ratio, LONGEST_FIRST)
-            lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, 2 * _WG_M, BLOCK_N)
+        for w in range(gl.program_id(0), gl.cdiv(sq, CONSUMERS * _WG_M) * batch * num_heads_q, gl.num_programs(0)):
+            b, h, h_kv, m0 = _work_item(w, sq, batch, num_heads_q, gqa_ratio, LONGEST_FIRST, CONSUMERS)
+            lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, CONSUMERS * _WG_M,
+                                                   BLOCK_N)
             _load_q(q_desc, q_smem, q_bar, q_empty, c, m0, b, h, HEAD_D, True)
             kv = _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv, lo, hi, b, h_kv,
                           BLOCK_N, HEAD_D, STAGES, True)
@@ -290,18 +303,22 @@ if gl is not None:
 
     @gluon.jit
     def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """FA3's warpgroup ping-pong (``PINGPONG``): the two consumers take turns to issue their
-        products, WG 0 its k-th after WG 1's (k-1)-th, WG 1 its k-th after WG 0's k-th, so that one
-        warpgroup's softmax runs while the other's products do. ``turn[w]`` is the barrier WG w
-        waits on (:func:`_turn_pass` arrives on the other's); WG 0's first wait passes on the fresh
-        barrier (parity 1), and both issue at the same count of points, so the turns pair up."""
+        """FA3's warpgroup ping-pong (``PINGPONG``): the consumers (one barrier each in ``turn``: two,
+        or three at :data:`THREE_CONSUMER_HEAD_DIMS`) take turns to issue their products in a
+        cycle, WG 0 its k-th after the last WG's (k-1)-th, WG w > 0 its k-th after WG w-1's k-th, so
+        that one warpgroup's softmax runs while another's products do. ``turn[w]`` is the barrier
+        WG w waits on (:func:`_turn_pass` arrives on the next one's); WG 0's first wait passes on
+        the fresh barrier (parity 1), and all issue at the same count of points, so the turns line
+        up; no barrier can run a phase ahead of its waiter, since the cycle passes through it."""
+        FIRST: gl.constexpr = 1 if WG == 0 else 0
         if PINGPONG:
-            mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
+            mbarrier.wait(turn.index(WG), (k & 1) ^ FIRST)
 
     @gluon.jit
     def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        NEXT: gl.constexpr = (WG + 1) % turn.shape[0]
         if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
+            mbarrier.arrive(turn.index(NEXT), count=1)
 
     @gluon.jit
     def _band(acc, m_i, l_i, p_prev, i, turn_off, start, stop, q, ring, rows, cols0, sk, off, window_left, window_right,
@@ -414,14 +431,16 @@ if gl is not None:
             tma.store_wait(0)
 
     @gluon.jit
-    def _consumer(WG: gl.constexpr, o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off,
-                  lo, full_lo, full_hi, hi, window_left, window_right, qk_scale2,
-                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                  RESIDUAL: gl.constexpr):
+    def _consumer(WG: gl.constexpr, args, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                  PINGPONG: gl.constexpr, RESIDUAL: gl.constexpr):
         """One consumer warpgroup: the 64 query rows ``m0 + WG·64 …``; writes their O and lse, and
         with ``RESIDUAL`` O's rounding residual (``o_descs`` = (O's descriptor,) or (O's, ORES's)).
+        ``args``: the kernel's values every consumer takes (one tuple, so that the partitions
+        differ in ``WG`` alone).
         Every warpgroup issues products at the same points (the first tile's S, one step per
         further tile, the last P V), so the ping-pong turns pair up."""
+        (o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi, window_left,
+         window_right, qk_scale2) = args
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -443,9 +462,7 @@ if gl is not None:
                   False)
 
     @gluon.jit
-    def _persistent_consumer(WG: gl.constexpr, o_descs, q_smem, o_smem, q_bar, q_empty, ring, LSE,
-                             stride_lb, stride_lh, batch, num_heads_q, gqa_ratio, sq, sk, off,
-                             window_left, window_right, qk_scale2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+    def _persistent_consumer(WG: gl.constexpr, args, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                              STAGES: gl.constexpr, PINGPONG: gl.constexpr, RESIDUAL: gl.constexpr,
                              LONGEST_FIRST: gl.constexpr):
         """One consumer warpgroup of a persistent CTA: :func:`_consumer`'s stages for each work
@@ -455,6 +472,8 @@ if gl is not None:
         ``o_smem``). Three counts run across items: ``c`` the items (``q_bar``'s parity), ``kv``
         the ring's tiles, ``bands`` the non-empty bands (each has one more ping-pong turn than
         tiles: the turn count is ``kv + bands``)."""
+        (o_descs, q_smem, o_smem, q_bar, q_empty, ring, LSE, stride_lb, stride_lh, batch, num_heads_q, gqa_ratio, sq,
+         sk, off, window_left, window_right, qk_scale2) = args
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -466,9 +485,11 @@ if gl is not None:
         kv = sq * 0
         c = sq * 0
         bands = sq * 0
-        for w in range(gl.program_id(0), gl.cdiv(sq, 2 * _WG_M) * batch * num_heads_q, gl.num_programs(0)):
-            b, h, h_kv, m0 = _work_item(w, sq, batch, num_heads_q, gqa_ratio, LONGEST_FIRST)
-            lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, 2 * _WG_M, BLOCK_N)
+        CONSUMERS: gl.constexpr = q_smem.shape[0]
+        for w in range(gl.program_id(0), gl.cdiv(sq, CONSUMERS * _WG_M) * batch * num_heads_q, gl.num_programs(0)):
+            b, h, h_kv, m0 = _work_item(w, sq, batch, num_heads_q, gqa_ratio, LONGEST_FIRST, CONSUMERS)
+            lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, CONSUMERS * _WG_M,
+                                                   BLOCK_N)
             row0 = m0 + WG * _WG_M
             rows = row0 + gl.arange(0, _WG_M, layout=gl.SliceLayout(1, s_layout))
             m_i = gl.full([_WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -522,9 +543,10 @@ if gl is not None:
                        num_heads_q, gqa_ratio, seqlen_q, seqlen_k, qk_scale2, window_left, window_right, batch,
                        HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
-                       RESIDUAL: gl.constexpr, PERSISTENT: gl.constexpr):
-        """O = softmax(scale·QKᵀ)V for 128 query rows of one (batch, head): grid
-        (cdiv(Sq, 128), B·Hq), 4 warps (consumer 0) + a 4-warp consumer + a 1-warp producer.
+                       RESIDUAL: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr):
+        """O = softmax(scale·QKᵀ)V for 64·CONSUMERS query rows of one (batch, head): grid
+        (cdiv(Sq, 64·CONSUMERS), B·Hq), 4 warps (consumer 0) + one or two more 4-warp consumers
+        (``CONSUMERS`` 2 or 3, :func:`consumers_for`) + a 1-warp producer.
         ``RESIDUAL``: also ORES = O_f32 − round(O_f32) in O's dtype, through O's strides (ORES is
         None without it, a constexpr, so the inference kernel has no extra parameter).
         ``PERSISTENT`` (:data:`PERSISTENT_HEAD_DIMS`): grid (min(#SMs, tiles),), each CTA walks
@@ -542,7 +564,7 @@ if gl is not None:
                 HEAD_D, BLOCK_N, RESIDUAL)
         else:
             b, h, h_kv, m0, off, phases = _row_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right,
-                                                    BLOCK_N, BOTTOM_RIGHT, LONGEST_FIRST)
+                                                    BLOCK_N, BOTTOM_RIGHT, LONGEST_FIRST, CONSUMERS)
             lo, full_lo, full_hi, hi = phases
 
             b64 = b.to(gl.int64)
@@ -563,54 +585,68 @@ if gl is not None:
             lse_off = b64 * stride_lb + h.to(gl.int64) * stride_lh
 
         dtype: gl.constexpr = Q.dtype.element_ty
-        q_smem = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], smem_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, _WG_M, HEAD_D], smem_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], bar_layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-        for j in gl.static_range(2):
+        for j in gl.static_range(CONSUMERS):
             mbarrier.init(q_bar.index(j), count=1)
         for j in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(j), count=1)
             mbarrier.init(v_ready.index(j), count=1)
-            mbarrier.init(k_empty.index(j), count=2)   # one arrival per consumer warpgroup
-            mbarrier.init(v_empty.index(j), count=2)
+            mbarrier.init(k_empty.index(j), count=CONSUMERS)   # one arrival per consumer warpgroup
+            mbarrier.init(v_empty.index(j), count=CONSUMERS)
 
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-        for j in gl.static_range(2):
+        turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], bar_layout)
+        for j in gl.static_range(CONSUMERS):
             mbarrier.init(turn.index(j), count=1)
         if PERSISTENT:   # O's own tiles, so the next item's Q can load while O is stored; Q given back
-            o_smem = gl.allocate_shared_memory(dtype, [2, _WG_M, HEAD_D], smem_layout)
-            q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-            for j in gl.static_range(2):
+            o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, _WG_M, HEAD_D], smem_layout)
+            q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], bar_layout)
+            for j in gl.static_range(CONSUMERS):
                 mbarrier.init(q_empty.index(j), count=1)
         fence_async_shared()   # the inits (generic proxy) before the TMA engine (async proxy) signals them
         ring = (k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn)
+        # the partitions: the consumer warpgroups (the default partition is consumer 0), then the producer
+        # warp; 3 consumers leave each 160 registers of the SM's 64 K (16 warps: 3 x 128 threads x 160 + the
+        # producer's warpgroup x 24), 2 leave 240 (12 warps)
         if PERSISTENT:
-            gl.warp_specialize([
-                (_persistent_consumer, (0, o_descs, q_smem, o_smem, q_bar, q_empty, ring, LSE, stride_lb, stride_lh,
-                                        batch, num_heads_q, gqa_ratio, sq, sk, off, window_left, window_right,
-                                        qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
-                (_persistent_consumer, (1, o_descs, q_smem, o_smem, q_bar, q_empty, ring, LSE, stride_lb, stride_lh,
-                                        batch, num_heads_q, gqa_ratio, sq, sk, off, window_left, window_right,
-                                        qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
-                (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                                        v_ready, k_empty, v_empty, batch, num_heads_q, gqa_ratio, sq, sk, off,
-                                        window_left, window_right, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST)),
-            ], [4, 1], [240, 24])
+            cargs = (o_descs, q_smem, o_smem, q_bar, q_empty, ring, LSE, stride_lb, stride_lh, batch, num_heads_q,
+                     gqa_ratio, sq, sk, off, window_left, window_right, qk_scale2)
+            pargs = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                     batch, num_heads_q, gqa_ratio, sq, sk, off, window_left, window_right)
+            if CONSUMERS == 3:
+                gl.warp_specialize([
+                    (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
+                    (_persistent_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
+                    (_persistent_consumer, (2, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
+                    (_persistent_producer, (pargs, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST)),
+                ], [4, 4, 1], [160, 160, 24])
+            else:
+                gl.warp_specialize([
+                    (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
+                    (_persistent_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
+                    (_persistent_producer, (pargs, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST)),
+                ], [4, 1], [240, 24])
         else:
-            gl.warp_specialize([
-                (_consumer, (0, o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi,
-                             hi, window_left, window_right, qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
-                (_consumer, (1, o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi,
-                             hi, window_left, window_right, qk_scale2, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
-                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                             v_empty, m0, lo, hi, BLOCK_N, HEAD_D, STAGES)),
-            ], [4, 1], [240, 24])
+            cargs = (o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi,
+                     window_left, window_right, qk_scale2)
+            pargs = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m0, lo,
+                     hi)
+            if CONSUMERS == 3:
+                gl.warp_specialize([(_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
+                                    (_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
+                                    (_consumer, (2, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
+                                    (_producer, (pargs, BLOCK_N, HEAD_D, STAGES))], [4, 4, 1], [160, 160, 24])
+            else:
+                gl.warp_specialize([(_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
+                                    (_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
+                                    (_producer, (pargs, BLOCK_N, HEAD_D, STAGES))], [4, 1], [240, 24])
 
 
 # ----- cross-compilation (no GPU needed) ----------------------------------------------------
@@ -620,6 +656,26 @@ def _default_pingpong() -> bool:
     ``PORTATTN_TRITON_GLUON_PINGPONG=0`` (read per call); the check tool times both."""
     from portattn import config
     return config.triton_gluon_pingpong()
+
+
+def consumers_for(head_dim: int, consumers: int | None = None) -> int:
+    """The consumer warpgroups of a launch at ``head_dim`` (64 query rows each): ``consumers``, else
+    ``PORTATTN_TRITON_GLUON_CONSUMERS`` (3 there means 3 where the head dim can run them, 2
+    elsewhere), else :data:`DEFAULT_CONSUMERS`. Three (FA3's 192-row tiles at D 64, where the
+    softmax is large against D's products) only at :data:`THREE_CONSUMER_HEAD_DIMS`: their 160
+    registers would not hold a 64 × D accumulator beside S above D 64; a ``consumers`` other than
+    2 or 3, or 3 at another head dim, raises ValueError."""
+    if consumers is None:
+        from portattn import config
+        consumers = config.triton_gluon_consumers()
+        if consumers == 3 and head_dim not in THREE_CONSUMER_HEAD_DIMS:
+            consumers = 2
+    if consumers is None:
+        return DEFAULT_CONSUMERS.get(head_dim, 2)
+    if consumers not in (2, 3) or (consumers == 3 and head_dim not in THREE_CONSUMER_HEAD_DIMS):
+        raise ValueError(f"the Gluon forward runs 2 consumer warpgroups, or 3 at D in {THREE_CONSUMER_HEAD_DIMS}; "
+                         f"got {consumers} at D {head_dim}")
+    return consumers
 
 
 def _default_persistent() -> bool | None:
@@ -648,16 +704,17 @@ def _rank4_strides(*tensors: torch.Tensor) -> bool:
 
 
 def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pingpong: bool | None = None,
-                      residual: bool = False, persistent: bool = False) -> dict:
+                      residual: bool = False, persistent: bool = False, consumers: int | None = None) -> dict:
     """The constexprs of one launch (also what :func:`compile_for` specialises on); ``residual``:
     the training variant that also stores O's rounding residual; ``persistent``: the persistent
-    variant (:data:`PERSISTENT_HEAD_DIMS` only; ValueError elsewhere)."""
+    variant (:data:`PERSISTENT_HEAD_DIMS` only; ValueError elsewhere); ``consumers``: the consumer
+    warpgroups (:func:`consumers_for`)."""
     if persistent and head_dim not in PERSISTENT_HEAD_DIMS:
         raise ValueError(f"the persistent Gluon forward runs D in {PERSISTENT_HEAD_DIMS}, not {head_dim}")
     block_n, stages = tile_config(head_dim)
     return dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=stages, BOTTOM_RIGHT=bottom_right, LONGEST_FIRST=causal,
                 PINGPONG=_default_pingpong() if pingpong is None else pingpong, RESIDUAL=residual,
-                PERSISTENT=persistent)
+                PERSISTENT=persistent, CONSUMERS=consumers_for(head_dim, consumers))
 
 
 #: launch options: 4 warps run the default partition (consumer 0); the workers add 5 warps
@@ -666,7 +723,7 @@ LAUNCH_OPTIONS = dict(num_warps=4, num_stages=1)
 
 def compile_for(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                 arch: int = 90, pingpong: bool | None = None, residual: bool = False, persistent: bool = False,
-                bottom_right: bool = True):
+                bottom_right: bool = True, consumers: int | None = None):
     """``triton.compile`` of :func:`attn_fwd_gluon` for ``GPUTarget("cuda", arch, 32)`` without a GPU;
     returns the compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
     ``residual``: the training variant (``RESIDUAL``, an ORES pointer); without it ORES is the
@@ -679,7 +736,7 @@ def compile_for(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal
     from triton.experimental.gluon._runtime import GluonASTSource
     ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
     consts = launch_constexprs(head_dim, causal, bottom_right, pingpong=pingpong, residual=residual,
-                               persistent=persistent)
+                               persistent=persistent, consumers=consumers)
     if not residual:
         consts["ORES"] = None
     if not persistent:
@@ -733,7 +790,7 @@ def _cubin_facts(cubin: bytes) -> dict:
 
 def compile_report(head_dim: int = 128, causal: bool = False, dtype: torch.dtype = torch.bfloat16,
                    pingpong: bool | None = None, residual: bool = False, persistent: bool = False,
-                   bottom_right: bool = True) -> dict:
+                   bottom_right: bool = True, consumers: int | None = None) -> dict:
     """Cross-compile one variant for sm_90 and describe it: shared bytes, PTX counts of
     ``wgmma.mma_async`` / ``cp.async.bulk.tensor`` (TMA; ``tma_store`` the shared-to-global ones)
     / ``setmaxnreg`` and its values, the kernel's parameter count, and :func:`_cubin_facts`."""
@@ -741,10 +798,12 @@ def compile_report(head_dim: int = 128, causal: bool = False, dtype: torch.dtype
     import time
     start = time.perf_counter()
     pingpong = _default_pingpong() if pingpong is None else pingpong
+    consumers = consumers_for(head_dim, consumers)
     c = compile_for(head_dim, dtype, causal, pingpong=pingpong, residual=residual, persistent=persistent,
-                    bottom_right=bottom_right)
+                    bottom_right=bottom_right, consumers=consumers)
     ptx = c.asm["ptx"]
     row = dict(head_dim=head_dim, causal=causal, pingpong=pingpong, residual=residual,
+               **(dict(consumers=consumers) if consumers != 2 else {}),
                **(dict(persistent=True, bottom_right=bottom_right, tma_4d=ptx.count("cp.async.bulk.tensor.4d"))
                   if persistent else {}),
                dtype=str(dtype).replace("torch.", ""),
@@ -765,7 +824,9 @@ def main(argv=None) -> int:
     sm_90 and print what each compiled to (exit 1 on a compile error); ``--residual`` the
     inference kernel (default), the training one (``RESIDUAL``) or both; ``--persistent`` the
     one-tile kernel (default), the persistent one (``PERSISTENT``, its head dims only) or both;
-    ``--top-left`` top-left causal alignment instead of bottom-right."""
+    ``--top-left`` top-left causal alignment instead of bottom-right; ``--consumers 3`` three
+    consumer warpgroups where a head dim can run them (:data:`THREE_CONSUMER_HEAD_DIMS`; the
+    others keep two)."""
     import argparse
     import json
     ap = argparse.ArgumentParser(description=main.__doc__)
@@ -775,6 +836,8 @@ def main(argv=None) -> int:
     ap.add_argument("--residual", choices=("on", "off", "both"), default="off")
     ap.add_argument("--persistent", choices=("on", "off", "both"), default="off")
     ap.add_argument("--top-left", action="store_true", help="BOTTOM_RIGHT off (top-left causal alignment)")
+    ap.add_argument("--consumers", type=int, choices=(2, 3), default=None,
+                    help="consumer warpgroups (3 at D 64 only; default: consumers_for's)")
     args = ap.parse_args(argv)
     if GLUON_ERROR:
         print(GLUON_ERROR)
@@ -791,8 +854,11 @@ def main(argv=None) -> int:
                         if pers and d not in PERSISTENT_HEAD_DIMS:
                             continue
                         try:
+                            cons = (None if args.consumers is None or d in THREE_CONSUMER_HEAD_DIMS
+                                    else 2)
                             rows.append(compile_report(d, causal, pingpong=pp, residual=res, persistent=pers,
-                                                       bottom_right=not args.top_left))
+                                                       bottom_right=not args.top_left,
+                                                       consumers=args.consumers if cons is None else cons))
                         except Exception as exc:   # a compile error is a failed row, reported with its message
                             failed = True
                             rows.append(dict(head_dim=d, causal=causal, pingpong=pp, residual=res,
@@ -864,8 +930,12 @@ def gluon_reasons(spec) -> list[str]:
 #: with B·S = 16k tokens): D 128 1.09-1.27 x from S 1k, but 0.94 x at S 1k causal; D 256
 #: 1.30-1.34 x from S 1k, causal and not, and at S 512 1.29 x, causal 1.23 x (2026-12-04,
 #: tools/gluon_persistent_diag.py --time --cells, benchmarks/results/triton-gluon-persistent-h200.txt);
-#: D 64 0.60-1.04 x (faster only at S 16k) stays portable.
-AUTO_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False): 512, (256, True): 512}
+#: D 64 with two consumers 0.60-1.04 x (faster only at S 16k); with three (:data:`DEFAULT_CONSUMERS`, an
+#: H100, 2026-12-05, tools/gluon_consumers_check.py, benchmarks/results/triton-gluon-consumers-h100.txt)
+#: 1.22 / 1.21 x the portable kernel at S 8k / 16k non-causal, 1.04 / 1.19 x causal (0.82 x at 4k
+#: causal), so D 64 takes it from 8k (non-causal 2k-8k: the persistent row of AUTO_PERSISTENT).
+AUTO_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False): 512, (256, True): 512,
+                     (64, False): 8192, (64, True): 8192}
 
 
 #: the same for training forwards (``ops.forward_for_backward``: the ``RESIDUAL`` epilogue, which
@@ -873,8 +943,11 @@ AUTO_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False): 512, (
 #: and lse as the inference kernel, D 64/128/256) and timed it against the portable training
 #: forward (the same tool and file, "training forward", 2026-12-03): D 128 1.03-1.22 x from S 1k,
 #: but 0.88-0.89 x at S 1k causal; D 256 1.19-1.38 x from S 1k, causal and not, and 1.23 / 1.21 x
-#: at S 512 (2026-12-04, the same run as above). D 64 keeps the portable training forward.
-AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False): 512, (256, True): 512}
+#: at S 512 (2026-12-04, the same run as above). D 64 with three consumers (the H100 run above):
+#: one-tile 1.27 x the portable training forward at S 16k non-causal (persistent 1.17 x; 2k-16k the
+#: persistent row, 1.14-1.22 x), causal 1.01 x at 8k and 1.23 x at 16k (0.79 x at 4k).
+AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False): 512, (256, True): 512,
+                              (64, False): 16384, (64, True): 8192}
 
 
 #: where ``auto`` runs the persistent variant (:data:`PERSISTENT_HEAD_DIMS`) instead of the
@@ -893,14 +966,18 @@ AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False
 #: 1.16 (training 1.09), so the D 128 rows start at 512; D 64 0.92, causal 0.83: portable there.
 #: D 64 again (2026-12-05, benchmarks/results/triton-gluon-variants-h200.txt, inference, one run):
 #: persistent / portable 1.01, 1.045, 1.06, 1.07 at S 1k, 2k, 4k, 16k (causal 1k 0.89), so the D 64
-#: row starts at 2k. Where a
-#: row starts below the one-tile kernel's :data:`AUTO_MIN_SEQLEN_Q`, :func:`auto_takes` takes the
-#: Gluon forward from that row's start (D 128 causal at 1k: persistent 1.15 x the portable
-#: kernel, training 1.09 x; D 64 from 2k).
+#: row starts at 2k. With three consumers at D 64 (an H100, 2026-12-05,
+#: benchmarks/results/triton-gluon-consumers-h100.txt) the persistent kernel is 1.07 / 1.08 x the
+#: best two-consumer one at S 2k / 4k and 0.91 / 0.93 x the one-tile one at 8k / 16k (inference), and
+#: 1.14 / 1.15 / 1.22 x the portable training forward at 2k / 4k / 8k (1.03 x the one-tile one at 8k,
+#: 0.92 x at 16k): the non-causal D 64 rows end at 8k (inference) and 16k (training), where the
+#: one-tile kernel's rows begin. Where a row starts below the one-tile kernel's
+#: :data:`AUTO_MIN_SEQLEN_Q`, :func:`auto_takes` takes the Gluon forward from that row's start (D 128
+#: causal at 1k: persistent 1.15 x the portable kernel, training 1.09 x; D 64 from 2k).
 AUTO_PERSISTENT = {
     (128, False, False): (512, 1 << 31), (128, True, False): (512, 2048),
     (128, False, True): (512, 1 << 31), (128, True, True): (512, 2048),
-    (64, False, False): (2048, 1 << 31),
+    (64, False, False): (2048, 8192), (64, False, True): (2048, 16384),
 }
 
 
@@ -961,7 +1038,7 @@ def _buffer(given, shape, dtype, device, name: str) -> torch.Tensor:
 
 def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                   pingpong: bool | None = None, residual: bool = False, ores: torch.Tensor | None = None,
-                  persistent: bool | None = None) -> tuple:
+                  persistent: bool | None = None, consumers: int | None = None) -> tuple:
     """``(out, lse)`` of ``spec`` by :func:`attn_fwd_gluon`: out ``(B, Sq, Hq, Dv)`` in q's dtype,
     lse ``(B, Hq, Sq)`` float32 natural log, as ``ops.forward`` returns them (written into ``out``
     / ``lse`` when given: views with a unit last stride, O's row stride 16-byte aligned). Raises
@@ -969,7 +1046,8 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
     the consumers' ping-pong on or off (None: :data:`PINGPONG`). ``persistent``: the persistent
     variant on or off (None: ``PORTATTN_TRITON_GLUON_PERSISTENT``, and where that is unset
     :data:`AUTO_PERSISTENT` for this problem; D 256 always runs the one-tile kernel,
-    :func:`persistent_for`).
+    :func:`persistent_for`). ``consumers``: 2 or 3 consumer warpgroups, 64 query rows each
+    (None: :func:`consumers_for`'s default; 3 at :data:`THREE_CONSUMER_HEAD_DIMS` only).
 
     ``residual=True`` (a forward whose backward follows, as ``ops.forward_for_backward``):
     ``(out, lse, ores)`` with ``ores`` = O_f32 − round(O_f32) rounded to q's dtype, ``(B, Sq, Hq,
@@ -1002,14 +1080,15 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
     _ensure_allocator()
     persistent = (persistent_for(spec.head_dim, persistent, auto_persistent(spec, residual))
                   and _rank4_strides(q, k, v, out))
-    tiles = (-(-spec.seqlen_q // (2 * WG_M)), spec.batch * spec.num_heads_q)
+    consumers = consumers_for(spec.head_dim, consumers)
+    tiles = (-(-spec.seqlen_q // (consumers * WG_M)), spec.batch * spec.num_heads_q)
     grid = (min(_sm_count(dev), tiles[0] * tiles[1]),) if persistent else tiles
     attn_fwd_gluon[grid](q, k, v, out, lse, ores, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                          *out.stride()[:3], *lse.stride()[:2], spec.num_heads_q, spec.num_heads_q // spec.num_heads_kv,
                          spec.seqlen_q, spec.seqlen_k, float(spec.scale) * 1.4426950408889634,
                          window_left, window_right, spec.batch if persistent else None,
                          **launch_constexprs(spec.head_dim, causal_like, spec.alignment == "bottom_right", pingpong,
-                                             residual, persistent),
+                                             residual, persistent, consumers),
                          **LAUNCH_OPTIONS)
     return (out, lse, ores) if residual else (out, lse)
 
