@@ -47,25 +47,22 @@
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls; export PYTHONPATH=$PWD for
 # tools run outside this script). The device tool lends an H100 or an H200 (either, call by call;
-# 2026-12-05's three calls all got an H100): time a change against main in the same call
+# every call of 2026-12-05's two sessions got an H100): time a change against main in the same call
 # (tools/ab_session.sh); the report files carry the card's name (GPU_TAG), so an H100's results sit
 # beside the H200's in benchmarks/results/. Branches are not kept between sessions: time an
 # experiment in the session that builds it, or land it behind a switch.
-#   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> BENCH_LIMIT=420 bash tools/h200_session.sh warm bench
-#                                        # the grid on whichever card comes (bench-<card>.*): the H200's
-#                                        # predates cupy's 64-key HD 256 dQ and auto's D 128 causal persistent
-#                                        # rows ending at 2k; the H100's (2026-12-05) lost its 12 D 256 causal
-#                                        # cells to the 310 s limit on a cold compile cache
-#   TESTS_WORKERS=6 bash tools/h200_session.sh par:tests:gluon par:tests:callpath   # triton's Gluon tests on
-#                                        # the 2k boundary (855131a: dispatch only, kernels unchanged)
-#   python3 tools/gluon_persistent_diag.py --time --cells 512:128:1,1024:128:1,2048:128:1,4096:128:1,1024:64:0,2048:64:0
-#                                        # on an H200 if one comes: the H100 (2026-12-05) and the H200
-#                                        # (2026-12-04) disagree on persistent / one-tile at D 128 causal
-#                                        # (0.85 against 1.04 at S 2k); a second run of each card
-#   cupy, #16's D 64 backward (0.86-0.93 x FA2 on the H200): neither the producers' loads (three stages,
-#                                        # asynchronous statistics: 0.98-1.00 x, cupy-wgmma-bwd-ab-h100.txt)
-#                                        # nor own-keys dQ (0.85-0.96 x) paid; next is ping-pong between the
-#                                        # consumer warpgroups (docs/cupy.md, What limits the backward)
+#   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> BENCH_LIMIT=330 bash tools/h200_session.sh warm bench tests:gluon
+#                                        # the grid on whichever card comes (~180 s warm + bench); on an H200
+#                                        # this refreshes bench-h200.* (4ce2745: before the D 64 three-consumer
+#                                        # Gluon forward, the 64-key HD 256 dQ and the 2k end of the persistent rows)
+#   PYTHONPATH=. python3 tools/gluon_consumers_check.py --out $OUT   # on an H200 if one comes: the D 64
+#                                        # three-consumer rows rest on one H100 run (2026-12-05)
+#   triton, #14's short causal cells (0.53-0.56 x cuDNN at D 128 S 512/1k on an H100, 0.64/0.72 on the H200):
+#                                        # the persistent kernel runs 0.76-0.81 x its H200 speed there while cuDNN
+#                                        # does not move; profile it (ncu) on both cards before changing the walk
+#   cupy, #16's D 64 backward (0.85-0.95 x FA2): neither the producers' loads (0.98-1.00 x) nor own-keys dQ
+#                                        # (0.85-0.96 x) paid; next is ping-pong between the consumer warpgroups
+#                                        # (docs/cupy.md, What limits the backward)
 # and e.g. after a partial catalogue:
 #   PREV=benchmarks/results/conformance-h200.json bash tools/h200_session.sh catalogue:triton,cupy
 #
