@@ -239,8 +239,8 @@ def test_tile_table_fits_hopper_shared_memory():
     aside), with three consumers where a head dim runs them and with the persistent variant's O
     tiles (one per consumer) at its head dims."""
     for d in gluon_fwd.HEAD_DIMS:
-        block_n, stages = gluon_fwd.tile_config(d)
         for consumers in (2, 3) if d in gluon_fwd.THREE_CONSUMER_HEAD_DIMS else (2,):
+            block_n, stages = gluon_fwd.tile_config(d, consumers)
             tiles = consumers * (2 if d in gluon_fwd.PERSISTENT_HEAD_DIMS else 1)
             smem = tiles * gluon_fwd.WG_M * d * 2 + 2 * stages * block_n * d * 2
             assert smem + 1024 <= 232448, (d, consumers, smem)
@@ -323,7 +323,7 @@ def test_three_consumers_cross_compile_at_d64():
     no spills under the H200's triton 3.6 (3.9's code spills at D 64, as with two consumers)."""
     rows = _compile_rows("64", pingpong="on")
     _check_compiled(rows, (64,), pingpongs=(True,))
-    block_n, stages = gluon_fwd.tile_config(64)
+    block_n, stages = gluon_fwd.tile_config(64, 3)
     for r in rows:
         assert r["consumers"] == 3 and r["shared"] >= (3 * 64 + 2 * stages * block_n) * 64 * 2, r
 

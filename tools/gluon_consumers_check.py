@@ -57,22 +57,22 @@ CHECK_VARIANTS = [("g3_nopp", False, False), ("g3", True, False), ("p3", True, T
 TIMING_CELLS = [(s, c) for c in (False, True) for s in (512, 1024, 2048, 4096, 8192, 16384)]
 
 
-def _cases() -> list:
-    """Every check case at D 64, with its forced persistent grid (None: one CTA per SM)."""
+def _cases(head_dim: int = 64) -> list:
+    """Every check case at ``head_dim``, with its forced persistent grid (None: one CTA per SM)."""
     out = []
     for name, b, sq, sk, hq, hkv, d, dt, kw in chk.CHECK_CASES:
-        out.append(((name if d == 64 else f"{name}@d64"), b, sq, sk, hq, hkv, 64, dt, kw, None))
-    return out + EXTRA_CASES
+        out.append(((name if d == head_dim else f"{name}@d{head_dim}"), b, sq, sk, hq, hkv, head_dim, dt, kw, None))
+    return out + [c[:6] + (head_dim,) + c[7:] for c in EXTRA_CASES]
 
 
-def child_main(names: list[str]) -> int:
+def child_main(names: list[str], head_dim: int = 64) -> int:
     """In a child: every case for the :data:`CHECK_VARIANTS` named ``names``, one CHECK line each."""
     import torch
     from portattn.backends.triton import gluon_fwd
     os.environ["PORTATTN_TRITON_GLUON_CONSUMERS"] = "3"
     real_sm_count = gluon_fwd._sm_count
     for variant, pingpong, persistent in (v for v in CHECK_VARIANTS if v[0] in names):
-        for case in _cases():
+        for case in _cases(head_dim):
             grid = case[-1]
             if grid is not None and not persistent:
                 continue
@@ -110,15 +110,28 @@ def _same_as_two(case, pingpong: bool, persistent: bool) -> dict:
     return {"same_as_two": bool(torch.equal(o3, o2) and torch.equal(l3, l2))}
 
 
-def time_cell(s: int, causal: bool) -> dict:
-    """One timing row at D 64 (TFLOP/s per column, see the module's docstring)."""
+def _with_stages(stages, fn):
+    """``fn`` run with three consumers' ``tile_config`` stages replaced by ``stages`` (None: as is)."""
+    if stages is None:
+        return fn()
+    from portattn.backends.triton import gluon_fwd
+    real = gluon_fwd.tile_config
+    gluon_fwd.tile_config = lambda d, c=2: (real(d, c)[0], stages) if c == 3 else real(d, c)
+    try:
+        return fn()
+    finally:
+        gluon_fwd.tile_config = real
+
+
+def time_cell(s: int, causal: bool, d: int = 64, stages: int | None = None) -> dict:
+    """One timing row at head dim ``d`` (TFLOP/s per column, see the module's docstring);
+    ``stages``: also time three consumers with this many ring stages (columns ``g3s``, ``p3s``)."""
     import torch
     import torch.nn.functional as F
     from portattn.backends.triton import gluon_fwd, ops
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from portattn.spec import build_spec
-    d = 64
     b, h = chk._shape(s, d)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
@@ -127,9 +140,12 @@ def time_cell(s: int, causal: bool) -> dict:
     row = {"S": s, "B": b, "H": h, "D": d, "causal": causal}
     impls = [(f"{kind}{c}", lambda c=c, pers=(kind == "p"): gluon_fwd.gluon_forward(spec, persistent=pers, consumers=c))
              for kind in ("g", "p") for c in (2, 3)]
+    if stages is not None:
+        impls += [(f"{kind}3s", lambda pers=(kind == "p"): _with_stages(stages, lambda: gluon_fwd.gluon_forward(
+            spec, persistent=pers, consumers=3))) for kind in ("g", "p")]
     impls += [("triton", lambda: ops.forward(spec))]
     impls += [(f"{kind}{c}_train", lambda c=c, pers=(kind == "p"): gluon_fwd.gluon_forward(
-        spec, persistent=pers, consumers=c, residual=True)) for kind, c in (("g", 3), ("p", 2), ("p", 3))]
+        spec, persistent=pers, consumers=c, residual=True)) for kind, c in (("g", 2), ("g", 3), ("p", 2), ("p", 3))]
     impls += [("triton_train", lambda: ops.forward_for_backward(spec))]
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -150,7 +166,7 @@ def time_cell(s: int, causal: bool) -> dict:
 def report(res: dict) -> str:
     f = chk._fmt
     lines = [f"{res.get('device', '?')} torch {res.get('torch', '?')} triton {res.get('triton', '?')} "
-             f"{res.get('date', '')}; seconds {json.dumps(res.get('seconds', {}))}", "", "compile (sm_90, D 64, 3 consumers):"]
+             f"{res.get('date', '')}; seconds {json.dumps(res.get('seconds', {}))}", "", "compile (sm_90, 3 consumers):"]
     lines += ["  " + " ".join(f"{k}={v}" for k, v in r.items()) for r in res.get("compile", [])]
     ch = res.get("child")
     if ch:
@@ -168,18 +184,20 @@ def report(res: dict) -> str:
         if ch["stderr_tail"] and not ch["passed"]:
             lines += ["  stderr: " + ch["stderr_tail"][-1500:]]
     if res.get("timings"):
-        cols = ["g2", "g3", "p2", "p3", "triton", "flash", "cudnn"]
-        lines += ["", "inference TFLOP/s (bf16, D 64, 16k tokens; g one-tile, p persistent, 2 / 3 consumers)",
+        cols = ["g2", "g3", "p2", "p3"] + (["g3s", "p3s"] if "g3s" in res["timings"][0] else []) + [
+            "triton", "flash", "cudnn"]
+        lines += ["", f"inference TFLOP/s (bf16, D {res['timings'][0]['D']}, 16k tokens; g one-tile, p persistent, "
+                  "2 / 3 consumers; g3s / p3s three with --stages ring stages)",
                   f"{'S':>6} {'causal':>6} " + " ".join(f"{c:>7}" for c in cols)
                   + f" {'g3/g2':>6} {'p3/p2':>6} {'best3/best':>10} {'best3/cudnn':>11}"]
         for r in res["timings"]:
-            best3 = max((r[k] for k in ("g3", "p3") if k in r), default=None)
+            best3 = max((r[k] for k in ("g3", "p3", "g3s", "p3s") if k in r), default=None)
             best = max((r[k] for k in ("g2", "p2", "triton") if k in r), default=None)
             lines.append(f"{r['S']:>6} {str(r['causal']):>6} " + " ".join(f(r.get(c)) for c in cols) + " "
                          + " ".join(f(a / b_ if a and b_ else None, w, 2) for a, b_, w in (
                              (r.get("g3"), r.get("g2"), 6), (r.get("p3"), r.get("p2"), 6), (best3, best, 10),
                              (best3, r.get("cudnn"), 11))))
-        tcols = ["g3_train", "p3_train", "p2_train", "triton_train"]
+        tcols = ["g2_train", "g3_train", "p2_train", "p3_train", "triton_train"]
         lines += ["", "training forward TFLOP/s (with O's rounding residual)",
                   f"{'S':>6} {'causal':>6} " + " ".join(f"{c:>12}" for c in tcols) + f" {'best3/triton':>12}"]
         for r in res["timings"]:
@@ -199,9 +217,17 @@ def main(argv=None) -> int:
     ap.add_argument("--child-timeout", type=float, default=240.0, help="the checks' child process limit (s)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variants", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--d", type=int, default=64, choices=(64, 128),
+                    help="the head dim (128 needs gluon_fwd.THREE_CONSUMER_HEAD_DIMS and tile_config to take it: "
+                         "its run of 2026-12-05 had them, benchmarks/results/triton-gluon-consumers-d128-h100.txt)")
+    ap.add_argument("--stages", type=int, default=None,
+                    help="also time three consumers with this many ring stages (columns g3s / p3s)")
+    ap.add_argument("--cells", default="", help="S:causal,... instead of S 512-16k causal and not")
+    ap.add_argument("--check-variants", default=",".join(v[0] for v in CHECK_VARIANTS),
+                    help="which of the checked kernels to check (g3_nopp, g3, p3)")
     a = ap.parse_args(argv)
     if a.child:
-        return child_main(a.variants.split(","))
+        return child_main(a.variants.split(","), a.d)
     if not a.out:
         ap.error("--out DIR is required")
     os.makedirs(a.out, exist_ok=True)
@@ -219,7 +245,7 @@ def main(argv=None) -> int:
     for causal in (False, True):
         for persistent in (False, True):
             try:
-                res["compile"].append(gluon_fwd.compile_report(64, causal, persistent=persistent, consumers=3))
+                res["compile"].append(gluon_fwd.compile_report(a.d, causal, persistent=persistent, consumers=3))
             except Exception as exc:
                 res["compile"].append({"causal": causal, "persistent": persistent,
                                        "error": f"{type(exc).__name__}: {str(exc)[-600:]}"})
@@ -230,9 +256,11 @@ def main(argv=None) -> int:
     if ok:
         from concurrent.futures import ThreadPoolExecutor
         limit = min(a.child_timeout, a.time_limit)
-        with ThreadPoolExecutor(len(CHECK_VARIANTS)) as pool:
-            kids = list(pool.map(lambda v: chk.child_lines(__file__, ["--variants", v[0]], limit), CHECK_VARIANTS))
-        n = sum(1 for _ in _cases()) * len(CHECK_VARIANTS) - sum(1 for x in _cases() if x[-1] is not None) * 2
+        checked = [v for v in CHECK_VARIANTS if v[0] in a.check_variants.split(",")]
+        with ThreadPoolExecutor(len(checked)) as pool:
+            kids = list(pool.map(lambda v: chk.child_lines(__file__, ["--variants", v[0], "--d", str(a.d)], limit),
+                                 checked))
+        n = sum(len([x for x in _cases(a.d) if v[2] or x[-1] is None]) for v in checked)
         checks = [x for k in kids for x in k["checks"]]
         c = {"rc": max((k["rc"] if k["rc"] is not None else 99) for k in kids), "hung": any(k["hung"] for k in kids),
              "checks": checks, "seconds": max(k["seconds"] for k in kids),
@@ -246,11 +274,13 @@ def main(argv=None) -> int:
         write()
     if ok:
         t0 = time.perf_counter()
-        for s, causal in TIMING_CELLS:
+        cells = ([(int(x), bool(int(y))) for x, y in (c.split(":") for c in a.cells.split(","))] if a.cells
+                 else TIMING_CELLS)
+        for s, causal in cells:
             if time.perf_counter() - start > a.time_limit:
                 res["skipped"].append(f"S={s} causal={causal}")
                 continue
-            res["timings"].append(time_cell(s, causal))
+            res["timings"].append(time_cell(s, causal, a.d, a.stages))
             print(json.dumps(res["timings"][-1]), flush=True)
             write()
         res["seconds"]["timings"] = round(time.perf_counter() - t0, 1)

@@ -96,12 +96,17 @@ _PERSISTENT_ONLY_ARGS = ("batch",)
 
 
 @functools.lru_cache(maxsize=8)
-def tile_config(head_dim: int) -> tuple[int, int]:
-    """(BLOCK_N, STAGES) for head dim ``head_dim``: shared memory is 2 Q tiles of (64, D) plus
-    ``STAGES`` K and V tiles of (BLOCK_N, D), 2 bytes each: D 64 -> 16 + 96 KiB, D 128 -> 32 +
-    128 KiB, D 256 -> 64 + 128 KiB (the H200 allows 227 KiB a block). FA3 uses the same N for
-    D 64/128; D 256 halves it to keep the accumulator (64 x 256 fp32, 128 registers) in budget."""
-    return {64: (128, 3), 128: (128, 2), 256: (64, 2)}[head_dim]
+def tile_config(head_dim: int, consumers: int = 2) -> tuple[int, int]:
+    """(BLOCK_N, STAGES) for head dim ``head_dim`` and ``consumers`` warpgroups: shared memory is a
+    Q tile of (64, D) per consumer plus ``STAGES`` K and V tiles of (BLOCK_N, D), 2 bytes each
+    (the persistent kernel adds an O tile per consumer): D 64 -> 16 + 96 KiB (three consumers 24
+    + 96), D 128 -> 32 + 128 KiB, D 256 -> 64 + 128 KiB (the H200 allows 227 KiB a block). FA3
+    uses the same N for D 64/128 with two; D 256 halves it to keep the accumulator (64 x 256
+    fp32, 128 registers) in budget. Three consumers at D 128 would need 64-key tiles for S and P
+    to fit beside the accumulator in 160 registers; they compiled without spills but ran 0.84-1.00
+    x two (an H100, 2026-12-05, benchmarks/results/triton-gluon-consumers-d128-h100.txt), so D 128
+    keeps two."""
+    return {(64, 2): (128, 3), (64, 3): (128, 3), (128, 2): (128, 2), (256, 2): (64, 2)}[head_dim, consumers]
 
 
 # ----- the kernel ---------------------------------------------------------------------------
@@ -663,8 +668,9 @@ def consumers_for(head_dim: int, consumers: int | None = None) -> int:
     ``PORTATTN_TRITON_GLUON_CONSUMERS`` (3 there means 3 where the head dim can run them, 2
     elsewhere), else :data:`DEFAULT_CONSUMERS`. Three (FA3's 192-row tiles at D 64, where the
     softmax is large against D's products) only at :data:`THREE_CONSUMER_HEAD_DIMS`: their 160
-    registers would not hold a 64 × D accumulator beside S above D 64; a ``consumers`` other than
-    2 or 3, or 3 at another head dim, raises ValueError."""
+    registers hold a 64 × D accumulator beside a 64 × 128 S only at D 64 (at D 128 with 64-key
+    tiles they ran slower than two, :func:`tile_config`); a ``consumers`` other than 2 or 3, or 3
+    at another head dim, raises ValueError."""
     if consumers is None:
         from portattn import config
         consumers = config.triton_gluon_consumers()
@@ -711,10 +717,11 @@ def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pi
     warpgroups (:func:`consumers_for`)."""
     if persistent and head_dim not in PERSISTENT_HEAD_DIMS:
         raise ValueError(f"the persistent Gluon forward runs D in {PERSISTENT_HEAD_DIMS}, not {head_dim}")
-    block_n, stages = tile_config(head_dim)
+    consumers = consumers_for(head_dim, consumers)
+    block_n, stages = tile_config(head_dim, consumers)
     return dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=stages, BOTTOM_RIGHT=bottom_right, LONGEST_FIRST=causal,
                 PINGPONG=_default_pingpong() if pingpong is None else pingpong, RESIDUAL=residual,
-                PERSISTENT=persistent, CONSUMERS=consumers_for(head_dim, consumers))
+                PERSISTENT=persistent, CONSUMERS=consumers)
 
 
 #: launch options: 4 warps run the default partition (consumer 0); the workers add 5 warps
