@@ -384,6 +384,33 @@ def test_check_tool_report_renders():
     assert "396.0" in pers[1] and "1.10" in pers[1], pers                          # g_pers_train, pers/g_train
 
 
+def test_consumers_tool_cases_and_report():
+    """tools/gluon_consumers_check.py: every check case at the head dim asked for (the forced-grid
+    cases only for the persistent kernel), and its report on a made-up result: a failed check and
+    a two-consumer mismatch are listed, the ratios computed (three consumers' best over the
+    two-consumer and portable kernels, and over cuDNN), a cell without a column shows '-'."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import gluon_consumers_check as tool
+    cases = tool._cases(64)
+    assert {c[6] for c in cases} == {64} and len({c[0] for c in cases}) == len(cases)
+    assert sum(c[-1] is not None for c in cases) == 3 and "plain_d128@d64" in {c[0] for c in cases}
+    child = {"rc": 0, "hung": False, "passed": False, "seconds": 2.0, "last_begun": None, "stderr_tail": "",
+             "checks": [{"case": "a", "variant": "g3", "passed": True, "same_as_two": True},
+                        {"case": "b", "variant": "p3", "passed": True, "same_as_two": False},
+                        {"case": "c", "variant": "g3_nopp", "passed": False, "out": "out FAIL"}]}
+    timings = [{"S": 4096, "D": 64, "causal": False, "g2": 400.0, "g3": 440.0, "p2": 410.0, "p3": 450.0,
+                "triton": 390.0, "cudnn": 500.0, "g3_train": 420.0, "triton_train": 350.0},
+               {"S": 512, "D": 64, "causal": True, "g2": 90.0, "g3": 70.0, "triton": 180.0, "cudnn": 250.0}]
+    text = tool.report({"compile": [], "child": child, "timings": timings, "verdict": "FAIL"})
+    assert "2 of 3 passed, 1 of 2 bit-identical" in text and "case=b" in text and "case=c" in text
+    assert "case=a " not in text and "verdict: FAIL" in text
+    row = [ln for ln in text.splitlines() if ln.lstrip().startswith("4096")]
+    assert "1.10" in row[0] and "1.10" in row[0].split()[-2] and "0.90" in row[0], row   # p3/best 2, best 3/cuDNN
+    assert row[1].split()[-1] == "1.20", row                                              # training 420 / 350
+    short = [ln for ln in text.splitlines() if ln.lstrip().startswith("512")][0]
+    assert "0.39" in short and "-" in short, short                                       # 70 / 180, no p2
+
+
 def test_check_tool_runs_the_persistent_variant_in_its_own_child(monkeypatch):
     """tools/triton_gluon_check.py checks every case for the one-tile variants (``nopp``, ``pp``) in
     one child and the persistent one (``pers``) in a second, so a deadlock there (killed at its own

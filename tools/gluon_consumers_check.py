@@ -127,9 +127,7 @@ def time_cell(s: int, causal: bool, d: int = 64, stages: int | None = None) -> d
     """One timing row at head dim ``d`` (TFLOP/s per column, see the module's docstring);
     ``stages``: also time three consumers with this many ring stages (columns ``g3s``, ``p3s``)."""
     import torch
-    import torch.nn.functional as F
     from portattn.backends.triton import gluon_fwd, ops
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from portattn.spec import build_spec
     b, h = chk._shape(s, d)
@@ -147,20 +145,7 @@ def time_cell(s: int, causal: bool, d: int = 64, stages: int | None = None) -> d
     impls += [(f"{kind}{c}_train", lambda c=c, pers=(kind == "p"): gluon_fwd.gluon_forward(
         spec, persistent=pers, consumers=c, residual=True)) for kind, c in (("g", 2), ("g", 3), ("p", 2), ("p", 3))]
     impls += [("triton_train", lambda: ops.forward_for_backward(spec))]
-    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        def sdpa(be=be):
-            with sdpa_kernel(be):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        impls.append((name, sdpa))
-    for name, fn in impls:
-        try:
-            fn()
-            torch.cuda.synchronize()
-            row[name] = flops / chk._median_ms(fn) * 1e-9
-        except Exception as exc:   # a kernel that does not take this shape
-            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    return row
+    return chk.time_impls(row, impls, q, k, v, causal, flops)
 
 
 def report(res: dict) -> str:

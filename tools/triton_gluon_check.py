@@ -274,9 +274,7 @@ def _median_ms(fn) -> float:
 def time_cell(s: int, d: int, causal: bool, variants: list) -> dict:
     """One timing row; ``variants``: the names of :data:`VARIANTS` whose checks passed."""
     import torch
-    import torch.nn.functional as F
     from portattn.backends.triton import gluon_fwd, ops
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from portattn.spec import build_spec
     b, h = _shape(s, d)
@@ -299,12 +297,22 @@ def time_cell(s: int, d: int, causal: bool, variants: list) -> dict:
             impls.append(("gluon_pers_train", lambda: gluon_fwd.gluon_forward(spec, pingpong=True, residual=True,
                                                                               persistent=True)))
         impls.append(("triton_train", lambda: ops.forward_for_backward(spec)))
+    return time_impls(row, impls, q, k, v, causal, flops)
+
+
+def time_impls(row: dict, impls: list, q, k, v, causal: bool, flops: float) -> dict:
+    """Time each ``(name, fn)`` of ``impls`` and SDPA's flash and cuDNN backends on ``q, k, v``
+    ``(B, S, H, D)`` into ``row[name]`` (TFLOP/s of ``flops`` at the median time; a call that
+    raises is reported as ``row[name + "_error"]``); returns ``row``."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         def sdpa(be=be):
             with sdpa_kernel(be):
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        impls.append((name, sdpa))
+        impls = impls + [(name, sdpa)]
     for name, fn in impls:
         try:
             fn()
