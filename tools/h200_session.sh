@@ -55,6 +55,9 @@
 #                                        # the grid on whichever card comes (~180 s warm + bench); on an H200
 #                                        # this refreshes bench-h200.* (4ce2745: before the D 64 three-consumer
 #                                        # Gluon forward, the 64-key HD 256 dQ and the 2k end of the persistent rows)
+#   PREV=benchmarks/results/conformance-h200.json CASES='large/hopper/*' bash tools/h200_session.sh catalogue:triton,reference,sdpa,cupy
+#                                        # catalogue v6's new case (D 64 causal training at S 8192, the
+#                                        # three-consumer Gluon forward) and the other large/hopper/ cases again
 #   PYTHONPATH=. python3 tools/gluon_consumers_check.py --out $OUT   # on an H200 if one comes: the D 64
 #                                        # three-consumer rows rest on one H100 run (2026-12-05)
 #   triton, #14's short causal cells (0.53-0.56 x cuDNN at D 128 S 512/1k on an H100, 0.64/0.72 on the H200):

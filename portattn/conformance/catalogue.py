@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from .problems import Problem
 
-CATALOGUE_VERSION = "5"
+CATALOGUE_VERSION = "6"
 
 _DT = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -305,7 +305,8 @@ def _hopper_defaults(b: _Builder):
     float64 reference, not only the portable ones; elsewhere they are ordinary large cases."""
     for d, s, causal, hq, hkv, dt in ((128, 1024, False, 4, 4, "bf16"), (128, 2048, True, 4, 4, "fp16"),
                                       (64, 4096, True, 2, 2, "bf16"), (128, 4096, True, 8, 2, "bf16"),
-                                      (256, 1024, True, 2, 2, "bf16"), (256, 2048, False, 2, 2, "fp16")):
+                                      (256, 1024, True, 2, 2, "bf16"), (256, 2048, False, 2, 2, "fp16"),
+                                      (64, 8192, True, 1, 1, "bf16")):   # v6: D 64 causal, three consumers
         b.add(f"large/hopper/train-d{d}-s{s}{'-causal' if causal else ''}-h{hq}x{hkv}-{dt}",
               Problem(batch=1, seqlen_q=s, seqlen_k=s, heads_q=hq, heads_kv=hkv, head_dim=d, causal=causal,
                       dtype=_DT[dt]), tier="large")
