@@ -96,15 +96,7 @@ def _same_as_two(case, pingpong: bool, persistent: bool) -> dict:
     """Whether three consumers give the two-consumer kernel's out and lse bit for bit (reported)."""
     import torch
     from portattn.backends.triton import gluon_fwd
-
-    from portattn.spec import build_spec
-    name, b, sq, sk, hq, hkv, d, dt, kw = case
-    dtype = getattr(torch, dt)
-    g = torch.Generator(device="cuda").manual_seed(chk.zlib_crc(name))
-    q = torch.randn(b, sq, hq, d, generator=g, device="cuda").to(dtype)
-    k = torch.randn(b, sk, hkv, d, generator=g, device="cuda").to(dtype)
-    v = torch.randn(b, sk, hkv, d, generator=g, device="cuda").to(dtype)
-    spec = build_spec(q, k, v, **kw)
+    spec = chk.case_spec(case)
     o3, l3 = gluon_fwd.gluon_forward(spec, pingpong=pingpong, persistent=persistent, consumers=3)
     o2, l2 = gluon_fwd.gluon_forward(spec, pingpong=pingpong, persistent=persistent, consumers=2)
     return {"same_as_two": bool(torch.equal(o3, o2) and torch.equal(l3, l2))}

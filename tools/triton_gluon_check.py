@@ -90,12 +90,11 @@ def _shape(seqlen: int, d: int) -> tuple[int, int]:
 
 # ----- phase 2: the child ---------------------------------------------------------------------
 
-def _check_case(case, pingpong: bool, persistent: bool = False) -> dict:
+def case_spec(case):
+    """The spec of check case ``case`` (:data:`CHECK_CASES`' layout) on cuda: q, k, v drawn from a
+    generator seeded by the case's name, so every tool that runs the case feeds the same bits."""
     import torch
-    from portattn.backends.triton import gluon_fwd
 
-    from portattn.numerics import compare, compare_lse
-    from portattn.reference import naive_forward, reference_forward
     from portattn.spec import build_spec
     name, b, sq, sk, hq, hkv, d, dt, kw = case
     dtype = getattr(torch, dt)
@@ -103,7 +102,18 @@ def _check_case(case, pingpong: bool, persistent: bool = False) -> dict:
     q = torch.randn(b, sq, hq, d, generator=g, device="cuda").to(dtype)
     k = torch.randn(b, sk, hkv, d, generator=g, device="cuda").to(dtype)
     v = torch.randn(b, sk, hkv, d, generator=g, device="cuda").to(dtype)
-    spec = build_spec(q, k, v, **kw)
+    return build_spec(q, k, v, **kw)
+
+
+def _check_case(case, pingpong: bool, persistent: bool = False) -> dict:
+    import torch
+    from portattn.backends.triton import gluon_fwd
+
+    from portattn.numerics import compare, compare_lse
+    from portattn.reference import naive_forward, reference_forward
+    name, dt = case[0], case[7]
+    dtype = getattr(torch, dt)
+    spec = case_spec(case)
     row = {"case": name, "pingpong": pingpong, "persistent": persistent, "dtype": dt,
            "reasons": gluon_fwd.gluon_reasons(spec)}
     if row["reasons"]:
