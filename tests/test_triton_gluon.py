@@ -42,6 +42,14 @@ requires_sm90 = pytest.mark.skipif(not ON_SM90, reason="needs an NVIDIA sm_90 GP
 needs_gluon = pytest.mark.skipif(bool(gluon_fwd.GLUON_ERROR), reason=gluon_fwd.GLUON_ERROR or "-")
 
 
+def _setenv(monkeypatch, name: str, value: str | None) -> None:
+    """Set the environment variable ``name`` to ``value`` for this test, or unset it (None)."""
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+
+
 def _qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(b, s, h, d, generator=gen).to(device=device, dtype=dtype)
@@ -175,10 +183,7 @@ def test_forward_for_backward_takes_gluon_where_forward_choice_says(monkeypatch,
     spec = _meta_spec(s, d, causal)
     assert gluon_fwd.auto_takes(spec, training=True) == (auto == "gluon")
     for value, expect in ((None, auto), ("gluon", "gluon"), ("portable", "triton")):
-        if value is None:
-            monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
-        else:
-            monkeypatch.setenv(gluon_fwd.ENV_SWITCH, value)
+        _setenv(monkeypatch, gluon_fwd.ENV_SWITCH, value)
         calls.clear()
         out, lse, res = ops.forward_for_backward(spec)
         assert calls == [(expect, True)], (value, calls)
@@ -199,10 +204,7 @@ def test_forward_for_backward_stays_portable_where_gluon_cannot_run(monkeypatch)
     calls = _record_forwards(monkeypatch)
     monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: ["no sm_90"])
     for value in (None, "gluon"):
-        if value is None:
-            monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
-        else:
-            monkeypatch.setenv(gluon_fwd.ENV_SWITCH, value)
+        _setenv(monkeypatch, gluon_fwd.ENV_SWITCH, value)
         calls.clear()
         ops.forward_for_backward(_meta_spec(4096, 128, False))
         assert calls == [("triton", True)], (value, calls)
@@ -337,10 +339,7 @@ def test_consumers_switch_and_argument(monkeypatch, value, head_dim, arg, expect
     """``consumers_for``: the argument, else PORTATTN_TRITON_GLUON_CONSUMERS (3 only where the head
     dim can run it), else DEFAULT_CONSUMERS; a count other than 2 or 3, an explicit 3 above D 64
     or an unparseable switch raise, naming what to change; the launch constexpr follows it."""
-    if value is None:
-        monkeypatch.delenv("PORTATTN_TRITON_GLUON_CONSUMERS", raising=False)
-    else:
-        monkeypatch.setenv("PORTATTN_TRITON_GLUON_CONSUMERS", value)
+    _setenv(monkeypatch, "PORTATTN_TRITON_GLUON_CONSUMERS", value)
     if expect is ValueError:
         with pytest.raises(ValueError, match="consumer|PORTATTN_TRITON_GLUON_CONSUMERS"):
             gluon_fwd.consumers_for(head_dim, arg)
@@ -808,10 +807,7 @@ def test_gpu_training_step_takes_gluon_and_matches_float64(monkeypatch, causal):
                                            ("false", False), ("off", False), ("maybe", ValueError)])
 def test_pingpong_switch_reads_a_boolean(monkeypatch, value, expect):
     from portattn import config
-    if value is None:
-        monkeypatch.delenv("PORTATTN_TRITON_GLUON_PINGPONG", raising=False)
-    else:
-        monkeypatch.setenv("PORTATTN_TRITON_GLUON_PINGPONG", value)
+    _setenv(monkeypatch, "PORTATTN_TRITON_GLUON_PINGPONG", value)
     if expect is ValueError:
         with pytest.raises(ValueError, match="PORTATTN_TRITON_GLUON_PINGPONG"):
             config.triton_gluon_pingpong()
@@ -827,10 +823,7 @@ def test_persistent_switch_reads_a_boolean(monkeypatch, value, expect):
     """Unset or empty leaves the variant to ``auto`` (what AUTO_PERSISTENT says of the problem, the
     ``auto`` argument here); a boolean forces it on or off; D 256 never has it."""
     from portattn import config
-    if value is None:
-        monkeypatch.delenv("PORTATTN_TRITON_GLUON_PERSISTENT", raising=False)
-    else:
-        monkeypatch.setenv("PORTATTN_TRITON_GLUON_PERSISTENT", value)
+    _setenv(monkeypatch, "PORTATTN_TRITON_GLUON_PERSISTENT", value)
     if expect is ValueError:
         with pytest.raises(ValueError, match="PORTATTN_TRITON_GLUON_PERSISTENT"):
             config.triton_gluon_persistent()
@@ -878,10 +871,7 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
     rows); the switch or ``persistent=True`` does at D 64/128, with grid
     (min(#SMs, tiles),) and ``batch`` = B; otherwise grid (cdiv(Sq, rows), B·Hq) and ``batch`` None;
     ``rows`` is 64 a consumer warpgroup (three at D 64, gluon_fwd.DEFAULT_CONSUMERS: 192)."""
-    if env is None:
-        monkeypatch.delenv("PORTATTN_TRITON_GLUON_PERSISTENT", raising=False)
-    else:
-        monkeypatch.setenv("PORTATTN_TRITON_GLUON_PERSISTENT", env)
+    _setenv(monkeypatch, "PORTATTN_TRITON_GLUON_PERSISTENT", env)
     rec = _Recorder()
     monkeypatch.setattr(gluon_fwd, "attn_fwd_gluon", rec)
     monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
