@@ -238,8 +238,8 @@ def _parse_consumers(name: str, text: str) -> int | None:
 
 def triton_gluon_consumers() -> int | None:
     """``PORTATTN_TRITON_GLUON_CONSUMERS``: None when unset or empty (``gluon_fwd.DEFAULT_CONSUMERS``
-    per head dim), else 2 or 3 (the Gluon forward's consumer warpgroups; 3 at D 64 only, where
-    ``gluon_fwd.consumers_for`` refuses another head dim); anything else raises ``ValueError``."""
+    per head dim), else 2 or 3 (the Gluon forward's consumer warpgroups; 3 applies at D 64 only,
+    ``gluon_fwd.consumers_for`` runs two at other head dims); anything else raises ``ValueError``."""
     return _parsed("PORTATTN_TRITON_GLUON_CONSUMERS", _parse_consumers, None)
 
 

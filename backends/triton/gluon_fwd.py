@@ -724,7 +724,8 @@ def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pi
                 PERSISTENT=persistent, CONSUMERS=consumers)
 
 
-#: launch options: 4 warps run the default partition (consumer 0); the workers add 5 warps
+#: launch options: 4 warps run the default partition (consumer 0); the workers add 5 warps (9 with
+#: three consumers)
 LAUNCH_OPTIONS = dict(num_warps=4, num_stages=1)
 
 
@@ -861,11 +862,10 @@ def main(argv=None) -> int:
                         if pers and d not in PERSISTENT_HEAD_DIMS:
                             continue
                         try:
-                            cons = (None if args.consumers is None or d in THREE_CONSUMER_HEAD_DIMS
-                                    else 2)
                             rows.append(compile_report(d, causal, pingpong=pp, residual=res, persistent=pers,
                                                        bottom_right=not args.top_left,
-                                                       consumers=args.consumers if cons is None else cons))
+                                                       consumers=args.consumers if d in THREE_CONSUMER_HEAD_DIMS
+                                                       else None))
                         except Exception as exc:   # a compile error is a failed row, reported with its message
                             failed = True
                             rows.append(dict(head_dim=d, causal=causal, pingpong=pp, residual=res,
