@@ -64,6 +64,10 @@ VARIABLES = {
     "PORTATTN_TRITON_GLUON_CONSUMERS": "the Gluon forward's consumer warpgroups (64 query rows each): unset or "
                                        "empty = gluon_fwd.DEFAULT_CONSUMERS per head dim, 2, or 3 (D 64 only: "
                                        "FA3's 192-row tiles); read on every forward",
+    "PORTATTN_TRITON_HEAD_GROUP": "how many (batch, head)s the Gluon forward's causal walk takes its query tiles "
+                                  "from longest first, together: unset or empty = gluon_fwd.head_group (as many as "
+                                  "keep their K and V in L2), or a positive number (1: one head after the other); "
+                                  "read on every forward",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
 }
@@ -241,6 +245,23 @@ def triton_gluon_consumers() -> int | None:
     per head dim), else 2 or 3 (the Gluon forward's consumer warpgroups; 3 applies at D 64 only,
     ``gluon_fwd.consumers_for`` runs two at other head dims); anything else raises ``ValueError``."""
     return _parsed("PORTATTN_TRITON_GLUON_CONSUMERS", _parse_consumers, None)
+
+
+def _parse_head_group(name: str, text: str) -> int | None:
+    text = text.strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{name}={text!r}: use a positive number of (batch, head)s (1: one head's query tiles "
+                         f"after the other's), or leave it unset (gluon_fwd.head_group)")
+    return int(text)
+
+
+def triton_head_group() -> int | None:
+    """``PORTATTN_TRITON_HEAD_GROUP``: None when unset or empty (``gluon_fwd.head_group``: as many
+    (batch, head)s as keep their K and V in L2), else a positive int: how many (batch, head)s the
+    Gluon forward's longest-first (causal) walk takes together; anything else raises ``ValueError``."""
+    return _parsed("PORTATTN_TRITON_HEAD_GROUP", _parse_head_group, None)
 
 
 TRITON_DQ_MODES = ("auto", "atomic", "kernel")

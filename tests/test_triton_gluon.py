@@ -301,14 +301,14 @@ def test_residual_adds_only_its_stores(d128_rows):
     """The training kernel is the inference kernel plus ORES: one more parameter and one more
     TMA store per consumer warpgroup (PTX and SASS), the same shared memory, products, loads and
     register split. The inference kernel keeps the parameters and stores it had before RESIDUAL
-    existed (28 and 2: ORES is the constexpr None there, no parameter); its PTX and TTGIR were
-    compared before and after the change under triton 3.6 and 3.9 (identical but for debug
-    lines and SSA names, 2026-12-04)."""
+    existed (2 stores; 29 parameters: 28 and the causal walk's ``head_group``; ORES is the constexpr
+    None there, no parameter); its PTX and TTGIR were compared before and after the change under
+    triton 3.6 and 3.9 (identical but for debug lines and SSA names, 2026-12-04)."""
     by_key = {(r["causal"], r["pingpong"], r["residual"]): r for r in d128_rows}
     for causal in (False, True):
         for pp in (False, True):
             inf, res = by_key[causal, pp, False], by_key[causal, pp, True]
-            assert inf["params"] == 28 and inf["tma_store"] == 2, inf
+            assert inf["params"] == 29 and inf["tma_store"] == 2, inf
             assert res["params"] == inf["params"] + 1, (inf, res)
             assert res["tma_store"] == 2 * inf["tma_store"] and res["tma"] == inf["tma"] + inf["tma_store"], res
             for key in ("shared", "num_warps", "wgmma", "setmaxnreg"):
@@ -886,14 +886,15 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
         tiles = -(-sq // rows) * b * h
         assert kw["PERSISTENT"] is expect and kw["LONGEST_FIRST"] is True and kw["HEAD_D"] == d
         assert kw["CONSUMERS"] == rows // 64
-        assert args[-1] == (b if expect else None)      # batch, the last runtime argument
+        assert args[-2] == (b if expect else None)      # batch, then the causal walk's head group
+        assert args[-1] == gluon_fwd.head_group(build_spec(q, k, v, causal=True)) and args[-1] >= 1
         assert grid == ((min(132, tiles),) if expect else (-(-sq // rows), b * h)), grid
         # a zero stride (K and V broadcast over heads) keeps the one-tile kernel, whose descriptors
         # take the head offset in their base: a rank-4 descriptor would need a stride of 0
         kx, vx = (t[:, :, :1].expand(-1, -1, h // 2, -1) for t in (k, v))
         gluon_fwd.gluon_forward(build_spec(q, kx, vx, causal=True), persistent=arg)
         grid, args, kw = rec.launches[-1]
-        assert kw["PERSISTENT"] is False and grid == (-(-sq // rows), b * h) and args[-1] is None
+        assert kw["PERSISTENT"] is False and grid == (-(-sq // rows), b * h) and args[-2] is None
     # the switch turns the variant on where the Gluon forward runs, not the Gluon forward itself
     monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
     monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
@@ -930,34 +931,52 @@ def test_auto_launches_the_persistent_variant_on_its_rows(monkeypatch, sq, d, ca
         assert rec.launches[-1][2]["PERSISTENT"] is want, env
 
 
-def _work_item(w, sq, batch, hq, longest_first, rows=128):
-    """gluon_fwd._work_item in Python: (b, h, m0) of ``rows``-row query tiles."""
+def _longest_first(w, num_m, num_bh, group):
+    """gluon_fwd._longest_first in Python: (m, bh) of the w-th item of the grouped causal walk."""
+    span = group * num_m
+    g0 = w // span * group
+    r = w - w // span * span
+    g = min(group, num_bh - g0)
+    return num_m - 1 - r // g, g0 + r % g
+
+
+def _work_item(w, sq, batch, hq, longest_first, rows=128, group=None):
+    """gluon_fwd._work_item in Python: (b, h, m0) of ``rows``-row query tiles (``group``: the
+    walk's head_group, None for all B·Hq heads)."""
     num_m, num_bh = -(-sq // rows), batch * hq
-    m, bh = (num_m - 1 - w // num_bh, w % num_bh) if longest_first else (w % num_m, w // num_m)
+    if longest_first:
+        m, bh = _longest_first(w, num_m, num_bh, min(group or num_bh, num_bh))
+    else:
+        m, bh = w % num_m, w // num_m
     return bh // hq, bh % hq, m * rows
 
 
 @pytest.mark.parametrize("sq, batch, hq, grid", [(300, 3, 4, 36), (1024, 16, 16, 132), (4096, 1, 3, 132),
                                                  (129, 2, 5, 7)])
-@pytest.mark.parametrize("longest_first", [False, True])
+@pytest.mark.parametrize("longest_first, group", [(False, None), (True, None), (True, 1), (True, 5)])
 @pytest.mark.parametrize("rows", [128, 192])
-def test_persistent_walk_covers_every_tile_once_longest_first(sq, batch, hq, grid, longest_first, rows):
-    """Every (query tile, head) is one CTA's item exactly once; with ``LONGEST_FIRST`` each round of
-    the walk (item j of every CTA) starts no shorter tile before a longer one; and the running
+def test_persistent_walk_covers_every_tile_once_longest_first(sq, batch, hq, grid, longest_first, group, rows):
+    """Every (query tile, head) is one CTA's item exactly once; with ``LONGEST_FIRST`` the walk takes
+    the heads ``group`` at a time (the last group may be smaller) and within a group no shorter tile
+    before a longer one, so each CTA's items in one group run longest first too; and the running
     counts of the consumers (ring tiles, non-empty bands: the ping-pong turn count ``kv + bands``)
     give every issue point of a CTA a distinct consecutive turn number, as the producer's ring
     count gives the same tiles (a causal band, bottom-right)."""
     seen = {}
+    num_bh = batch * hq
+    size = min(group or num_bh, num_bh)
+    walk = [_work_item(w, sq, batch, hq, longest_first, rows, group) for w in range(-(-sq // rows) * num_bh)]
+    if longest_first:
+        for w, (b, h, m0) in enumerate(walk):
+            assert (b * hq + h) // size == w // (size * -(-sq // rows)), (w, b, h)   # its head's group
+            if w and (b * hq + h) // size == (walk[w - 1][0] * hq + walk[w - 1][1]) // size:
+                assert m0 <= walk[w - 1][2], w
     for pid in range(grid):
         kv = bands = turns = 0
-        last_m = None
-        for w in range(pid, -(-sq // rows) * batch * hq, grid):
-            b, h, m0 = _work_item(w, sq, batch, hq, longest_first, rows)
+        for w in range(pid, len(walk), grid):
+            b, h, m0 = walk[w]
             assert (b, h, m0) not in seen and 0 <= b < batch and 0 <= h < hq and 0 <= m0 < sq
             seen[b, h, m0] = pid
-            if longest_first:
-                assert last_m is None or m0 <= last_m
-                last_m = m0
             lo, full_lo, full_hi, hi = _key_phases(m0, sq, sq, 0, gluon_fwd._UNBOUNDED, 0, rows, 128)
             n = len(range(lo, hi, 128))
             if n:   # turn numbers of this band's n + 1 issue points: kv + bands + (0 … n)
@@ -965,7 +984,54 @@ def test_persistent_walk_covers_every_tile_once_longest_first(sq, batch, hq, gri
                 turns += n + 1
                 kv += n
                 bands += 1
-    assert len(seen) == -(-sq // rows) * batch * hq
+    assert len(seen) == -(-sq // rows) * num_bh
+
+
+@pytest.mark.parametrize("num_m, num_bh", [(1, 1), (4, 7), (16, 128), (11, 3)])
+def test_one_tile_walk_in_groups_of_one_is_the_grid_order(num_m, num_bh):
+    """The one-tile kernel numbers its CTAs in launch order (program_id(1)·num_m + program_id(0)):
+    with groups of one head that walk is the grid's own (tile num_m-1-pid0 of head pid1), and with
+    every head in one group it is all heads' last tiles first; any group covers every tile once."""
+    for pid1 in range(num_bh):
+        for pid0 in range(num_m):
+            assert _longest_first(pid1 * num_m + pid0, num_m, num_bh, 1) == (num_m - 1 - pid0, pid1)
+    walk = [_longest_first(w, num_m, num_bh, num_bh) for w in range(num_m * num_bh)]
+    assert walk == [(m, bh) for m in reversed(range(num_m)) for bh in range(num_bh)]
+    for group in range(1, num_bh + 1):
+        assert sorted(_longest_first(w, num_m, num_bh, group) for w in range(num_m * num_bh)) == sorted(walk)
+
+
+def test_longest_first_mirror_matches_the_kernel_source():
+    """The Python mirror above computes what the Gluon helper's source says (its lines, in order)."""
+    import inspect
+    src = inspect.getsource(gluon_fwd._longest_first.fn)
+    for line in ("span = head_group * num_m", "grp = w // span", "g0 = grp * head_group",
+                 "g = gl.minimum(head_group, num_bh - g0)", "r = w - grp * span",
+                 "return num_m - 1 - r // g, g0 + r % g"):
+        assert line in src, line
+
+
+@pytest.mark.parametrize("sk, d, hq, hkv, batch, want", [
+    (512, 128, 16, 16, 32, 64),       # 256 KiB of K and V a head: 64 heads fill 16 MiB
+    (2048, 128, 16, 16, 8, 16),
+    (16384, 128, 16, 16, 1, 2),
+    (16384, 256, 8, 8, 1, 1),         # one head's K and V (16 MiB) already fill it
+    (65536, 128, 16, 16, 1, 1),       # more than fits: still one
+    (2048, 128, 16, 4, 8, 64),        # GQA: 4 query heads read one KV head
+    (512, 64, 2, 2, 1, 2),            # at most B·Hq
+])
+def test_head_group_fits_the_group_k_and_v_in_l2(monkeypatch, sk, d, hq, hkv, batch, want):
+    q = torch.zeros(batch, sk, hq, d, dtype=torch.bfloat16)
+    k = torch.zeros(batch, sk, hkv, d, dtype=torch.bfloat16)
+    spec = build_spec(q, k, k, causal=True)
+    monkeypatch.delenv("PORTATTN_TRITON_HEAD_GROUP", raising=False)
+    assert gluon_fwd.head_group(spec) == want
+    monkeypatch.setenv("PORTATTN_TRITON_HEAD_GROUP", "3")
+    assert gluon_fwd.head_group(spec) == min(3, batch * hq)
+    for bad in ("0", "-2", "two", "1.5"):
+        monkeypatch.setenv("PORTATTN_TRITON_HEAD_GROUP", bad)
+        with pytest.raises(ValueError, match="PORTATTN_TRITON_HEAD_GROUP"):
+            gluon_fwd.head_group(spec)
 
 
 def test_persistent_helpers_are_shared_by_both_kernels():

@@ -167,34 +167,58 @@ if gl is not None:
         return off
 
     @gluon.jit
+    def _longest_first(w, num_m, num_bh, head_group):
+        """``(m, bh)``, the query tile and (batch, head) of the ``w``-th work item of a causal-like
+        band's walk over ``num_m`` tiles of ``num_bh`` (batch, head)s: the (batch, head)s in groups of
+        ``head_group`` (:func:`head_group`), each group's tiles longest first across its heads (the
+        last tile of every head, then the one before, ...). The long tiles start early and short ones
+        end the schedule (balance), while the K and V the tiles in flight read stay in L2: one group's
+        heads at a time (a walk longest first over all heads re-reads them from DRAM)."""
+        span = head_group * num_m
+        grp = w // span
+        g0 = grp * head_group
+        g = gl.minimum(head_group, num_bh - g0)
+        r = w - grp * span
+        return num_m - 1 - r // g, g0 + r % g
+
+    @gluon.jit
     def _row_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right, BLOCK_N: gl.constexpr,
-                  BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, CONSUMERS: gl.constexpr = 2):
+                  BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, CONSUMERS: gl.constexpr = 2,
+                  head_group=None):
         """The prologue of a Q-stationary CTA (the forward, the backward's dQ) on grid
         (cdiv(Sq, 64·CONSUMERS), B·Hq): ``(b, h, h_kv, m0, off, (lo, full_lo, full_hi, hi))`` — its
         batch, query head and KV head (:func:`_heads`), its first query row ``m0`` of 64·CONSUMERS
         (one 64-row tile per consumer warpgroup; the last tile first with ``LONGEST_FIRST``), the
         alignment ``off`` (:func:`_align_offset`) and the band of ``BLOCK_N``-key tiles its rows see
-        in three phases (:func:`_key_phases`)."""
+        in three phases (:func:`_key_phases`). With ``head_group`` (the forward, ``LONGEST_FIRST``)
+        the grid's CTAs, numbered in launch order, take the tiles of :func:`_longest_first`'s walk."""
         BLOCK_M: gl.constexpr = CONSUMERS * _WG_M
-        pid = _tile_index(LONGEST_FIRST)
-        b, h, h_kv = _heads(num_heads_q, gqa_ratio)
+        if LONGEST_FIRST and head_group is not None:
+            num_m = gl.num_programs(0)
+            pid, bh = _longest_first(gl.program_id(1) * num_m + gl.program_id(0), num_m, gl.num_programs(1),
+                                     head_group)
+            b = bh // num_heads_q
+            h = bh % num_heads_q
+            h_kv = h // gqa_ratio
+        else:
+            pid = _tile_index(LONGEST_FIRST)
+            b, h, h_kv = _heads(num_heads_q, gqa_ratio)
         m0 = pid * BLOCK_M
         off = _align_offset(sq, sk, BOTTOM_RIGHT)
         phases = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
         return b, h, h_kv, m0, off, phases
 
     @gluon.jit
-    def _work_item(w, sq, batch, num_heads_q, gqa_ratio, LONGEST_FIRST: gl.constexpr, CONSUMERS: gl.constexpr):
+    def _work_item(w, sq, batch, num_heads_q, gqa_ratio, head_group, LONGEST_FIRST: gl.constexpr,
+                   CONSUMERS: gl.constexpr):
         """``(b, h, h_kv, m0)`` of work item ``w`` of the persistent forward (:data:`PERSISTENT_HEAD_DIMS`):
         the items are the cdiv(Sq, 64·CONSUMERS) query tiles of every (batch, head), numbered head-major (a
-        head's tiles run side by side and share its K and V in L2), or with ``LONGEST_FIRST``
-        tile-major from the last tile (a causal-like band: the tiles that see the most keys start
-        first, as :func:`_tile_index`)."""
+        head's tiles run side by side and share its K and V in L2), or with ``LONGEST_FIRST`` (a
+        causal-like band) in :func:`_longest_first`'s walk, ``head_group`` heads at a time."""
         num_m = (sq + CONSUMERS * _WG_M - 1) // (CONSUMERS * _WG_M)
         num_bh = batch * num_heads_q
         if LONGEST_FIRST:
-            m = num_m - 1 - w // num_bh
-            bh = w % num_bh
+            m, bh = _longest_first(w, num_m, num_bh, head_group)
         else:
             m = w % num_m
             bh = w // num_m
@@ -273,12 +297,12 @@ if gl is not None:
         running on across items, so the next item's Q and first K/V tiles load while the
         consumers still finish (and store) the current one."""
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, batch,
-         num_heads_q, gqa_ratio, sq, sk, off, window_left, window_right) = args
+         num_heads_q, gqa_ratio, head_group, sq, sk, off, window_left, window_right) = args
         CONSUMERS: gl.constexpr = q_smem.shape[0]
         kv = sq * 0
         c = sq * 0
         for w in range(gl.program_id(0), gl.cdiv(sq, CONSUMERS * _WG_M) * batch * num_heads_q, gl.num_programs(0)):
-            b, h, h_kv, m0 = _work_item(w, sq, batch, num_heads_q, gqa_ratio, LONGEST_FIRST, CONSUMERS)
+            b, h, h_kv, m0 = _work_item(w, sq, batch, num_heads_q, gqa_ratio, head_group, LONGEST_FIRST, CONSUMERS)
             lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, CONSUMERS * _WG_M,
                                                    BLOCK_N)
             _load_q(q_desc, q_smem, q_bar, q_empty, c, m0, b, h, HEAD_D, True)
@@ -477,8 +501,8 @@ if gl is not None:
         ``o_smem``). Three counts run across items: ``c`` the items (``q_bar``'s parity), ``kv``
         the ring's tiles, ``bands`` the non-empty bands (each has one more ping-pong turn than
         tiles: the turn count is ``kv + bands``)."""
-        (o_descs, q_smem, o_smem, q_bar, q_empty, ring, LSE, stride_lb, stride_lh, batch, num_heads_q, gqa_ratio, sq,
-         sk, off, window_left, window_right, qk_scale2) = args
+        (o_descs, q_smem, o_smem, q_bar, q_empty, ring, LSE, stride_lb, stride_lh, batch, num_heads_q, gqa_ratio,
+         head_group, sq, sk, off, window_left, window_right, qk_scale2) = args
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -492,7 +516,7 @@ if gl is not None:
         bands = sq * 0
         CONSUMERS: gl.constexpr = q_smem.shape[0]
         for w in range(gl.program_id(0), gl.cdiv(sq, CONSUMERS * _WG_M) * batch * num_heads_q, gl.num_programs(0)):
-            b, h, h_kv, m0 = _work_item(w, sq, batch, num_heads_q, gqa_ratio, LONGEST_FIRST, CONSUMERS)
+            b, h, h_kv, m0 = _work_item(w, sq, batch, num_heads_q, gqa_ratio, head_group, LONGEST_FIRST, CONSUMERS)
             lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, CONSUMERS * _WG_M,
                                                    BLOCK_N)
             row0 = m0 + WG * _WG_M
@@ -540,13 +564,13 @@ if gl is not None:
             o_descs = (o_desc,)
         return q_desc, k_desc, v_desc, o_descs
 
-    @gluon.jit(do_not_specialize=("seqlen_q", "seqlen_k", "stride_lb", "stride_lh", "batch"))
+    @gluon.jit(do_not_specialize=("seqlen_q", "seqlen_k", "stride_lb", "stride_lh", "batch", "head_group"))
     def attn_fwd_gluon(Q, K, V, O, LSE, ORES,
                        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                        stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                        stride_lb, stride_lh,
                        num_heads_q, gqa_ratio, seqlen_q, seqlen_k, qk_scale2, window_left, window_right, batch,
-                       HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       head_group, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
                        RESIDUAL: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr):
         """O = softmax(scale·QKᵀ)V for 64·CONSUMERS query rows of one (batch, head): grid
@@ -557,7 +581,9 @@ if gl is not None:
         ``PERSISTENT`` (:data:`PERSISTENT_HEAD_DIMS`): grid (min(#SMs, tiles),), each CTA walks
         work items (:func:`_work_item`) with rank-4 descriptors of the whole (B, S, H, D) tensors
         made once, and O in its own shared buffer; ``batch`` is B there (the constexpr None
-        otherwise, as ORES)."""
+        otherwise, as ORES). ``LONGEST_FIRST`` (a causal-like band): the query tiles run in
+        :func:`_longest_first`'s walk, ``head_group`` (batch, head)s at a time (:func:`head_group`;
+        unread otherwise)."""
         sq = seqlen_q
         sk = seqlen_k
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -569,7 +595,7 @@ if gl is not None:
                 HEAD_D, BLOCK_N, RESIDUAL)
         else:
             b, h, h_kv, m0, off, phases = _row_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right,
-                                                    BLOCK_N, BOTTOM_RIGHT, LONGEST_FIRST, CONSUMERS)
+                                                    BLOCK_N, BOTTOM_RIGHT, LONGEST_FIRST, CONSUMERS, head_group)
             lo, full_lo, full_hi, hi = phases
 
             b64 = b.to(gl.int64)
@@ -622,9 +648,9 @@ if gl is not None:
         # producer's warpgroup x 24), 2 leave 240 (12 warps)
         if PERSISTENT:
             cargs = (o_descs, q_smem, o_smem, q_bar, q_empty, ring, LSE, stride_lb, stride_lh, batch, num_heads_q,
-                     gqa_ratio, sq, sk, off, window_left, window_right, qk_scale2)
+                     gqa_ratio, head_group, sq, sk, off, window_left, window_right, qk_scale2)
             pargs = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                     batch, num_heads_q, gqa_ratio, sq, sk, off, window_left, window_right)
+                     batch, num_heads_q, gqa_ratio, head_group, sq, sk, off, window_left, window_right)
             if CONSUMERS == 3:
                 gl.warp_specialize([
                     (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
@@ -700,6 +726,25 @@ def persistent_for(head_dim: int, persistent: bool | None = None, auto: bool = F
     if persistent is None:
         persistent = auto
     return bool(persistent) and head_dim in PERSISTENT_HEAD_DIMS
+
+
+#: the L2 bytes one group of a causal walk's heads may fill with K and V (:func:`head_group`): a third
+#: of the H100's and H200's 50 MiB, the rest for the Q and O tiles streaming past
+HEAD_GROUP_L2_BYTES = 16 << 20
+
+
+def head_group(spec) -> int:
+    """How many (batch, head)s the longest-first walk of a causal-like band (:func:`_longest_first`)
+    takes together: ``PORTATTN_TRITON_HEAD_GROUP`` when set, else as many query heads as fit the
+    K and V they read (Sk·(D + Dv)·2 bytes a KV head, shared by ``Hq / Hkv`` query heads) in
+    :data:`HEAD_GROUP_L2_BYTES`; at least 1, at most B·Hq (all of them: longest first over every
+    head)."""
+    from portattn import config
+    group = config.triton_head_group()
+    if group is None:
+        per_head = spec.seqlen_k * (spec.head_dim + spec.head_dim_v) * spec.q.element_size()
+        group = HEAD_GROUP_L2_BYTES * (spec.num_heads_q // spec.num_heads_kv) // max(per_head, 1)
+    return max(1, min(group, spec.batch * spec.num_heads_q))
 
 
 def _rank4_strides(*tensors: torch.Tensor) -> bool:
@@ -1094,6 +1139,7 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
                          *out.stride()[:3], *lse.stride()[:2], spec.num_heads_q, spec.num_heads_q // spec.num_heads_kv,
                          spec.seqlen_q, spec.seqlen_k, float(spec.scale) * 1.4426950408889634,
                          window_left, window_right, spec.batch if persistent else None,
+                         head_group(spec) if causal_like else 1,
                          **launch_constexprs(spec.head_dim, causal_like, spec.alignment == "bottom_right", pingpong,
                                              residual, persistent, consumers),
                          **LAUNCH_OPTIONS)

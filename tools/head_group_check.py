@@ -1,0 +1,180 @@
+"""One GPU call for the Gluon forward's grouped causal walk (``gluon_fwd._longest_first``,
+``gluon_fwd.head_group``): whether taking the query tiles longest first a group of heads at a time
+is as exact as, and faster than, the two orders before it.
+
+    PYTHONPATH=. timeout 600 python tools/head_group_check.py --out $OUT --time-limit 400
+
+The orders (``PORTATTN_TRITON_HEAD_GROUP``): ``1``, one head's tiles longest first, then the next
+head's (the one-tile kernel's grid order before the groups); ``all``, every head's last tile, then
+every head's tile before it (the persistent kernel's walk before the groups: Nsight Compute on an
+H100 measured it moving 1.6 x the bytes the forward needs at S 512 causal, K and V re-read from
+DRAM); ``auto``, ``gluon_fwd.head_group``'s groups (their K and V fit in L2).
+
+For each causal cell (bf16, B·S = 16k tokens, hidden 2048, D 64/128/256, S 512 … 16k) and each
+kernel that can run it (one-tile; persistent at D 64/128), inference and training (O's rounding
+residual): the three orders' outputs (out, lse, residual) must be bit-identical (a tile's
+arithmetic does not depend on when it runs), and ``auto``'s is compared once with cuDNN's;
+then each order's TFLOP/s (median of ``triton.testing.do_bench``, the orders interleaved over two
+rounds) beside cuDNN's and the portable kernel's. Writes ``head_group.json`` / ``.txt`` to
+``--out``; exit 0 when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import triton_gluon_check as chk  # noqa: E402  (sets PORTATTN_TRITON_FORWARD=portable for the portable column)
+
+ORDERS = ("1", "all", "auto")
+CELLS = [(d, s) for d in (128, 64, 256) for s in (512, 1024, 2048, 4096, 8192, 16384)]
+
+
+def _set_order(order: str, num_bh: int) -> None:
+    if order == "auto":
+        os.environ.pop("PORTATTN_TRITON_HEAD_GROUP", None)
+    else:
+        os.environ["PORTATTN_TRITON_HEAD_GROUP"] = str(num_bh if order == "all" else int(order))
+
+
+def run_cell(d: int, s: int) -> dict:
+    """Checks and timings of one causal cell; returns its row."""
+    import torch
+    import torch.nn.functional as F
+    from portattn.backends.triton import gluon_fwd, ops
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from portattn.spec import build_spec
+    b, h = chk._shape(s, d)
+    g = torch.Generator(device="cuda").manual_seed(1000 * d + s)
+    q, k, v = (torch.randn(b, s, h, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+    spec = build_spec(q, k, v, causal=True)
+    flops = 4 * b * h * s * s * d * 0.5
+    row = {"d": d, "s": s, "batch": b, "heads": h, "auto_group": None, "checks": [], "tflops": {}}
+    _set_order("auto", b * h)
+    row["auto_group"] = gluon_fwd.head_group(spec)
+    kernels = [("g", False)] + ([("p", True)] if d in gluon_fwd.PERSISTENT_HEAD_DIMS else [])
+    impls = {}
+    for kname, persistent in kernels:
+        for residual in (False, True):
+            name = kname + ("_train" if residual else "")
+            outs = {}
+            for order in ORDERS:
+                _set_order(order, b * h)
+                res = gluon_fwd.gluon_forward(spec, persistent=persistent, residual=residual)
+                torch.cuda.synchronize()
+                outs[order] = [t.clone() for t in res]
+            same = all(torch.equal(x, y) for o in ORDERS[1:] for x, y in zip(outs["1"], outs[o]))
+            check = {"impl": name, "bit_identical": same}
+            if not residual:
+                qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).transpose(1, 2)
+                check["max_abs_vs_cudnn"] = float((outs["auto"][0].float() - ref.float()).abs().max())
+                check["passed"] = same and check["max_abs_vs_cudnn"] < 2e-2
+            else:
+                check["passed"] = same
+            row["checks"].append(check)
+            for order in ORDERS:
+                impls[f"{name}@{order}"] = (order, lambda p=persistent, r=residual: gluon_fwd.gluon_forward(
+                    spec, persistent=p, residual=r))
+    impls["portable"] = ("auto", lambda: ops.forward(spec))
+    impls["portable_train"] = ("auto", lambda: ops.forward_for_backward(spec))
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    impls["cudnn"] = ("auto", cudnn)
+    times: dict[str, list] = {n: [] for n in impls}
+    for rnd in range(2):   # interleaved, the second round in reverse order
+        for name in (list(impls) if rnd == 0 else list(reversed(impls))):
+            order, fn = impls[name]
+            _set_order(order, b * h)
+            fn()
+            torch.cuda.synchronize()
+            times[name].append(chk._median_ms(fn))
+    _set_order("auto", b * h)
+    for name, ts in times.items():
+        row["tflops"][name] = flops / min(ts) * 1e-9
+        row.setdefault("spread", {})[name] = max(ts) / min(ts) - 1
+    return row
+
+
+def report(res: dict) -> str:
+    env = res["env"]
+    lines = [f"{env['gpu']} torch {env['torch']} triton {env['triton']} {env['date']}; {res['seconds']:.0f} s",
+             "causal bf16, B·S = 16k tokens, hidden 2048; TFLOP/s (best of two interleaved do_bench medians);",
+             "orders: 1 = one head after the other, all = longest first over every head, auto = gluon_fwd.head_group",
+             "g one-tile, p persistent, _train with O's rounding residual", ""]
+    names = ["g", "g_train", "p", "p_train"]
+    head = f"{'D':>4} {'S':>6} {'grp':>4}"
+    for n in names:
+        head += f" {n + '@1':>10} {n + '@all':>10} {n + '@auto':>10}"
+    head += f" {'portable':>9} {'port_tr':>8} {'cudnn':>7}  best-auto/best-old  auto/cudnn(inf)"
+    lines.append(head)
+    for r in res["rows"]:
+        t = r["tflops"]
+        line = f"{r['d']:>4} {r['s']:>6} {r['auto_group']:>4}"
+        for n in names:
+            line += "".join(f" {t.get(f'{n}@{o}', float('nan')):>10.1f}" for o in ORDERS)
+        line += f" {t['portable']:>9.1f} {t['portable_train']:>8.1f} {t['cudnn']:>7.1f}"
+        gains = []
+        for n in names:
+            if f"{n}@auto" in t:
+                gains.append(f"{n} {t[f'{n}@auto'] / max(t[f'{n}@1'], t[f'{n}@all']):.3f}")
+        best_inf = max(t[f"{n}@auto"] for n in ("g", "p") if f"{n}@auto" in t)
+        line += "  " + ", ".join(gains) + f"  {best_inf / t['cudnn']:.2f}"
+        lines.append(line)
+    bad = [(r["d"], r["s"], c) for r in res["rows"] for c in r["checks"] if not c["passed"]]
+    lines.append("")
+    lines.append(f"checks: {sum(len(r['checks']) for r in res['rows']) - len(bad)} passed, {len(bad)} failed"
+                 + "".join(f"\n  FAILED D{d} S{s}: {c}" for d, s, c in bad))
+    lines.append("verdict: " + ("PASS" if not bad and res["rows"] else "FAIL"))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="/tmp")
+    ap.add_argument("--time-limit", type=float, default=400, help="no new cell after this many seconds")
+    ap.add_argument("--cells", default="", help="e.g. '128x512,64x2048' (D x S); default every cell")
+    a = ap.parse_args(argv)
+    import torch
+    import triton
+    t0 = time.time()
+    cells = CELLS if not a.cells else [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")]
+    res = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, "rows": [], "skipped": []}
+    for d, s in cells:
+        if time.time() - t0 > a.time_limit:
+            res["skipped"].append([d, s])
+            continue
+        try:
+            row = run_cell(d, s)
+        except Exception as exc:   # reported as a failed check, the other cells still run
+            row = {"d": d, "s": s, "error": f"{type(exc).__name__}: {str(exc)[-600:]}", "auto_group": -1,
+                   "checks": [{"impl": "-", "passed": False, "error": str(exc)[-300:]}],
+                   "tflops": {}}
+        res["rows"].append(row)
+        print(f"D{d} S{s}: {time.time() - t0:.0f} s " + " ".join(f"{k}={v:.0f}" for k, v in row["tflops"].items()),
+              flush=True)
+    res["seconds"] = time.time() - t0
+    ok_rows = [r for r in res["rows"] if "error" not in r]
+    text = report({**res, "rows": ok_rows})
+    if len(ok_rows) < len(res["rows"]):
+        text += "\nerrors: " + "; ".join(f"D{r['d']} S{r['s']}: {r['error']}" for r in res["rows"] if "error" in r)
+        text = text.replace("verdict: PASS", "verdict: FAIL")
+    if res["skipped"]:
+        text += f"\nskipped (time limit): {res['skipped']}"
+    print(chk.write_files(a.out, "head_group", res, text))
+    return 0 if "verdict: PASS" in text else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
