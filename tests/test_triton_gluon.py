@@ -110,10 +110,10 @@ def _meta_spec(s, d, causal):
 @pytest.mark.parametrize("s, d, causal, auto", [
     (1024, 128, False, "gluon"), (1024, 128, True, "gluon"), (2048, 128, True, "gluon"),
     (16384, 128, False, "gluon"), (512, 128, False, "gluon"),     # D 128: where the H200 timed it faster
-    (512, 128, True, "gluon"), (256, 128, True, "triton"),        # (causal 512-2k: the persistent row)
+    (512, 128, True, "gluon"), (256, 128, True, "triton"),        # (causal 512-4k: the persistent row)
     (256, 128, False, "triton"),                                  # below S 512: untimed
     (16384, 64, False, "gluon"), (2048, 64, False, "gluon"),      # D 64 non-causal from 2k: persistent to 8k
-    (8192, 64, False, "gluon"), (8192, 64, True, "gluon"),        # D 64 from 8k: one-tile (three consumers)
+    (8192, 64, False, "gluon"), (8192, 64, True, "gluon"),        # D 64 from 8k (three consumers; causal 8k-16k persistent)
     (16384, 64, True, "gluon"), (8191, 64, True, "triton"),
     (1024, 64, False, "triton"), (4096, 64, True, "triton"),      # D 64 short or short causal: portable
     (512, 64, False, "triton"),
@@ -678,10 +678,10 @@ def test_gpu_matches_reference(name, pingpong):
 @requires_sm90
 @needs_gluon
 @pytest.mark.usefixtures("no_deadlock")
-@pytest.mark.parametrize("sq, causal, kernel, d", [(4096, True, "gluon", 128), (2048, True, "gluon", 128),
+@pytest.mark.parametrize("sq, causal, kernel, d", [(4096, True, "gluon", 128), (2048, True, "persistent", 128),
                                                    (1024, True, "persistent", 128), (1024, False, "persistent", 128),
                                                    (512, True, "persistent", 128), (256, True, "triton", 128),
-                                                   (8192, True, "gluon", 64), (8192, False, "gluon", 64),
+                                                   (8192, True, "persistent", 64), (8192, False, "gluon", 64),
                                                    (2048, False, "persistent", 64), (4096, True, "triton", 64)])
 def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal, kernel, d):
     """``portattn.attention`` on the triton backend with the default switches: the Gluon kernel runs
@@ -887,7 +887,9 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
         assert kw["PERSISTENT"] is expect and kw["LONGEST_FIRST"] is True and kw["HEAD_D"] == d
         assert kw["CONSUMERS"] == rows // 64
         assert args[-2] == (b if expect else None)      # batch, then the causal walk's head group
-        assert args[-1] == gluon_fwd.head_group(build_spec(q, k, v, causal=True)) and args[-1] >= 1
+        assert args[-1] == gluon_fwd.head_group(build_spec(q, k, v, causal=True), expect)
+        assert args[-1] == (1 if not expect and sq < gluon_fwd.ONE_TILE_GROUP_MIN_SEQLEN_Q else min(b * h, max(
+            1, gluon_fwd.HEAD_GROUP_L2_BYTES * 2 // (sq * 2 * d * 2))))   # Hq / Hkv = 2
         assert grid == ((min(132, tiles),) if expect else (-(-sq // rows), b * h)), grid
         # a zero stride (K and V broadcast over heads) keeps the one-tile kernel, whose descriptors
         # take the head offset in their base: a rank-4 descriptor would need a stride of 0
@@ -904,9 +906,11 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
 @pytest.mark.parametrize("sq, d, causal, residual, expect", [
     (1024, 128, False, False, True), (16384, 128, False, False, True), (512, 128, False, False, True),
     (256, 128, False, False, False), (512, 128, True, True, True),
-    (1024, 128, True, False, True), (2047, 128, True, False, True), (2048, 128, True, False, False),
-    (2047, 128, True, True, True), (2048, 128, True, True, False), (4096, 128, False, True, True),
-    (4096, 128, True, True, False),
+    (1024, 128, True, False, True), (2048, 128, True, False, True), (4095, 128, True, False, True),
+    (4096, 128, True, False, False), (2048, 128, True, True, True), (4095, 128, True, True, True),
+    (4096, 128, False, True, True), (4096, 128, True, True, False),
+    (8192, 64, True, False, True), (16383, 64, True, True, True), (16384, 64, True, False, False),
+    (8191, 64, True, True, False),
     (2048, 64, False, False, True), (2047, 64, False, False, False), (4096, 64, True, False, False),
     (8191, 64, False, False, True), (8192, 64, False, False, False),        # D 64 inference: 2k-8k
     (4096, 64, False, True, True), (16383, 64, False, True, True), (16384, 64, False, True, False),   # training
@@ -1026,8 +1030,10 @@ def test_head_group_fits_the_group_k_and_v_in_l2(monkeypatch, sk, d, hq, hkv, ba
     spec = build_spec(q, k, k, causal=True)
     monkeypatch.delenv("PORTATTN_TRITON_HEAD_GROUP", raising=False)
     assert gluon_fwd.head_group(spec) == want
+    # the one-tile kernel's grid: one head after the other below ONE_TILE_GROUP_MIN_SEQLEN_Q query rows
+    assert gluon_fwd.head_group(spec, persistent=False) == (want if sk >= gluon_fwd.ONE_TILE_GROUP_MIN_SEQLEN_Q else 1)
     monkeypatch.setenv("PORTATTN_TRITON_HEAD_GROUP", "3")
-    assert gluon_fwd.head_group(spec) == min(3, batch * hq)
+    assert gluon_fwd.head_group(spec) == gluon_fwd.head_group(spec, persistent=False) == min(3, batch * hq)
     for bad in ("0", "-2", "two", "1.5"):
         monkeypatch.setenv("PORTATTN_TRITON_HEAD_GROUP", bad)
         with pytest.raises(ValueError, match="PORTATTN_TRITON_HEAD_GROUP"):

@@ -732,15 +732,27 @@ def persistent_for(head_dim: int, persistent: bool | None = None, auto: bool = F
 #: of the H100's and H200's 50 MiB, the rest for the Q and O tiles streaming past
 HEAD_GROUP_L2_BYTES = 16 << 20
 
+#: the fewest query rows at which the one-tile kernel's grid walks in groups (:func:`head_group`);
+#: below, one head's tiles after the other's. An H100 (2026-12-05, tools/head_group_check.py,
+#: benchmarks/results/head-group-h100.txt; bf16 causal, 16k tokens) timed the groups at 1.00-1.06 x
+#: the one-head order from S 2k (D 256 2k-8k 1.04-1.06, D 128 8k 1.03; training 0.97-1.07) but
+#: 0.95-0.98 x below it (training 0.87-0.93): short tiles end every group together, their stores
+#: bunched. The persistent walk groups at every length (1.16-1.27 x its walk over every head at
+#: D 128 S 512-1k).
+ONE_TILE_GROUP_MIN_SEQLEN_Q = 2048
 
-def head_group(spec) -> int:
+
+def head_group(spec, persistent: bool = True) -> int:
     """How many (batch, head)s the longest-first walk of a causal-like band (:func:`_longest_first`)
     takes together: ``PORTATTN_TRITON_HEAD_GROUP`` when set, else as many query heads as fit the
     K and V they read (Sk·(D + Dv)·2 bytes a KV head, shared by ``Hq / Hkv`` query heads) in
-    :data:`HEAD_GROUP_L2_BYTES`; at least 1, at most B·Hq (all of them: longest first over every
-    head)."""
+    :data:`HEAD_GROUP_L2_BYTES` — for the one-tile kernel (``persistent=False``) from
+    :data:`ONE_TILE_GROUP_MIN_SEQLEN_Q` query rows, 1 below; at least 1, at most B·Hq (all of
+    them: longest first over every head)."""
     from portattn import config
     group = config.triton_head_group()
+    if group is None and not persistent and spec.seqlen_q < ONE_TILE_GROUP_MIN_SEQLEN_Q:
+        group = 1
     if group is None:
         per_head = spec.seqlen_k * (spec.head_dim + spec.head_dim_v) * spec.q.element_size()
         group = HEAD_GROUP_L2_BYTES * (spec.num_heads_q // spec.num_heads_kv) // max(per_head, 1)
@@ -1003,33 +1015,25 @@ AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False
 
 
 #: where ``auto`` runs the persistent variant (:data:`PERSISTENT_HEAD_DIMS`) instead of the
-#: one-tile kernel: (head dim, causal, training) -> [fewest, most) query rows. The H200 timed both,
-#: and the portable kernel beside them (2026-12-04, tools/gluon_persistent_diag.py --time,
-#: benchmarks/results/triton-gluon-persistent-h200.txt; bf16, B·S = 16k tokens, hidden 2048;
-#: persistent / one-tile at S 1k, 4k, 16k): D 128 1.25, 1.05, 1.01 (training 1.30, 0.98, 1.10);
-#: causal 1.23, 0.98, 0.89 (training 1.24, 0.91, 1.01) — a longest-first walk over a fixed grid
-#: balances long causal bands worse than the hardware's own CTA scheduling does; D 64 (against the
-#: portable kernel, which ``auto`` runs there) 1.00, 1.05, 1.06, causal 0.89, 0.94, 0.99; D 128
-#: causal at S 2k (--time --cells, the same day) 1.04, training 1.04; on an H100 (2026-12-05,
-#: benchmarks/results/triton-gluon-persistent-h100.txt, one run) 0.85, training 0.84 (S 512 1.20,
-#: 1k 0.96), so the causal rows end at 2k: the one-tile kernel there is 1.07 x the persistent one
-#: in the geometric mean of the two cards (1.18 x on the H100, 0.96 x on the H200).
-#: At S 512 (--time --cells, later that day) D 128 persistent / portable 1.37 (training 1.36), causal
-#: 1.16 (training 1.09), so the D 128 rows start at 512; D 64 0.92, causal 0.83: portable there.
-#: D 64 again (2026-12-05, benchmarks/results/triton-gluon-variants-h200.txt, inference, one run):
-#: persistent / portable 1.01, 1.045, 1.06, 1.07 at S 1k, 2k, 4k, 16k (causal 1k 0.89), so the D 64
-#: row starts at 2k. With three consumers at D 64 (an H100, 2026-12-05,
-#: benchmarks/results/triton-gluon-consumers-h100.txt) the persistent kernel is 1.07 / 1.08 x the
-#: best two-consumer one at S 2k / 4k and 0.91 / 0.93 x the one-tile one at 8k / 16k (inference), and
-#: 1.14 / 1.15 / 1.22 x the portable training forward at 2k / 4k / 8k (1.03 x the one-tile one at 8k,
-#: 0.92 x at 16k): the non-causal D 64 rows end at 8k (inference) and 16k (training), where the
-#: one-tile kernel's rows begin. Where a row starts below the one-tile kernel's
-#: :data:`AUTO_MIN_SEQLEN_Q`, :func:`auto_takes` takes the Gluon forward from that row's start (D 128
-#: causal at 1k: persistent 1.15 x the portable kernel, training 1.09 x; D 64 from 2k).
+#: one-tile kernel: (head dim, causal, training) -> [fewest, most) query rows (bf16, B·S = 16k
+#: tokens, hidden 2048; ratio persistent / what ``auto`` runs otherwise).
+#: Non-causal: D 128 on the H200 (2026-12-04, tools/gluon_persistent_diag.py --time,
+#: benchmarks/results/triton-gluon-persistent-h200.txt) 1.37 at S 512, 1.25 at 1k, 1.11 at 2k,
+#: 1.05 at 4k, 1.01 at 16k (training 1.36, 1.30, 1.12, 0.98, 1.10); D 64 with three consumers on
+#: an H100 (2026-12-05, tools/gluon_consumers_check.py, benchmarks/results/triton-gluon-consumers-h100.txt)
+#: 1.14-1.22 x the portable kernel at 2k-8k, 0.91 / 0.93 x the one-tile kernel at 8k / 16k
+#: (training 1.03 at 8k, 0.92 at 16k): so to 8k (training 16k); the portable kernel below 2k.
+#: Causal, with the grouped walk (:func:`head_group`), on an H100 (2026-12-05,
+#: tools/head_group_check.py, benchmarks/results/head-group-h100.txt): D 128 1.36 / 1.24 / 1.08 /
+#: 0.93 x the one-tile kernel at S 512 / 1k / 2k / 4k (training 1.40 / 1.23 / 1.25 / 1.00), so to 4k
+#: (before the groups the walk went longest first over every head, re-reading K and V from DRAM:
+#: 1.16-1.30 x slower at S 512-2k; the rows ended at 2k); D 64 1.04 at 8k (training 1.05) and 0.99 at
+#: 16k against the one-tile kernel, 0.98 x the portable kernel at 4k (training 0.95).
 AUTO_PERSISTENT = {
-    (128, False, False): (512, 1 << 31), (128, True, False): (512, 2048),
-    (128, False, True): (512, 1 << 31), (128, True, True): (512, 2048),
+    (128, False, False): (512, 1 << 31), (128, True, False): (512, 4096),
+    (128, False, True): (512, 1 << 31), (128, True, True): (512, 4096),
     (64, False, False): (2048, 8192), (64, False, True): (2048, 16384),
+    (64, True, False): (8192, 16384), (64, True, True): (8192, 16384),
 }
 
 
@@ -1139,7 +1143,7 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
                          *out.stride()[:3], *lse.stride()[:2], spec.num_heads_q, spec.num_heads_q // spec.num_heads_kv,
                          spec.seqlen_q, spec.seqlen_k, float(spec.scale) * 1.4426950408889634,
                          window_left, window_right, spec.batch if persistent else None,
-                         head_group(spec) if causal_like else 1,
+                         head_group(spec, persistent) if causal_like else 1,
                          **launch_constexprs(spec.head_dim, causal_like, spec.alignment == "bottom_right", pingpong,
                                              residual, persistent, consumers),
                          **LAUNCH_OPTIONS)
