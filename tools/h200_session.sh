@@ -47,22 +47,25 @@
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls; export PYTHONPATH=$PWD for
 # tools run outside this script). The device tool lends an H100 or an H200 (either, call by call;
-# every call of 2026-12-05's two sessions got an H100): time a change against main in the same call
-# (tools/ab_session.sh); the report files carry the card's name (GPU_TAG), so an H100's results sit
-# beside the H200's in benchmarks/results/. Branches are not kept between sessions: time an
-# experiment in the session that builds it, or land it behind a switch.
+# every call of 2026-12-05's three sessions got an H100, and on the third most starts failed):
+# time a change against main in the same call (tools/ab_session.sh); the report files carry the
+# card's name (GPU_TAG), so an H100's results sit beside the H200's in benchmarks/results/.
+# Branches are not kept between sessions: time an experiment in the session that builds it, or
+# land it behind a switch.
 #   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> BENCH_LIMIT=330 bash tools/h200_session.sh warm bench tests:gluon
-#                                        # the grid on whichever card comes (~180 s warm + bench); on an H200
-#                                        # this refreshes bench-h200.* (4ce2745: before the D 64 three-consumer
-#                                        # Gluon forward, the 64-key HD 256 dQ and the 2k end of the persistent rows)
-#   PREV=benchmarks/results/conformance-h200.json CASES='large/hopper/*' bash tools/h200_session.sh catalogue:triton,reference,sdpa,cupy
-#                                        # catalogue v6's new case (D 64 causal training at S 8192, the
-#                                        # three-consumer Gluon forward) and the other large/hopper/ cases again
-#   PYTHONPATH=. python3 tools/gluon_consumers_check.py --out $OUT   # on an H200 if one comes: the D 64
-#                                        # three-consumer rows rest on one H100 run (2026-12-05)
-#   triton, #14's short causal cells (0.53-0.56 x cuDNN at D 128 S 512/1k on an H100, 0.64/0.72 on the H200):
-#                                        # the persistent kernel runs 0.76-0.81 x its H200 speed there while cuDNN
-#                                        # does not move; profile it (ncu) on both cards before changing the walk
+#                                        # the grid on whichever card comes; on an H200 this refreshes
+#                                        # bench-h200.* (4ce2745: before the D 64 three-consumer forward
+#                                        # and the grouped causal walk)
+#   PYTHONPATH=. python3 tools/head_group_check.py --out $OUT   # on an H200: the grouped causal walk
+#                                        # and auto's persistent causal rows (D 128 to 4k, D 64 8k-16k)
+#                                        # rest on one H100 run (2026-12-05, head-group-h100.txt)
+#   triton, the persistent walk's balance: each CTA takes every #SMs-th item, so at D 128 causal from
+#                                        # 4k groups of one (495 TFLOP/s) or of every head (525 at 16k)
+#                                        # beat the L2-sized groups (437 / 482); a counter-based
+#                                        # (dynamic) scheduler, as FA3's and cupy's backward, or a
+#                                        # boustrophedon assignment, then the causal rows past 4k
+#   triton, the grouped walk for the backward's grids (Gluon dQ / dK/dV, the portable kernels): the
+#                                        # one-tile forward gained 1.03-1.06 x from S 2k at D 256
 #   cupy, #16's D 64 backward (0.85-0.95 x FA2): neither the producers' loads (0.98-1.00 x) nor own-keys dQ
 #                                        # (0.85-0.96 x) paid; next is ping-pong between the consumer warpgroups
 #                                        # (docs/cupy.md, What limits the backward)
