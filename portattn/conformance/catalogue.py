@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from .problems import Problem
 
-CATALOGUE_VERSION = "6"
+CATALOGUE_VERSION = "7"
 
 _DT = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -320,6 +320,11 @@ def _hopper_defaults(b: _Builder):
         b.add(f"large/hopper/infer-d{d}-s{s}{'-causal' if causal else ''}",
               Problem(batch=2, seqlen_q=s, seqlen_k=s, heads_q=4, heads_kv=2, head_dim=d, causal=causal,
                       dtype="bfloat16", grad=False), tier="large")
+    # v7: D 64 causal inference from 8k runs the persistent kernel (three consumers, the grouped walk);
+    # one batch entry and head, as v6's training case, so the float64 reference stays small
+    b.add("large/hopper/infer-d64-s8192-causal-h1x1",
+          Problem(batch=1, seqlen_q=8192, seqlen_k=8192, heads_q=1, heads_kv=1, head_dim=64, causal=True,
+                  dtype="bfloat16", grad=False), tier="large")
 
 
 def build_catalogue() -> list[Case]:
