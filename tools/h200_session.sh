@@ -61,9 +61,12 @@
 #                                        # rest on one H100 run (2026-12-05, head-group-h100.txt)
 #   triton, the persistent walk's balance: each CTA takes every #SMs-th item, so at D 128 causal from
 #                                        # 4k groups of one (495 TFLOP/s) or of every head (525 at 16k)
-#                                        # beat the L2-sized groups (437 / 482); a counter-based
-#                                        # (dynamic) scheduler, as FA3's and cupy's backward, or a
-#                                        # boustrophedon assignment, then the causal rows past 4k
+#                                        # beat the L2-sized groups (437 / 482): a model of the static
+#                                        # assignment puts their busiest CTA at 1.18-1.29 x the mean
+#                                        # (docs/triton.md); a counter-based (dynamic) scheduler, as
+#                                        # FA3's and cupy's backward, or long + short tiles in pairs
+#                                        # (a snake order does not help, the model says), then the
+#                                        # causal rows past 4k
 #   triton, the grouped walk for the backward's grids (Gluon dQ / dK/dV, the portable kernels): the
 #                                        # one-tile forward gained 1.03-1.06 x from S 2k at D 256
 #   cupy, #16's D 64 backward (0.85-0.95 x FA2): neither the producers' loads (0.98-1.00 x) nor own-keys dQ
