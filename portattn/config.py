@@ -68,6 +68,9 @@ VARIABLES = {
                                   "from longest first, together: unset or empty = gluon_fwd.head_group (as many as "
                                   "keep their K and V in L2), or a positive number (1: one head after the other); "
                                   "read on every forward",
+    "PORTATTN_TRITON_PAIRED_WALK": "0/false/no/off = the Gluon forward's persistent causal walk takes its query tiles "
+                                   "one at a time, not in long + short pairs (gluon_fwd._work_unit; default 1); read "
+                                   "on every forward",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
 }
@@ -262,6 +265,15 @@ def triton_head_group() -> int | None:
     (batch, head)s as keep their K and V in L2), else a positive int: how many (batch, head)s the
     Gluon forward's longest-first (causal) walk takes together; anything else raises ``ValueError``."""
     return _parsed("PORTATTN_TRITON_HEAD_GROUP", _parse_head_group, None)
+
+
+def triton_paired_walk() -> bool:
+    """``PORTATTN_TRITON_PAIRED_WALK`` (default on; empty is the default; 0/false/no/off turn it
+    off; anything else but a boolean raises ``ValueError``): whether the persistent Gluon forward's
+    causal walk gives each CTA a head's longest and shortest remaining query tiles together
+    (``gluon_fwd._work_unit``), so every unit of work costs about the same."""
+    return _parsed("PORTATTN_TRITON_PAIRED_WALK",
+                   lambda name, text: True if not text.strip() else _parse_flag(name, text), True)
 
 
 TRITON_DQ_MODES = ("auto", "atomic", "kernel")

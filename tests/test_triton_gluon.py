@@ -848,8 +848,27 @@ def test_persistent_constexprs_and_head_dims():
         smem = 2 * 2 * gluon_fwd.WG_M * d * 2 + 2 * stages * block_n * d * 2
         assert (smem + 1024 <= 232448) == (d in gluon_fwd.PERSISTENT_HEAD_DIMS), (d, smem)
     params = list(gluon_fwd.attn_fwd_gluon.arg_names)
-    assert params[-9:] == ["HEAD_D", "BLOCK_N", "STAGES", "BOTTOM_RIGHT", "LONGEST_FIRST", "PINGPONG", "RESIDUAL",
-                           "PERSISTENT", "CONSUMERS"] and "batch" in params and gluon_fwd._PERSISTENT_ONLY_ARGS == ("batch",)
+    assert params[-10:] == ["HEAD_D", "BLOCK_N", "STAGES", "BOTTOM_RIGHT", "LONGEST_FIRST", "PINGPONG", "RESIDUAL",
+                            "PERSISTENT", "CONSUMERS", "PAIRED"]
+    assert "batch" in params and gluon_fwd._PERSISTENT_ONLY_ARGS == ("batch",)
+
+
+def test_paired_walk_is_for_persistent_causal_launches(monkeypatch):
+    """``PAIRED`` is on for persistent causal-like launches unless ``PORTATTN_TRITON_PAIRED_WALK``
+    turns it off or ``paired=False`` is given; never for the one-tile kernel or a non-causal walk;
+    a value that is not a boolean raises naming the variable."""
+    lc = gluon_fwd.launch_constexprs
+    monkeypatch.delenv("PORTATTN_TRITON_PAIRED_WALK", raising=False)
+    assert lc(128, True, persistent=True)["PAIRED"] is True and lc(64, True, persistent=True)["PAIRED"] is True
+    assert lc(128, True, persistent=True, paired=False)["PAIRED"] is False
+    assert lc(128, True)["PAIRED"] is False and lc(128, False, persistent=True)["PAIRED"] is False
+    assert lc(128, False, persistent=True, paired=True)["PAIRED"] is False
+    for text, want in (("0", False), ("off", False), ("", True), ("yes", True)):
+        monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", text)
+        assert lc(128, True, persistent=True)["PAIRED"] is want, text
+    monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", "pairs")
+    with pytest.raises(ValueError, match="PORTATTN_TRITON_PAIRED_WALK"):
+        lc(128, True, persistent=True)
 
 
 class _Recorder:
@@ -868,8 +887,9 @@ class _Recorder:
 def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, env, arg, d, expect):
     """The launch plumbing on CPU (the kernel replaced by a recorder): ``auto`` does not take the
     persistent variant for causal bands of 300 or 8192 queries (outside AUTO_PERSISTENT's causal
-    rows); the switch or ``persistent=True`` does at D 64/128, with grid
-    (min(#SMs, tiles),) and ``batch`` = B; otherwise grid (cdiv(Sq, rows), B·Hq) and ``batch`` None;
+    rows); the switch or ``persistent=True`` does at D 64/128, with grid (min(#SMs, units),)
+    (units: cdiv(tiles, 2) a head, the causal walk's long + short pairs; tiles with
+    ``PORTATTN_TRITON_PAIRED_WALK=0``) and ``batch`` = B; otherwise grid (cdiv(Sq, rows), B·Hq) and ``batch`` None;
     ``rows`` is 64 a consumer warpgroup (three at D 64, gluon_fwd.DEFAULT_CONSUMERS: 192)."""
     _setenv(monkeypatch, "PORTATTN_TRITON_GLUON_PERSISTENT", env)
     rec = _Recorder()
@@ -890,7 +910,14 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
         assert args[-1] == gluon_fwd.head_group(build_spec(q, k, v, causal=True), expect)
         assert args[-1] == (1 if not expect and sq < gluon_fwd.ONE_TILE_GROUP_MIN_SEQLEN_Q else min(b * h, max(
             1, gluon_fwd.HEAD_GROUP_L2_BYTES * 2 // (sq * 2 * d * 2))))   # Hq / Hkv = 2
-        assert grid == ((min(132, tiles),) if expect else (-(-sq // rows), b * h)), grid
+        units = (-(-sq // rows) + 1) // 2 * b * h
+        assert kw["PAIRED"] is expect
+        assert grid == ((min(132, units),) if expect else (-(-sq // rows), b * h)), grid
+        monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", "0")
+        gluon_fwd.gluon_forward(build_spec(q, k, v, causal=True), persistent=arg)
+        monkeypatch.delenv("PORTATTN_TRITON_PAIRED_WALK")
+        grid, args, kw = rec.launches[-1]
+        assert kw["PAIRED"] is False and grid == ((min(132, tiles),) if expect else (-(-sq // rows), b * h)), grid
         # a zero stride (K and V broadcast over heads) keeps the one-tile kernel, whose descriptors
         # take the head offset in their base: a rank-4 descriptor would need a stride of 0
         kx, vx = (t[:, :, :1].expand(-1, -1, h // 2, -1) for t in (k, v))
@@ -944,51 +971,108 @@ def _longest_first(w, num_m, num_bh, group):
     return num_m - 1 - r // g, g0 + r % g
 
 
-def _work_item(w, sq, batch, hq, longest_first, rows=128, group=None):
-    """gluon_fwd._work_item in Python: (b, h, m0) of ``rows``-row query tiles (``group``: the
-    walk's head_group, None for all B·Hq heads)."""
+def _cta_tiles(pid, grid, sq, batch, hq, longest_first, rows=128, group=None, paired=False):
+    """gluon_fwd._work_count and _work_tile in Python: the (b, h, m0) of persistent CTA ``pid``'s
+    tiles in order, of ``rows``-row query tiles (``group``: the walk's head_group, None for all
+    B·Hq heads; ``paired``: a causal walk's units in long + short pairs, the middle tile of an odd
+    count paired with the tile past the end)."""
     num_m, num_bh = -(-sq // rows), batch * hq
-    if longest_first:
-        m, bh = _longest_first(w, num_m, num_bh, min(group or num_bh, num_bh))
-    else:
-        m, bh = w % num_m, w // num_m
-    return bh // hq, bh % hq, m * rows
+    group = min(group or num_bh, num_bh)
+    units = (-(-num_m // 2) if paired else num_m) * num_bh
+    n = -(-(units - pid) // grid) * (2 if paired else 1)
+    out = []
+    for j in range(n):
+        if paired:
+            x, bh = _longest_first(pid + (j >> 1) * grid, (num_m + 1) >> 1, num_bh, group)
+            first, t = num_m - 1 - x, j & 1
+            m = first + t * (x - first) + t * int(first == x) * (num_m - x)
+        else:
+            u = pid + j * grid
+            m, bh = _longest_first(u, num_m, num_bh, group) if longest_first else (u % num_m, u // num_m)
+        out.append((bh // hq, bh % hq, m * rows))
+    return out
+
+
+def _item_band(m0, sq, rows, bn=128):
+    """gluon_fwd._item_band in Python (a causal band, bottom-right, Sk = Sq): no keys past the end."""
+    lo, full_lo, full_hi, hi = _key_phases(m0, sq, sq, 0, gluon_fwd._UNBOUNDED, 0, rows, bn)
+    return lo, full_lo, full_hi, hi * (m0 < sq)
+
+
+WALKS = [(False, None, False), (True, None, False), (True, 1, False), (True, 5, False), (True, None, True),
+         (True, 1, True), (True, 5, True)]
 
 
 @pytest.mark.parametrize("sq, batch, hq, grid", [(300, 3, 4, 36), (1024, 16, 16, 132), (4096, 1, 3, 132),
-                                                 (129, 2, 5, 7)])
-@pytest.mark.parametrize("longest_first, group", [(False, None), (True, None), (True, 1), (True, 5)])
+                                                 (129, 2, 5, 7), (1344, 3, 2, 5)])
+@pytest.mark.parametrize("longest_first, group, paired", WALKS)
 @pytest.mark.parametrize("rows", [128, 192])
-def test_persistent_walk_covers_every_tile_once_longest_first(sq, batch, hq, grid, longest_first, group, rows):
-    """Every (query tile, head) is one CTA's item exactly once; with ``LONGEST_FIRST`` the walk takes
-    the heads ``group`` at a time (the last group may be smaller) and within a group no shorter tile
-    before a longer one, so each CTA's items in one group run longest first too; and the running
-    counts of the consumers (ring tiles, non-empty bands: the ping-pong turn count ``kv + bands``)
-    give every issue point of a CTA a distinct consecutive turn number, as the producer's ring
-    count gives the same tiles (a causal band, bottom-right)."""
+def test_persistent_walk_covers_every_tile_once(sq, batch, hq, grid, longest_first, group, paired, rows):
+    """Every (query tile, head) is one CTA's tile exactly once; with ``LONGEST_FIRST`` unpaired the
+    walk takes the heads ``group`` at a time (the last group may be smaller), within a group no
+    shorter tile before a longer one; paired, a CTA's tiles come two by two from one head, the
+    long one first, and the only tiles past the end partner the middle tile of an odd count and
+    see no keys; and the running counts of the consumers (ring tiles, non-empty bands: the
+    ping-pong turn count ``kv + bands``) give every issue point of a CTA a distinct consecutive
+    turn number, as the producer's ring count gives the same tiles (a causal band, bottom-right)."""
     seen = {}
-    num_bh = batch * hq
+    num_m, num_bh = -(-sq // rows), batch * hq
     size = min(group or num_bh, num_bh)
-    walk = [_work_item(w, sq, batch, hq, longest_first, rows, group) for w in range(-(-sq // rows) * num_bh)]
-    if longest_first:
+    if longest_first and not paired:
+        walk = [_cta_tiles(w % grid, grid, sq, batch, hq, True, rows, group)[w // grid] for w in range(num_m * num_bh)]
         for w, (b, h, m0) in enumerate(walk):
-            assert (b * hq + h) // size == w // (size * -(-sq // rows)), (w, b, h)   # its head's group
+            assert (b * hq + h) // size == w // (size * num_m), (w, b, h)   # its head's group
             if w and (b * hq + h) // size == (walk[w - 1][0] * hq + walk[w - 1][1]) // size:
                 assert m0 <= walk[w - 1][2], w
     for pid in range(grid):
         kv = bands = turns = 0
-        for w in range(pid, len(walk), grid):
-            b, h, m0 = walk[w]
-            assert (b, h, m0) not in seen and 0 <= b < batch and 0 <= h < hq and 0 <= m0 < sq
-            seen[b, h, m0] = pid
-            lo, full_lo, full_hi, hi = _key_phases(m0, sq, sq, 0, gluon_fwd._UNBOUNDED, 0, rows, 128)
+        tiles = _cta_tiles(pid, grid, sq, batch, hq, longest_first, rows, group, paired)
+        if paired:
+            assert len(tiles) % 2 == 0
+            for (b0, h0, long), (b1, h1, short) in zip(tiles[::2], tiles[1::2]):
+                assert (b0, h0) == (b1, h1) and long < sq, (pid, tiles)
+                assert short < long or (short == num_m * rows and long == (num_m - 1) // 2 * rows and num_m % 2), (
+                    pid, long, short)
+        for b, h, m0 in tiles:
+            lo, full_lo, full_hi, hi = _item_band(m0, sq, rows)
             n = len(range(lo, hi, 128))
+            if m0 >= sq:
+                assert n == 0, m0
+                continue
+            assert (b, h, m0) not in seen and 0 <= b < batch and 0 <= h < hq, (b, h, m0)
+            seen[b, h, m0] = pid
             if n:   # turn numbers of this band's n + 1 issue points: kv + bands + (0 … n)
                 assert kv + bands == turns
                 turns += n + 1
                 kv += n
                 bands += 1
-    assert len(seen) == -(-sq // rows) * num_bh
+    assert len(seen) == num_m * num_bh
+
+
+def _busiest(sq, batch, hq, rows, group, paired, grid=132, bn=128):
+    """The static walk's balance: the busiest CTA's work over the mean, a tile costing its key
+    tiles + 1 (the model of docs/triton.md, The causal walk)."""
+    work = []
+    for pid in range(grid):
+        tiles = _cta_tiles(pid, grid, sq, batch, hq, True, rows, group, paired)
+        work.append(sum(len(range(*_item_band(m0, sq, rows, bn)[::3], bn)) + (m0 < sq) for _, _, m0 in tiles))
+    return max(work) / (sum(work) / grid)
+
+
+@pytest.mark.parametrize("d, rows", [(128, 128), (64, 192)])
+@pytest.mark.parametrize("sq", [512, 1024, 2048, 4096, 8192, 16384])
+def test_paired_walk_balances_the_causal_cells(d, rows, sq):
+    """The causal benchmark cells (16k tokens, hidden 2048) on 132 CTAs in head_group's groups: in
+    long + short pairs the busiest CTA does 1.03 x the mean work at D 128 (the units' count on 132
+    CTAs) and at most 1.09 x at D 64 (192-row tiles: an odd count's middle tile is a short unit),
+    where the unpaired walk does 1.18-1.29 x at D 128."""
+    batch, hq = 16384 // sq, 2048 // d
+    q = torch.zeros(batch, sq, hq, d, dtype=torch.bfloat16)
+    group = gluon_fwd.head_group(build_spec(q, q, q, causal=True))
+    paired = _busiest(sq, batch, hq, rows, group, True)
+    assert paired <= (1.035 if d == 128 else 1.09), paired
+    if d == 128:
+        assert _busiest(sq, batch, hq, rows, group, False) > 1.17
 
 
 @pytest.mark.parametrize("num_m, num_bh", [(1, 1), (4, 7), (16, 128), (11, 3)])
@@ -1006,12 +1090,25 @@ def test_one_tile_walk_in_groups_of_one_is_the_grid_order(num_m, num_bh):
 
 
 def test_longest_first_mirror_matches_the_kernel_source():
-    """The Python mirror above computes what the Gluon helper's source says (its lines, in order)."""
+    """The Python mirrors above compute what the Gluon helpers' sources say (their lines)."""
     import inspect
     src = inspect.getsource(gluon_fwd._longest_first.fn)
     for line in ("span = head_group * num_m", "grp = w // span", "g0 = grp * head_group",
                  "g = gl.minimum(head_group, num_bh - g0)", "r = w - grp * span",
                  "return num_m - 1 - r // g, g0 + r % g"):
+        assert line in src, line
+    src = inspect.getsource(gluon_fwd._work_tile.fn)
+    for line in ("x, bh = _longest_first(gl.program_id(0) + (j >> 1) * gl.num_programs(0), (num_m + 1) >> 1,",
+                 "first = num_m - 1 - x", "t = j & 1",
+                 "m = first + t * (x - first) + t * (first == x).to(gl.int32) * (num_m - x)",
+                 "u = gl.program_id(0) + j * gl.num_programs(0)", "m, bh = _longest_first(u, num_m, num_bh, head_group)",
+                 "m = u % num_m", "bh = u // num_m"):
+        assert line in src, line
+    assert "return lo, full_lo, full_hi, hi * (m0 < sq).to(gl.int32)" in inspect.getsource(gluon_fwd._item_band.fn)
+    src = inspect.getsource(gluon_fwd._work_count.fn)
+    for line in ("units = ((num_m + 1) >> 1) * (batch * num_heads_q)", "units = num_m * (batch * num_heads_q)",
+                 "mine = (units - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)",
+                 "mine = mine * 2"):
         assert line in src, line
 
 
@@ -1081,17 +1178,19 @@ def test_persistent_cross_compiles_for_sm90(d128_persistent_rows, d128_rows):
         assert r["wgmma"] == base["wgmma"] and r["setmaxnreg"] == base["setmaxnreg"], (r, base)
         if r.get("regs") is not None:
             assert r["HGMMA"] > 0 and r["UTMALDG"] > 0 and r["UTMASTG"] > 0, r
-            # no spills with the H200's triton 3.6; triton 3.9 keeps the inference kernel clean but
-            # spills 8 bytes in the training one (2026-12-03: two values live across the item loop,
-            # stored and reloaded once per item in the epilogue, not in the key loop)
-            if triton.__version__.startswith("3.6") or not r["residual"]:
+            # no spills with the H200's triton 3.6; triton 3.9 keeps the non-causal inference kernel
+            # clean but spills 8 bytes in the training one (2026-12-03: two values live across the
+            # item loop, stored and reloaded once per item in the epilogue, not in the key loop), and
+            # 16 / 32 bytes in the causal ones since the paired walk (2026-12-06: one value stored
+            # and reloaded once per key tile in the consumers' key loops)
+            if triton.__version__.startswith("3.6") or not (r["residual"] or r["causal"]):
                 assert r["stack"] == 0 and r["LDL/STL"] == 0, r
             else:
-                assert r["stack"] <= 8, r
+                assert r["stack"] <= (32 if r["causal"] else 8), r
 
 
 _PERSISTENT_CHILD = """
-import json, sys, torch
+import json, os, sys, torch
 sys.path.insert(0, "tests")
 import test_triton_gluon as t
 from portattn.backends.triton import gluon_fwd
@@ -1109,12 +1208,16 @@ for name, (shape, kw) in t.GPU_CASES.items():
     gluon_fwd.gluon_forward(spec, out=out, lse=lse, persistent=True)
     o2, l2, r2 = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
     one, one_lse, one_res = gluon_fwd.gluon_forward(spec, residual=True, pingpong=True, persistent=False)
+    os.environ["PORTATTN_TRITON_PAIRED_WALK"] = "0"   # causal: each CTA every #SMs-th tile, not pairs
+    unpaired = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
+    del os.environ["PORTATTN_TRITON_PAIRED_WALK"]
     torch.cuda.synchronize()
     ref, ref_lse = reference_forward(spec)
     c_out, c_lse = compare("out", out, ref, naive_forward(spec)[0]), compare_lse(lse, ref_lse)
     row = dict(case=name, out=bool(c_out.passed), lse=bool(c_lse.passed), detail=str(c_out) + " " + str(c_lse),
                unwritten=int(torch.isnan(out).sum() + torch.isnan(lse).sum() + torch.isnan(r2).sum()),
                training_same=bool(torch.equal(o2, out) and torch.equal(l2, lse)),
+               unpaired_same=all(torch.equal(x, y) for x, y in zip(unpaired, (o2, l2, r2))),
                same_as_one_tile=bool(torch.equal(out, one) and torch.equal(lse, one_lse) and torch.equal(r2, one_res)))
     print("ROW " + json.dumps(row), flush=True)
 print("PERSISTENT OK")
@@ -1127,7 +1230,9 @@ def test_gpu_persistent_matches_reference():
     """The persistent variant on every GPU case, in a child with a timeout (never run on a GPU
     before: a barrier deadlock fails this test instead of hanging the run): out and lse against
     float64 (NaN-poisoned first), the training launch's out / lse bit-identical to the inference
-    one and its residual written; whether it is bit-identical to the one-tile kernel (ping-pong
+    one and its residual written, and the causal walk unpaired (``PORTATTN_TRITON_PAIRED_WALK=0``)
+    bit-identical to the pairs (causal_sq_gt_sk's five tiles pair the middle one with a tile past
+    the end); whether it is bit-identical to the one-tile kernel (ping-pong
     on) is printed, not judged. D 256 cases run the one-tile kernel (PERSISTENT_HEAD_DIMS)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
@@ -1141,4 +1246,4 @@ def test_gpu_persistent_matches_reference():
     assert "PERSISTENT OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert len(rows) == len(GPU_CASES)
     for r in rows:
-        assert r["out"] and r["lse"] and r["unwritten"] == 0 and r["training_same"], r
+        assert r["out"] and r["lse"] and r["unwritten"] == 0 and r["training_same"] and r["unpaired_same"], r

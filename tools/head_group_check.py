@@ -1,6 +1,7 @@
 """One GPU call for the Gluon forward's grouped causal walk (``gluon_fwd._longest_first``,
-``gluon_fwd.head_group``): whether taking the query tiles longest first a group of heads at a time
-is as exact as, and faster than, the two orders before it.
+``gluon_fwd.head_group``) and the persistent kernel's long + short pairs (``gluon_fwd._work_tile``):
+whether taking the query tiles longest first a group of heads at a time, and in pairs, is as exact
+as, and faster than, the orders before it.
 
     PYTHONPATH=. timeout 600 python tools/head_group_check.py --out $OUT --time-limit 400
 
@@ -8,11 +9,14 @@ The orders (``PORTATTN_TRITON_HEAD_GROUP``): ``1``, one head's tiles longest fir
 head's (the one-tile kernel's grid order before the groups); ``all``, every head's last tile, then
 every head's tile before it (the persistent kernel's walk before the groups: Nsight Compute on an
 H100 measured it moving 1.6 x the bytes the forward needs at S 512 causal, K and V re-read from
-DRAM); ``auto``, ``gluon_fwd.head_group``'s groups (their K and V fit in L2).
+DRAM); ``auto``, ``gluon_fwd.head_group``'s groups (their K and V fit in L2); these three with
+``PORTATTN_TRITON_PAIRED_WALK=0``, each persistent CTA taking every #SMs-th tile of the walk; and
+``pairs``, ``auto``'s groups with the persistent CTAs taking a head's tiles in long + short pairs
+(the default; the one-tile kernel has no pairs, so it runs the first three orders only).
 
 For each causal cell (bf16, B·S = 16k tokens, hidden 2048, D 64/128/256, S 512 … 16k) and each
 kernel that can run it (one-tile; persistent at D 64/128), inference and training (O's rounding
-residual): the three orders' outputs (out, lse, residual) must be bit-identical (a tile's
+residual): the orders' outputs (out, lse, residual) must be bit-identical (a tile's
 arithmetic does not depend on when it runs), and ``auto``'s is compared once with cuDNN's;
 then each order's TFLOP/s (median of ``triton.testing.do_bench``, the orders interleaved over two
 rounds) beside cuDNN's and the portable kernel's. Writes ``head_group.json`` / ``.txt`` to
@@ -31,15 +35,20 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import triton_gluon_check as chk  # noqa: E402  (sets PORTATTN_TRITON_FORWARD=portable for the portable column)
 
-ORDERS = ("1", "all", "auto")
+ORDERS = ("1", "all", "auto", "pairs")
 CELLS = [(d, s) for d in (128, 64, 256) for s in (512, 1024, 2048, 4096, 8192, 16384)]
 
 
 def _set_order(order: str, num_bh: int) -> None:
-    if order == "auto":
+    os.environ["PORTATTN_TRITON_PAIRED_WALK"] = "1" if order == "pairs" else "0"
+    if order in ("auto", "pairs"):
         os.environ.pop("PORTATTN_TRITON_HEAD_GROUP", None)
     else:
         os.environ["PORTATTN_TRITON_HEAD_GROUP"] = str(num_bh if order == "all" else int(order))
+
+
+def _orders(persistent: bool) -> tuple:
+    return ORDERS if persistent else ORDERS[:3]
 
 
 def run_cell(d: int, s: int) -> dict:
@@ -64,23 +73,24 @@ def run_cell(d: int, s: int) -> dict:
         for residual in (False, True):
             name = kname + ("_train" if residual else "")
             outs = {}
-            for order in ORDERS:
+            for order in _orders(persistent):
                 _set_order(order, b * h)
                 res = gluon_fwd.gluon_forward(spec, persistent=persistent, residual=residual)
                 torch.cuda.synchronize()
                 outs[order] = [t.clone() for t in res]
-            same = all(torch.equal(x, y) for o in ORDERS[1:] for x, y in zip(outs["1"], outs[o]))
+            same = all(torch.equal(x, y) for o in _orders(persistent)[1:] for x, y in zip(outs["1"], outs[o]))
             check = {"impl": name, "bit_identical": same}
             if not residual:
                 qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).transpose(1, 2)
-                check["max_abs_vs_cudnn"] = float((outs["auto"][0].float() - ref.float()).abs().max())
+                best = "pairs" if persistent else "auto"
+                check["max_abs_vs_cudnn"] = float((outs[best][0].float() - ref.float()).abs().max())
                 check["passed"] = same and check["max_abs_vs_cudnn"] < 2e-2
             else:
                 check["passed"] = same
             row["checks"].append(check)
-            for order in ORDERS:
+            for order in _orders(persistent):
                 impls[f"{name}@{order}"] = (order, lambda p=persistent, r=residual: gluon_fwd.gluon_forward(
                     spec, persistent=p, residual=r))
     impls["portable"] = ("auto", lambda: ops.forward(spec))
@@ -99,7 +109,7 @@ def run_cell(d: int, s: int) -> dict:
             fn()
             torch.cuda.synchronize()
             times[name].append(chk._median_ms(fn))
-    _set_order("auto", b * h)
+    _set_order("pairs", b * h)
     for name, ts in times.items():
         row["tflops"][name] = flops / min(ts) * 1e-9
         row.setdefault("spread", {})[name] = max(ts) / min(ts) - 1
@@ -111,24 +121,29 @@ def report(res: dict) -> str:
     lines = [f"{env['gpu']} torch {env['torch']} triton {env['triton']} {env['date']}; {res['seconds']:.0f} s",
              "causal bf16, B·S = 16k tokens, hidden 2048; TFLOP/s (best of two interleaved do_bench medians);",
              "orders: 1 = one head after the other, all = longest first over every head, auto = gluon_fwd.head_group",
-             "g one-tile, p persistent, _train with O's rounding residual", ""]
+             "(these three unpaired), pairs = auto's groups, each persistent CTA taking long + short tiles in pairs",
+             "g one-tile, p persistent, _train with O's rounding residual; gains: g auto / best(1, all), "
+             "p pairs / best(1, all, auto)", ""]
     names = ["g", "g_train", "p", "p_train"]
     head = f"{'D':>4} {'S':>6} {'grp':>4}"
     for n in names:
-        head += f" {n + '@1':>10} {n + '@all':>10} {n + '@auto':>10}"
-    head += f" {'portable':>9} {'port_tr':>8} {'cudnn':>7}  best-auto/best-old  auto/cudnn(inf)"
+        head += "".join(f" {n + '@' + o:>12}" for o in ORDERS if n.startswith("p") or o != "pairs")
+    head += f" {'portable':>9} {'port_tr':>8} {'cudnn':>7}  gains  best/cudnn(inf)"
     lines.append(head)
     for r in res["rows"]:
         t = r["tflops"]
         line = f"{r['d']:>4} {r['s']:>6} {r['auto_group']:>4}"
         for n in names:
-            line += "".join(f" {t.get(f'{n}@{o}', float('nan')):>10.1f}" for o in ORDERS)
+            line += "".join(f" {t.get(f'{n}@{o}', float('nan')):>12.1f}" for o in ORDERS
+                            if n.startswith("p") or o != "pairs")
         line += f" {t['portable']:>9.1f} {t['portable_train']:>8.1f} {t['cudnn']:>7.1f}"
         gains = []
         for n in names:
-            if f"{n}@auto" in t:
-                gains.append(f"{n} {t[f'{n}@auto'] / max(t[f'{n}@1'], t[f'{n}@all']):.3f}")
-        best_inf = max(t[f"{n}@auto"] for n in ("g", "p") if f"{n}@auto" in t)
+            new = "pairs" if n.startswith("p") else "auto"
+            if f"{n}@{new}" in t:
+                old = [t[f"{n}@{o}"] for o in ORDERS if o != new and f"{n}@{o}" in t]
+                gains.append(f"{n} {t[f'{n}@{new}'] / max(old):.3f}")
+        best_inf = max(t[k] for k in ("g@auto", "p@pairs", "portable") if k in t)
         line += "  " + ", ".join(gains) + f"  {best_inf / t['cudnn']:.2f}"
         lines.append(line)
     bad = [(r["d"], r["s"], c) for r in res["rows"] for c in r["checks"] if not c["passed"]]

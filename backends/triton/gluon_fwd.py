@@ -35,8 +35,8 @@ bfloat16; ``D == Dv`` in {64, 128, 256}; no softcap, ALiBi, bias or sliding wind
 
 ``PERSISTENT`` (D 64/128; ``auto`` takes it where the H200 timed it faster, :data:`AUTO_PERSISTENT`;
 ``PORTATTN_TRITON_GLUON_PERSISTENT`` forces it on or off) is FA3's persistent schedule against the one-tile CTA's fixed cost (pipeline fill, epilogue,
-descriptor set-up): one CTA per SM walks (query tile, head) work items (:func:`_work_item`,
-longest first for causal-like bands) with rank-4 descriptors made once, the producer's ring count
+descriptor set-up): one CTA per SM walks (query tile, head) work units (:func:`_work_tile`,
+for causal-like bands longest first, a long and a short tile together) with rank-4 descriptors made once, the producer's ring count
 running on across items, Q handed back before the epilogue (``q_empty``) and O stored through its
 own shared tiles, so the next item's loads overlap the current one's epilogue. The same stage
 helpers (:func:`_load_q`, :func:`_load_kv`, :func:`_attend`, :func:`_epilogue`) run both; with it
@@ -147,12 +147,11 @@ if gl is not None:
         return pid
 
     @gluon.jit
-    def _heads(num_heads_q, gqa_ratio):
-        """(b, h, h_kv) of a CTA whose grid dimension 1 is B·Hq: its batch, query head and the KV
+    def _heads(bh, num_heads_q, gqa_ratio):
+        """(b, h, h_kv) of (batch, head) number ``bh`` of B·Hq: its batch, query head and the KV
         head it reads (GQA: ``gqa_ratio`` = Hq // Hkv query heads share one)."""
-        pid_bh = gl.program_id(1)
-        b = pid_bh // num_heads_q
-        h = pid_bh % num_heads_q
+        b = bh // num_heads_q
+        h = bh % num_heads_q
         h_kv = h // gqa_ratio
         return b, h, h_kv
 
@@ -187,7 +186,7 @@ if gl is not None:
                   head_group=None):
         """The prologue of a Q-stationary CTA (the forward, the backward's dQ) on grid
         (cdiv(Sq, 64·CONSUMERS), B·Hq): ``(b, h, h_kv, m0, off, (lo, full_lo, full_hi, hi))`` — its
-        batch, query head and KV head (:func:`_heads`), its first query row ``m0`` of 64·CONSUMERS
+        batch, query head and KV head (:func:`_heads` of its grid row), its first query row ``m0`` of 64·CONSUMERS
         (one 64-row tile per consumer warpgroup; the last tile first with ``LONGEST_FIRST``), the
         alignment ``off`` (:func:`_align_offset`) and the band of ``BLOCK_N``-key tiles its rows see
         in three phases (:func:`_key_phases`). With ``head_group`` (the forward, ``LONGEST_FIRST``)
@@ -197,34 +196,64 @@ if gl is not None:
             num_m = gl.num_programs(0)
             pid, bh = _longest_first(gl.program_id(1) * num_m + gl.program_id(0), num_m, gl.num_programs(1),
                                      head_group)
-            b = bh // num_heads_q
-            h = bh % num_heads_q
-            h_kv = h // gqa_ratio
         else:
             pid = _tile_index(LONGEST_FIRST)
-            b, h, h_kv = _heads(num_heads_q, gqa_ratio)
+            bh = gl.program_id(1)
+        b, h, h_kv = _heads(bh, num_heads_q, gqa_ratio)
         m0 = pid * BLOCK_M
         off = _align_offset(sq, sk, BOTTOM_RIGHT)
         phases = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
         return b, h, h_kv, m0, off, phases
 
     @gluon.jit
-    def _work_item(w, sq, batch, num_heads_q, gqa_ratio, head_group, LONGEST_FIRST: gl.constexpr,
-                   CONSUMERS: gl.constexpr):
-        """``(b, h, h_kv, m0)`` of work item ``w`` of the persistent forward (:data:`PERSISTENT_HEAD_DIMS`):
-        the items are the cdiv(Sq, 64·CONSUMERS) query tiles of every (batch, head), numbered head-major (a
-        head's tiles run side by side and share its K and V in L2), or with ``LONGEST_FIRST`` (a
-        causal-like band) in :func:`_longest_first`'s walk, ``head_group`` heads at a time."""
+    def _work_count(sq, batch, num_heads_q, CONSUMERS: gl.constexpr, PAIRED: gl.constexpr):
+        """``(num_m, n)``: the cdiv(Sq, 64·CONSUMERS) query tiles of a (batch, head), and how many
+        tiles this persistent CTA runs (:func:`_work_tile`): every ``num_programs``-th of the B·Hq
+        heads' work units from ``program_id``, each unit one tile, or with ``PAIRED`` two,
+        cdiv(num_m, 2) units a (batch, head)."""
         num_m = (sq + CONSUMERS * _WG_M - 1) // (CONSUMERS * _WG_M)
-        num_bh = batch * num_heads_q
-        if LONGEST_FIRST:
-            m, bh = _longest_first(w, num_m, num_bh, head_group)
+        if PAIRED:
+            units = ((num_m + 1) >> 1) * (batch * num_heads_q)
         else:
-            m = w % num_m
-            bh = w // num_m
-        b = bh // num_heads_q
-        h = bh % num_heads_q
-        return b, h, h // gqa_ratio, m * (CONSUMERS * _WG_M)
+            units = num_m * (batch * num_heads_q)
+        mine = (units - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+        if PAIRED:
+            mine = mine * 2
+        return num_m, mine
+
+    @gluon.jit
+    def _work_tile(j, num_m, num_bh, head_group, LONGEST_FIRST: gl.constexpr, PAIRED: gl.constexpr):
+        """``(bh, m)``: the (batch, head) and query tile of this persistent CTA's ``j``-th tile. Its
+        work units are every ``num_programs``-th from ``program_id`` of a walk of all (batch, head)s'
+        tiles: numbered head-major (a head's tiles run side by side and share its K and V in L2), or
+        with ``LONGEST_FIRST`` (a causal-like band) in :func:`_longest_first`'s walk, ``head_group``
+        heads at a time. With ``PAIRED`` (a causal-like band) a unit is two tiles of one head,
+        ``num_m-1-x`` then ``x``: the long one first, and every unit about ``num_m``+1 key tiles,
+        so the static walk hands each CTA about the same work (docs/triton.md, The causal walk).
+        The middle tile of an odd ``num_m`` pairs with tile ``num_m``, past the end, which sees no
+        keys (:func:`_item_band`). Unpaired, the tiles' lengths fall along the walk, and which
+        lengths a CTA gets depends on how #SMs falls on it."""
+        if PAIRED:
+            x, bh = _longest_first(gl.program_id(0) + (j >> 1) * gl.num_programs(0), (num_m + 1) >> 1, num_bh,
+                                   head_group)
+            first = num_m - 1 - x
+            t = j & 1   # 0: the long tile, 1: the short one (tile num_m where the two are one tile)
+            m = first + t * (x - first) + t * (first == x).to(gl.int32) * (num_m - x)
+        else:
+            u = gl.program_id(0) + j * gl.num_programs(0)
+            if LONGEST_FIRST:
+                m, bh = _longest_first(u, num_m, num_bh, head_group)
+            else:
+                m = u % num_m
+                bh = u // num_m
+        return bh, m
+
+    @gluon.jit
+    def _item_band(m0, sq, sk, off, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """:func:`_key_phases` of a persistent CTA's tile at query row ``m0``; a tile past the end
+        (``m0`` >= Sq, :func:`_work_tile`'s partner of an odd middle tile) sees no keys."""
+        lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
+        return lo, full_lo, full_hi, hi * (m0 < sq).to(gl.int32)
 
     @gluon.jit
     def _tma_load_rows(desc, row, b, h, bar, dst, PERSISTENT: gl.constexpr):
@@ -291,9 +320,9 @@ if gl is not None:
 
     @gluon.jit
     def _persistent_producer(args, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                             LONGEST_FIRST: gl.constexpr):
+                             LONGEST_FIRST: gl.constexpr, PAIRED: gl.constexpr):
         """The load warp of a persistent CTA: :func:`_producer`'s two stages for each of its work
-        items (:func:`_work_item`: every ``num_programs``-th from ``program_id``), the ring count
+        units' tiles (:func:`_work_tile`), the ring count
         running on across items, so the next item's Q and first K/V tiles load while the
         consumers still finish (and store) the current one."""
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, batch,
@@ -301,10 +330,13 @@ if gl is not None:
         CONSUMERS: gl.constexpr = q_smem.shape[0]
         kv = sq * 0
         c = sq * 0
-        for w in range(gl.program_id(0), gl.cdiv(sq, CONSUMERS * _WG_M) * batch * num_heads_q, gl.num_programs(0)):
-            b, h, h_kv, m0 = _work_item(w, sq, batch, num_heads_q, gqa_ratio, head_group, LONGEST_FIRST, CONSUMERS)
-            lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, CONSUMERS * _WG_M,
-                                                   BLOCK_N)
+        num_m, n = _work_count(sq, batch, num_heads_q, CONSUMERS, PAIRED)
+        for j in range(0, n):
+            bh, m = _work_tile(j, num_m, batch * num_heads_q, head_group, LONGEST_FIRST, PAIRED)
+            b, h, h_kv = _heads(bh, num_heads_q, gqa_ratio)
+            m0 = m * (CONSUMERS * _WG_M)
+            lo, full_lo, full_hi, hi = _item_band(m0, sq, sk, off, window_left, window_right, CONSUMERS * _WG_M,
+                                                  BLOCK_N)
             _load_q(q_desc, q_smem, q_bar, q_empty, c, m0, b, h, HEAD_D, True)
             kv = _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv, lo, hi, b, h_kv,
                           BLOCK_N, HEAD_D, STAGES, True)
@@ -493,7 +525,7 @@ if gl is not None:
     @gluon.jit
     def _persistent_consumer(WG: gl.constexpr, args, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                              STAGES: gl.constexpr, PINGPONG: gl.constexpr, RESIDUAL: gl.constexpr,
-                             LONGEST_FIRST: gl.constexpr):
+                             LONGEST_FIRST: gl.constexpr, PAIRED: gl.constexpr):
         """One consumer warpgroup of a persistent CTA: :func:`_consumer`'s stages for each work
         item the producer loads (:func:`_persistent_producer`, the same walk). Q is given back
         (``q_empty``) as soon as the band's last product has read it, before the epilogue, so the
@@ -515,10 +547,13 @@ if gl is not None:
         c = sq * 0
         bands = sq * 0
         CONSUMERS: gl.constexpr = q_smem.shape[0]
-        for w in range(gl.program_id(0), gl.cdiv(sq, CONSUMERS * _WG_M) * batch * num_heads_q, gl.num_programs(0)):
-            b, h, h_kv, m0 = _work_item(w, sq, batch, num_heads_q, gqa_ratio, head_group, LONGEST_FIRST, CONSUMERS)
-            lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, CONSUMERS * _WG_M,
-                                                   BLOCK_N)
+        num_m, n = _work_count(sq, batch, num_heads_q, CONSUMERS, PAIRED)
+        for j in range(0, n):
+            bh, m = _work_tile(j, num_m, batch * num_heads_q, head_group, LONGEST_FIRST, PAIRED)
+            b, h, h_kv = _heads(bh, num_heads_q, gqa_ratio)
+            m0 = m * (CONSUMERS * _WG_M)
+            lo, full_lo, full_hi, hi = _item_band(m0, sq, sk, off, window_left, window_right, CONSUMERS * _WG_M,
+                                                  BLOCK_N)
             row0 = m0 + WG * _WG_M
             rows = row0 + gl.arange(0, _WG_M, layout=gl.SliceLayout(1, s_layout))
             m_i = gl.full([_WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -572,18 +607,20 @@ if gl is not None:
                        num_heads_q, gqa_ratio, seqlen_q, seqlen_k, qk_scale2, window_left, window_right, batch,
                        head_group, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
-                       RESIDUAL: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr):
+                       RESIDUAL: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
+                       PAIRED: gl.constexpr):
         """O = softmax(scale·QKᵀ)V for 64·CONSUMERS query rows of one (batch, head): grid
         (cdiv(Sq, 64·CONSUMERS), B·Hq), 4 warps (consumer 0) + one or two more 4-warp consumers
         (``CONSUMERS`` 2 or 3, :func:`consumers_for`) + a 1-warp producer.
         ``RESIDUAL``: also ORES = O_f32 − round(O_f32) in O's dtype, through O's strides (ORES is
         None without it, a constexpr, so the inference kernel has no extra parameter).
-        ``PERSISTENT`` (:data:`PERSISTENT_HEAD_DIMS`): grid (min(#SMs, tiles),), each CTA walks
-        work items (:func:`_work_item`) with rank-4 descriptors of the whole (B, S, H, D) tensors
+        ``PERSISTENT`` (:data:`PERSISTENT_HEAD_DIMS`): grid (min(#SMs, units),), each CTA walks
+        work units (:func:`_work_tile`) with rank-4 descriptors of the whole (B, S, H, D) tensors
         made once, and O in its own shared buffer; ``batch`` is B there (the constexpr None
         otherwise, as ORES). ``LONGEST_FIRST`` (a causal-like band): the query tiles run in
         :func:`_longest_first`'s walk, ``head_group`` (batch, head)s at a time (:func:`head_group`;
-        unread otherwise)."""
+        unread otherwise); with ``PERSISTENT`` and ``PAIRED`` a CTA takes them in long + short pairs
+        (:func:`_work_tile`)."""
         sq = seqlen_q
         sk = seqlen_k
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -653,16 +690,16 @@ if gl is not None:
                      batch, num_heads_q, gqa_ratio, head_group, sq, sk, off, window_left, window_right)
             if CONSUMERS == 3:
                 gl.warp_specialize([
-                    (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
-                    (_persistent_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
-                    (_persistent_consumer, (2, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
-                    (_persistent_producer, (pargs, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST)),
+                    (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED)),
+                    (_persistent_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED)),
+                    (_persistent_consumer, (2, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED)),
+                    (_persistent_producer, (pargs, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST, PAIRED)),
                 ], [4, 4, 1], [160, 160, 24])
             else:
                 gl.warp_specialize([
-                    (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
-                    (_persistent_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST)),
-                    (_persistent_producer, (pargs, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST)),
+                    (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED)),
+                    (_persistent_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED)),
+                    (_persistent_producer, (pargs, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST, PAIRED)),
                 ], [4, 1], [240, 24])
         else:
             cargs = (o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi,
@@ -767,18 +804,23 @@ def _rank4_strides(*tensors: torch.Tensor) -> bool:
 
 
 def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pingpong: bool | None = None,
-                      residual: bool = False, persistent: bool = False, consumers: int | None = None) -> dict:
+                      residual: bool = False, persistent: bool = False, consumers: int | None = None,
+                      paired: bool | None = None) -> dict:
     """The constexprs of one launch (also what :func:`compile_for` specialises on); ``residual``:
     the training variant that also stores O's rounding residual; ``persistent``: the persistent
     variant (:data:`PERSISTENT_HEAD_DIMS` only; ValueError elsewhere); ``consumers``: the consumer
-    warpgroups (:func:`consumers_for`)."""
+    warpgroups (:func:`consumers_for`); ``paired``: a persistent causal walk's tiles in long +
+    short pairs (:func:`_work_tile`; None: ``PORTATTN_TRITON_PAIRED_WALK``, default on; only
+    persistent causal launches pair)."""
+    from portattn import config
     if persistent and head_dim not in PERSISTENT_HEAD_DIMS:
         raise ValueError(f"the persistent Gluon forward runs D in {PERSISTENT_HEAD_DIMS}, not {head_dim}")
     consumers = consumers_for(head_dim, consumers)
     block_n, stages = tile_config(head_dim, consumers)
     return dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=stages, BOTTOM_RIGHT=bottom_right, LONGEST_FIRST=causal,
                 PINGPONG=_default_pingpong() if pingpong is None else pingpong, RESIDUAL=residual,
-                PERSISTENT=persistent, CONSUMERS=consumers)
+                PERSISTENT=persistent, CONSUMERS=consumers,
+                PAIRED=bool(persistent and causal and (config.triton_paired_walk() if paired is None else paired)))
 
 
 #: launch options: 4 warps run the default partition (consumer 0); the workers add 5 warps (9 with
@@ -1138,15 +1180,16 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
                   and _rank4_strides(q, k, v, out))
     consumers = consumers_for(spec.head_dim, consumers)
     tiles = (-(-spec.seqlen_q // (consumers * WG_M)), spec.batch * spec.num_heads_q)
-    grid = (min(_sm_count(dev), tiles[0] * tiles[1]),) if persistent else tiles
+    consts = launch_constexprs(spec.head_dim, causal_like, spec.alignment == "bottom_right", pingpong, residual,
+                               persistent, consumers)
+    units = -(-tiles[0] // (1 + consts["PAIRED"])) * tiles[1]   # _work_count
+    grid = (min(_sm_count(dev), units),) if persistent else tiles
     attn_fwd_gluon[grid](q, k, v, out, lse, ores, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                          *out.stride()[:3], *lse.stride()[:2], spec.num_heads_q, spec.num_heads_q // spec.num_heads_kv,
                          spec.seqlen_q, spec.seqlen_k, float(spec.scale) * 1.4426950408889634,
                          window_left, window_right, spec.batch if persistent else None,
                          head_group(spec, persistent) if causal_like else 1,
-                         **launch_constexprs(spec.head_dim, causal_like, spec.alignment == "bottom_right", pingpong,
-                                             residual, persistent, consumers),
-                         **LAUNCH_OPTIONS)
+                         **consts, **LAUNCH_OPTIONS)
     return (out, lse, ores) if residual else (out, lse)
 
 
