@@ -69,7 +69,7 @@ VARIABLES = {
                                   "keep their K and V in L2), or a positive number (1: one head after the other); "
                                   "read on every forward",
     "PORTATTN_TRITON_PAIRED_WALK": "0/false/no/off = the Gluon forward's persistent causal walk takes its query tiles "
-                                   "one at a time, not in long + short pairs (gluon_fwd._work_unit; default 1); read "
+                                   "one at a time, not in long + short pairs (gluon_fwd._work_tile; default 1); read "
                                    "on every forward",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
@@ -271,7 +271,7 @@ def triton_paired_walk() -> bool:
     """``PORTATTN_TRITON_PAIRED_WALK`` (default on; empty is the default; 0/false/no/off turn it
     off; anything else but a boolean raises ``ValueError``): whether the persistent Gluon forward's
     causal walk gives each CTA a head's longest and shortest remaining query tiles together
-    (``gluon_fwd._work_unit``), so every unit of work costs about the same."""
+    (``gluon_fwd._work_tile``), so every unit of work costs about the same."""
     return _parsed("PORTATTN_TRITON_PAIRED_WALK",
                    lambda name, text: True if not text.strip() else _parse_flag(name, text), True)
 

@@ -151,7 +151,7 @@ if gl is not None:
             b = gl.program_id(2)
             h = h_kv * gqa_ratio
         else:
-            b, h, h_kv = _heads(num_heads_q, gqa_ratio)
+            b, h, h_kv = _heads(gl.program_id(1), num_heads_q, gqa_ratio)
         n0 = pid * BLOCK_N
         off = _align_offset(sq, sk, BOTTOM_RIGHT)
         lo, full_lo, full_hi, hi = _query_phases(n0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
