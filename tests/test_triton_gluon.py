@@ -854,16 +854,17 @@ def test_persistent_constexprs_and_head_dims():
 
 
 def test_paired_walk_is_for_persistent_causal_launches(monkeypatch):
-    """``PAIRED`` is on for persistent causal-like launches unless ``PORTATTN_TRITON_PAIRED_WALK``
-    turns it off or ``paired=False`` is given; never for the one-tile kernel or a non-causal walk;
-    a value that is not a boolean raises naming the variable."""
+    """``PAIRED`` is off by default (not yet run on a GPU); ``PORTATTN_TRITON_PAIRED_WALK`` or
+    ``paired=True`` turn it on for persistent causal-like launches, never for the one-tile kernel or
+    a non-causal walk; a value that is not a boolean raises naming the variable."""
     lc = gluon_fwd.launch_constexprs
     monkeypatch.delenv("PORTATTN_TRITON_PAIRED_WALK", raising=False)
-    assert lc(128, True, persistent=True)["PAIRED"] is True and lc(64, True, persistent=True)["PAIRED"] is True
-    assert lc(128, True, persistent=True, paired=False)["PAIRED"] is False
-    assert lc(128, True)["PAIRED"] is False and lc(128, False, persistent=True)["PAIRED"] is False
+    assert lc(128, True, persistent=True)["PAIRED"] is False and lc(64, True, persistent=True)["PAIRED"] is False
+    assert lc(128, True, persistent=True, paired=True)["PAIRED"] is True
+    assert lc(64, True, persistent=True, paired=True)["PAIRED"] is True
+    assert lc(128, True, paired=True)["PAIRED"] is False and lc(128, False, persistent=True)["PAIRED"] is False
     assert lc(128, False, persistent=True, paired=True)["PAIRED"] is False
-    for text, want in (("0", False), ("off", False), ("", True), ("yes", True)):
+    for text, want in (("0", False), ("off", False), ("", False), ("yes", True), ("1", True)):
         monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", text)
         assert lc(128, True, persistent=True)["PAIRED"] is want, text
     monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", "pairs")
@@ -887,9 +888,9 @@ class _Recorder:
 def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, env, arg, d, expect):
     """The launch plumbing on CPU (the kernel replaced by a recorder): ``auto`` does not take the
     persistent variant for causal bands of 300 or 8192 queries (outside AUTO_PERSISTENT's causal
-    rows); the switch or ``persistent=True`` does at D 64/128, with grid (min(#SMs, units),)
-    (units: cdiv(tiles, 2) a head, the causal walk's long + short pairs; tiles with
-    ``PORTATTN_TRITON_PAIRED_WALK=0``) and ``batch`` = B; otherwise grid (cdiv(Sq, rows), B·Hq) and ``batch`` None;
+    rows); the switch or ``persistent=True`` does at D 64/128, with grid (min(#SMs, tiles),) (with
+    ``PORTATTN_TRITON_PAIRED_WALK=1`` min(#SMs, units), units cdiv(tiles, 2) a head, the causal
+    walk's long + short pairs) and ``batch`` = B; otherwise grid (cdiv(Sq, rows), B·Hq) and ``batch`` None;
     ``rows`` is 64 a consumer warpgroup (three at D 64, gluon_fwd.DEFAULT_CONSUMERS: 192)."""
     _setenv(monkeypatch, "PORTATTN_TRITON_GLUON_PERSISTENT", env)
     rec = _Recorder()
@@ -910,14 +911,14 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
         assert args[-1] == gluon_fwd.head_group(build_spec(q, k, v, causal=True), expect)
         assert args[-1] == (1 if not expect and sq < gluon_fwd.ONE_TILE_GROUP_MIN_SEQLEN_Q else min(b * h, max(
             1, gluon_fwd.HEAD_GROUP_L2_BYTES * 2 // (sq * 2 * d * 2))))   # Hq / Hkv = 2
-        units = (-(-sq // rows) + 1) // 2 * b * h
-        assert kw["PAIRED"] is expect
-        assert grid == ((min(132, units),) if expect else (-(-sq // rows), b * h)), grid
-        monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", "0")
+        assert kw["PAIRED"] is False
+        assert grid == ((min(132, tiles),) if expect else (-(-sq // rows), b * h)), grid
+        monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", "1")
         gluon_fwd.gluon_forward(build_spec(q, k, v, causal=True), persistent=arg)
         monkeypatch.delenv("PORTATTN_TRITON_PAIRED_WALK")
         grid, args, kw = rec.launches[-1]
-        assert kw["PAIRED"] is False and grid == ((min(132, tiles),) if expect else (-(-sq // rows), b * h)), grid
+        units = (-(-sq // rows) + 1) // 2 * b * h
+        assert kw["PAIRED"] is expect and grid == ((min(132, units),) if expect else (-(-sq // rows), b * h)), grid
         # a zero stride (K and V broadcast over heads) keeps the one-tile kernel, whose descriptors
         # take the head offset in their base: a rank-4 descriptor would need a stride of 0
         kx, vx = (t[:, :, :1].expand(-1, -1, h // 2, -1) for t in (k, v))
@@ -972,7 +973,7 @@ def _longest_first(w, num_m, num_bh, group):
 
 
 def _cta_tiles(pid, grid, sq, batch, hq, longest_first, rows=128, group=None, paired=False):
-    """gluon_fwd._work_count and _work_tile in Python: the (b, h, m0) of persistent CTA ``pid``'s
+    """gluon_fwd._work_range and _work_tile in Python: the (b, h, m0) of persistent CTA ``pid``'s
     tiles in order, of ``rows``-row query tiles (``group``: the walk's head_group, None for all
     B·Hq heads; ``paired``: a causal walk's units in long + short pairs, the middle tile of an odd
     count paired with the tile past the end)."""
@@ -1101,14 +1102,14 @@ def test_longest_first_mirror_matches_the_kernel_source():
     for line in ("x, bh = _longest_first(gl.program_id(0) + (j >> 1) * gl.num_programs(0), (num_m + 1) >> 1,",
                  "first = num_m - 1 - x", "t = j & 1",
                  "m = first + t * (x - first) + t * (first == x).to(gl.int32) * (num_m - x)",
-                 "u = gl.program_id(0) + j * gl.num_programs(0)", "m, bh = _longest_first(u, num_m, num_bh, head_group)",
-                 "m = u % num_m", "bh = u // num_m"):
+                 "m, bh = _longest_first(j, num_m, num_bh, head_group)", "m = j % num_m", "bh = j // num_m"):
         assert line in src, line
-    assert "return lo, full_lo, full_hi, hi * (m0 < sq).to(gl.int32)" in inspect.getsource(gluon_fwd._item_band.fn)
-    src = inspect.getsource(gluon_fwd._work_count.fn)
-    for line in ("units = ((num_m + 1) >> 1) * (batch * num_heads_q)", "units = num_m * (batch * num_heads_q)",
+    assert "hi = hi * (m0 < sq).to(gl.int32)" in inspect.getsource(gluon_fwd._item_band.fn)
+    src = inspect.getsource(gluon_fwd._work_range.fn)
+    for line in ("units = ((num_m + 1) >> 1) * (batch * num_heads_q)",
                  "mine = (units - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)",
-                 "mine = mine * 2"):
+                 "return num_m, 0, mine * 2, 1",
+                 "return num_m, gl.program_id(0), num_m * batch * num_heads_q, gl.num_programs(0)"):
         assert line in src, line
 
 
@@ -1208,8 +1209,8 @@ for name, (shape, kw) in t.GPU_CASES.items():
     gluon_fwd.gluon_forward(spec, out=out, lse=lse, persistent=True)
     o2, l2, r2 = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
     one, one_lse, one_res = gluon_fwd.gluon_forward(spec, residual=True, pingpong=True, persistent=False)
-    os.environ["PORTATTN_TRITON_PAIRED_WALK"] = "0"   # causal: each CTA every #SMs-th tile, not pairs
-    unpaired = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
+    os.environ["PORTATTN_TRITON_PAIRED_WALK"] = "1"   # causal: long + short pairs, not every #SMs-th tile
+    paired = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
     del os.environ["PORTATTN_TRITON_PAIRED_WALK"]
     torch.cuda.synchronize()
     ref, ref_lse = reference_forward(spec)
@@ -1217,7 +1218,7 @@ for name, (shape, kw) in t.GPU_CASES.items():
     row = dict(case=name, out=bool(c_out.passed), lse=bool(c_lse.passed), detail=str(c_out) + " " + str(c_lse),
                unwritten=int(torch.isnan(out).sum() + torch.isnan(lse).sum() + torch.isnan(r2).sum()),
                training_same=bool(torch.equal(o2, out) and torch.equal(l2, lse)),
-               unpaired_same=all(torch.equal(x, y) for x, y in zip(unpaired, (o2, l2, r2))),
+               paired_same=all(torch.equal(x, y) for x, y in zip(paired, (o2, l2, r2))),
                same_as_one_tile=bool(torch.equal(out, one) and torch.equal(lse, one_lse) and torch.equal(r2, one_res)))
     print("ROW " + json.dumps(row), flush=True)
 print("PERSISTENT OK")
@@ -1230,9 +1231,9 @@ def test_gpu_persistent_matches_reference():
     """The persistent variant on every GPU case, in a child with a timeout (never run on a GPU
     before: a barrier deadlock fails this test instead of hanging the run): out and lse against
     float64 (NaN-poisoned first), the training launch's out / lse bit-identical to the inference
-    one and its residual written, and the causal walk unpaired (``PORTATTN_TRITON_PAIRED_WALK=0``)
-    bit-identical to the pairs (causal_sq_gt_sk's five tiles pair the middle one with a tile past
-    the end); whether it is bit-identical to the one-tile kernel (ping-pong
+    one and its residual written, and the causal walk in pairs (``PORTATTN_TRITON_PAIRED_WALK=1``)
+    bit-identical to the default walk (causal_sq_gt_sk's five tiles pair the middle one with a tile
+    past the end); whether it is bit-identical to the one-tile kernel (ping-pong
     on) is printed, not judged. D 256 cases run the one-tile kernel (PERSISTENT_HEAD_DIMS)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
@@ -1246,4 +1247,4 @@ def test_gpu_persistent_matches_reference():
     assert "PERSISTENT OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert len(rows) == len(GPU_CASES)
     for r in rows:
-        assert r["out"] and r["lse"] and r["unwritten"] == 0 and r["training_same"] and r["unpaired_same"], r
+        assert r["out"] and r["lse"] and r["unwritten"] == 0 and r["training_same"] and r["paired_same"], r

@@ -206,54 +206,54 @@ if gl is not None:
         return b, h, h_kv, m0, off, phases
 
     @gluon.jit
-    def _work_count(sq, batch, num_heads_q, CONSUMERS: gl.constexpr, PAIRED: gl.constexpr):
-        """``(num_m, n)``: the cdiv(Sq, 64·CONSUMERS) query tiles of a (batch, head), and how many
-        tiles this persistent CTA runs (:func:`_work_tile`): every ``num_programs``-th of the B·Hq
-        heads' work units from ``program_id``, each unit one tile, or with ``PAIRED`` two,
-        cdiv(num_m, 2) units a (batch, head)."""
+    def _work_range(sq, batch, num_heads_q, CONSUMERS: gl.constexpr, PAIRED: gl.constexpr):
+        """``(num_m, start, stop, step)``: the cdiv(Sq, 64·CONSUMERS) query tiles of a (batch, head),
+        and the range of this persistent CTA's loop over its tiles (:func:`_work_tile`). Unpaired,
+        the walk's tiles ``program_id``, ``program_id`` + ``num_programs``, ...; with ``PAIRED``
+        every ``num_programs``-th of cdiv(num_m, 2) units a (batch, head) from ``program_id``, two
+        tiles a unit, counted 0, 1, ..."""
         num_m = (sq + CONSUMERS * _WG_M - 1) // (CONSUMERS * _WG_M)
         if PAIRED:
             units = ((num_m + 1) >> 1) * (batch * num_heads_q)
+            mine = (units - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+            return num_m, 0, mine * 2, 1
         else:
-            units = num_m * (batch * num_heads_q)
-        mine = (units - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
-        if PAIRED:
-            mine = mine * 2
-        return num_m, mine
+            return num_m, gl.program_id(0), num_m * batch * num_heads_q, gl.num_programs(0)
 
     @gluon.jit
     def _work_tile(j, num_m, num_bh, head_group, LONGEST_FIRST: gl.constexpr, PAIRED: gl.constexpr):
-        """``(bh, m)``: the (batch, head) and query tile of this persistent CTA's ``j``-th tile. Its
-        work units are every ``num_programs``-th from ``program_id`` of a walk of all (batch, head)s'
-        tiles: numbered head-major (a head's tiles run side by side and share its K and V in L2), or
-        with ``LONGEST_FIRST`` (a causal-like band) in :func:`_longest_first`'s walk, ``head_group``
-        heads at a time. With ``PAIRED`` (a causal-like band) a unit is two tiles of one head,
-        ``num_m-1-x`` then ``x``: the long one first, and every unit about ``num_m``+1 key tiles,
-        so the static walk hands each CTA about the same work (docs/triton.md, The causal walk).
-        The middle tile of an odd ``num_m`` pairs with tile ``num_m``, past the end, which sees no
-        keys (:func:`_item_band`). Unpaired, the tiles' lengths fall along the walk, and which
-        lengths a CTA gets depends on how #SMs falls on it."""
+        """``(bh, m)``: the (batch, head) and query tile of step ``j`` of a persistent CTA's loop
+        (:func:`_work_range`). Unpaired, ``j`` numbers the walk's tiles: head-major (a head's tiles
+        run side by side and share its K and V in L2), or with ``LONGEST_FIRST`` (a causal-like
+        band) :func:`_longest_first`'s walk, ``head_group`` heads at a time; each CTA takes every
+        #SMs-th, so which lengths it gets depends on how #SMs falls on the walk. With ``PAIRED`` (a
+        causal-like band) the CTA's ``j``-th tile is of its ``j//2``-th unit, every #SMs-th of
+        :func:`_longest_first`'s walk over pairs of one head's tiles, ``num_m-1-x`` then ``x``:
+        the long one first, and every unit about ``num_m``+1 key tiles, so each CTA gets about the
+        same work (docs/triton.md, The causal walk in pairs). The middle tile of an odd ``num_m``
+        pairs with tile ``num_m``, past the end, which sees no keys (:func:`_item_band`)."""
         if PAIRED:
             x, bh = _longest_first(gl.program_id(0) + (j >> 1) * gl.num_programs(0), (num_m + 1) >> 1, num_bh,
                                    head_group)
             first = num_m - 1 - x
             t = j & 1   # 0: the long tile, 1: the short one (tile num_m where the two are one tile)
             m = first + t * (x - first) + t * (first == x).to(gl.int32) * (num_m - x)
+        elif LONGEST_FIRST:
+            m, bh = _longest_first(j, num_m, num_bh, head_group)
         else:
-            u = gl.program_id(0) + j * gl.num_programs(0)
-            if LONGEST_FIRST:
-                m, bh = _longest_first(u, num_m, num_bh, head_group)
-            else:
-                m = u % num_m
-                bh = u // num_m
+            m = j % num_m
+            bh = j // num_m
         return bh, m
 
     @gluon.jit
-    def _item_band(m0, sq, sk, off, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """:func:`_key_phases` of a persistent CTA's tile at query row ``m0``; a tile past the end
-        (``m0`` >= Sq, :func:`_work_tile`'s partner of an odd middle tile) sees no keys."""
+    def _item_band(m0, sq, sk, off, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   PAIRED: gl.constexpr):
+        """:func:`_key_phases` of a persistent CTA's tile at query row ``m0``; with ``PAIRED`` a tile
+        past the end (``m0`` >= Sq, :func:`_work_tile`'s partner of an odd middle tile) sees no keys."""
         lo, full_lo, full_hi, hi = _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
-        return lo, full_lo, full_hi, hi * (m0 < sq).to(gl.int32)
+        if PAIRED:
+            hi = hi * (m0 < sq).to(gl.int32)
+        return lo, full_lo, full_hi, hi
 
     @gluon.jit
     def _tma_load_rows(desc, row, b, h, bar, dst, PERSISTENT: gl.constexpr):
@@ -330,13 +330,13 @@ if gl is not None:
         CONSUMERS: gl.constexpr = q_smem.shape[0]
         kv = sq * 0
         c = sq * 0
-        num_m, n = _work_count(sq, batch, num_heads_q, CONSUMERS, PAIRED)
-        for j in range(0, n):
+        num_m, start, stop, step = _work_range(sq, batch, num_heads_q, CONSUMERS, PAIRED)
+        for j in range(start, stop, step):
             bh, m = _work_tile(j, num_m, batch * num_heads_q, head_group, LONGEST_FIRST, PAIRED)
             b, h, h_kv = _heads(bh, num_heads_q, gqa_ratio)
             m0 = m * (CONSUMERS * _WG_M)
             lo, full_lo, full_hi, hi = _item_band(m0, sq, sk, off, window_left, window_right, CONSUMERS * _WG_M,
-                                                  BLOCK_N)
+                                                  BLOCK_N, PAIRED)
             _load_q(q_desc, q_smem, q_bar, q_empty, c, m0, b, h, HEAD_D, True)
             kv = _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv, lo, hi, b, h_kv,
                           BLOCK_N, HEAD_D, STAGES, True)
@@ -547,13 +547,13 @@ if gl is not None:
         c = sq * 0
         bands = sq * 0
         CONSUMERS: gl.constexpr = q_smem.shape[0]
-        num_m, n = _work_count(sq, batch, num_heads_q, CONSUMERS, PAIRED)
-        for j in range(0, n):
+        num_m, start, stop, step = _work_range(sq, batch, num_heads_q, CONSUMERS, PAIRED)
+        for j in range(start, stop, step):
             bh, m = _work_tile(j, num_m, batch * num_heads_q, head_group, LONGEST_FIRST, PAIRED)
             b, h, h_kv = _heads(bh, num_heads_q, gqa_ratio)
             m0 = m * (CONSUMERS * _WG_M)
             lo, full_lo, full_hi, hi = _item_band(m0, sq, sk, off, window_left, window_right, CONSUMERS * _WG_M,
-                                                  BLOCK_N)
+                                                  BLOCK_N, PAIRED)
             row0 = m0 + WG * _WG_M
             rows = row0 + gl.arange(0, _WG_M, layout=gl.SliceLayout(1, s_layout))
             m_i = gl.full([_WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -810,7 +810,7 @@ def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pi
     the training variant that also stores O's rounding residual; ``persistent``: the persistent
     variant (:data:`PERSISTENT_HEAD_DIMS` only; ValueError elsewhere); ``consumers``: the consumer
     warpgroups (:func:`consumers_for`); ``paired``: a persistent causal walk's tiles in long +
-    short pairs (:func:`_work_tile`; None: ``PORTATTN_TRITON_PAIRED_WALK``, default on; only
+    short pairs (:func:`_work_tile`; None: ``PORTATTN_TRITON_PAIRED_WALK``, default off; only
     persistent causal launches pair)."""
     from portattn import config
     if persistent and head_dim not in PERSISTENT_HEAD_DIMS:
@@ -1182,7 +1182,7 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
     tiles = (-(-spec.seqlen_q // (consumers * WG_M)), spec.batch * spec.num_heads_q)
     consts = launch_constexprs(spec.head_dim, causal_like, spec.alignment == "bottom_right", pingpong, residual,
                                persistent, consumers)
-    units = -(-tiles[0] // (1 + consts["PAIRED"])) * tiles[1]   # _work_count
+    units = -(-tiles[0] // (1 + consts["PAIRED"])) * tiles[1]   # _work_range
     grid = (min(_sm_count(dev), units),) if persistent else tiles
     attn_fwd_gluon[grid](q, k, v, out, lse, ores, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                          *out.stride()[:3], *lse.stride()[:2], spec.num_heads_q, spec.num_heads_q // spec.num_heads_kv,
