@@ -68,9 +68,9 @@ VARIABLES = {
                                   "from longest first, together: unset or empty = gluon_fwd.head_group (as many as "
                                   "keep their K and V in L2), or a positive number (1: one head after the other); "
                                   "read on every forward",
-    "PORTATTN_TRITON_PAIRED_WALK": "1/true/yes/on = the Gluon forward's persistent causal walk gives each CTA a head's "
-                                   "query tiles in long + short pairs (gluon_fwd._work_tile; default 0: every #SMs-th "
-                                   "tile, until the pairs are timed on a GPU); read on every forward",
+    "PORTATTN_TRITON_PAIRED_WALK": "0/false/no/off = the Gluon forward's persistent causal walk gives each CTA every "
+                                   "#SMs-th query tile, not a head's tiles in long + short pairs (gluon_fwd._work_tile; "
+                                   "default 1); read on every forward",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
 }
@@ -268,13 +268,13 @@ def triton_head_group() -> int | None:
 
 
 def triton_paired_walk() -> bool:
-    """``PORTATTN_TRITON_PAIRED_WALK`` (default off; empty is the default; 1/true/yes/on turn it
-    on; anything else but a boolean raises ``ValueError``): whether the persistent Gluon forward's
+    """``PORTATTN_TRITON_PAIRED_WALK`` (default on; empty is the default; 0/false/no/off turn it
+    off; anything else but a boolean raises ``ValueError``): whether the persistent Gluon forward's
     causal walk gives each CTA a head's long and short query tiles in pairs
-    (``gluon_fwd._work_tile``), so every unit of work costs about the same. Off until the pairs
-    have run on a GPU (docs/triton.md, The causal walk in pairs)."""
+    (``gluon_fwd._work_tile``), so every unit of work costs about the same (docs/triton.md, The
+    causal walk in pairs)."""
     return _parsed("PORTATTN_TRITON_PAIRED_WALK",
-                   lambda name, text: False if not text.strip() else _parse_flag(name, text), False)
+                   lambda name, text: True if not text.strip() else _parse_flag(name, text), True)
 
 
 TRITON_DQ_MODES = ("auto", "atomic", "kernel")

@@ -854,17 +854,16 @@ def test_persistent_constexprs_and_head_dims():
 
 
 def test_paired_walk_is_for_persistent_causal_launches(monkeypatch):
-    """``PAIRED`` is off by default (not yet run on a GPU); ``PORTATTN_TRITON_PAIRED_WALK`` or
-    ``paired=True`` turn it on for persistent causal-like launches, never for the one-tile kernel or
-    a non-causal walk; a value that is not a boolean raises naming the variable."""
+    """``PAIRED`` is on for persistent causal-like launches unless ``PORTATTN_TRITON_PAIRED_WALK``
+    turns it off or ``paired=False`` is given; never for the one-tile kernel or a non-causal walk;
+    a value that is not a boolean raises naming the variable."""
     lc = gluon_fwd.launch_constexprs
     monkeypatch.delenv("PORTATTN_TRITON_PAIRED_WALK", raising=False)
-    assert lc(128, True, persistent=True)["PAIRED"] is False and lc(64, True, persistent=True)["PAIRED"] is False
-    assert lc(128, True, persistent=True, paired=True)["PAIRED"] is True
-    assert lc(64, True, persistent=True, paired=True)["PAIRED"] is True
+    assert lc(128, True, persistent=True)["PAIRED"] is True and lc(64, True, persistent=True)["PAIRED"] is True
+    assert lc(128, True, persistent=True, paired=False)["PAIRED"] is False
     assert lc(128, True, paired=True)["PAIRED"] is False and lc(128, False, persistent=True)["PAIRED"] is False
     assert lc(128, False, persistent=True, paired=True)["PAIRED"] is False
-    for text, want in (("0", False), ("off", False), ("", False), ("yes", True), ("1", True)):
+    for text, want in (("0", False), ("off", False), ("", True), ("yes", True), ("1", True)):
         monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", text)
         assert lc(128, True, persistent=True)["PAIRED"] is want, text
     monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", "pairs")
@@ -887,10 +886,10 @@ class _Recorder:
     ("1", False, 128, False), (None, True, 64, True), ("0", True, 256, False)])
 def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, env, arg, d, expect):
     """The launch plumbing on CPU (the kernel replaced by a recorder): ``auto`` does not take the
-    persistent variant for causal bands of 300 or 8192 queries (outside AUTO_PERSISTENT's causal
-    rows); the switch or ``persistent=True`` does at D 64/128, with grid (min(#SMs, tiles),) (with
-    ``PORTATTN_TRITON_PAIRED_WALK=1`` min(#SMs, units), units cdiv(tiles, 2) a head, the causal
-    walk's long + short pairs) and ``batch`` = B; otherwise grid (cdiv(Sq, rows), B·Hq) and ``batch`` None;
+    persistent variant for causal bands of 300 or 16384 queries (outside AUTO_PERSISTENT's causal
+    rows); the switch or ``persistent=True`` does at D 64/128, with grid (min(#SMs, units),)
+    (units: cdiv(tiles, 2) a head, the causal walk's long + short pairs; tiles with
+    ``PORTATTN_TRITON_PAIRED_WALK=0``) and ``batch`` = B; otherwise grid (cdiv(Sq, rows), B·Hq) and ``batch`` None;
     ``rows`` is 64 a consumer warpgroup (three at D 64, gluon_fwd.DEFAULT_CONSUMERS: 192)."""
     _setenv(monkeypatch, "PORTATTN_TRITON_GLUON_PERSISTENT", env)
     rec = _Recorder()
@@ -900,7 +899,7 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
     monkeypatch.setattr(gluon_fwd, "_sm_count", lambda dev: 132)
     rows = 64 * gluon_fwd.consumers_for(d)
     assert rows == (192 if d == 64 else 128)
-    for b, sq, h in ((3, 300, 4), (2, 8192, 16)):     # 36 tiles (grid 36), 2048 tiles (grid 132) at D 128
+    for b, sq, h in ((3, 300, 4), (1, 16384, 16)):    # 36 and 2048 tiles at D 128 (pairs: 24 and 1024 units)
         q, k, v = _qkv(b, sq, sq, h, h // 2, d)
         gluon_fwd.gluon_forward(build_spec(q, k, v, causal=True), persistent=arg)
         grid, args, kw = rec.launches[-1]
@@ -911,14 +910,14 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
         assert args[-1] == gluon_fwd.head_group(build_spec(q, k, v, causal=True), expect)
         assert args[-1] == (1 if not expect and sq < gluon_fwd.ONE_TILE_GROUP_MIN_SEQLEN_Q else min(b * h, max(
             1, gluon_fwd.HEAD_GROUP_L2_BYTES * 2 // (sq * 2 * d * 2))))   # Hq / Hkv = 2
-        assert kw["PAIRED"] is False
-        assert grid == ((min(132, tiles),) if expect else (-(-sq // rows), b * h)), grid
-        monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", "1")
+        units = (-(-sq // rows) + 1) // 2 * b * h
+        assert kw["PAIRED"] is expect
+        assert grid == ((min(132, units),) if expect else (-(-sq // rows), b * h)), grid
+        monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", "0")
         gluon_fwd.gluon_forward(build_spec(q, k, v, causal=True), persistent=arg)
         monkeypatch.delenv("PORTATTN_TRITON_PAIRED_WALK")
         grid, args, kw = rec.launches[-1]
-        units = (-(-sq // rows) + 1) // 2 * b * h
-        assert kw["PAIRED"] is expect and grid == ((min(132, units),) if expect else (-(-sq // rows), b * h)), grid
+        assert kw["PAIRED"] is False and grid == ((min(132, tiles),) if expect else (-(-sq // rows), b * h)), grid
         # a zero stride (K and V broadcast over heads) keeps the one-tile kernel, whose descriptors
         # take the head offset in their base: a rank-4 descriptor would need a stride of 0
         kx, vx = (t[:, :, :1].expand(-1, -1, h // 2, -1) for t in (k, v))
@@ -935,8 +934,9 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
     (1024, 128, False, False, True), (16384, 128, False, False, True), (512, 128, False, False, True),
     (256, 128, False, False, False), (512, 128, True, True, True),
     (1024, 128, True, False, True), (2048, 128, True, False, True), (4095, 128, True, False, True),
-    (4096, 128, True, False, False), (2048, 128, True, True, True), (4095, 128, True, True, True),
-    (4096, 128, False, True, True), (4096, 128, True, True, False),
+    (4096, 128, True, False, True), (2048, 128, True, True, True), (4095, 128, True, True, True),
+    (4096, 128, False, True, True), (4096, 128, True, True, True), (16383, 128, True, False, True),
+    (16384, 128, True, False, False), (16383, 128, True, True, True), (16384, 128, True, True, False),
     (8192, 64, True, False, True), (16383, 64, True, True, True), (16384, 64, True, False, False),
     (8191, 64, True, True, False),
     (2048, 64, False, False, True), (2047, 64, False, False, False), (4096, 64, True, False, False),
@@ -1191,13 +1191,13 @@ def test_persistent_cross_compiles_for_sm90(d128_persistent_rows, d128_rows):
 
 
 @needs_gluon
-def test_paired_persistent_cross_compiles_for_sm90(d128_persistent_rows):
-    """The causal persistent kernel with the walk in pairs (``PAIRED``, opt-in) compiles to the
-    unpaired kernel's products, copies, parameters and shared memory; no spills under triton 3.6
-    (3.9 spills one value a key tile: 16 / 32 bytes)."""
+def test_unpaired_persistent_cross_compiles_for_sm90(d128_persistent_rows):
+    """The causal persistent kernel with the walk unpaired (``PORTATTN_TRITON_PAIRED_WALK=0``)
+    compiles to the paired kernel's products, copies, parameters and shared memory; no spills under
+    triton 3.6 (3.9: at most 8 bytes, as before the pairs)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    env["PORTATTN_TRITON_PAIRED_WALK"] = "1"
+    env["PORTATTN_TRITON_PAIRED_WALK"] = "0"
     proc = subprocess.run([sys.executable, "-m", "portattn.backends.triton.gluon_fwd", "--json", "--dims", "128",
                            "--residual", "both", "--pingpong", "on", "--persistent", "on"],
                           capture_output=True, text=True, env=env, timeout=900)
@@ -1213,7 +1213,7 @@ def test_paired_persistent_cross_compiles_for_sm90(d128_persistent_rows):
             assert r[key] == b[key], (key, r, b)
         if r.get("regs") is not None:
             assert r["HGMMA"] == b["HGMMA"] and r["UTMALDG"] == b["UTMALDG"], (r, b)
-            assert r["stack"] <= (0 if triton.__version__.startswith("3.6") else 32), r
+            assert r["stack"] <= (0 if triton.__version__.startswith("3.6") else 8), r
 
 
 _PERSISTENT_CHILD = """
@@ -1235,8 +1235,8 @@ for name, (shape, kw) in t.GPU_CASES.items():
     gluon_fwd.gluon_forward(spec, out=out, lse=lse, persistent=True)
     o2, l2, r2 = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
     one, one_lse, one_res = gluon_fwd.gluon_forward(spec, residual=True, pingpong=True, persistent=False)
-    os.environ["PORTATTN_TRITON_PAIRED_WALK"] = "1"   # causal: long + short pairs, not every #SMs-th tile
-    paired = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
+    os.environ["PORTATTN_TRITON_PAIRED_WALK"] = "0"   # causal: every #SMs-th tile, not long + short pairs
+    unpaired = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
     del os.environ["PORTATTN_TRITON_PAIRED_WALK"]
     torch.cuda.synchronize()
     ref, ref_lse = reference_forward(spec)
@@ -1244,7 +1244,7 @@ for name, (shape, kw) in t.GPU_CASES.items():
     row = dict(case=name, out=bool(c_out.passed), lse=bool(c_lse.passed), detail=str(c_out) + " " + str(c_lse),
                unwritten=int(torch.isnan(out).sum() + torch.isnan(lse).sum() + torch.isnan(r2).sum()),
                training_same=bool(torch.equal(o2, out) and torch.equal(l2, lse)),
-               paired_same=all(torch.equal(x, y) for x, y in zip(paired, (o2, l2, r2))),
+               unpaired_same=all(torch.equal(x, y) for x, y in zip(unpaired, (o2, l2, r2))),
                same_as_one_tile=bool(torch.equal(out, one) and torch.equal(lse, one_lse) and torch.equal(r2, one_res)))
     print("ROW " + json.dumps(row), flush=True)
 print("PERSISTENT OK")
@@ -1257,8 +1257,8 @@ def test_gpu_persistent_matches_reference():
     """The persistent variant on every GPU case, in a child with a timeout (never run on a GPU
     before: a barrier deadlock fails this test instead of hanging the run): out and lse against
     float64 (NaN-poisoned first), the training launch's out / lse bit-identical to the inference
-    one and its residual written, and the causal walk in pairs (``PORTATTN_TRITON_PAIRED_WALK=1``)
-    bit-identical to the default walk (causal_sq_gt_sk's five tiles pair the middle one with a tile
+    one and its residual written, and the causal walk unpaired (``PORTATTN_TRITON_PAIRED_WALK=0``)
+    bit-identical to the default pairs (causal_sq_gt_sk's five tiles pair the middle one with a tile
     past the end); whether it is bit-identical to the one-tile kernel (ping-pong
     on) is printed, not judged. D 256 cases run the one-tile kernel (PERSISTENT_HEAD_DIMS)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -1273,4 +1273,4 @@ def test_gpu_persistent_matches_reference():
     assert "PERSISTENT OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert len(rows) == len(GPU_CASES)
     for r in rows:
-        assert r["out"] and r["lse"] and r["unwritten"] == 0 and r["training_same"] and r["paired_same"], r
+        assert r["out"] and r["lse"] and r["unwritten"] == 0 and r["training_same"] and r["unpaired_same"], r

@@ -54,19 +54,18 @@
 # land it behind a switch.
 #   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> BENCH_LIMIT=330 bash tools/h200_session.sh warm bench tests:gluon
 #                                        # the grid on whichever card comes; on an H200 this refreshes
-#                                        # bench-h200.* (4ce2745: before the D 64 three-consumer forward
-#                                        # and the grouped causal walk)
-#   PYTHONPATH=. python3 tools/head_group_check.py --out $OUT   # on an H200: the grouped causal walk
-#                                        # and auto's persistent causal rows (D 128 to 4k, D 64 8k-16k)
-#                                        # rest on one H100 run (2026-12-05, head-group-h100.txt)
-#   triton, the persistent walk's balance: each CTA takes every #SMs-th item, so at D 128 causal from
-#                                        # 4k groups of one (495 TFLOP/s) or of every head (525 at 16k)
-#                                        # beat the L2-sized groups (437 / 482): a model of the static
-#                                        # assignment puts their busiest CTA at 1.18-1.29 x the mean
-#                                        # (docs/triton.md); a counter-based (dynamic) scheduler, as
-#                                        # FA3's and cupy's backward, or long + short tiles in pairs
-#                                        # (a snake order does not help, the model says), then the
-#                                        # causal rows past 4k
+#                                        # bench-h200.* (4ce2745: before the D 64 three-consumer forward,
+#                                        # the grouped causal walk and its long + short pairs)
+#   RERUN=1 CASES='large/hopper/*' bash tools/h200_session.sh par:catalogue:triton,reference,sdpa,cupy par:tests:gluon
+#                                        # the catalogue's hopper cases (v7's D 64 causal case never ran in
+#                                        # it) and the Gluon tests with the pairs on by default
+#   PYTHONPATH=. python3 tools/head_group_check.py --out $OUT   # every causal cell with the pairs: D 128
+#                                        # 1k, D 64 2k-16k (does the persistent kernel in pairs beat the
+#                                        # portable one at D 64 causal 2k-4k, 0.78 / 0.82 x cuDNN?); the
+#                                        # pairs and auto's D 128 causal rows to 16k rest on one H100 run
+#                                        # (2026-12-06, paired-walk-h100.txt)
+#   triton, short causal sequences (#14's 0.8 x cuDNN at 512-1k): D 128 causal 512 runs 0.65 x, 4 tiles a
+#                                        # head; the pairs do not help there (0.98 x the unpaired groups)
 #   triton, the grouped walk for the backward's grids (Gluon dQ / dK/dV, the portable kernels): the
 #                                        # one-tile forward gained 1.03-1.06 x from S 2k at D 256
 #   cupy, #16's D 64 backward (0.85-0.95 x FA2): neither the producers' loads (0.98-1.00 x) nor own-keys dQ

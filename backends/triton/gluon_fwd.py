@@ -810,7 +810,7 @@ def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pi
     the training variant that also stores O's rounding residual; ``persistent``: the persistent
     variant (:data:`PERSISTENT_HEAD_DIMS` only; ValueError elsewhere); ``consumers``: the consumer
     warpgroups (:func:`consumers_for`); ``paired``: a persistent causal walk's tiles in long +
-    short pairs (:func:`_work_tile`; None: ``PORTATTN_TRITON_PAIRED_WALK``, default off; only
+    short pairs (:func:`_work_tile`; None: ``PORTATTN_TRITON_PAIRED_WALK``, default on; only
     persistent causal launches pair)."""
     from portattn import config
     if persistent and head_dim not in PERSISTENT_HEAD_DIMS:
@@ -1071,9 +1071,13 @@ AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False
 #: (before the groups the walk went longest first over every head, re-reading K and V from DRAM:
 #: 1.16-1.30 x slower at S 512-2k; the rows ended at 2k); D 64 1.04 at 8k (training 1.05) and 0.99 at
 #: 16k against the one-tile kernel, 0.98 x the portable kernel at 4k (training 0.95).
+#: With the walk in long + short pairs (:func:`_work_tile`), on an H100 (2026-12-06,
+#: tools/head_group_check.py, benchmarks/results/paired-walk-h100.txt): D 128 1.35 / 1.17 / 1.09 /
+#: 1.04 / 0.99 x the one-tile kernel at S 512 / 2k / 4k / 8k / 16k (training 1.35 / 1.29 / 1.12 /
+#: 1.06 / 0.97), so D 128 causal to 16k (was 4k); D 64 0.99 x its unpaired walk at 8k.
 AUTO_PERSISTENT = {
-    (128, False, False): (512, 1 << 31), (128, True, False): (512, 4096),
-    (128, False, True): (512, 1 << 31), (128, True, True): (512, 4096),
+    (128, False, False): (512, 1 << 31), (128, True, False): (512, 16384),
+    (128, False, True): (512, 1 << 31), (128, True, True): (512, 16384),
     (64, False, False): (2048, 8192), (64, False, True): (2048, 16384),
     (64, True, False): (8192, 16384), (64, True, True): (8192, 16384),
 }
