@@ -221,9 +221,11 @@ if gl is not None:
             return num_m, gl.program_id(0), num_m * batch * num_heads_q, gl.num_programs(0)
 
     @gluon.jit
-    def _work_tile(j, num_m, num_bh, head_group, LONGEST_FIRST: gl.constexpr, PAIRED: gl.constexpr):
-        """``(bh, m)``: the (batch, head) and query tile of step ``j`` of a persistent CTA's loop
-        (:func:`_work_range`). Unpaired, ``j`` numbers the walk's tiles: head-major (a head's tiles
+    def _work_tile(j, num_m, batch, num_heads_q, gqa_ratio, head_group, LONGEST_FIRST: gl.constexpr,
+                   PAIRED: gl.constexpr, CONSUMERS: gl.constexpr):
+        """``(b, h, h_kv, m0)``: the batch, query head, KV head (:func:`_heads`) and first query row of
+        step ``j`` of a persistent CTA's loop (:func:`_work_range`), the producer's and the
+        consumers' alike. Unpaired, ``j`` numbers the walk's tiles: head-major (a head's tiles
         run side by side and share its K and V in L2), or with ``LONGEST_FIRST`` (a causal-like
         band) :func:`_longest_first`'s walk, ``head_group`` heads at a time; each CTA takes every
         #SMs-th, so which lengths it gets depends on how #SMs falls on the walk. With ``PAIRED`` (a
@@ -232,6 +234,7 @@ if gl is not None:
         the long one first, and every unit about ``num_m``+1 key tiles, so each CTA gets about the
         same work (docs/triton.md, The causal walk in pairs). The middle tile of an odd ``num_m``
         pairs with tile ``num_m``, past the end, which sees no keys (:func:`_item_band`)."""
+        num_bh = batch * num_heads_q
         if PAIRED:
             x, bh = _longest_first(gl.program_id(0) + (j >> 1) * gl.num_programs(0), (num_m + 1) >> 1, num_bh,
                                    head_group)
@@ -243,7 +246,8 @@ if gl is not None:
         else:
             m = j % num_m
             bh = j // num_m
-        return bh, m
+        b, h, h_kv = _heads(bh, num_heads_q, gqa_ratio)
+        return b, h, h_kv, m * (CONSUMERS * _WG_M)
 
     @gluon.jit
     def _item_band(m0, sq, sk, off, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -332,9 +336,8 @@ if gl is not None:
         c = sq * 0
         num_m, start, stop, step = _work_range(sq, batch, num_heads_q, CONSUMERS, PAIRED)
         for j in range(start, stop, step):
-            bh, m = _work_tile(j, num_m, batch * num_heads_q, head_group, LONGEST_FIRST, PAIRED)
-            b, h, h_kv = _heads(bh, num_heads_q, gqa_ratio)
-            m0 = m * (CONSUMERS * _WG_M)
+            b, h, h_kv, m0 = _work_tile(j, num_m, batch, num_heads_q, gqa_ratio, head_group, LONGEST_FIRST, PAIRED,
+                                        CONSUMERS)
             lo, full_lo, full_hi, hi = _item_band(m0, sq, sk, off, window_left, window_right, CONSUMERS * _WG_M,
                                                   BLOCK_N, PAIRED)
             _load_q(q_desc, q_smem, q_bar, q_empty, c, m0, b, h, HEAD_D, True)
@@ -549,9 +552,8 @@ if gl is not None:
         CONSUMERS: gl.constexpr = q_smem.shape[0]
         num_m, start, stop, step = _work_range(sq, batch, num_heads_q, CONSUMERS, PAIRED)
         for j in range(start, stop, step):
-            bh, m = _work_tile(j, num_m, batch * num_heads_q, head_group, LONGEST_FIRST, PAIRED)
-            b, h, h_kv = _heads(bh, num_heads_q, gqa_ratio)
-            m0 = m * (CONSUMERS * _WG_M)
+            b, h, h_kv, m0 = _work_tile(j, num_m, batch, num_heads_q, gqa_ratio, head_group, LONGEST_FIRST, PAIRED,
+                                        CONSUMERS)
             lo, full_lo, full_hi, hi = _item_band(m0, sq, sk, off, window_left, window_right, CONSUMERS * _WG_M,
                                                   BLOCK_N, PAIRED)
             row0 = m0 + WG * _WG_M
