@@ -678,11 +678,12 @@ def test_gpu_matches_reference(name, pingpong):
 @requires_sm90
 @needs_gluon
 @pytest.mark.usefixtures("no_deadlock")
-@pytest.mark.parametrize("sq, causal, kernel, d", [(4096, True, "gluon", 128), (2048, True, "persistent", 128),
+@pytest.mark.parametrize("sq, causal, kernel, d", [(4096, True, "persistent", 128), (2048, True, "persistent", 128),
                                                    (1024, True, "persistent", 128), (1024, False, "persistent", 128),
                                                    (512, True, "persistent", 128), (256, True, "triton", 128),
                                                    (8192, True, "persistent", 64), (8192, False, "gluon", 64),
-                                                   (2048, False, "persistent", 64), (4096, True, "triton", 64)])
+                                                   (2048, False, "persistent", 64), (4096, True, "triton", 64),
+                                                   (1024, False, "gluon", 256)])
 def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal, kernel, d):
     """``portattn.attention`` on the triton backend with the default switches: the Gluon kernel runs
     where AUTO_MIN_SEQLEN_Q or AUTO_PERSISTENT has the shape (the launch is seen, and whether it
