@@ -71,6 +71,9 @@ VARIABLES = {
     "PORTATTN_TRITON_PAIRED_WALK": "0/false/no/off = the Gluon forward's persistent causal walk gives each CTA every "
                                    "#SMs-th query tile, not a head's tiles in long + short pairs (gluon_fwd._work_tile; "
                                    "default 1); read on every forward",
+    "PORTATTN_TRITON_Q_BUFFERS": "the persistent Gluon forward's Q tiles a consumer warpgroup: unset or empty = 2 "
+                                 "(config.Q_BUFFERS_DEFAULT: the next work item's Q loads during the current one), "
+                                 "or 1 (it loads after the current band's last product); read on every forward",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
 }
@@ -275,6 +278,27 @@ def triton_paired_walk() -> bool:
     causal walk in pairs)."""
     return _parsed("PORTATTN_TRITON_PAIRED_WALK",
                    lambda name, text: True if not text.strip() else _parse_flag(name, text), True)
+
+
+def _parse_q_buffers(name: str, text: str) -> int:
+    text = text.strip()
+    if text not in ("", "1", "2"):
+        raise ValueError(f"{name}={text!r}: use 1 (one Q tile a consumer, loaded once the last item's "
+                         f"products have read it) or 2 (the next item's Q loads during this one), or leave it unset")
+    return int(text) if text else Q_BUFFERS_DEFAULT
+
+
+#: the persistent Gluon forward's Q buffers per consumer warpgroup when ``PORTATTN_TRITON_Q_BUFFERS``
+#: is unset (docs/triton.md, The next item's Q)
+Q_BUFFERS_DEFAULT = 2
+
+
+def triton_q_buffers() -> int:
+    """``PORTATTN_TRITON_Q_BUFFERS`` (1 or 2; unset or empty: :data:`Q_BUFFERS_DEFAULT`; anything
+    else raises ``ValueError``): the persistent Gluon forward's shared Q tiles per consumer
+    warpgroup. With 2 the producer loads the next work item's Q while the consumers still run the
+    current one (``gluon_fwd._load_q``), instead of after the current band's last product."""
+    return _parsed("PORTATTN_TRITON_Q_BUFFERS", _parse_q_buffers, Q_BUFFERS_DEFAULT)
 
 
 TRITON_DQ_MODES = ("auto", "atomic", "kernel")

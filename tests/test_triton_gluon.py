@@ -357,9 +357,10 @@ def test_cross_compiles_every_head_dim(request):
     _check_compiled(_compile_rows("64,128,256", residual="both"), gluon_fwd.HEAD_DIMS, residuals=(False, True))
 
 
-def test_check_tool_report_renders():
+def test_check_tool_report_renders(monkeypatch):
     """tools/triton_gluon_check.py's report on a made-up result (the H200 run must not die there)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    monkeypatch.setenv("PORTATTN_TRITON_FORWARD", "auto")   # restored afterwards: the import sets it
     import triton_gluon_check as tool
     child = {"rc": 0, "hung": False, "passed": False, "seconds": 1.0, "timed_variants": ["nopp"],
              "checks": [{"case": "plain_d128", "pingpong": True, "passed": False, "out": "out FAIL", "lse": "lse ok",
@@ -415,6 +416,7 @@ def test_check_tool_runs_the_persistent_variant_in_its_own_child(monkeypatch):
     one child and the persistent one (``pers``) in a second, so a deadlock there (killed at its own
     timeout) leaves the others checked and timed."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    monkeypatch.setenv("PORTATTN_TRITON_FORWARD", "auto")   # restored afterwards: the import sets it
     import triton_gluon_check as tool
     assert [v for v in tool.VARIANTS if v[2]] == [("pers", True, True)]
     calls = []
@@ -843,14 +845,15 @@ def test_persistent_constexprs_and_head_dims():
     with pytest.raises(ValueError, match="persistent"):
         gluon_fwd.launch_constexprs(256, False, persistent=True)
     assert gluon_fwd.PERSISTENT_HEAD_DIMS == (64, 128)
-    # its O tiles fit beside Q and the ring at D 64/128 (not at D 256)
+    # its O tiles and two Q tiles a consumer fit beside the ring at D 64/128 (not at D 256)
     for d in gluon_fwd.HEAD_DIMS:
-        block_n, stages = gluon_fwd.tile_config(d)
-        smem = 2 * 2 * gluon_fwd.WG_M * d * 2 + 2 * stages * block_n * d * 2
+        consumers = gluon_fwd.consumers_for(d)
+        block_n, stages = gluon_fwd.tile_config(d, consumers)
+        smem = (2 + 1) * consumers * gluon_fwd.WG_M * d * 2 + 2 * stages * block_n * d * 2
         assert (smem + 1024 <= 232448) == (d in gluon_fwd.PERSISTENT_HEAD_DIMS), (d, smem)
     params = list(gluon_fwd.attn_fwd_gluon.arg_names)
-    assert params[-10:] == ["HEAD_D", "BLOCK_N", "STAGES", "BOTTOM_RIGHT", "LONGEST_FIRST", "PINGPONG", "RESIDUAL",
-                            "PERSISTENT", "CONSUMERS", "PAIRED"]
+    assert params[-11:] == ["HEAD_D", "BLOCK_N", "STAGES", "BOTTOM_RIGHT", "LONGEST_FIRST", "PINGPONG", "RESIDUAL",
+                            "PERSISTENT", "CONSUMERS", "PAIRED", "Q_BUFS"]
     assert "batch" in params and gluon_fwd._PERSISTENT_ONLY_ARGS == ("batch",)
 
 
@@ -870,6 +873,27 @@ def test_paired_walk_is_for_persistent_causal_launches(monkeypatch):
     monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", "pairs")
     with pytest.raises(ValueError, match="PORTATTN_TRITON_PAIRED_WALK"):
         lc(128, True, persistent=True)
+
+
+def test_q_buffers_are_for_persistent_launches(monkeypatch):
+    """``Q_BUFS`` is 2 for persistent launches (``config.Q_BUFFERS_DEFAULT``) unless
+    ``PORTATTN_TRITON_Q_BUFFERS`` or ``q_buffers=`` says 1; the one-tile kernel always has 1; other
+    values raise naming the variable or the argument."""
+    lc = gluon_fwd.launch_constexprs
+    monkeypatch.delenv("PORTATTN_TRITON_Q_BUFFERS", raising=False)
+    assert lc(128, False, persistent=True)["Q_BUFS"] == 2 and lc(64, True, persistent=True)["Q_BUFS"] == 2
+    assert lc(128, False, persistent=True, q_buffers=1)["Q_BUFS"] == 1
+    assert lc(128, False)["Q_BUFS"] == 1 and lc(256, True, q_buffers=2)["Q_BUFS"] == 1
+    for text, want in (("1", 1), ("2", 2), ("", 2), (" 1 ", 1)):
+        monkeypatch.setenv("PORTATTN_TRITON_Q_BUFFERS", text)
+        assert lc(128, True, persistent=True)["Q_BUFS"] == want, text
+    for text in ("3", "0", "two"):
+        monkeypatch.setenv("PORTATTN_TRITON_Q_BUFFERS", text)
+        with pytest.raises(ValueError, match="PORTATTN_TRITON_Q_BUFFERS"):
+            lc(128, True, persistent=True)
+    monkeypatch.delenv("PORTATTN_TRITON_Q_BUFFERS")
+    with pytest.raises(ValueError, match="q_buffers"):
+        lc(128, True, persistent=True, q_buffers=3)
 
 
 class _Recorder:
@@ -1150,17 +1174,24 @@ def test_persistent_helpers_are_shared_by_both_kernels():
             assert all(s in src for s in stages), (fn, stages)
 
 
-@pytest.fixture(scope="module")
-def d128_persistent_rows():
-    """The persistent kernel at D 128, causal or not, inference and training (4 compiles)."""
+def _persistent_d128_rows(residual: str = "both", **env_vars) -> list:
+    """The cross-compile report of the persistent kernel at D 128, causal or not (``residual``: the
+    CLI's off / on / both), in a child with ``env_vars`` set (e.g. a switch of the walk)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env.update(env_vars)
     proc = subprocess.run([sys.executable, "-m", "portattn.backends.triton.gluon_fwd", "--json", "--dims", "128",
-                           "--residual", "both", "--pingpong", "on", "--persistent", "on"],
+                           "--residual", residual, "--pingpong", "on", "--persistent", "on"],
                           capture_output=True, text=True, env=env, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
     assert lines, f"no report (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def d128_persistent_rows():
+    """The persistent kernel at D 128, causal or not, inference and training (4 compiles)."""
+    return _persistent_d128_rows()
 
 
 @needs_gluon
@@ -1184,7 +1215,7 @@ def test_persistent_cross_compiles_for_sm90(d128_persistent_rows, d128_rows):
             # clean but spills 8 bytes in the training one (2026-12-03: two values live across the
             # item loop, stored and reloaded once per item in the epilogue, not in the key loop), and
             # 16 / 32 bytes in the causal ones since the paired walk (2026-12-06: one value stored
-            # and reloaded once per key tile in the consumers' key loops)
+            # and reloaded once per key tile in the consumers' key loops; 24 / 32 with two Q buffers)
             if triton.__version__.startswith("3.6") or not (r["residual"] or r["causal"]):
                 assert r["stack"] == 0 and r["LDL/STL"] == 0, r
             else:
@@ -1195,17 +1226,9 @@ def test_persistent_cross_compiles_for_sm90(d128_persistent_rows, d128_rows):
 def test_unpaired_persistent_cross_compiles_for_sm90(d128_persistent_rows):
     """The causal persistent kernel with the walk unpaired (``PORTATTN_TRITON_PAIRED_WALK=0``)
     compiles to the paired kernel's products, copies, parameters and shared memory; no spills under
-    triton 3.6 (3.9: at most 8 bytes, as before the pairs)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    env["PORTATTN_TRITON_PAIRED_WALK"] = "0"
-    proc = subprocess.run([sys.executable, "-m", "portattn.backends.triton.gluon_fwd", "--json", "--dims", "128",
-                           "--residual", "both", "--pingpong", "on", "--persistent", "on"],
-                          capture_output=True, text=True, env=env, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
-    assert lines, f"no report (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    triton 3.6 (3.9: at most 16 bytes)."""
     base = {(r["causal"], r["residual"]): r for r in d128_persistent_rows}
-    rows = [r for r in json.loads(lines[-1]) if r["causal"]]
+    rows = [r for r in _persistent_d128_rows(PORTATTN_TRITON_PAIRED_WALK="0") if r["causal"]]
     assert len(rows) == 2
     for r in rows:
         assert "error" not in r, r
@@ -1214,7 +1237,31 @@ def test_unpaired_persistent_cross_compiles_for_sm90(d128_persistent_rows):
             assert r[key] == b[key], (key, r, b)
         if r.get("regs") is not None:
             assert r["HGMMA"] == b["HGMMA"] and r["UTMALDG"] == b["UTMALDG"], (r, b)
-            assert r["stack"] <= (0 if triton.__version__.startswith("3.6") else 8), r
+            # triton 3.9: 8 bytes before the two Q buffers, 16 with them (3.6: none)
+            assert r["stack"] <= (0 if triton.__version__.startswith("3.6") else 16), r
+
+
+@needs_gluon
+def test_one_q_buffer_cross_compiles_for_sm90(d128_persistent_rows):
+    """The persistent kernel with one Q tile a consumer (``PORTATTN_TRITON_Q_BUFFERS=1``) compiles
+    to the default two-buffer kernel's products, copies, parameters and registers, with 32 KiB
+    (two 64 x 128 bf16 tiles) less shared memory; the default fits the SM's 227 KiB; no spills under
+    triton 3.6 in either (3.9: as test_persistent_cross_compiles_for_sm90 bounds them)."""
+    base = {(r["causal"], r["residual"]): r for r in d128_persistent_rows}
+    rows = _persistent_d128_rows("off", PORTATTN_TRITON_Q_BUFFERS="1")
+    assert len(rows) == 2
+    for r in rows:
+        assert "error" not in r, r
+        b = base[r["causal"], r["residual"]]
+        # two 64 x 128 bf16 tiles and their two pairs of 8-byte barriers (and alignment)
+        assert 2 * 64 * 128 * 2 <= b["shared"] - r["shared"] <= 2 * 64 * 128 * 2 + 64, (r, b)
+        assert b["shared"] <= 232448, b
+        for key in ("wgmma", "tma", "tma_store", "params", "num_warps", "setmaxnreg"):
+            assert r[key] == b[key], (key, r, b)
+        if r.get("regs") is not None:
+            assert r["HGMMA"] == b["HGMMA"] and r["UTMALDG"] == b["UTMALDG"] and r["regs"] == b["regs"], (r, b)
+            if triton.__version__.startswith("3.6"):
+                assert r["stack"] == 0 and b["stack"] == 0, (r, b)
 
 
 _PERSISTENT_CHILD = """
@@ -1239,6 +1286,9 @@ for name, (shape, kw) in t.GPU_CASES.items():
     os.environ["PORTATTN_TRITON_PAIRED_WALK"] = "0"   # causal: every #SMs-th tile, not long + short pairs
     unpaired = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
     del os.environ["PORTATTN_TRITON_PAIRED_WALK"]
+    os.environ["PORTATTN_TRITON_Q_BUFFERS"] = "1"   # the next item's Q loads after this one's last product
+    one_q = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
+    del os.environ["PORTATTN_TRITON_Q_BUFFERS"]
     torch.cuda.synchronize()
     ref, ref_lse = reference_forward(spec)
     c_out, c_lse = compare("out", out, ref, naive_forward(spec)[0]), compare_lse(lse, ref_lse)
@@ -1246,6 +1296,7 @@ for name, (shape, kw) in t.GPU_CASES.items():
                unwritten=int(torch.isnan(out).sum() + torch.isnan(lse).sum() + torch.isnan(r2).sum()),
                training_same=bool(torch.equal(o2, out) and torch.equal(l2, lse)),
                unpaired_same=all(torch.equal(x, y) for x, y in zip(unpaired, (o2, l2, r2))),
+               one_q_buffer_same=all(torch.equal(x, y) for x, y in zip(one_q, (o2, l2, r2))),
                same_as_one_tile=bool(torch.equal(out, one) and torch.equal(lse, one_lse) and torch.equal(r2, one_res)))
     print("ROW " + json.dumps(row), flush=True)
 print("PERSISTENT OK")
@@ -1260,7 +1311,7 @@ def test_gpu_persistent_matches_reference():
     float64 (NaN-poisoned first), the training launch's out / lse bit-identical to the inference
     one and its residual written, and the causal walk unpaired (``PORTATTN_TRITON_PAIRED_WALK=0``)
     bit-identical to the default pairs (causal_sq_gt_sk's five tiles pair the middle one with a tile
-    past the end); whether it is bit-identical to the one-tile kernel (ping-pong
+    past the end), and one Q buffer (``PORTATTN_TRITON_Q_BUFFERS=1``) bit-identical to two; whether it is bit-identical to the one-tile kernel (ping-pong
     on) is printed, not judged. D 256 cases run the one-tile kernel (PERSISTENT_HEAD_DIMS)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
@@ -1275,3 +1326,4 @@ def test_gpu_persistent_matches_reference():
     assert len(rows) == len(GPU_CASES)
     for r in rows:
         assert r["out"] and r["lse"] and r["unwritten"] == 0 and r["training_same"] and r["unpaired_same"], r
+        assert r["one_q_buffer_same"], r

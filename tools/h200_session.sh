@@ -55,20 +55,18 @@
 #   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> BENCH_LIMIT=330 bash tools/h200_session.sh warm bench tests:gluon
 #                                        # the grid on whichever card comes; on an H200 this refreshes
 #                                        # bench-h200.* (4ce2745: before the D 64 three-consumer forward,
-#                                        # the grouped causal walk and its long + short pairs)
+#                                        # the grouped causal walk, its pairs and the two Q buffers); the
+#                                        # H100's (bench-h100.*) is from 2026-12-06 with all of them
 #   RERUN=1 CASES='large/hopper/*' bash tools/h200_session.sh par:catalogue:triton,reference,sdpa,cupy par:tests:gluon
-#                                        # the catalogue's hopper cases (v7's D 64 causal case never ran in
-#                                        # it) and the Gluon tests with the pairs on by default
-#   PYTHONPATH=. python3 tools/head_group_check.py --out $OUT   # every causal cell with the pairs: D 128
-#                                        # 1k, D 64 2k-16k (does the persistent kernel in pairs beat the
-#                                        # portable one at D 64 causal 2k-4k, 0.78 / 0.82 x cuDNN?); the
-#                                        # pairs and auto's D 128 causal rows to 16k rest on one H100 run
-#                                        # (2026-12-06, paired-walk-h100.txt)
-#   triton, short causal sequences (#14's 0.8 x cuDNN at 512-1k): D 128 causal 512 runs 0.65 x, 4 tiles a
-#                                        # head; the pairs do not help there (0.98 x the unpaired groups)
+#                                        # on an H200: the catalogue's hopper cases and the Gluon tests
+#                                        # (both passed on an H100 with the current defaults, 2026-12-06)
+#   PYTHONPATH=. python3 tools/q_buffers_check.py --out $OUT   # the two Q buffers on an H200 (an H100 timed
+#                                        # them 1.00-1.08 x one buffer, q-buffers-h100.txt)
+#   triton, short causal sequences (#14's 0.8 x cuDNN at 512-1k): D 128 causal 512 runs 0.63 x, 4 tiles a
+#                                        # head; neither the pairs nor the next item's Q help there
 #   triton, the grouped walk for the backward's grids (Gluon dQ / dK/dV, the portable kernels): the
 #                                        # one-tile forward gained 1.03-1.06 x from S 2k at D 256
-#   cupy, #16's D 64 backward (0.85-0.95 x FA2): neither the producers' loads (0.98-1.00 x) nor own-keys dQ
+#   cupy, #16's D 64 backward (0.85-0.93 x FA2): neither the producers' loads (0.98-1.00 x) nor own-keys dQ
 #                                        # (0.85-0.96 x) paid; next is ping-pong between the consumer warpgroups
 #                                        # (docs/cupy.md, What limits the backward)
 # and e.g. after a partial catalogue:

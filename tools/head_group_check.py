@@ -25,10 +25,8 @@ rounds) beside cuDNN's and the portable kernel's. Writes ``head_group.json`` / `
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -101,18 +99,8 @@ def run_cell(d: int, s: int) -> dict:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
     impls["cudnn"] = ("auto", cudnn)
-    times: dict[str, list] = {n: [] for n in impls}
-    for rnd in range(2):   # interleaved, the second round in reverse order
-        for name in (list(impls) if rnd == 0 else list(reversed(impls))):
-            order, fn = impls[name]
-            _set_order(order, b * h)
-            fn()
-            torch.cuda.synchronize()
-            times[name].append(chk._median_ms(fn))
+    row["tflops"], row["spread"] = chk.time_interleaved(impls, lambda order: _set_order(order, b * h), flops)
     _set_order("pairs", b * h)
-    for name, ts in times.items():
-        row["tflops"][name] = flops / min(ts) * 1e-9
-        row.setdefault("spread", {})[name] = max(ts) / min(ts) - 1
     return row
 
 
@@ -146,49 +134,15 @@ def report(res: dict) -> str:
         best_inf = max(t[k] for k in ("g@auto", "p@pairs", "portable") if k in t)
         line += "  " + ", ".join(gains) + f"  {best_inf / t['cudnn']:.2f}"
         lines.append(line)
-    bad = [(r["d"], r["s"], c) for r in res["rows"] for c in r["checks"] if not c["passed"]]
     lines.append("")
-    lines.append(f"checks: {sum(len(r['checks']) for r in res['rows']) - len(bad)} passed, {len(bad)} failed"
-                 + "".join(f"\n  FAILED D{d} S{s}: {c}" for d, s, c in bad))
-    lines.append("verdict: " + ("PASS" if not bad and res["rows"] else "FAIL"))
+    lines += chk.verdict_lines(res["rows"], lambda r: f"D{r['d']} S{r['s']}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="/tmp")
-    ap.add_argument("--time-limit", type=float, default=400, help="no new cell after this many seconds")
-    ap.add_argument("--cells", default="", help="e.g. '128x512,64x2048' (D x S); default every cell")
-    a = ap.parse_args(argv)
-    import torch
-    import triton
-    t0 = time.time()
+    a = chk.cell_tool_args(__doc__, "e.g. '128x512,64x2048' (D x S); default every cell", argv)
     cells = CELLS if not a.cells else [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")]
-    res = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, "rows": [], "skipped": []}
-    for d, s in cells:
-        if time.time() - t0 > a.time_limit:
-            res["skipped"].append([d, s])
-            continue
-        try:
-            row = run_cell(d, s)
-        except Exception as exc:   # reported as a failed check, the other cells still run
-            row = {"d": d, "s": s, "error": f"{type(exc).__name__}: {str(exc)[-600:]}", "auto_group": -1,
-                   "checks": [{"impl": "-", "passed": False, "error": str(exc)[-300:]}],
-                   "tflops": {}}
-        res["rows"].append(row)
-        print(f"D{d} S{s}: {time.time() - t0:.0f} s " + " ".join(f"{k}={v:.0f}" for k, v in row["tflops"].items()),
-              flush=True)
-    res["seconds"] = time.time() - t0
-    ok_rows = [r for r in res["rows"] if "error" not in r]
-    text = report({**res, "rows": ok_rows})
-    if len(ok_rows) < len(res["rows"]):
-        text += "\nerrors: " + "; ".join(f"D{r['d']} S{r['s']}: {r['error']}" for r in res["rows"] if "error" in r)
-        text = text.replace("verdict: PASS", "verdict: FAIL")
-    if res["skipped"]:
-        text += f"\nskipped (time limit): {res['skipped']}"
-    print(chk.write_files(a.out, "head_group", res, text))
-    return 0 if "verdict: PASS" in text else 1
+    return chk.run_cells(cells, ("d", "s"), run_cell, report, a.out, "head_group", a.time_limit)
 
 
 if __name__ == "__main__":

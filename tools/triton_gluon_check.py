@@ -246,6 +246,63 @@ def write_files(out_dir: str, stem: str, res: dict, text: str) -> str:
     return text
 
 
+def cell_tool_args(doc: str, cells_help: str, argv=None):
+    """The one-call cell tools' arguments: ``--out``, ``--time-limit`` (no new cell after it) and
+    ``--cells`` (``cells_help`` says their form; empty: every cell)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default="/tmp")
+    ap.add_argument("--time-limit", type=float, default=400, help="no new cell after this many seconds")
+    ap.add_argument("--cells", default="", help=cells_help)
+    return ap.parse_args(argv)
+
+
+def verdict_lines(rows: list, label) -> list[str]:
+    """A cell tool's last lines: how many of the rows' checks passed, each failed one (``label(row)``
+    names its cell), and the verdict (FAIL without rows)."""
+    bad = [(r, c) for r in rows for c in r["checks"] if not c["passed"]]
+    return [f"checks: {sum(len(r['checks']) for r in rows) - len(bad)} passed, {len(bad)} failed"
+            + "".join(f"\n  FAILED {label(r)}: {c}" for r, c in bad),
+            "verdict: " + ("PASS" if not bad and rows else "FAIL")]
+
+
+def run_cells(cells: list, keys: tuple, run_cell, report, out_dir: str, stem: str, time_limit: float) -> int:
+    """The cell loop of the one-call check tools (``head_group_check``, ``q_buffers_check``):
+    ``run_cell(*cell)`` for each cell (a tuple named by ``keys``, e.g. ``("d", "s")``) until
+    ``time_limit`` seconds have passed (the rest listed as skipped), a cell's exception recorded as a
+    failed row while the others still run; then ``report(res)`` (the rows that ran) into
+    ``stem``.json / .txt in ``out_dir``, printed. Returns the exit code: 0 when the report's verdict
+    is PASS and no cell raised."""
+    import torch
+    import triton
+    t0 = time.time()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    res = {"env": {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, "rows": [], "skipped": []}
+    for cell in cells:
+        if time.time() - t0 > time_limit:
+            res["skipped"].append(list(cell))
+            continue
+        try:
+            row = run_cell(*cell)
+        except Exception as exc:   # reported as a failed check, the other cells still run
+            row = {**dict(zip(keys, cell)), "error": f"{type(exc).__name__}: {str(exc)[-600:]}",
+                   "checks": [{"impl": "-", "passed": False, "error": str(exc)[-300:]}], "tflops": {}}
+        res["rows"].append(row)
+        print(" ".join(f"{k}={v}" for k, v in zip(keys, cell)) + f": {time.time() - t0:.0f} s "
+              + " ".join(f"{k}={v:.0f}" for k, v in row["tflops"].items()), flush=True)
+    res["seconds"] = time.time() - t0
+    ok_rows = [r for r in res["rows"] if "error" not in r]
+    text = report({**res, "rows": ok_rows})
+    if len(ok_rows) < len(res["rows"]):
+        text += "\nerrors: " + "; ".join(" ".join(f"{k}={r[k]}" for k in keys) + f": {r['error']}"
+                                         for r in res["rows"] if "error" in r)
+        text = text.replace("verdict: PASS", "verdict: FAIL")
+    if res["skipped"]:
+        text += f"\nskipped (time limit): {res['skipped']}"
+    print(write_files(out_dir, stem, res, text))
+    return 0 if "verdict: PASS" in text else 1
+
+
 def run_child(timeout: float, names: list[str] | None = None) -> dict:
     """Phase 2 for the :data:`VARIANTS` named ``names`` (all by default) in one child process."""
     names = [v[0] for v in VARIANTS] if names is None else names
@@ -279,6 +336,23 @@ def _merge_children(a: dict, b: dict) -> dict:
 def _median_ms(fn) -> float:
     from triton.testing import do_bench
     return float(do_bench(fn, warmup=25, rep=150, return_mode="median"))
+
+
+def time_interleaved(impls: dict, setup, flops: float) -> tuple[dict, dict]:
+    """TFLOP/s of each of ``impls`` (name -> (setting, fn); ``setup(setting)`` runs before each
+    fn's warm-up call and its timing): the best of two :func:`_median_ms` rounds, interleaved, the
+    second in reverse order; returns ``(tflops, spread)`` by name (spread: max / min − 1)."""
+    import torch
+    times: dict[str, list] = {n: [] for n in impls}
+    for rnd in range(2):
+        for name in (list(impls) if rnd == 0 else list(reversed(impls))):
+            setting, fn = impls[name]
+            setup(setting)
+            fn()
+            torch.cuda.synchronize()
+            times[name].append(_median_ms(fn))
+    return ({n: flops / min(ts) * 1e-9 for n, ts in times.items()},
+            {n: max(ts) / min(ts) - 1 for n, ts in times.items()})
 
 
 def time_cell(s: int, d: int, causal: bool, variants: list) -> dict:

@@ -37,8 +37,10 @@ bfloat16; ``D == Dv`` in {64, 128, 256}; no softcap, ALiBi, bias or sliding wind
 ``PORTATTN_TRITON_GLUON_PERSISTENT`` forces it on or off) is FA3's persistent schedule against the one-tile CTA's fixed cost (pipeline fill, epilogue,
 descriptor set-up): one CTA per SM walks (query tile, head) work units (:func:`_work_tile`,
 for causal-like bands longest first, a long and a short tile together) with rank-4 descriptors made once, the producer's ring count
-running on across items, Q handed back before the epilogue (``q_empty``) and O stored through its
-own shared tiles, so the next item's loads overlap the current one's epilogue. The same stage
+running on across items, two Q tiles a consumer used by alternate items (``Q_BUFS``,
+:func:`_q_slot`: the next item's Q loads while this one runs), each handed back before the
+epilogue (``q_empty``), and O stored through its own shared tiles, so the next item's loads overlap
+the current one's band and epilogue. The same stage
 helpers (:func:`_load_q`, :func:`_load_kv`, :func:`_attend`, :func:`_epilogue`) run both; with it
 off every variant compiles to the same code as before it existed.
 
@@ -279,18 +281,36 @@ if gl is not None:
             _tma_store(desc, [row, 0], src)
 
     @gluon.jit
-    def _load_q(q_desc, q_smem, q_bar, q_empty, c, m0, b, h, HEAD_D: gl.constexpr, PERSISTENT: gl.constexpr):
+    def _q_slot(c, WG: gl.constexpr, CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr):
+        """The ``q_smem`` / ``q_bar`` / ``q_empty`` slot of warpgroup ``WG``'s Q tile for a CTA's
+        ``c``-th work item, and the parity of that item's round on the slot's barriers: with
+        ``Q_BUFS`` 2 the items alternate between two sets of ``CONSUMERS`` slots."""
+        if Q_BUFS == 1:
+            slot = c * 0 + WG
+            ph = c & 1
+        else:
+            slot = (c % Q_BUFS) * CONSUMERS + WG
+            ph = (c // Q_BUFS) & 1
+        return slot, ph
+
+    @gluon.jit
+    def _load_q(q_desc, q_smem, q_bar, q_empty, c, m0, b, h, HEAD_D: gl.constexpr, PERSISTENT: gl.constexpr,
+                CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr):
         """The producer's first stage of a tile: the 64-row Q tile of every consumer warpgroup (one
         per ``q_smem`` slot). ``PERSISTENT``: the ``c``-th
-        tile of this CTA, loaded once its warpgroup released the previous one (``q_empty``, waited
-        on the parity before the current round's: a fresh barrier passes at once)."""
+        tile of this CTA, loaded once its warpgroup released the slot's previous tile (``q_empty``,
+        waited on the parity before the current round's: a fresh barrier passes at once); with
+        ``Q_BUFS`` 2 that is the tile of item ``c − 2``, so item ``c``'s Q loads while item ``c − 1``
+        runs (:func:`_q_slot`)."""
         tile_bytes: gl.constexpr = _WG_M * HEAD_D * 2
-        CONSUMERS: gl.constexpr = q_smem.shape[0]
         for wg in gl.static_range(CONSUMERS):
             if PERSISTENT:
-                mbarrier.wait(q_empty.index(wg), (c & 1) ^ 1)
-            mbarrier.expect(q_bar.index(wg), tile_bytes)
-            _tma_load_rows(q_desc, m0 + wg * _WG_M, b, h, q_bar.index(wg), q_smem.index(wg), PERSISTENT)
+                slot, ph = _q_slot(c, wg, CONSUMERS, Q_BUFS)
+                mbarrier.wait(q_empty.index(slot), ph ^ 1)
+            else:
+                slot = wg
+            mbarrier.expect(q_bar.index(slot), tile_bytes)
+            _tma_load_rows(q_desc, m0 + wg * _WG_M, b, h, q_bar.index(slot), q_smem.index(slot), PERSISTENT)
 
     @gluon.jit
     def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, i, lo, hi, b, h_kv,
@@ -318,20 +338,20 @@ if gl is not None:
         tile in [lo, hi) into the ring (:func:`_load_kv`). ``args``: the kernel's values it takes (a
         partition's values travel as one tuple, its constexprs beside it)."""
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m0, lo, hi = args
-        _load_q(q_desc, q_smem, q_bar, None, 0, m0, 0, 0, HEAD_D, False)
+        _load_q(q_desc, q_smem, q_bar, None, 0, m0, 0, 0, HEAD_D, False, q_smem.shape[0], 1)
         _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lo * 0, lo, hi, 0, 0,
                  BLOCK_N, HEAD_D, STAGES, False)
 
     @gluon.jit
     def _persistent_producer(args, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                             LONGEST_FIRST: gl.constexpr, PAIRED: gl.constexpr):
+                             LONGEST_FIRST: gl.constexpr, PAIRED: gl.constexpr, CONSUMERS: gl.constexpr,
+                             Q_BUFS: gl.constexpr):
         """The load warp of a persistent CTA: :func:`_producer`'s two stages for each of its work
         units' tiles (:func:`_work_tile`), the ring count
         running on across items, so the next item's Q and first K/V tiles load while the
         consumers still finish (and store) the current one."""
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, batch,
          num_heads_q, gqa_ratio, head_group, sq, sk, off, window_left, window_right) = args
-        CONSUMERS: gl.constexpr = q_smem.shape[0]
         kv = sq * 0
         c = sq * 0
         num_m, start, stop, step = _work_range(sq, batch, num_heads_q, CONSUMERS, PAIRED)
@@ -340,7 +360,7 @@ if gl is not None:
                                         CONSUMERS)
             lo, full_lo, full_hi, hi = _item_band(m0, sq, sk, off, window_left, window_right, CONSUMERS * _WG_M,
                                                   BLOCK_N, PAIRED)
-            _load_q(q_desc, q_smem, q_bar, q_empty, c, m0, b, h, HEAD_D, True)
+            _load_q(q_desc, q_smem, q_bar, q_empty, c, m0, b, h, HEAD_D, True, CONSUMERS, Q_BUFS)
             kv = _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv, lo, hi, b, h_kv,
                           BLOCK_N, HEAD_D, STAGES, True)
             c += 1
@@ -528,7 +548,8 @@ if gl is not None:
     @gluon.jit
     def _persistent_consumer(WG: gl.constexpr, args, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                              STAGES: gl.constexpr, PINGPONG: gl.constexpr, RESIDUAL: gl.constexpr,
-                             LONGEST_FIRST: gl.constexpr, PAIRED: gl.constexpr):
+                             LONGEST_FIRST: gl.constexpr, PAIRED: gl.constexpr, CONSUMERS: gl.constexpr,
+                             Q_BUFS: gl.constexpr):
         """One consumer warpgroup of a persistent CTA: :func:`_consumer`'s stages for each work
         item the producer loads (:func:`_persistent_producer`, the same walk). Q is given back
         (``q_empty``) as soon as the band's last product has read it, before the epilogue, so the
@@ -544,12 +565,10 @@ if gl is not None:
                                                            instr_shape=[16, HEAD_D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        q = q_smem.index(WG)
         o_tile = o_smem.index(WG)
         kv = sq * 0
         c = sq * 0
         bands = sq * 0
-        CONSUMERS: gl.constexpr = q_smem.shape[0]
         num_m, start, stop, step = _work_range(sq, batch, num_heads_q, CONSUMERS, PAIRED)
         for j in range(start, stop, step):
             b, h, h_kv, m0 = _work_tile(j, num_m, batch, num_heads_q, gqa_ratio, head_group, LONGEST_FIRST, PAIRED,
@@ -561,13 +580,15 @@ if gl is not None:
             m_i = gl.full([_WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([_WG_M], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([_WG_M, HEAD_D], gl.float32, o_layout)
-            mbarrier.wait(q_bar.index(WG), c & 1)
+            slot, ph = _q_slot(c, WG, CONSUMERS, Q_BUFS)
+            q = q_smem.index(slot)
+            mbarrier.wait(q_bar.index(slot), ph)
             if lo < hi:
                 acc, m_i, l_i, kv = _attend(acc, m_i, l_i, kv, bands, q, ring, rows, cols0, sk, off, lo, full_lo,
                                             full_hi, hi, window_left, window_right, qk_scale2, s_layout, o_layout,
                                             p_layout, BLOCK_N, STAGES, WG, PINGPONG)
                 bands += 1
-            mbarrier.arrive(q_empty.index(WG), count=1)   # Q's last reader (a wgmma) has completed
+            mbarrier.arrive(q_empty.index(slot), count=1)   # Q's last reader (a wgmma) has completed
             lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
             _epilogue(acc, m_i, l_i, o_descs, o_tile, LSE, lse_off, rows, row0, b, h, sq, qk_scale2, o_layout,
                       RESIDUAL, True)
@@ -610,7 +631,7 @@ if gl is not None:
                        head_group, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
                        RESIDUAL: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
-                       PAIRED: gl.constexpr):
+                       PAIRED: gl.constexpr, Q_BUFS: gl.constexpr):
         """O = softmax(scale·QKᵀ)V for 64·CONSUMERS query rows of one (batch, head): grid
         (cdiv(Sq, 64·CONSUMERS), B·Hq), 4 warps (consumer 0) + one or two more 4-warp consumers
         (``CONSUMERS`` 2 or 3, :func:`consumers_for`) + a 1-warp producer.
@@ -655,16 +676,16 @@ if gl is not None:
             lse_off = b64 * stride_lb + h.to(gl.int64) * stride_lh
 
         dtype: gl.constexpr = Q.dtype.element_ty
-        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, _WG_M, HEAD_D], smem_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * CONSUMERS, _WG_M, HEAD_D], smem_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-        q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], bar_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [Q_BUFS * CONSUMERS, 1], bar_layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-        for j in gl.static_range(CONSUMERS):
+        for j in gl.static_range(Q_BUFS * CONSUMERS):
             mbarrier.init(q_bar.index(j), count=1)
         for j in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(j), count=1)
@@ -677,8 +698,8 @@ if gl is not None:
             mbarrier.init(turn.index(j), count=1)
         if PERSISTENT:   # O's own tiles, so the next item's Q can load while O is stored; Q given back
             o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, _WG_M, HEAD_D], smem_layout)
-            q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], bar_layout)
-            for j in gl.static_range(CONSUMERS):
+            q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * CONSUMERS, 1], bar_layout)
+            for j in gl.static_range(Q_BUFS * CONSUMERS):
                 mbarrier.init(q_empty.index(j), count=1)
         fence_async_shared()   # the inits (generic proxy) before the TMA engine (async proxy) signals them
         ring = (k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn)
@@ -692,16 +713,21 @@ if gl is not None:
                      batch, num_heads_q, gqa_ratio, head_group, sq, sk, off, window_left, window_right)
             if CONSUMERS == 3:
                 gl.warp_specialize([
-                    (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED)),
-                    (_persistent_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED)),
-                    (_persistent_consumer, (2, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED)),
-                    (_persistent_producer, (pargs, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST, PAIRED)),
+                    (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
+                                             CONSUMERS, Q_BUFS)),
+                    (_persistent_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
+                                             CONSUMERS, Q_BUFS)),
+                    (_persistent_consumer, (2, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
+                                             CONSUMERS, Q_BUFS)),
+                    (_persistent_producer, (pargs, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST, PAIRED, CONSUMERS, Q_BUFS)),
                 ], [4, 4, 1], [160, 160, 24])
             else:
                 gl.warp_specialize([
-                    (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED)),
-                    (_persistent_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED)),
-                    (_persistent_producer, (pargs, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST, PAIRED)),
+                    (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
+                                             CONSUMERS, Q_BUFS)),
+                    (_persistent_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
+                                             CONSUMERS, Q_BUFS)),
+                    (_persistent_producer, (pargs, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST, PAIRED, CONSUMERS, Q_BUFS)),
                 ], [4, 1], [240, 24])
         else:
             cargs = (o_descs, q_smem, q_bar, ring, LSE, lse_off, m0, sq, sk, off, lo, full_lo, full_hi, hi,
@@ -807,13 +833,14 @@ def _rank4_strides(*tensors: torch.Tensor) -> bool:
 
 def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pingpong: bool | None = None,
                       residual: bool = False, persistent: bool = False, consumers: int | None = None,
-                      paired: bool | None = None) -> dict:
+                      paired: bool | None = None, q_buffers: int | None = None) -> dict:
     """The constexprs of one launch (also what :func:`compile_for` specialises on); ``residual``:
     the training variant that also stores O's rounding residual; ``persistent``: the persistent
     variant (:data:`PERSISTENT_HEAD_DIMS` only; ValueError elsewhere); ``consumers``: the consumer
     warpgroups (:func:`consumers_for`); ``paired``: a persistent causal walk's tiles in long +
     short pairs (:func:`_work_tile`; None: ``PORTATTN_TRITON_PAIRED_WALK``, default on; only
-    persistent causal launches pair)."""
+    persistent causal launches pair); ``q_buffers``: a persistent launch's Q tiles a consumer
+    warpgroup (1 or 2; None: ``PORTATTN_TRITON_Q_BUFFERS``; the one-tile kernel has 1)."""
     from portattn import config
     if persistent and head_dim not in PERSISTENT_HEAD_DIMS:
         raise ValueError(f"the persistent Gluon forward runs D in {PERSISTENT_HEAD_DIMS}, not {head_dim}")
@@ -822,7 +849,18 @@ def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pi
     return dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=stages, BOTTOM_RIGHT=bottom_right, LONGEST_FIRST=causal,
                 PINGPONG=_default_pingpong() if pingpong is None else pingpong, RESIDUAL=residual,
                 PERSISTENT=persistent, CONSUMERS=consumers,
-                PAIRED=bool(persistent and causal and (config.triton_paired_walk() if paired is None else paired)))
+                PAIRED=bool(persistent and causal and (config.triton_paired_walk() if paired is None else paired)),
+                Q_BUFS=_q_buffers(persistent, q_buffers))
+
+
+def _q_buffers(persistent: bool, q_buffers: int | None) -> int:
+    """``Q_BUFS``: ``q_buffers`` (1 or 2), else ``PORTATTN_TRITON_Q_BUFFERS``, for persistent launches;
+    1 for the one-tile kernel, whose CTA loads one Q tile."""
+    from portattn import config
+    n = config.triton_q_buffers() if q_buffers is None else q_buffers
+    if n not in (1, 2):
+        raise ValueError(f"q_buffers: 1 or 2 Q tiles a consumer warpgroup, not {n!r}")
+    return n if persistent else 1
 
 
 #: launch options: 4 warps run the default partition (consumer 0); the workers add 5 warps (9 with
@@ -832,12 +870,13 @@ LAUNCH_OPTIONS = dict(num_warps=4, num_stages=1)
 
 def compile_for(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                 arch: int = 90, pingpong: bool | None = None, residual: bool = False, persistent: bool = False,
-                bottom_right: bool = True, consumers: int | None = None):
+                bottom_right: bool = True, consumers: int | None = None, q_buffers: int | None = None):
     """``triton.compile`` of :func:`attn_fwd_gluon` for ``GPUTarget("cuda", arch, 32)`` without a GPU;
     returns the compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
     ``residual``: the training variant (``RESIDUAL``, an ORES pointer); without it ORES is the
     constexpr None, as :func:`gluon_forward` launches it. ``persistent``: the persistent variant
-    (``batch`` an int32 argument; the constexpr None without it)."""
+    (``batch`` an int32 argument; the constexpr None without it); ``q_buffers``: its Q tiles a
+    consumer (None: ``PORTATTN_TRITON_Q_BUFFERS``)."""
     if GLUON_ERROR:
         raise RuntimeError(GLUON_ERROR)
     import triton
@@ -845,7 +884,7 @@ def compile_for(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal
     from triton.experimental.gluon._runtime import GluonASTSource
     ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
     consts = launch_constexprs(head_dim, causal, bottom_right, pingpong=pingpong, residual=residual,
-                               persistent=persistent, consumers=consumers)
+                               persistent=persistent, consumers=consumers, q_buffers=q_buffers)
     if not residual:
         consts["ORES"] = None
     if not persistent:

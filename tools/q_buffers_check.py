@@ -1,0 +1,110 @@
+"""One GPU call for the persistent Gluon forward's second Q buffer (``Q_BUFS``,
+``PORTATTN_TRITON_Q_BUFFERS``): whether loading the next work item's Q while the consumers still run
+the current one (two Q tiles a consumer warpgroup) is as exact as, and faster than, one Q tile
+loaded after the current band's last product.
+
+    PYTHONPATH=. timeout 600 python tools/q_buffers_check.py --out $OUT --time-limit 400
+
+For each cell (bf16, B·S = 16k tokens, hidden 2048; D 128 S 512 … 16k and D 64 S 2k … 16k, causal
+and not) the persistent kernel runs with one and with two Q buffers, inference and training (O's
+rounding residual): the two outputs (out, lse, residual) must be bit-identical (the buffers change
+when a tile's Q loads, not its arithmetic), and the inference output is compared once with cuDNN's;
+then each variant's TFLOP/s (median of ``triton.testing.do_bench``, interleaved over two rounds, the
+second reversed) beside cuDNN's. Writes ``q_buffers.json`` / ``.txt`` to ``--out``; exit 0 when
+every check passed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import triton_gluon_check as chk  # noqa: E402
+
+CELLS = ([(128, s, c) for c in (False, True) for s in (512, 1024, 2048, 4096, 8192, 16384)]
+         + [(64, s, False) for s in (2048, 4096, 8192, 16384)] + [(64, s, True) for s in (8192, 16384)])
+VARIANTS = ("p@q1", "p@q2", "p_train@q1", "p_train@q2")
+
+
+def _set_buffers(n: int) -> None:
+    os.environ["PORTATTN_TRITON_Q_BUFFERS"] = str(n)
+
+
+def run_cell(d: int, s: int, causal: bool) -> dict:
+    """Checks and timings of one cell; returns its row."""
+    import torch
+    import torch.nn.functional as F
+    from portattn.backends.triton import gluon_fwd
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from portattn.spec import build_spec
+    b, h = chk._shape(s, d)
+    g = torch.Generator(device="cuda").manual_seed(1000 * d + s + causal)
+    q, k, v = (torch.randn(b, s, h, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+    spec = build_spec(q, k, v, causal=causal)
+    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+    row = {"d": d, "s": s, "causal": causal, "batch": b, "heads": h, "checks": [], "tflops": {}}
+    impls = {}
+    for residual in (False, True):
+        name = "p_train" if residual else "p"
+        outs = {}
+        for n in (1, 2):
+            _set_buffers(n)
+            res = gluon_fwd.gluon_forward(spec, persistent=True, residual=residual)
+            torch.cuda.synchronize()
+            outs[n] = [t.clone() for t in res]
+        same = all(torch.equal(x, y) for x, y in zip(outs[1], outs[2]))
+        check = {"impl": name, "bit_identical": same}
+        if not residual:
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+            check["max_abs_vs_cudnn"] = float((outs[2][0].float() - ref.float()).abs().max())
+            check["passed"] = same and check["max_abs_vs_cudnn"] < 2e-2
+        else:
+            check["passed"] = same
+        row["checks"].append(check)
+        for n in (1, 2):
+            impls[f"{name}@q{n}"] = (n, lambda r=residual: gluon_fwd.gluon_forward(spec, persistent=True, residual=r))
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    impls["cudnn"] = (1, cudnn)
+    row["tflops"], row["spread"] = chk.time_interleaved(impls, _set_buffers, flops)
+    os.environ.pop("PORTATTN_TRITON_Q_BUFFERS", None)
+    return row
+
+
+def report(res: dict) -> str:
+    env = res["env"]
+    lines = [f"{env['gpu']} torch {env['torch']} triton {env['triton']} {env['date']}; {res['seconds']:.0f} s",
+             "bf16, B·S = 16k tokens, hidden 2048; TFLOP/s (best of two interleaved do_bench medians) of the",
+             "persistent Gluon forward with one (q1) and two (q2) Q buffers a consumer warpgroup;",
+             "p inference, p_train with O's rounding residual; gain q2 / q1", ""]
+    lines.append(f"{'D':>4} {'S':>6} {'causal':>6}" + "".join(f" {v:>11}" for v in VARIANTS)
+                 + f" {'cudnn':>7} {'gain':>6} {'gain_tr':>7} {'q2/cudnn':>8}")
+    for r in res["rows"]:
+        t = r["tflops"]
+        lines.append(f"{r['d']:>4} {r['s']:>6} {'yes' if r['causal'] else 'no':>6}"
+                     + "".join(f" {t[v]:>11.1f}" for v in VARIANTS)
+                     + f" {t['cudnn']:>7.1f} {t['p@q2'] / t['p@q1']:>6.3f} {t['p_train@q2'] / t['p_train@q1']:>7.3f}"
+                     + f" {t['p@q2'] / t['cudnn']:>8.2f}")
+    lines.append("")
+    lines += chk.verdict_lines(res["rows"], lambda r: f"D{r['d']} S{r['s']} causal={r['causal']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    a = chk.cell_tool_args(__doc__, "e.g. '128x512c,64x2048' (D x S, c: causal); default every cell", argv)
+    cells = CELLS if not a.cells else [(int(c.split("x")[0]), int(c.split("x")[1].rstrip("c")), c.endswith("c"))
+                                       for c in a.cells.split(",")]
+    return chk.run_cells(cells, ("d", "s", "causal"), run_cell, report, a.out, "q_buffers", a.time_limit)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
