@@ -32,7 +32,7 @@ pytest.importorskip("triton")
 
 import triton  # noqa: E402
 from portattn.backends.triton import gluon_bwd, kernels  # noqa: E402
-from test_triton_gluon import _key_phases, _kv_tile, _qkv  # noqa: E402
+from test_triton_gluon import _key_phases, _kv_tile, _longest_first, _qkv  # noqa: E402
 
 ON_SM90 = torch.cuda.is_available() and not getattr(torch.version, "hip", None) \
     and torch.cuda.get_device_capability() == (9, 0)
@@ -553,6 +553,86 @@ def test_emulated_gqa_walk_covers_every_head_once(name):
             assert [(h, t) for h, t, _ in walk] == _producer_walk(phases, g, bm), (n0, phases)
 
 
+def _key_walk(pid0, pid1, num_n, num_bh, group, longest_first):
+    """gluon_bwd._key_tile's walk in Python (without GQA): (key tile, bh) of CTA (pid0, pid1)."""
+    last, bh = _longest_first(pid1 * num_n + pid0, num_n, num_bh, group)
+    return (last if longest_first else num_n - 1 - last), bh
+
+
+@pytest.mark.parametrize("num_n, num_bh", [(1, 1), (4, 7), (16, 128), (11, 3)])
+def test_dkdv_walk_in_groups(num_n, num_bh):
+    """The dK/dV grid's CTAs, numbered in launch order, take key tiles in head groups: groups of one
+    are the grid's own order (tile pid0 of head pid1; the last first with ``LONGEST_FIRST``); any
+    group covers every (tile, head) once, and each group starts with its heads' first tiles (a
+    causal band's longest: they see every query tile)."""
+    every = sorted((n, bh) for n in range(num_n) for bh in range(num_bh))
+    for lf in (False, True):
+        for pid1 in range(num_bh):
+            for pid0 in range(num_n):
+                want = (num_n - 1 - pid0) if lf else pid0
+                assert _key_walk(pid0, pid1, num_n, num_bh, 1, lf) == (want, pid1)
+        for group in range(1, num_bh + 1):
+            walk = [_key_walk(w % num_n, w // num_n, num_n, num_bh, group, lf) for w in range(num_n * num_bh)]
+            assert sorted(walk) == every
+            if not lf:
+                starts = range(0, num_n * num_bh, group * num_n)
+                assert all(walk[w][0] == 0 for w in starts), (group, walk[:8])
+
+
+@needs_gluon
+def test_walk_mirrors_match_the_kernel_source():
+    """The mirror above is what ``_key_tile`` says, and the dQ kernel hands its ``head_group`` to
+    the forward's ``_row_tile`` (the grouped walk the forward's one-tile grid runs)."""
+    body = _body(gluon_bwd._key_tile)
+    for line in ("num_n = X.num_programs(0)",
+                 "last, bh = _longest_first(X.program_id(1) * num_n + X.program_id(0), num_n, X.num_programs(1),",
+                 "pid = last", "pid = num_n - 1 - last", "b, h, h_kv = _heads(bh, num_heads_q, gqa_ratio)"):
+        assert line in body, line
+    dq = " ".join(_body(gluon_bwd.attn_bwd_dq_gluon))
+    assert "BOTTOM_RIGHT, LONGEST_FIRST, 2, head_group)" in dq
+
+
+class _Recorder:
+    """Stands for a Gluon kernel: ``[grid](*args, **kw)`` records the launch."""
+
+    def __init__(self, name, launches):
+        self.name, self.launches = name, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((self.name, grid, args, kw))
+
+
+@pytest.mark.parametrize("causal, sq, grouped", [(True, 4096, True), (True, 4096, False), (False, 4096, True),
+                                                 (True, 1024, True)])
+def test_gluon_backward_launches_with_the_head_group(monkeypatch, causal, sq, grouped):
+    """The launch plumbing on CPU (kernels replaced by recorders): a causal backward's dK/dV and dQ
+    launches get ``head_group(spec)`` — the forward one-tile grid's groups (1 below 2048 query
+    rows) with ``GROUPED_WALK``, else 1 — as their last argument; a non-causal one gets 1."""
+    from portattn.backends.triton import gluon_fwd
+    launches = []
+    monkeypatch.setattr(gluon_bwd, "attn_bwd_dkdv_gluon", _Recorder("dkdv", launches))
+    monkeypatch.setattr(gluon_bwd, "attn_bwd_dq_gluon", _Recorder("dq", launches))
+    monkeypatch.setattr(gluon_bwd, "gluon_bwd_reasons", lambda spec: [])
+    monkeypatch.setattr(gluon_fwd, "_ensure_allocator", lambda: None)
+    monkeypatch.setattr(gluon_bwd, "GROUPED_WALK", grouped)
+    monkeypatch.delenv("PORTATTN_TRITON_HEAD_GROUP", raising=False)
+    q, k, v = _qkv(2, sq, sq, 8, 8, 128)
+    spec = build_spec(q, k, v, causal=causal)
+    stats = torch.zeros(spec.lse_shape)
+    gluon_bwd.gluon_backward(spec, torch.zeros(spec.out_shape, dtype=q.dtype), stats, stats.clone(),
+                             torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    assert [name for name, *_ in launches] == ["dkdv", "dq"]
+    want = 1
+    if causal and grouped and sq >= gluon_fwd.ONE_TILE_GROUP_MIN_SEQLEN_Q:
+        want = min(2 * 8, gluon_fwd.HEAD_GROUP_L2_BYTES // (sq * 2 * 128 * 2))
+        assert want > 1
+    if causal:
+        assert gluon_bwd.head_group(spec) == want
+    for name, grid, args, kw in launches:
+        assert args[-1] == want, (name, args[-1])
+        assert grid == (sq // 128, 2 * 8) and kw["LONGEST_FIRST"] is (causal and name == "dq"), (name, grid, kw)
+
+
 @needs_gluon
 def test_gqa_walk_mirrors_are_the_kernels():
     """The emulation's walks are the kernel's: ``_dkdv_group_band``'s trip count and running
@@ -680,6 +760,29 @@ def test_gpu_grads_match_reference(name, gluon_on):
     results = check_backend("triton", q, k, v, grad=True, **kw)
     assert gluon_on, "the Gluon backward did not run"
     assert all(r.passed for r in results), "\n".join(map(str, results))
+
+
+@requires_sm90
+@needs_gluon
+@pytest.mark.usefixtures("no_deadlock")
+@pytest.mark.parametrize("name", [n for n in sorted(GPU_CASES) if GPU_CASES[n][1].get("causal")])
+def test_gpu_grouped_walk_is_bit_identical(monkeypatch, name, gluon_on):
+    """The causal grids walked in head groups of 3 (``PORTATTN_TRITON_HEAD_GROUP``; the cases are
+    too short for ``head_group``'s own groups) give the same gradients, bit for bit, as one head
+    after the other (``GROUPED_WALK`` off): the order changes no arithmetic."""
+    from portattn.backends.triton import ops
+    q, k, v, kw = _gpu_inputs(name)
+    spec = build_spec(q, k, v, **kw)
+    out, lse, res = ops.forward_for_backward(spec)
+    dout = torch.randn_like(out)
+    monkeypatch.setenv("PORTATTN_TRITON_HEAD_GROUP", "3")
+    runs = {}
+    for grouped in (False, True):
+        monkeypatch.setattr(gluon_bwd, "GROUPED_WALK", grouped)
+        runs[grouped] = ops.backward(spec, out, lse, dout, residuals=res)[:3]
+    torch.cuda.synchronize()
+    assert len(gluon_on) == 2
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
 
 
 @requires_sm90

@@ -64,8 +64,9 @@
 #                                        # them 1.00-1.08 x one buffer, q-buffers-h100.txt)
 #   triton, short causal sequences (#14's 0.8 x cuDNN at 512-1k): D 128 causal 512 runs 0.63 x, 4 tiles a
 #                                        # head; neither the pairs nor the next item's Q help there
-#   triton, the grouped walk for the backward's grids (Gluon dQ / dK/dV, the portable kernels): the
-#                                        # one-tile forward gained 1.03-1.06 x from S 2k at D 256
+#   PYTHONPATH=. python3 tools/bwd_group_check.py --out $OUT   # the Gluon backward's grouped causal walk on an
+#                                        # H200 and at D 64 (an H100 timed 0.99-1.05 x, bwd-group-h100.txt);
+#                                        # tests:gluon runs its new GPU test (grouped vs one head, bit for bit)
 #   cupy, #16's D 64 backward (0.85-0.93 x FA2): neither the producers' loads (0.98-1.00 x) nor own-keys dQ
 #                                        # (0.85-0.96 x) paid; next is ping-pong between the consumer warpgroups
 #                                        # (docs/cupy.md, What limits the backward)

@@ -73,7 +73,7 @@ if gl is not None:
         warpgroup_mma_wait,
     )
 
-    from .gluon_fwd import _WG_M, _align_offset, _heads, _masked, _row_tile, _tile_index, _tma_load
+    from .gluon_fwd import _WG_M, _align_offset, _heads, _longest_first, _masked, _row_tile, _tile_index, _tma_load
 
 #: the environment switch of the triton backend's backward (read by :func:`backward_choice`)
 ENV_SWITCH = "PORTATTN_TRITON_BACKWARD"
@@ -135,7 +135,7 @@ if gl is not None:
         return lo, full_lo, full_hi, hi
 
     @gluon.jit
-    def _key_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right, BLOCK_M: gl.constexpr,
+    def _key_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right, head_group, BLOCK_M: gl.constexpr,
                   BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, GQA: gl.constexpr):
         """The prologue of a K/V-stationary (dK/dV) CTA, the mirror of :func:`gluon_fwd._row_tile`:
         ``(b, h, h_kv, n0, off, (lo, full_lo, full_hi, hi))`` — its batch, query head (with ``GQA``
@@ -143,15 +143,25 @@ if gl is not None:
         (cdiv(Sk, 128), B·Hq) and :func:`gluon_fwd._heads`) and KV head, its first key ``n0`` of 128
         (the last tile first with ``LONGEST_FIRST``, an anti-causal band), the alignment ``off`` and
         the band of ``BLOCK_M``-row query tiles that see its keys in three phases
-        (:func:`_query_phases`)."""
+        (:func:`_query_phases`). Without ``GQA`` the CTAs, numbered in launch order, take their key
+        tiles in :func:`gluon_fwd._longest_first`'s walk, ``head_group`` (batch, head)s at a time
+        (1: one head after the other, the grid's own order), the first tile first (a causal band's
+        longest) or with ``LONGEST_FIRST`` the last."""
         BLOCK_N: gl.constexpr = 2 * _WG_M
-        pid = _tile_index(LONGEST_FIRST)
         if GQA:
+            pid = _tile_index(LONGEST_FIRST)
             h_kv = gl.program_id(1)
             b = gl.program_id(2)
             h = h_kv * gqa_ratio
         else:
-            b, h, h_kv = _heads(gl.program_id(1), num_heads_q, gqa_ratio)
+            num_n = gl.num_programs(0)
+            last, bh = _longest_first(gl.program_id(1) * num_n + gl.program_id(0), num_n, gl.num_programs(1),
+                                      head_group)
+            if LONGEST_FIRST:
+                pid = last
+            else:
+                pid = num_n - 1 - last
+            b, h, h_kv = _heads(bh, num_heads_q, gqa_ratio)
         n0 = pid * BLOCK_N
         off = _align_offset(sq, sk, BOTTOM_RIGHT)
         lo, full_lo, full_hi, hi = _query_phases(n0, sq, sk, off, window_left, window_right, BLOCK_M, BLOCK_N)
@@ -466,6 +476,7 @@ if gl is not None:
                             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                             stride_lb, stride_lh,
                             num_heads_q, gqa_ratio, seqlen_q, seqlen_k, qk_scale2, scale, window_left, window_right,
+                            head_group,
                             HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                             BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, GQA: gl.constexpr,
                             PART: gl.constexpr = 0):
@@ -478,8 +489,8 @@ if gl is not None:
         (Q's dtype, one store per CTA); ROWMAX/DELTA ``(B, Hq, Sq)`` float32 from the prep kernel."""
         sq = seqlen_q
         sk = seqlen_k
-        b, h, h_kv, n0, off, phases = _key_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right, BLOCK_M,
-                                                BOTTOM_RIGHT, LONGEST_FIRST, GQA)
+        b, h, h_kv, n0, off, phases = _key_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right, head_group,
+                                                BLOCK_M, BOTTOM_RIGHT, LONGEST_FIRST, GQA)
         lo, full_lo, full_hi, hi = phases
 
         b64 = b.to(gl.int64)
@@ -592,14 +603,17 @@ if gl is not None:
                           stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                           stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
                           num_heads_q, gqa_ratio, seqlen_q, seqlen_k, qk_scale2, scale, window_left, window_right,
+                          head_group,
                           HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                           BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr):
         """dQ of 128 query rows of one (batch, head): grid (cdiv(Sq, 128), B·Hq), 4 warps
-        (consumer 0) + a 4-warp consumer + a 1-warp producer."""
+        (consumer 0) + a 4-warp consumer + a 1-warp producer; with ``LONGEST_FIRST`` (a causal-like
+        band) the tiles in :func:`gluon_fwd._longest_first`'s walk, ``head_group`` (batch, head)s at
+        a time."""
         sq = seqlen_q
         sk = seqlen_k
         b, h, h_kv, m0, off, phases = _row_tile(num_heads_q, gqa_ratio, sq, sk, window_left, window_right, BLOCK_N,
-                                                BOTTOM_RIGHT, LONGEST_FIRST)
+                                                BOTTOM_RIGHT, LONGEST_FIRST, 2, head_group)
         lo, full_lo, full_hi, hi = phases
 
         b64 = b.to(gl.int64)
@@ -640,6 +654,20 @@ LAUNCH_OPTIONS = dict(num_warps=4, num_stages=1)
 KERNELS = ("dkdv", "dv", "dk", "dq")
 #: the dK/dV kernel's ``PART`` of each of its launch names
 _PARTS = {"dkdv": 0, "dv": 1, "dk": 2}
+
+
+#: whether a causal-like backward's grids walk their tiles in head groups (:func:`head_group`)
+GROUPED_WALK = True
+
+
+def head_group(spec) -> int:
+    """How many (batch, head)s the causal-like backward grids (dQ's query tiles, longest first;
+    dK/dV's key tiles, first first) take together: :func:`gluon_fwd.head_group` of the one-tile
+    grid (the K and V, or Q and dO, of a group fit in L2; ``PORTATTN_TRITON_HEAD_GROUP`` overrides;
+    1 below ``ONE_TILE_GROUP_MIN_SEQLEN_Q`` query rows) with :data:`GROUPED_WALK`, else 1 (one head
+    after the other, each grid's own order). The order changes no arithmetic."""
+    from . import gluon_fwd
+    return gluon_fwd.head_group(spec, persistent=False) if GROUPED_WALK else 1
 
 
 def kernels_for(head_dim: int) -> tuple[str, ...]:
@@ -874,16 +902,18 @@ def gluon_backward(spec, dout: torch.Tensor, rowmax: torch.Tensor, delta: torch.
         delta = delta.contiguous()
         rowmax = rowmax.contiguous()
         lse_strides = rowmax.stride()[:2]
+    group = head_group(spec) if causal_like or anticausal_like else 1
     ntile_k = -(-spec.seqlen_k // BLOCK)   # a CTA per (key tile, KV head)
     grid_kv = (ntile_k, spec.batch * hq) if gqa == 1 else (ntile_k, hkv, spec.batch)
     for part in (p for p in kernels_for(spec.head_dim) if p in _PARTS):   # dkdv, or (D 256) dv then dk
         attn_bwd_dkdv_gluon[grid_kv](q, k, v, dout, dk, dv, rowmax, delta, *common,
-                                     *dk.stride()[:3], *dv.stride()[:3], *lse_strides, *ints,
+                                     *dk.stride()[:3], *dv.stride()[:3], *lse_strides, *ints, group,
                                      **launch_constexprs(part, spec.head_dim, bottom_right, anticausal_like, gqa > 1),
                                      **LAUNCH_OPTIONS)
     grid_q = (-(-spec.seqlen_q // BLOCK), spec.batch * hq)
     attn_bwd_dq_gluon[grid_q](q, k, v, dout, dq, rowmax, delta, *common, *dq.stride()[:3], *lse_strides, *ints,
-                              **launch_constexprs("dq", spec.head_dim, bottom_right, causal_like), **LAUNCH_OPTIONS)
+                              group, **launch_constexprs("dq", spec.head_dim, bottom_right, causal_like),
+                              **LAUNCH_OPTIONS)
     return dq, dk, dv
 
 
