@@ -57,7 +57,7 @@ VARIABLES = {
                                "(wherever gluon_reasons is empty) or portable (never Gluon); read on every forward",
     "PORTATTN_TRITON_GLUON_PINGPONG": "0/false/no/off = the Gluon forward's consumer warpgroups do not take turns issuing their "
                                       "matrix products (FA3's ping-pong off; default 1)",
-    "PORTATTN_TRITON_GLUON_PERSISTENT": "the Gluon forward's persistent variant at D 64/128 (one CTA per SM walking "
+    "PORTATTN_TRITON_GLUON_PERSISTENT": "the Gluon forward's persistent variant at D 64/128/256 (one CTA per SM walking "
                                         "(query tile, head) work items): unset or empty = auto (where the H200 timed "
                                         "it faster, gluon_fwd.AUTO_PERSISTENT), 1/true/yes/on = always, 0/false/no/off "
                                         "= never; read on every forward",

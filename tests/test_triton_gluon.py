@@ -239,11 +239,11 @@ def test_ops_forward_switch(value, expect):
 def test_tile_table_fits_hopper_shared_memory():
     """A Q tile per consumer warpgroup and the K/V ring fit sm_90's 227 KiB per block (barriers
     aside), with three consumers where a head dim runs them and with the persistent variant's O
-    tiles (one per consumer) at its head dims."""
+    tiles (one per consumer) and second Q tiles at D 64 / 128 (at D 256 O leaves through Q's tile)."""
     for d in gluon_fwd.HEAD_DIMS:
         for consumers in (2, 3) if d in gluon_fwd.THREE_CONSUMER_HEAD_DIMS else (2,):
             block_n, stages = gluon_fwd.tile_config(d, consumers)
-            tiles = consumers * (2 if d in gluon_fwd.PERSISTENT_HEAD_DIMS else 1)
+            tiles = consumers * (3 if d <= 128 else 1)
             smem = tiles * gluon_fwd.WG_M * d * 2 + 2 * stages * block_n * d * 2
             assert smem + 1024 <= 232448, (d, consumers, smem)
 
@@ -824,7 +824,8 @@ def test_pingpong_switch_reads_a_boolean(monkeypatch, value, expect):
                                            ("true", True), ("on", True), ("maybe", ValueError)])
 def test_persistent_switch_reads_a_boolean(monkeypatch, value, expect):
     """Unset or empty leaves the variant to ``auto`` (what AUTO_PERSISTENT says of the problem, the
-    ``auto`` argument here); a boolean forces it on or off; D 256 never has it."""
+    ``auto`` argument here); a boolean forces it on or off, at D 256 too (O through the Q tile);
+    a head dim without the kernel never has it."""
     from portattn import config
     _setenv(monkeypatch, "PORTATTN_TRITON_GLUON_PERSISTENT", value)
     if expect is ValueError:
@@ -835,22 +836,26 @@ def test_persistent_switch_reads_a_boolean(monkeypatch, value, expect):
         for auto in (False, True):
             want = auto if expect is None else expect
             assert gluon_fwd.persistent_for(128, auto=auto) is want and gluon_fwd.persistent_for(64, auto=auto) is want
-            assert gluon_fwd.persistent_for(256, auto=auto) is False     # D 256 keeps the one-tile kernel
+            assert gluon_fwd.persistent_for(256, auto=auto) is want and gluon_fwd.persistent_for(96, True) is False
             assert gluon_fwd.persistent_for(128, False, auto) is False and gluon_fwd.persistent_for(64, True, auto)
 
 
 def test_persistent_constexprs_and_head_dims():
     assert gluon_fwd.launch_constexprs(128, True)["PERSISTENT"] is False   # the default launch
     assert gluon_fwd.launch_constexprs(64, False, persistent=True)["PERSISTENT"] is True
+    assert gluon_fwd.launch_constexprs(256, False, persistent=True)["PERSISTENT"] is True
     with pytest.raises(ValueError, match="persistent"):
-        gluon_fwd.launch_constexprs(256, False, persistent=True)
-    assert gluon_fwd.PERSISTENT_HEAD_DIMS == (64, 128)
-    # its O tiles and two Q tiles a consumer fit beside the ring at D 64/128 (not at D 256)
+        gluon_fwd.launch_constexprs(96, False, persistent=True)
+    assert gluon_fwd.PERSISTENT_HEAD_DIMS == (64, 128, 256)
+    # its O tiles and two Q tiles a consumer fit beside the ring at D 64/128, not at D 256, whose
+    # persistent kernel has one Q tile a consumer and stores O through it (O_IN_Q)
     for d in gluon_fwd.HEAD_DIMS:
         consumers = gluon_fwd.consumers_for(d)
         block_n, stages = gluon_fwd.tile_config(d, consumers)
         smem = (2 + 1) * consumers * gluon_fwd.WG_M * d * 2 + 2 * stages * block_n * d * 2
-        assert (smem + 1024 <= 232448) == (d in gluon_fwd.PERSISTENT_HEAD_DIMS), (d, smem)
+        assert (smem + 1024 <= 232448) == (d <= 128), (d, smem)
+    import inspect
+    assert "O_IN_Q: gl.constexpr = HEAD_D > 128" in inspect.getsource(gluon_fwd.attn_fwd_gluon.fn)
     params = list(gluon_fwd.attn_fwd_gluon.arg_names)
     assert params[-11:] == ["HEAD_D", "BLOCK_N", "STAGES", "BOTTOM_RIGHT", "LONGEST_FIRST", "PINGPONG", "RESIDUAL",
                             "PERSISTENT", "CONSUMERS", "PAIRED", "Q_BUFS"]
@@ -884,6 +889,7 @@ def test_q_buffers_are_for_persistent_launches(monkeypatch):
     assert lc(128, False, persistent=True)["Q_BUFS"] == 2 and lc(64, True, persistent=True)["Q_BUFS"] == 2
     assert lc(128, False, persistent=True, q_buffers=1)["Q_BUFS"] == 1
     assert lc(128, False)["Q_BUFS"] == 1 and lc(256, True, q_buffers=2)["Q_BUFS"] == 1
+    assert lc(256, True, persistent=True)["Q_BUFS"] == 1 == lc(256, False, persistent=True, q_buffers=2)["Q_BUFS"]
     for text, want in (("1", 1), ("2", 2), ("", 2), (" 1 ", 1)):
         monkeypatch.setenv("PORTATTN_TRITON_Q_BUFFERS", text)
         assert lc(128, True, persistent=True)["Q_BUFS"] == want, text
@@ -907,8 +913,8 @@ class _Recorder:
 
 
 @pytest.mark.parametrize("env, arg, d, expect", [
-    (None, None, 128, False), ("1", None, 128, True), ("1", None, 64, True), ("1", None, 256, False),
-    ("1", False, 128, False), (None, True, 64, True), ("0", True, 256, False)])
+    (None, None, 128, False), ("1", None, 128, True), ("1", None, 64, True), ("1", None, 256, True),
+    ("1", False, 128, False), (None, True, 64, True), ("0", True, 256, True), (None, None, 256, False)])
 def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, env, arg, d, expect):
     """The launch plumbing on CPU (the kernel replaced by a recorder): ``auto`` does not take the
     persistent variant for causal bands of 300 or 16384 queries (outside AUTO_PERSISTENT's causal
@@ -1174,13 +1180,14 @@ def test_persistent_helpers_are_shared_by_both_kernels():
             assert all(s in src for s in stages), (fn, stages)
 
 
-def _persistent_d128_rows(residual: str = "both", **env_vars) -> list:
-    """The cross-compile report of the persistent kernel at D 128, causal or not (``residual``: the
-    CLI's off / on / both), in a child with ``env_vars`` set (e.g. a switch of the walk)."""
+def _persistent_d128_rows(residual: str = "both", dims: str = "128", **env_vars) -> list:
+    """The cross-compile report of the persistent kernel at D 128 (or ``dims``), causal or not
+    (``residual``: the CLI's off / on / both), in a child with ``env_vars`` set (e.g. a switch of
+    the walk)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     env.update(env_vars)
-    proc = subprocess.run([sys.executable, "-m", "portattn.backends.triton.gluon_fwd", "--json", "--dims", "128",
+    proc = subprocess.run([sys.executable, "-m", "portattn.backends.triton.gluon_fwd", "--json", "--dims", dims,
                            "--residual", residual, "--pingpong", "on", "--persistent", "on"],
                           capture_output=True, text=True, env=env, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
@@ -1264,6 +1271,28 @@ def test_one_q_buffer_cross_compiles_for_sm90(d128_persistent_rows):
                 assert r["stack"] == 0 and b["stack"] == 0, (r, b)
 
 
+@needs_gluon
+def test_d256_persistent_cross_compiles_for_sm90():
+    """At D 256 the persistent kernel stores O through its Q tile (``O_IN_Q``): it compiles to the
+    one-tile kernel's products, register split and warps in the same shared memory (O's own tiles
+    would not fit; + its ``q_empty`` barriers), with rank-4 TMA copies and one more parameter
+    (``batch``); no spills in the inference kernels under triton 3.6."""
+    one = {r["causal"]: r for r in _compile_rows("256", pingpong="on")}
+    rows = _persistent_d128_rows("off", dims="256")
+    assert len(rows) == 2
+    for r in rows:
+        assert "error" not in r, r
+        b = one[r["causal"]]
+        assert r["persistent"] is True and r["num_warps"] == 12 and r["tma_4d"] == r["tma"] > 0, r
+        assert 0 <= r["shared"] - b["shared"] <= 64 and r["shared"] <= 232448, (r, b)
+        assert r["params"] == b["params"] + 1 and r["tma_store"] == b["tma_store"], (r, b)
+        assert r["wgmma"] == b["wgmma"] and r["setmaxnreg"] == b["setmaxnreg"], (r, b)
+        if r.get("regs") is not None:
+            assert r["HGMMA"] == b["HGMMA"] and r["regs"] == b["regs"], (r, b)
+            if triton.__version__.startswith("3.6"):
+                assert r["stack"] == 0, r
+
+
 _PERSISTENT_CHILD = """
 import json, os, sys, torch
 sys.path.insert(0, "tests")
@@ -1312,7 +1341,7 @@ def test_gpu_persistent_matches_reference():
     one and its residual written, and the causal walk unpaired (``PORTATTN_TRITON_PAIRED_WALK=0``)
     bit-identical to the default pairs (causal_sq_gt_sk's five tiles pair the middle one with a tile
     past the end), and one Q buffer (``PORTATTN_TRITON_Q_BUFFERS=1``) bit-identical to two; whether it is bit-identical to the one-tile kernel (ping-pong
-    on) is printed, not judged. D 256 cases run the one-tile kernel (PERSISTENT_HEAD_DIMS)."""
+    on) is printed, not judged. D 256 cases run its persistent kernel too (O through the Q tile)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     try:

@@ -41,6 +41,10 @@ CASES = [
     ("plain_grid3_residual", 2, 256, 256, 2, 128, False, "bottom_right", 3, True, "training variant, 8 items / 3"),
     ("long_causal", 1, 4096, 4096, 2, 128, True, "bottom_right", None, False, "64 items on 64 CTAs"),
     ("long_plain_many", 4, 2048, 2048, 16, 128, False, "bottom_right", None, False, "1024 items on 132 CTAs"),
+    ("plain_grid2_d256", 1, 384, 384, 2, 256, False, "bottom_right", 2, False, "D 256, O in Q's tile: 6 items / 2"),
+    ("causal_grid1_d256_res", 1, 520, 520, 1, 256, True, "bottom_right", 1, True,
+     "D 256 causal training, 5 items on one CTA (an odd count: a pair past the end)"),
+    ("causal_oob_d256", 1, 130, 517, 4, 256, True, "bottom_right", None, False, "D 256, WG1's Q box past Sq"),
 ]
 
 

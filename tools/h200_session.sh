@@ -62,6 +62,12 @@
 #                                        # (both passed on an H100 with the current defaults, 2026-12-06)
 #   PYTHONPATH=. python3 tools/q_buffers_check.py --out $OUT   # the two Q buffers on an H200 (an H100 timed
 #                                        # them 1.00-1.08 x one buffer, q-buffers-h100.txt)
+#   PYTHONPATH=. python3 tools/gluon_persistent_diag.py --out $OUT --cases plain_grid2_d256,causal_grid1_d256_res,causal_oob_d256
+#   PYTHONPATH=. python3 tools/gluon_persistent_diag.py --time --cells 512:256:0,512:256:1,1024:256:0,1024:256:1,2048:256:1
+#                                        # the D 256 persistent kernel (O through the Q tile; opt-in, never
+#                                        # run on a GPU): its first GPU cases, then against the one-tile
+#                                        # kernel where #14's short rows miss (0.71-0.79 x cuDNN); tests:gluon's
+#                                        # persistent child now runs the D 256 cases on it too
 #   triton, short causal sequences (#14's 0.8 x cuDNN at 512-1k): D 128 causal 512 runs 0.63 x, 4 tiles a
 #                                        # head; neither the pairs nor the next item's Q help there
 #   PYTHONPATH=. python3 tools/bwd_group_check.py --out $OUT   # the Gluon backward's grouped causal walk on an

@@ -33,7 +33,7 @@ without it the kernel compiles to the same code as before the option. Dense inpu
 bfloat16; ``D == Dv`` in {64, 128, 256}; no softcap, ALiBi, bias or sliding window
 (:func:`gluon_reasons` says which problems it cannot run).
 
-``PERSISTENT`` (D 64/128; ``auto`` takes it where the H200 timed it faster, :data:`AUTO_PERSISTENT`;
+``PERSISTENT`` (D 64/128/256, O through the Q tile at D 256: ``O_IN_Q``; ``auto`` takes it where the H200 timed it faster, :data:`AUTO_PERSISTENT`;
 ``PORTATTN_TRITON_GLUON_PERSISTENT`` forces it on or off) is FA3's persistent schedule against the one-tile CTA's fixed cost (pipeline fill, epilogue,
 descriptor set-up): one CTA per SM walks (query tile, head) work units (:func:`_work_tile`,
 for causal-like bands longest first, a long and a short tile together) with rank-4 descriptors made once, the producer's ring count
@@ -84,7 +84,7 @@ WG_M = 64
 #: the head dims of the opt-in persistent variant (``PERSISTENT``, ``PORTATTN_TRITON_GLUON_PERSISTENT=1``):
 #: its O tiles take 2 x (64, D) more shared memory, which D 256 does not have (64 + 128 + 64 KiB >
 #: 227 KiB); D 256 runs the one-tile kernel
-PERSISTENT_HEAD_DIMS = (64, 128)
+PERSISTENT_HEAD_DIMS = (64, 128, 256)
 #: the head dims that can run three consumer warpgroups (192-row CTAs; :func:`consumers_for`)
 THREE_CONSUMER_HEAD_DIMS = (64,)
 #: the consumer warpgroups per head dim when neither the call nor ``PORTATTN_TRITON_GLUON_CONSUMERS`` says:
@@ -549,12 +549,14 @@ if gl is not None:
     def _persistent_consumer(WG: gl.constexpr, args, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                              STAGES: gl.constexpr, PINGPONG: gl.constexpr, RESIDUAL: gl.constexpr,
                              LONGEST_FIRST: gl.constexpr, PAIRED: gl.constexpr, CONSUMERS: gl.constexpr,
-                             Q_BUFS: gl.constexpr):
+                             Q_BUFS: gl.constexpr, O_IN_Q: gl.constexpr):
         """One consumer warpgroup of a persistent CTA: :func:`_consumer`'s stages for each work
         item the producer loads (:func:`_persistent_producer`, the same walk). Q is given back
         (``q_empty``) as soon as the band's last product has read it, before the epilogue, so the
         next item's Q loads while this one's O is normalised and stored (O has its own buffer,
-        ``o_smem``). Three counts run across items: ``c`` the items (``q_bar``'s parity), ``kv``
+        ``o_smem``). ``O_IN_Q`` (D 256, where O's own tiles do not fit): ``o_smem`` is ``q_smem``
+        (one Q buffer), O leaves through the Q tile as in the one-tile kernel, and Q is given back
+        once those stores have read it. Three counts run across items: ``c`` the items (``q_bar``'s parity), ``kv``
         the ring's tiles, ``bands`` the non-empty bands (each has one more ping-pong turn than
         tiles: the turn count is ``kv + bands``)."""
         (o_descs, q_smem, o_smem, q_bar, q_empty, ring, LSE, stride_lb, stride_lh, batch, num_heads_q, gqa_ratio,
@@ -588,10 +590,14 @@ if gl is not None:
                                             full_hi, hi, window_left, window_right, qk_scale2, s_layout, o_layout,
                                             p_layout, BLOCK_N, STAGES, WG, PINGPONG)
                 bands += 1
-            mbarrier.arrive(q_empty.index(slot), count=1)   # Q's last reader (a wgmma) has completed
+            if not O_IN_Q:
+                mbarrier.arrive(q_empty.index(slot), count=1)   # Q's last reader (a wgmma) has completed
             lse_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
             _epilogue(acc, m_i, l_i, o_descs, o_tile, LSE, lse_off, rows, row0, b, h, sq, qk_scale2, o_layout,
                       RESIDUAL, True)
+            if O_IN_Q:
+                tma.store_wait(0)           # O (and the residual) have been read out of the Q tile
+                mbarrier.arrive(q_empty.index(slot), count=1)
             c += 1
         tma.store_wait(0)
 
@@ -696,8 +702,12 @@ if gl is not None:
         turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], bar_layout)
         for j in gl.static_range(CONSUMERS):
             mbarrier.init(turn.index(j), count=1)
+        O_IN_Q: gl.constexpr = HEAD_D > 128   # D 256: no room for O's own tiles beside Q and the ring
         if PERSISTENT:   # O's own tiles, so the next item's Q can load while O is stored; Q given back
-            o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, _WG_M, HEAD_D], smem_layout)
+            if O_IN_Q:
+                o_smem = q_smem
+            else:
+                o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, _WG_M, HEAD_D], smem_layout)
             q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * CONSUMERS, 1], bar_layout)
             for j in gl.static_range(Q_BUFS * CONSUMERS):
                 mbarrier.init(q_empty.index(j), count=1)
@@ -714,19 +724,19 @@ if gl is not None:
             if CONSUMERS == 3:
                 gl.warp_specialize([
                     (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
-                                             CONSUMERS, Q_BUFS)),
+                                             CONSUMERS, Q_BUFS, O_IN_Q)),
                     (_persistent_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
-                                             CONSUMERS, Q_BUFS)),
+                                             CONSUMERS, Q_BUFS, O_IN_Q)),
                     (_persistent_consumer, (2, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
-                                             CONSUMERS, Q_BUFS)),
+                                             CONSUMERS, Q_BUFS, O_IN_Q)),
                     (_persistent_producer, (pargs, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST, PAIRED, CONSUMERS, Q_BUFS)),
                 ], [4, 4, 1], [160, 160, 24])
             else:
                 gl.warp_specialize([
                     (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
-                                             CONSUMERS, Q_BUFS)),
+                                             CONSUMERS, Q_BUFS, O_IN_Q)),
                     (_persistent_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
-                                             CONSUMERS, Q_BUFS)),
+                                             CONSUMERS, Q_BUFS, O_IN_Q)),
                     (_persistent_producer, (pargs, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST, PAIRED, CONSUMERS, Q_BUFS)),
                 ], [4, 1], [240, 24])
         else:
@@ -850,12 +860,13 @@ def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pi
                 PINGPONG=_default_pingpong() if pingpong is None else pingpong, RESIDUAL=residual,
                 PERSISTENT=persistent, CONSUMERS=consumers,
                 PAIRED=bool(persistent and causal and (config.triton_paired_walk() if paired is None else paired)),
-                Q_BUFS=_q_buffers(persistent, q_buffers))
+                Q_BUFS=_q_buffers(persistent and head_dim <= 128, q_buffers))
 
 
 def _q_buffers(persistent: bool, q_buffers: int | None) -> int:
-    """``Q_BUFS``: ``q_buffers`` (1 or 2), else ``PORTATTN_TRITON_Q_BUFFERS``, for persistent launches;
-    1 for the one-tile kernel, whose CTA loads one Q tile."""
+    """``Q_BUFS``: ``q_buffers`` (1 or 2), else ``PORTATTN_TRITON_Q_BUFFERS``, for persistent launches
+    at D 64 / 128; 1 for the one-tile kernel, whose CTA loads one Q tile, and the persistent one at
+    D 256, whose O leaves through its Q tile (``O_IN_Q``: two would not fit)."""
     from portattn import config
     n = config.triton_q_buffers() if q_buffers is None else q_buffers
     if n not in (1, 2):
