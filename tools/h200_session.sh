@@ -68,6 +68,10 @@
 #                                        # run on a GPU): its first GPU cases, then against the one-tile
 #                                        # kernel where #14's short rows miss (0.71-0.79 x cuDNN); tests:gluon's
 #                                        # persistent child now runs the D 256 cases on it too
+#   PORTATTN_TRITON_GLUON_CONSUMERS=2 PYTHONPATH=. python3 tools/head_group_check.py --out $OUT --cells 64x2048,64x4096
+#                                        # D 64 causal 2k / 4k (0.77 / 0.80 x cuDNN on the portable kernel): the
+#                                        # persistent kernel with two consumers (128-row tiles waste less of the
+#                                        # diagonal than three's 192), now with pairs and two Q buffers
 #   triton, short causal sequences (#14's 0.8 x cuDNN at 512-1k): D 128 causal 512 runs 0.63 x, 4 tiles a
 #                                        # head; neither the pairs nor the next item's Q help there
 #   PYTHONPATH=. python3 tools/bwd_group_check.py --out $OUT   # the Gluon backward's grouped causal walk on an

@@ -755,7 +755,6 @@ def main(argv=None) -> int:
     (:func:`kernels_for`: dkdv and dq, at D 256 dv, dk and dq) at every head dim for sm_90 and
     print what each compiled to (exit 1 on a compile error)."""
     import argparse
-    import json
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--json", action="store_true", help="one JSON list instead of the table")
     ap.add_argument("--dims", default=",".join(map(str, HEAD_DIMS)))
@@ -778,12 +777,8 @@ def main(argv=None) -> int:
                         failed = True
                         rows.append(dict(kernel=kernel, head_dim=d, causal=causal, gqa=gqa,
                                          error=f"{type(exc).__name__}: {exc}"[-1500:]))
-    if args.json:
-        print(json.dumps(rows))
-    else:
-        for r in rows:
-            print(" ".join(f"{k}={v}" for k, v in r.items()))
-    return 1 if failed else 0
+    from .gluon_fwd import print_compile_rows
+    return print_compile_rows(rows, args.json, failed)
 
 
 # ----- host side ----------------------------------------------------------------------------

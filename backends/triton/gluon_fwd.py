@@ -987,7 +987,6 @@ def main(argv=None) -> int:
     consumer warpgroups where a head dim can run them (:data:`THREE_CONSUMER_HEAD_DIMS`; the
     others keep two)."""
     import argparse
-    import json
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--json", action="store_true", help="one JSON list instead of the table")
     ap.add_argument("--dims", default=",".join(map(str, HEAD_DIMS)))
@@ -1022,7 +1021,14 @@ def main(argv=None) -> int:
                             rows.append(dict(head_dim=d, causal=causal, pingpong=pp, residual=res,
                                              **(dict(persistent=True) if pers else {}),
                                              error=f"{type(exc).__name__}: {exc}"[-600:]))
-    if args.json:
+    return print_compile_rows(rows, args.json, failed)
+
+
+def print_compile_rows(rows: list[dict], as_json: bool, failed: bool) -> int:
+    """A cross-compile CLI's output (this module's and ``gluon_bwd``'s): one JSON list, or a line
+    of ``key=value`` a row; returns the exit code (1 when a compile failed)."""
+    import json
+    if as_json:
         print(json.dumps(rows))
     else:
         for r in rows:
