@@ -855,7 +855,8 @@ def test_persistent_constexprs_and_head_dims():
         smem = (2 + 1) * consumers * gluon_fwd.WG_M * d * 2 + 2 * stages * block_n * d * 2
         assert (smem + 1024 <= 232448) == (d <= 128), (d, smem)
     import inspect
-    assert "O_IN_Q: gl.constexpr = HEAD_D > 128" in inspect.getsource(gluon_fwd.attn_fwd_gluon.fn)
+    assert gluon_fwd.OWN_O_MAX_HEAD_DIM == 128
+    assert "O_IN_Q: gl.constexpr = HEAD_D > _OWN_O_MAX_D" in inspect.getsource(gluon_fwd.attn_fwd_gluon.fn)
     params = list(gluon_fwd.attn_fwd_gluon.arg_names)
     assert params[-11:] == ["HEAD_D", "BLOCK_N", "STAGES", "BOTTOM_RIGHT", "LONGEST_FIRST", "PINGPONG", "RESIDUAL",
                             "PERSISTENT", "CONSUMERS", "PAIRED", "Q_BUFS"]
@@ -903,7 +904,7 @@ def test_q_buffers_are_for_persistent_launches(monkeypatch):
 
 
 class _Recorder:
-    """Stands for attn_fwd_gluon: ``[grid](*args, **kw)`` records the launch."""
+    """Stands for a Gluon kernel (attn_fwd_gluon; the backward's two): ``[grid](*args, **kw)`` records the launch."""
 
     def __init__(self):
         self.launches = []

@@ -81,10 +81,12 @@ HEAD_DIMS = (64, 128, 256)
 _UNBOUNDED = 1 << 30
 #: query rows per consumer warpgroup (wgmma's M is 64 per warpgroup); a CTA holds two
 WG_M = 64
-#: the head dims of the opt-in persistent variant (``PERSISTENT``, ``PORTATTN_TRITON_GLUON_PERSISTENT=1``):
-#: its O tiles take 2 x (64, D) more shared memory, which D 256 does not have (64 + 128 + 64 KiB >
-#: 227 KiB); D 256 runs the one-tile kernel
+#: the head dims of the persistent variant (``PERSISTENT``; ``auto``'s rows, ``PORTATTN_TRITON_GLUON_PERSISTENT``)
 PERSISTENT_HEAD_DIMS = (64, 128, 256)
+#: the largest head dim at which the persistent variant has O's own shared tiles (2 x (64, D)) and two
+#: Q tiles a consumer (``Q_BUFS``); above it (D 256: 64 + 128 + 64 KiB > 227 KiB) O leaves through
+#: the Q tile (``O_IN_Q``) and there is one Q buffer
+OWN_O_MAX_HEAD_DIM = 128
 #: the head dims that can run three consumer warpgroups (192-row CTAs; :func:`consumers_for`)
 THREE_CONSUMER_HEAD_DIMS = (64,)
 #: the consumer warpgroups per head dim when neither the call nor ``PORTATTN_TRITON_GLUON_CONSUMERS`` says:
@@ -120,6 +122,7 @@ if gl is not None:
     _LOG2E = gl.constexpr(1.4426950408889634)
     _LN2 = gl.constexpr(0.6931471805599453)
     _WG_M = gl.constexpr(WG_M)
+    _OWN_O_MAX_D = gl.constexpr(OWN_O_MAX_HEAD_DIM)
 
     @gluon.jit
     def _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -702,7 +705,7 @@ if gl is not None:
         turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], bar_layout)
         for j in gl.static_range(CONSUMERS):
             mbarrier.init(turn.index(j), count=1)
-        O_IN_Q: gl.constexpr = HEAD_D > 128   # D 256: no room for O's own tiles beside Q and the ring
+        O_IN_Q: gl.constexpr = HEAD_D > _OWN_O_MAX_D   # D 256: no room for O's own tiles beside Q and the ring
         if PERSISTENT:   # O's own tiles, so the next item's Q can load while O is stored; Q given back
             if O_IN_Q:
                 o_smem = q_smem
@@ -860,13 +863,13 @@ def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pi
                 PINGPONG=_default_pingpong() if pingpong is None else pingpong, RESIDUAL=residual,
                 PERSISTENT=persistent, CONSUMERS=consumers,
                 PAIRED=bool(persistent and causal and (config.triton_paired_walk() if paired is None else paired)),
-                Q_BUFS=_q_buffers(persistent and head_dim <= 128, q_buffers))
+                Q_BUFS=_q_buffers(persistent and head_dim <= OWN_O_MAX_HEAD_DIM, q_buffers))
 
 
 def _q_buffers(persistent: bool, q_buffers: int | None) -> int:
     """``Q_BUFS``: ``q_buffers`` (1 or 2), else ``PORTATTN_TRITON_Q_BUFFERS``, for persistent launches
-    at D 64 / 128; 1 for the one-tile kernel, whose CTA loads one Q tile, and the persistent one at
-    D 256, whose O leaves through its Q tile (``O_IN_Q``: two would not fit)."""
+    up to :data:`OWN_O_MAX_HEAD_DIM`; 1 for the one-tile kernel, whose CTA loads one Q tile, and the
+    persistent one above it, whose O leaves through its Q tile (``O_IN_Q``: two would not fit)."""
     from portattn import config
     n = config.triton_q_buffers() if q_buffers is None else q_buffers
     if n not in (1, 2):
