@@ -32,7 +32,7 @@ pytest.importorskip("triton")
 
 import triton  # noqa: E402
 from portattn.backends.triton import gluon_bwd, kernels  # noqa: E402
-from test_triton_gluon import _key_phases, _kv_tile, _longest_first, _qkv  # noqa: E402
+from test_triton_gluon import _key_phases, _kv_tile, _longest_first, _qkv, _Recorder  # noqa: E402
 
 ON_SM90 = torch.cuda.is_available() and not getattr(torch.version, "hip", None) \
     and torch.cuda.get_device_capability() == (9, 0)
@@ -592,16 +592,6 @@ def test_walk_mirrors_match_the_kernel_source():
     assert "BOTTOM_RIGHT, LONGEST_FIRST, 2, head_group)" in dq
 
 
-class _Recorder:
-    """Stands for a Gluon kernel: ``[grid](*args, **kw)`` records the launch."""
-
-    def __init__(self, name, launches):
-        self.name, self.launches = name, launches
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.launches.append((self.name, grid, args, kw))
-
-
 @pytest.mark.parametrize("causal, sq, grouped", [(True, 4096, True), (True, 4096, False), (False, 4096, True),
                                                  (True, 1024, True)])
 def test_gluon_backward_launches_with_the_head_group(monkeypatch, causal, sq, grouped):
@@ -609,9 +599,9 @@ def test_gluon_backward_launches_with_the_head_group(monkeypatch, causal, sq, gr
     launches get ``head_group(spec)`` — the forward one-tile grid's groups (1 below 2048 query
     rows) with ``GROUPED_WALK``, else 1 — as their last argument; a non-causal one gets 1."""
     from portattn.backends.triton import gluon_fwd
-    launches = []
-    monkeypatch.setattr(gluon_bwd, "attn_bwd_dkdv_gluon", _Recorder("dkdv", launches))
-    monkeypatch.setattr(gluon_bwd, "attn_bwd_dq_gluon", _Recorder("dq", launches))
+    rec = _Recorder()   # both kernels: the dK/dV launches are the ones with a PART
+    monkeypatch.setattr(gluon_bwd, "attn_bwd_dkdv_gluon", rec)
+    monkeypatch.setattr(gluon_bwd, "attn_bwd_dq_gluon", rec)
     monkeypatch.setattr(gluon_bwd, "gluon_bwd_reasons", lambda spec: [])
     monkeypatch.setattr(gluon_fwd, "_ensure_allocator", lambda: None)
     monkeypatch.setattr(gluon_bwd, "GROUPED_WALK", grouped)
@@ -621,6 +611,7 @@ def test_gluon_backward_launches_with_the_head_group(monkeypatch, causal, sq, gr
     stats = torch.zeros(spec.lse_shape)
     gluon_bwd.gluon_backward(spec, torch.zeros(spec.out_shape, dtype=q.dtype), stats, stats.clone(),
                              torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    launches = [("dkdv" if "PART" in kw else "dq", grid, args, kw) for grid, args, kw in rec.launches]
     assert [name for name, *_ in launches] == ["dkdv", "dq"]
     want = 1
     if causal and grouped and sq >= gluon_fwd.ONE_TILE_GROUP_MIN_SEQLEN_Q:

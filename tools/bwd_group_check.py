@@ -78,10 +78,9 @@ def run_cell(d: int, s: int) -> dict:
 
 
 def report(res: dict) -> str:
-    env = res["env"]
-    lines = [f"{env['gpu']} torch {env['torch']} triton {env['triton']} {env['date']}; {res['seconds']:.0f} s",
-             "causal bf16 backward, B·S = 16k tokens, hidden 2048; TFLOP/s (2.5 x the forward's FLOPs; best of two",
-             "interleaved do_bench medians): one_head = each grid one head after the other, grouped = head groups", ""]
+    lines = chk.report_head(
+        res, "causal bf16 backward, B·S = 16k tokens, hidden 2048; TFLOP/s (2.5 x the forward's FLOPs; best of two",
+        "interleaved do_bench medians): one_head = each grid one head after the other, grouped = head groups")
     lines.append(f"{'D':>4} {'S':>6} {'group':>5} {'one_head':>9} {'grouped':>8} {'cudnn':>7} {'gain':>6} {'x cudnn':>8}")
     for r in res["rows"]:
         t = r["tflops"]
@@ -94,7 +93,7 @@ def report(res: dict) -> str:
 
 def main(argv=None) -> int:
     a = chk.cell_tool_args(__doc__, "e.g. '128x2048,256x8192' (D x S); default every cell", argv)
-    cells = CELLS if not a.cells else [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")]
+    cells = chk.parse_cells(a.cells) if a.cells else CELLS
     return chk.run_cells(cells, ("d", "s"), run_cell, report, a.out, "bwd_group", a.time_limit)
 
 

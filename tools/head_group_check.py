@@ -52,15 +52,14 @@ def _orders(persistent: bool) -> tuple:
 def run_cell(d: int, s: int) -> dict:
     """Checks and timings of one causal cell; returns its row."""
     import torch
-    import torch.nn.functional as F
     from portattn.backends.triton import gluon_fwd, ops
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from portattn.spec import build_spec
     b, h = chk._shape(s, d)
     g = torch.Generator(device="cuda").manual_seed(1000 * d + s)
     q, k, v = (torch.randn(b, s, h, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
     spec = build_spec(q, k, v, causal=True)
+    cudnn = chk.cudnn_forward(q, k, v, causal=True)
     flops = 4 * b * h * s * s * d * 0.5
     row = {"d": d, "s": s, "batch": b, "heads": h, "auto_group": None, "checks": [], "tflops": {}}
     _set_order("auto", b * h)
@@ -79,9 +78,7 @@ def run_cell(d: int, s: int) -> dict:
             same = all(torch.equal(x, y) for o in _orders(persistent)[1:] for x, y in zip(outs["1"], outs[o]))
             check = {"impl": name, "bit_identical": same}
             if not residual:
-                qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).transpose(1, 2)
+                ref = cudnn()
                 best = "pairs" if persistent else "auto"
                 check["max_abs_vs_cudnn"] = float((outs[best][0].float() - ref.float()).abs().max())
                 check["passed"] = same and check["max_abs_vs_cudnn"] < 2e-2
@@ -93,11 +90,6 @@ def run_cell(d: int, s: int) -> dict:
                     spec, persistent=p, residual=r))
     impls["portable"] = ("auto", lambda: ops.forward(spec))
     impls["portable_train"] = ("auto", lambda: ops.forward_for_backward(spec))
-    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
     impls["cudnn"] = ("auto", cudnn)
     row["tflops"], row["spread"] = chk.time_interleaved(impls, lambda order: _set_order(order, b * h), flops)
     _set_order("pairs", b * h)
@@ -105,13 +97,12 @@ def run_cell(d: int, s: int) -> dict:
 
 
 def report(res: dict) -> str:
-    env = res["env"]
-    lines = [f"{env['gpu']} torch {env['torch']} triton {env['triton']} {env['date']}; {res['seconds']:.0f} s",
-             "causal bf16, B·S = 16k tokens, hidden 2048; TFLOP/s (best of two interleaved do_bench medians);",
-             "orders: 1 = one head after the other, all = longest first over every head, auto = gluon_fwd.head_group",
-             "(these three unpaired), pairs = auto's groups, each persistent CTA taking long + short tiles in pairs",
-             "g one-tile, p persistent, _train with O's rounding residual; gains: g auto / best(1, all), "
-             "p pairs / best(1, all, auto)", ""]
+    lines = chk.report_head(
+        res, "causal bf16, B·S = 16k tokens, hidden 2048; TFLOP/s (best of two interleaved do_bench medians);",
+        "orders: 1 = one head after the other, all = longest first over every head, auto = gluon_fwd.head_group",
+        "(these three unpaired), pairs = auto's groups, each persistent CTA taking long + short tiles in pairs",
+        "g one-tile, p persistent, _train with O's rounding residual; gains: g auto / best(1, all), "
+        "p pairs / best(1, all, auto)")
     names = ["g", "g_train", "p", "p_train"]
     head = f"{'D':>4} {'S':>6} {'grp':>4}"
     for n in names:
@@ -141,7 +132,7 @@ def report(res: dict) -> str:
 
 def main(argv=None) -> int:
     a = chk.cell_tool_args(__doc__, "e.g. '128x512,64x2048' (D x S); default every cell", argv)
-    cells = CELLS if not a.cells else [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")]
+    cells = chk.parse_cells(a.cells) if a.cells else CELLS
     return chk.run_cells(cells, ("d", "s"), run_cell, report, a.out, "head_group", a.time_limit)
 
 

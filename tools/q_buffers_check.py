@@ -36,15 +36,14 @@ def _set_buffers(n: int) -> None:
 def run_cell(d: int, s: int, causal: bool) -> dict:
     """Checks and timings of one cell; returns its row."""
     import torch
-    import torch.nn.functional as F
     from portattn.backends.triton import gluon_fwd
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from portattn.spec import build_spec
     b, h = chk._shape(s, d)
     g = torch.Generator(device="cuda").manual_seed(1000 * d + s + causal)
     q, k, v = (torch.randn(b, s, h, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
     spec = build_spec(q, k, v, causal=causal)
+    cudnn = chk.cudnn_forward(q, k, v, causal)
     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
     row = {"d": d, "s": s, "causal": causal, "batch": b, "heads": h, "checks": [], "tflops": {}}
     impls = {}
@@ -59,9 +58,7 @@ def run_cell(d: int, s: int, causal: bool) -> dict:
         same = all(torch.equal(x, y) for x, y in zip(outs[1], outs[2]))
         check = {"impl": name, "bit_identical": same}
         if not residual:
-            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+            ref = cudnn()
             check["max_abs_vs_cudnn"] = float((outs[2][0].float() - ref.float()).abs().max())
             check["passed"] = same and check["max_abs_vs_cudnn"] < 2e-2
         else:
@@ -69,11 +66,6 @@ def run_cell(d: int, s: int, causal: bool) -> dict:
         row["checks"].append(check)
         for n in (1, 2):
             impls[f"{name}@q{n}"] = (n, lambda r=residual: gluon_fwd.gluon_forward(spec, persistent=True, residual=r))
-    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
     impls["cudnn"] = (1, cudnn)
     row["tflops"], row["spread"] = chk.time_interleaved(impls, _set_buffers, flops)
     os.environ.pop("PORTATTN_TRITON_Q_BUFFERS", None)
@@ -81,11 +73,10 @@ def run_cell(d: int, s: int, causal: bool) -> dict:
 
 
 def report(res: dict) -> str:
-    env = res["env"]
-    lines = [f"{env['gpu']} torch {env['torch']} triton {env['triton']} {env['date']}; {res['seconds']:.0f} s",
-             "bf16, B·S = 16k tokens, hidden 2048; TFLOP/s (best of two interleaved do_bench medians) of the",
-             "persistent Gluon forward with one (q1) and two (q2) Q buffers a consumer warpgroup;",
-             "p inference, p_train with O's rounding residual; gain q2 / q1", ""]
+    lines = chk.report_head(
+        res, "bf16, B·S = 16k tokens, hidden 2048; TFLOP/s (best of two interleaved do_bench medians) of the",
+        "persistent Gluon forward with one (q1) and two (q2) Q buffers a consumer warpgroup;",
+        "p inference, p_train with O's rounding residual; gain q2 / q1")
     lines.append(f"{'D':>4} {'S':>6} {'causal':>6}" + "".join(f" {v:>11}" for v in VARIANTS)
                  + f" {'cudnn':>7} {'gain':>6} {'gain_tr':>7} {'q2/cudnn':>8}")
     for r in res["rows"]:

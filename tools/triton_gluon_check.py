@@ -246,6 +246,33 @@ def write_files(out_dir: str, stem: str, res: dict, text: str) -> str:
     return text
 
 
+def cudnn_forward(q, k, v, causal: bool):
+    """A zero-argument function running torch SDPA's cuDNN forward on ``q``, ``k``, ``v``
+    ``(B, S, H, D)`` (copied once into SDPA's ``(B, H, S, D)`` layout) and returning its output as a
+    ``(B, S, H, D)`` view: the cell tools' reference and their cuDNN column."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+    return run
+
+
+def report_head(res: dict, *lines: str) -> list[str]:
+    """A cell tool's report header: the GPU, versions, date and seconds of ``res``, then ``lines``
+    (what the columns are) and a blank line."""
+    env = res["env"]
+    return [f"{env['gpu']} torch {env['torch']} triton {env['triton']} {env['date']}; {res['seconds']:.0f} s",
+            *lines, ""]
+
+
+def parse_cells(text: str) -> list[tuple[int, int]]:
+    """``--cells`` of the form ``'128x512,64x2048'`` (D x S) as [(D, S), ...]."""
+    return [tuple(int(x) for x in c.split("x")) for c in text.split(",")]
+
+
 def cell_tool_args(doc: str, cells_help: str, argv=None):
     """The one-call cell tools' arguments: ``--out``, ``--time-limit`` (no new cell after it) and
     ``--cells`` (``cells_help`` says their form; empty: every cell)."""
