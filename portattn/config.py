@@ -68,9 +68,10 @@ VARIABLES = {
                                   "from longest first, together: unset or empty = gluon_fwd.head_group (as many as "
                                   "keep their K and V in L2), or a positive number (1: one head after the other); "
                                   "read on every forward",
-    "PORTATTN_TRITON_PAIRED_WALK": "0/false/no/off = the Gluon forward's persistent causal walk gives each CTA every "
-                                   "#SMs-th query tile, not a head's tiles in long + short pairs (gluon_fwd._work_tile; "
-                                   "default 1); read on every forward",
+    "PORTATTN_TRITON_PAIRED_WALK": "whether the Gluon forward's persistent causal walk gives each CTA a head's tiles "
+                                   "in long + short pairs (gluon_fwd._work_tile) or every #SMs-th query tile: unset or "
+                                   "empty = pairs at gluon_fwd.PAIRED_HEAD_DIMS (D 128, 256), 1/true/yes/on = pairs, "
+                                   "0/false/no/off = no pairs; read on every forward",
     "PORTATTN_TRITON_Q_BUFFERS": "the persistent Gluon forward's Q tiles a consumer warpgroup: unset or empty = 2 "
                                  "(config.Q_BUFFERS_DEFAULT: the next work item's Q loads during the current one), "
                                  "or 1 (it loads after the current band's last product); read on every forward",
@@ -270,14 +271,15 @@ def triton_head_group() -> int | None:
     return _parsed("PORTATTN_TRITON_HEAD_GROUP", _parse_head_group, None)
 
 
-def triton_paired_walk() -> bool:
-    """``PORTATTN_TRITON_PAIRED_WALK`` (default on; empty is the default; 0/false/no/off turn it
-    off; anything else but a boolean raises ``ValueError``): whether the persistent Gluon forward's
-    causal walk gives each CTA a head's long and short query tiles in pairs
+def triton_paired_walk() -> bool | None:
+    """``PORTATTN_TRITON_PAIRED_WALK``: None when unset or empty (pairs at the head dims
+    ``gluon_fwd.PAIRED_HEAD_DIMS``, where an H100 timed them faster), True for 1/true/yes/on,
+    False for 0/false/no/off; anything else raises ``ValueError``. Whether the persistent Gluon
+    forward's causal walk gives each CTA a head's long and short query tiles in pairs
     (``gluon_fwd._work_tile``), so every unit of work costs about the same (docs/triton.md, The
     causal walk in pairs)."""
     return _parsed("PORTATTN_TRITON_PAIRED_WALK",
-                   lambda name, text: True if not text.strip() else _parse_flag(name, text), True)
+                   lambda name, text: None if not text.strip() else _parse_flag(name, text), None)
 
 
 def _parse_q_buffers(name: str, text: str) -> int:

@@ -228,14 +228,14 @@ def test_check_is_wired_into_the_portattn_command():
 def test_catalogue_holds_every_hopper_default_kernel_to_the_reference():
     """Each kernel the triton backend's ``auto`` takes on Hopper runs in some GPU-size catalogue case:
     every row of the Gluon forward's tables (inference; training where a gradient is checked; the
-    persistent variant's, ``AUTO_PERSISTENT``) and
+    persistent variant's, ``AUTO_PERSISTENT``, and its two-consumer rows, ``AUTO_TWO_CONSUMERS``) and
     the Gluon backward with and without GQA at each head dim of its tables. A new auto row without
     a case fails here (add a ``large/hopper/`` case and bump CATALOGUE_VERSION)."""
     from portattn.backends.triton import gluon_bwd, gluon_fwd
 
     from portattn.spec import build_spec
 
-    covered_fwd, covered_bwd, covered_pers = set(), set(), set()
+    covered_fwd, covered_bwd, covered_pers, covered_two = set(), set(), set(), set()
     for case in build_catalogue():
         p = case.problem
         if p.is_varlen or p.dtype not in ("float16", "bfloat16") or p.alibi or p.bias or p.softcap or p.window:
@@ -248,6 +248,9 @@ def test_catalogue_holds_every_hopper_default_kernel_to_the_reference():
             covered_fwd.add((p.head_dim, p.causal, p.grad))
         if gluon_fwd.auto_persistent(spec, training=p.grad):
             covered_pers.add((p.head_dim, p.causal, p.grad))
+            rows = gluon_fwd.AUTO_TWO_CONSUMERS.get((p.head_dim, p.causal))
+            if rows is not None and rows[0] <= p.seqlen_q < rows[1]:
+                covered_two.add((p.head_dim, p.causal, p.grad))
         if p.grad and gluon_bwd.auto_takes(spec):
             covered_bwd.add((p.head_dim, p.heads_q != p.heads_kv))
     want_fwd = {(d, c, False) for d, c in gluon_fwd.AUTO_MIN_SEQLEN_Q if (d, c) not in gluon_fwd.AUTO_TRAINING_MIN_SEQLEN_Q}
@@ -257,3 +260,6 @@ def test_catalogue_holds_every_hopper_default_kernel_to_the_reference():
     assert want_bwd <= covered_bwd, sorted(want_bwd - covered_bwd)
     # the persistent variant's rows, (head dim, causal, training)
     assert set(gluon_fwd.AUTO_PERSISTENT) <= covered_pers, sorted(set(gluon_fwd.AUTO_PERSISTENT) - covered_pers)
+    # and the two-consumer rows of AUTO_TWO_CONSUMERS, inference and training
+    want_two = {(d, c, g) for d, c in gluon_fwd.AUTO_TWO_CONSUMERS for g in (False, True)}
+    assert want_two <= covered_two, sorted(want_two - covered_two)

@@ -114,8 +114,9 @@ def _meta_spec(s, d, causal):
     (256, 128, False, "triton"),                                  # below S 512: untimed
     (16384, 64, False, "gluon"), (2048, 64, False, "gluon"),      # D 64 non-causal from 2k: persistent to 8k
     (8192, 64, False, "gluon"), (8192, 64, True, "gluon"),        # D 64 from 8k (three consumers; causal 8k-16k persistent)
-    (16384, 64, True, "gluon"), (8191, 64, True, "triton"),
-    (1024, 64, False, "triton"), (4096, 64, True, "triton"),      # D 64 short or short causal: portable
+    (16384, 64, True, "gluon"), (8191, 64, True, "gluon"),        # D 64 causal from 2k: persistent (two
+    (4096, 64, True, "gluon"), (2048, 64, True, "gluon"),         # consumers below 8k, AUTO_TWO_CONSUMERS)
+    (1024, 64, False, "triton"), (2047, 64, True, "triton"),      # D 64 short or short causal: portable
     (512, 64, False, "triton"),
     (1024, 256, True, "gluon"), (512, 256, False, "gluon"),       # D 256 from S 512
     (256, 256, False, "triton"),                                  # D 256 below S 512: untimed
@@ -170,7 +171,7 @@ def _record_forwards(monkeypatch):
     (1024, 128, False, "gluon"), (1024, 128, True, "gluon"), (2048, 128, True, "gluon"),
     (512, 128, False, "gluon"), (256, 128, False, "triton"),
     (16384, 64, False, "gluon"), (2048, 64, False, "gluon"), (1024, 64, False, "triton"),   # D 64 training:
-    (8192, 64, True, "gluon"), (4096, 64, True, "triton"),                                  # three consumers
+    (8192, 64, True, "gluon"), (4096, 64, True, "gluon"), (1024, 64, True, "triton"),      # (causal from 2k)
     (4096, 256, True, "gluon"), (512, 256, False, "gluon"), (256, 256, False, "triton"),  # D 256 from S 512
 ])
 def test_forward_for_backward_takes_gluon_where_forward_choice_says(monkeypatch, s, d, causal, auto):
@@ -346,6 +347,31 @@ def test_consumers_switch_and_argument(monkeypatch, value, head_dim, arg, expect
         return
     assert gluon_fwd.consumers_for(head_dim, arg) == expect
     assert gluon_fwd.launch_constexprs(head_dim, False, consumers=arg)["CONSUMERS"] == expect
+
+
+@pytest.mark.parametrize("sq, causal, value, arg, expect", [
+    (2048, True, None, None, 2), (8191, True, None, None, 2), (2047, True, None, None, 3),
+    (8192, True, None, None, 3), (4096, False, None, None, 3),          # AUTO_TWO_CONSUMERS' D 64 causal row
+    (4096, True, "3", None, 3), (4096, True, None, 3, 3), (16384, True, "2", None, 2)])   # the switch, the argument
+def test_consumers_follow_the_problem_where_auto_says(monkeypatch, sq, causal, value, arg, expect):
+    """Given the problem, ``consumers_for`` runs two consumer warpgroups at D 64 on AUTO_TWO_CONSUMERS'
+    rows (causal, 2k <= Sq < 8k) and DEFAULT_CONSUMERS' three elsewhere; the switch and the argument
+    still win; ``gluon_forward`` launches what it says (the kernel replaced by a recorder)."""
+    _setenv(monkeypatch, "PORTATTN_TRITON_GLUON_CONSUMERS", value)
+    assert gluon_fwd.AUTO_TWO_CONSUMERS == {(64, True): (2048, 8192)}
+    spec = _meta_spec(sq, 64, causal)
+    assert gluon_fwd.consumers_for(64, arg, spec) == expect
+    rec = _Recorder()
+    monkeypatch.setattr(gluon_fwd, "attn_fwd_gluon", rec)
+    monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
+    monkeypatch.setattr(gluon_fwd, "_ensure_allocator", lambda: None)
+    monkeypatch.setattr(gluon_fwd, "_sm_count", lambda dev: 132)
+    q, k, v = (torch.zeros(1, sq, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    gluon_fwd.gluon_forward(build_spec(q, k, v, causal=causal), consumers=arg)
+    grid, _, kw = rec.launches[-1]
+    tiles = -(-sq // (64 * expect))   # a head's query tiles; D 64's persistent walk is unpaired
+    assert kw["CONSUMERS"] == expect and kw["PAIRED"] is False
+    assert grid == ((min(132, tiles * 2),) if kw["PERSISTENT"] else (tiles, 2)), grid
 
 
 @needs_gluon
@@ -684,13 +710,14 @@ def test_gpu_matches_reference(name, pingpong):
                                                    (1024, True, "persistent", 128), (1024, False, "persistent", 128),
                                                    (512, True, "persistent", 128), (256, True, "triton", 128),
                                                    (8192, True, "persistent", 64), (8192, False, "gluon", 64),
-                                                   (2048, False, "persistent", 64), (4096, True, "triton", 64),
-                                                   (1024, False, "gluon", 256)])
+                                                   (2048, False, "persistent", 64), (4096, True, "persistent", 64),
+                                                   (1024, True, "triton", 64), (1024, False, "persistent", 256),
+                                                   (4096, False, "gluon", 256), (2048, True, "persistent", 256)])
 def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal, kernel, d):
     """``portattn.attention`` on the triton backend with the default switches: the Gluon kernel runs
     where AUTO_MIN_SEQLEN_Q or AUTO_PERSISTENT has the shape (the launch is seen, and whether it
-    was the persistent variant; at D 64 with three consumers), the portable one elsewhere; each
-    against float64."""
+    was the persistent variant; at D 64 with three consumers, or two where AUTO_TWO_CONSUMERS says), the
+    portable one elsewhere; each against float64."""
     monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
     monkeypatch.delenv("PORTATTN_TRITON_GLUON_PERSISTENT", raising=False)
     monkeypatch.delenv("PORTATTN_TRITON_GLUON_CONSUMERS", raising=False)
@@ -703,8 +730,8 @@ def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal
     out = portattn.attention(q, k, v, causal=causal, backend="triton")
     torch.cuda.synchronize()
     assert bool(ran) == (kernel != "triton") and pers == ([kernel == "persistent"] if ran else [])
-    assert gluon_fwd.consumers_for(d) == (3 if d == 64 else 2)
     spec = build_spec(q, k, v, causal=causal)
+    assert gluon_fwd.consumers_for(d, spec=spec) == (2 if d != 64 or (causal and 2048 <= sq < 8192) else 3)
     assert compare("out", out, reference_forward(spec)[0], naive_forward(spec)[0]).passed
 
 
@@ -864,18 +891,24 @@ def test_persistent_constexprs_and_head_dims():
 
 
 def test_paired_walk_is_for_persistent_causal_launches(monkeypatch):
-    """``PAIRED`` is on for persistent causal-like launches unless ``PORTATTN_TRITON_PAIRED_WALK``
-    turns it off or ``paired=False`` is given; never for the one-tile kernel or a non-causal walk;
-    a value that is not a boolean raises naming the variable."""
+    """``PAIRED`` is on for persistent causal-like launches at PAIRED_HEAD_DIMS (D 128, 256; not D 64)
+    unless ``PORTATTN_TRITON_PAIRED_WALK`` says otherwise (1: every head dim, 0: none) or ``paired``
+    is given; never for the one-tile kernel or a non-causal walk; a value that is not a boolean
+    raises naming the variable."""
     lc = gluon_fwd.launch_constexprs
     monkeypatch.delenv("PORTATTN_TRITON_PAIRED_WALK", raising=False)
-    assert lc(128, True, persistent=True)["PAIRED"] is True and lc(64, True, persistent=True)["PAIRED"] is True
+    assert gluon_fwd.PAIRED_HEAD_DIMS == (128, 256)
+    assert lc(128, True, persistent=True)["PAIRED"] is True and lc(256, True, persistent=True)["PAIRED"] is True
+    assert lc(64, True, persistent=True)["PAIRED"] is False and lc(64, True, persistent=True, paired=True)["PAIRED"]
     assert lc(128, True, persistent=True, paired=False)["PAIRED"] is False
     assert lc(128, True, paired=True)["PAIRED"] is False and lc(128, False, persistent=True)["PAIRED"] is False
     assert lc(128, False, persistent=True, paired=True)["PAIRED"] is False
-    for text, want in (("0", False), ("off", False), ("", True), ("yes", True), ("1", True)):
+    for text, want, want64 in (("0", False, False), ("off", False, False), ("", True, False), ("yes", True, True),
+                               ("1", True, True)):
         monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", text)
         assert lc(128, True, persistent=True)["PAIRED"] is want, text
+        assert lc(64, True, persistent=True)["PAIRED"] is want64, text
+        assert lc(64, True, persistent=True, paired=not want64)["PAIRED"] is (not want64), text
     monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", "pairs")
     with pytest.raises(ValueError, match="PORTATTN_TRITON_PAIRED_WALK"):
         lc(128, True, persistent=True)
@@ -930,7 +963,7 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
     monkeypatch.setattr(gluon_fwd, "_ensure_allocator", lambda: None)
     monkeypatch.setattr(gluon_fwd, "_sm_count", lambda dev: 132)
     rows = 64 * gluon_fwd.consumers_for(d)
-    assert rows == (192 if d == 64 else 128)
+    assert rows == (192 if d == 64 else 128)   # sq 300 and 16384: outside AUTO_TWO_CONSUMERS' D 64 causal row
     for b, sq, h in ((3, 300, 4), (1, 16384, 16)):    # 36 and 2048 tiles at D 128 (pairs: 24 and 1024 units)
         q, k, v = _qkv(b, sq, sq, h, h // 2, d)
         gluon_fwd.gluon_forward(build_spec(q, k, v, causal=True), persistent=arg)
@@ -942,8 +975,9 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
         assert args[-1] == gluon_fwd.head_group(build_spec(q, k, v, causal=True), expect)
         assert args[-1] == (1 if not expect and sq < gluon_fwd.ONE_TILE_GROUP_MIN_SEQLEN_Q else min(b * h, max(
             1, gluon_fwd.HEAD_GROUP_L2_BYTES * 2 // (sq * 2 * d * 2))))   # Hq / Hkv = 2
-        units = (-(-sq // rows) + 1) // 2 * b * h
-        assert kw["PAIRED"] is expect
+        paired = expect and d in gluon_fwd.PAIRED_HEAD_DIMS     # D 64's walk goes unpaired
+        units = (-(-sq // rows) + 1) // 2 * b * h if paired else tiles
+        assert kw["PAIRED"] is paired
         assert grid == ((min(132, units),) if expect else (-(-sq // rows), b * h)), grid
         monkeypatch.setenv("PORTATTN_TRITON_PAIRED_WALK", "0")
         gluon_fwd.gluon_forward(build_spec(q, k, v, causal=True), persistent=arg)
@@ -970,15 +1004,17 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
     (4096, 128, False, True, True), (4096, 128, True, True, True), (16383, 128, True, False, True),
     (16384, 128, True, False, False), (16383, 128, True, True, True), (16384, 128, True, True, False),
     (8192, 64, True, False, True), (16383, 64, True, True, True), (16384, 64, True, False, False),
-    (8191, 64, True, True, False),
-    (2048, 64, False, False, True), (2047, 64, False, False, False), (4096, 64, True, False, False),
+    (8191, 64, True, True, True), (2048, 64, True, False, True), (2047, 64, True, True, False),
+    (2048, 64, False, False, True), (2047, 64, False, False, False), (4096, 64, True, False, True),
     (8191, 64, False, False, True), (8192, 64, False, False, False),        # D 64 inference: 2k-8k
     (4096, 64, False, True, True), (16383, 64, False, True, True), (16384, 64, False, True, False),   # training
-    (1024, 64, False, True, False), (4096, 256, False, False, False)])
+    (1024, 64, False, True, False), (4096, 256, False, False, False), (4095, 256, False, True, True),
+    (512, 256, False, False, True), (511, 256, True, False, False), (512, 256, True, True, True),
+    (8191, 256, True, False, True), (8192, 256, True, True, False)])
 def test_auto_launches_the_persistent_variant_on_its_rows(monkeypatch, sq, d, causal, residual, expect):
     """With the switch unset, a launch takes the persistent variant exactly on AUTO_PERSISTENT's rows
     (head dim, causal, training = ``residual``, query-row range); ``0`` turns every row off and
-    ``1`` every D 64/128 launch on (the kernel replaced by a recorder)."""
+    ``1`` every D 64/128/256 launch on (the kernel replaced by a recorder)."""
     monkeypatch.delenv("PORTATTN_TRITON_GLUON_PERSISTENT", raising=False)
     rec = _Recorder()
     monkeypatch.setattr(gluon_fwd, "attn_fwd_gluon", rec)

@@ -238,7 +238,9 @@ def child_lines(script: str, args: list[str], timeout: float) -> dict:
 
 
 def write_files(out_dir: str, stem: str, res: dict, text: str) -> str:
-    """``stem``.json (``res``) and ``stem``.txt (``text``) into ``out_dir``; returns ``text``."""
+    """``stem``.json (``res``) and ``stem``.txt (``text``) into ``out_dir`` (made if missing);
+    returns ``text``."""
+    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, stem + ".json"), "w") as fh:
         json.dump(res, fh, indent=1, default=str)
     with open(os.path.join(out_dir, stem + ".txt"), "w") as fh:

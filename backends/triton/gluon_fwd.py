@@ -767,10 +767,19 @@ def _default_pingpong() -> bool:
     return config.triton_gluon_pingpong()
 
 
-def consumers_for(head_dim: int, consumers: int | None = None) -> int:
+#: where ``auto`` runs two consumer warpgroups although :data:`DEFAULT_CONSUMERS` says three: (head dim,
+#: causal) -> [fewest, most) query rows. D 64 causal on an H100 (2026-12-06, tools/head_group_check.py,
+#: benchmarks/results/consumers-d64-causal-h100.txt): the persistent kernel with two (128-row tiles,
+#: the walk unpaired) 1.05 x the portable kernel at S 2k and 4k (training 1.03 / 1.06), where three
+#: (192-row tiles: more of the diagonal masked) ran 0.82 / 0.98 x it; at 8k three are 1.06 x two.
+AUTO_TWO_CONSUMERS = {(64, True): (2048, 8192)}
+
+
+def consumers_for(head_dim: int, consumers: int | None = None, spec=None) -> int:
     """The consumer warpgroups of a launch at ``head_dim`` (64 query rows each): ``consumers``, else
     ``PORTATTN_TRITON_GLUON_CONSUMERS`` (3 there means 3 where the head dim can run them, 2
-    elsewhere), else :data:`DEFAULT_CONSUMERS`. Three (FA3's 192-row tiles at D 64, where the
+    elsewhere), else two where ``spec`` (the problem, when given) falls in a row of
+    :data:`AUTO_TWO_CONSUMERS`, else :data:`DEFAULT_CONSUMERS`. Three (FA3's 192-row tiles at D 64, where the
     softmax is large against D's products) only at :data:`THREE_CONSUMER_HEAD_DIMS`: their 160
     registers hold a 64 × D accumulator beside a 64 × 128 S only at D 64 (at D 128 with 64-key
     tiles they ran slower than two, :func:`tile_config`); a ``consumers`` other than 2 or 3, or 3
@@ -781,6 +790,9 @@ def consumers_for(head_dim: int, consumers: int | None = None) -> int:
         if consumers == 3 and head_dim not in THREE_CONSUMER_HEAD_DIMS:
             consumers = 2
     if consumers is None:
+        rows = AUTO_TWO_CONSUMERS.get((head_dim, bool(spec.causal))) if spec is not None else None
+        if rows is not None and rows[0] <= spec.seqlen_q < rows[1]:
+            return 2
         return DEFAULT_CONSUMERS.get(head_dim, 2)
     if consumers not in (2, 3) or (consumers == 3 and head_dim not in THREE_CONSUMER_HEAD_DIMS):
         raise ValueError(f"the Gluon forward runs 2 consumer warpgroups, or 3 at D in {THREE_CONSUMER_HEAD_DIMS}; "
@@ -844,6 +856,15 @@ def _rank4_strides(*tensors: torch.Tensor) -> bool:
     return all(x != 0 for t in tensors for x in t.stride()[:3])
 
 
+#: the head dims whose persistent causal walk goes in long + short pairs (:func:`_work_tile`) when
+#: ``PORTATTN_TRITON_PAIRED_WALK`` is unset. D 128: 1.04-1.09 x unpaired from S 2k (an H100,
+#: 2026-12-06, benchmarks/results/paired-walk-h100.txt). D 64 unpaired: with three consumers the
+#: pairs ran 0.98-0.99 x the unpaired walk at S 8k (the same file and
+#: benchmarks/results/consumers-d64-causal-h100.txt), with two (:data:`AUTO_TWO_CONSUMERS`) 0.94 /
+#: 0.98 x at 2k / 4k. D 256 pairs like D 128 (its persistent rows were timed with them).
+PAIRED_HEAD_DIMS = (128, 256)
+
+
 def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pingpong: bool | None = None,
                       residual: bool = False, persistent: bool = False, consumers: int | None = None,
                       paired: bool | None = None, q_buffers: int | None = None) -> dict:
@@ -851,18 +872,22 @@ def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pi
     the training variant that also stores O's rounding residual; ``persistent``: the persistent
     variant (:data:`PERSISTENT_HEAD_DIMS` only; ValueError elsewhere); ``consumers``: the consumer
     warpgroups (:func:`consumers_for`); ``paired``: a persistent causal walk's tiles in long +
-    short pairs (:func:`_work_tile`; None: ``PORTATTN_TRITON_PAIRED_WALK``, default on; only
-    persistent causal launches pair); ``q_buffers``: a persistent launch's Q tiles a consumer
+    short pairs (:func:`_work_tile`; None: ``PORTATTN_TRITON_PAIRED_WALK``, where unset at
+    :data:`PAIRED_HEAD_DIMS`; only persistent causal launches pair); ``q_buffers``: a persistent launch's Q tiles a consumer
     warpgroup (1 or 2; None: ``PORTATTN_TRITON_Q_BUFFERS``; the one-tile kernel has 1)."""
     from portattn import config
     if persistent and head_dim not in PERSISTENT_HEAD_DIMS:
         raise ValueError(f"the persistent Gluon forward runs D in {PERSISTENT_HEAD_DIMS}, not {head_dim}")
     consumers = consumers_for(head_dim, consumers)
     block_n, stages = tile_config(head_dim, consumers)
+    if paired is None:
+        paired = config.triton_paired_walk()
+    if paired is None:
+        paired = head_dim in PAIRED_HEAD_DIMS
     return dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=stages, BOTTOM_RIGHT=bottom_right, LONGEST_FIRST=causal,
                 PINGPONG=_default_pingpong() if pingpong is None else pingpong, RESIDUAL=residual,
                 PERSISTENT=persistent, CONSUMERS=consumers,
-                PAIRED=bool(persistent and causal and (config.triton_paired_walk() if paired is None else paired)),
+                PAIRED=bool(persistent and causal and paired),
                 Q_BUFS=_q_buffers(persistent and head_dim <= OWN_O_MAX_HEAD_DIM, q_buffers))
 
 
@@ -1136,11 +1161,21 @@ AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False
 #: tools/head_group_check.py, benchmarks/results/paired-walk-h100.txt): D 128 1.35 / 1.17 / 1.09 /
 #: 1.04 / 0.99 x the one-tile kernel at S 512 / 2k / 4k / 8k / 16k (training 1.35 / 1.29 / 1.12 /
 #: 1.06 / 0.97), so D 128 causal to 16k (was 4k); D 64 0.99 x its unpaired walk at 8k.
+#: D 64 causal with two consumers from 2k (:data:`AUTO_TWO_CONSUMERS`, unpaired: :data:`PAIRED_HEAD_DIMS`;
+#: an H100, 2026-12-06, benchmarks/results/consumers-d64-causal-h100.txt): 1.05 / 1.05 x the portable kernel at
+#: S 2k / 4k (training 1.03 / 1.06), 0.99 at 1k and 0.88 at 512; so from 2k (was 8k).
+#: D 256 (O through the Q tile, ``O_IN_Q``) against the one-tile kernel on an H100 (2026-12-06,
+#: tools/gluon_persistent_diag.py --time, benchmarks/results/persistent-d256-h100.txt): non-causal 1.21 / 1.10 /
+#: 1.03 / 1.01 / 0.99 / 1.05 x at S 512 / 1k / 2k / 4k / 8k / 16k (training 1.23 / 1.13 / 1.06 / 0.95 / 1.01 /
+#: 0.98), causal 1.08 / 1.14 / 1.07 / 1.05 / 1.00 / 0.97 (training 1.02 / 1.10 / 1.06 / 1.05 / 0.92 / 1.03):
+#: so non-causal below 4k, causal below 8k.
 AUTO_PERSISTENT = {
     (128, False, False): (512, 1 << 31), (128, True, False): (512, 16384),
     (128, False, True): (512, 1 << 31), (128, True, True): (512, 16384),
     (64, False, False): (2048, 8192), (64, False, True): (2048, 16384),
-    (64, True, False): (8192, 16384), (64, True, True): (8192, 16384),
+    (64, True, False): (2048, 16384), (64, True, True): (2048, 16384),
+    (256, False, False): (512, 4096), (256, False, True): (512, 4096),
+    (256, True, False): (512, 8192), (256, True, True): (512, 8192),
 }
 
 
@@ -1208,9 +1243,9 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
     ValueError with :func:`gluon_reasons` when the kernel cannot run the problem. ``pingpong``:
     the consumers' ping-pong on or off (None: :data:`PINGPONG`). ``persistent``: the persistent
     variant on or off (None: ``PORTATTN_TRITON_GLUON_PERSISTENT``, and where that is unset
-    :data:`AUTO_PERSISTENT` for this problem; D 256 always runs the one-tile kernel,
-    :func:`persistent_for`). ``consumers``: 2 or 3 consumer warpgroups, 64 query rows each
-    (None: :func:`consumers_for`'s default; 3 at :data:`THREE_CONSUMER_HEAD_DIMS` only).
+    :data:`AUTO_PERSISTENT` for this problem, :func:`persistent_for`). ``consumers``: 2 or 3
+    consumer warpgroups, 64 query rows each (None: :func:`consumers_for`'s choice for this
+    problem; 3 at :data:`THREE_CONSUMER_HEAD_DIMS` only).
 
     ``residual=True`` (a forward whose backward follows, as ``ops.forward_for_backward``):
     ``(out, lse, ores)`` with ``ores`` = O_f32 − round(O_f32) rounded to q's dtype, ``(B, Sq, Hq,
@@ -1243,7 +1278,7 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
     _ensure_allocator()
     persistent = (persistent_for(spec.head_dim, persistent, auto_persistent(spec, residual))
                   and _rank4_strides(q, k, v, out))
-    consumers = consumers_for(spec.head_dim, consumers)
+    consumers = consumers_for(spec.head_dim, consumers, spec)
     tiles = (-(-spec.seqlen_q // (consumers * WG_M)), spec.batch * spec.num_heads_q)
     consts = launch_constexprs(spec.head_dim, causal_like, spec.alignment == "bottom_right", pingpong, residual,
                                persistent, consumers)

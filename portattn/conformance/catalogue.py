@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from .problems import Problem
 
-CATALOGUE_VERSION = "7"
+CATALOGUE_VERSION = "8"
 
 _DT = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -324,6 +324,11 @@ def _hopper_defaults(b: _Builder):
     # one batch entry and head, as v6's training case, so the float64 reference stays small
     b.add("large/hopper/infer-d64-s8192-causal-h1x1",
           Problem(batch=1, seqlen_q=8192, seqlen_k=8192, heads_q=1, heads_kv=1, head_dim=64, causal=True,
+                  dtype="bfloat16", grad=False), tier="large")
+    # v8: D 64 causal inference at 2k-8k runs the persistent kernel with two consumers, its walk
+    # unpaired (gluon_fwd.AUTO_TWO_CONSUMERS; the training row is train-d64-s4096-causal above)
+    b.add("large/hopper/infer-d64-s2048-causal-h2x1",
+          Problem(batch=1, seqlen_q=2048, seqlen_k=2048, heads_q=2, heads_kv=1, head_dim=64, causal=True,
                   dtype="bfloat16", grad=False), tier="large")
 
 
