@@ -116,8 +116,8 @@ def _meta_spec(s, d, causal):
     (8192, 64, False, "gluon"), (8192, 64, True, "gluon"),        # D 64 from 8k (three consumers; causal 8k-16k persistent)
     (16384, 64, True, "gluon"), (8191, 64, True, "gluon"),        # D 64 causal from 2k: persistent (two
     (4096, 64, True, "gluon"), (2048, 64, True, "gluon"),         # consumers below 8k, AUTO_TWO_CONSUMERS)
-    (1024, 64, False, "triton"), (2047, 64, True, "triton"),      # D 64 short or short causal: portable
-    (512, 64, False, "triton"),
+    (1024, 64, False, "gluon"), (512, 64, False, "gluon"),        # D 64 non-causal from 512 (two consumers below 2k)
+    (511, 64, False, "triton"), (2047, 64, True, "triton"),       # D 64 shorter, or short causal: portable
     (1024, 256, True, "gluon"), (512, 256, False, "gluon"),       # D 256 from S 512
     (256, 256, False, "triton"),                                  # D 256 below S 512: untimed
 ])
@@ -351,14 +351,15 @@ def test_consumers_switch_and_argument(monkeypatch, value, head_dim, arg, expect
 
 @pytest.mark.parametrize("sq, causal, value, arg, expect", [
     (2048, True, None, None, 2), (8191, True, None, None, 2), (2047, True, None, None, 3),
-    (8192, True, None, None, 3), (4096, False, None, None, 3),          # AUTO_TWO_CONSUMERS' D 64 causal row
+    (8192, True, None, None, 3), (4096, False, None, None, 3),          # AUTO_TWO_CONSUMERS' D 64 rows
+    (512, False, None, None, 2), (2047, False, None, None, 2), (2048, False, None, None, 3), (511, False, None, None, 3),
     (4096, True, "3", None, 3), (4096, True, None, 3, 3), (16384, True, "2", None, 2)])   # the switch, the argument
 def test_consumers_follow_the_problem_where_auto_says(monkeypatch, sq, causal, value, arg, expect):
     """Given the problem, ``consumers_for`` runs two consumer warpgroups at D 64 on AUTO_TWO_CONSUMERS'
-    rows (causal, 2k <= Sq < 8k) and DEFAULT_CONSUMERS' three elsewhere; the switch and the argument
+    rows (causal 2k <= Sq < 8k, non-causal 512 <= Sq < 2k) and DEFAULT_CONSUMERS' three elsewhere; the switch and the argument
     still win; ``gluon_forward`` launches what it says (the kernel replaced by a recorder)."""
     _setenv(monkeypatch, "PORTATTN_TRITON_GLUON_CONSUMERS", value)
-    assert gluon_fwd.AUTO_TWO_CONSUMERS == {(64, True): (2048, 8192)}
+    assert gluon_fwd.AUTO_TWO_CONSUMERS == {(64, True): (2048, 8192), (64, False): (512, 2048)}
     spec = _meta_spec(sq, 64, causal)
     assert gluon_fwd.consumers_for(64, arg, spec) == expect
     rec = _Recorder()
@@ -711,7 +712,8 @@ def test_gpu_matches_reference(name, pingpong):
                                                    (512, True, "persistent", 128), (256, True, "triton", 128),
                                                    (8192, True, "persistent", 64), (8192, False, "gluon", 64),
                                                    (2048, False, "persistent", 64), (4096, True, "persistent", 64),
-                                                   (1024, True, "triton", 64), (1024, False, "persistent", 256),
+                                                   (1024, True, "triton", 64), (1024, False, "persistent", 64),
+                                                   (1024, False, "persistent", 256),
                                                    (4096, False, "gluon", 256), (2048, True, "persistent", 256)])
 def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal, kernel, d):
     """``portattn.attention`` on the triton backend with the default switches: the Gluon kernel runs
@@ -731,7 +733,8 @@ def test_gpu_default_forward_takes_gluon_where_auto_says(monkeypatch, sq, causal
     torch.cuda.synchronize()
     assert bool(ran) == (kernel != "triton") and pers == ([kernel == "persistent"] if ran else [])
     spec = build_spec(q, k, v, causal=causal)
-    assert gluon_fwd.consumers_for(d, spec=spec) == (2 if d != 64 or (causal and 2048 <= sq < 8192) else 3)
+    two = (2048 <= sq < 8192) if causal else (512 <= sq < 2048)   # AUTO_TWO_CONSUMERS' D 64 rows
+    assert gluon_fwd.consumers_for(d, spec=spec) == (2 if d != 64 or two else 3)
     assert compare("out", out, reference_forward(spec)[0], naive_forward(spec)[0]).passed
 
 
@@ -993,7 +996,7 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
     # the switch turns the variant on where the Gluon forward runs, not the Gluon forward itself
     monkeypatch.setattr(gluon_fwd, "gluon_reasons", lambda spec: [])
     monkeypatch.delenv(gluon_fwd.ENV_SWITCH, raising=False)
-    assert gluon_fwd.forward_choice(_meta_spec(1024, 64, False)) == "triton"
+    assert gluon_fwd.forward_choice(_meta_spec(511, 64, False)) == "triton"
 
 
 @pytest.mark.parametrize("sq, d, causal, residual, expect", [
@@ -1005,7 +1008,8 @@ def test_gluon_forward_launches_the_persistent_variant_when_asked(monkeypatch, e
     (16384, 128, True, False, False), (16383, 128, True, True, True), (16384, 128, True, True, False),
     (8192, 64, True, False, True), (16383, 64, True, True, True), (16384, 64, True, False, False),
     (8191, 64, True, True, True), (2048, 64, True, False, True), (2047, 64, True, True, False),
-    (2048, 64, False, False, True), (2047, 64, False, False, False), (4096, 64, True, False, True),
+    (2048, 64, False, False, True), (2047, 64, False, False, True), (4096, 64, True, False, True),
+    (512, 64, False, False, True), (511, 64, False, False, False),
     (8191, 64, False, False, True), (8192, 64, False, False, False),        # D 64 inference: 2k-8k
     (4096, 64, False, True, True), (16383, 64, False, True, True), (16384, 64, False, True, False),   # training
     (1024, 64, False, True, False), (4096, 256, False, False, False), (4095, 256, False, True, True),

@@ -772,7 +772,10 @@ def _default_pingpong() -> bool:
 #: benchmarks/results/consumers-d64-causal-h100.txt): the persistent kernel with two (128-row tiles,
 #: the walk unpaired) 1.05 x the portable kernel at S 2k and 4k (training 1.03 / 1.06), where three
 #: (192-row tiles: more of the diagonal masked) ran 0.82 / 0.98 x it; at 8k three are 1.06 x two.
-AUTO_TWO_CONSUMERS = {(64, True): (2048, 8192)}
+#: D 64 non-causal (the same day, tools/gluon_persistent_diag.py --time, the same file): persistent with
+#: two 1.05 / 1.06 x the portable kernel at S 512 / 1k (three 0.95 / 1.02), but 0.93 / 0.91 x three at
+#: 2k / 4k.
+AUTO_TWO_CONSUMERS = {(64, True): (2048, 8192), (64, False): (512, 2048)}
 
 
 def consumers_for(head_dim: int, consumers: int | None = None, spec=None) -> int:
@@ -1168,11 +1171,12 @@ AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False
 #: tools/gluon_persistent_diag.py --time, benchmarks/results/persistent-d256-h100.txt): non-causal 1.21 / 1.10 /
 #: 1.03 / 1.01 / 0.99 / 1.05 x at S 512 / 1k / 2k / 4k / 8k / 16k (training 1.23 / 1.13 / 1.06 / 0.95 / 1.01 /
 #: 0.98), causal 1.08 / 1.14 / 1.07 / 1.05 / 1.00 / 0.97 (training 1.02 / 1.10 / 1.06 / 1.05 / 0.92 / 1.03):
-#: so non-causal below 4k, causal below 8k.
+#: so non-causal below 4k, causal below 8k. D 64 non-causal inference from 512 with two consumers below 2k
+#: (:data:`AUTO_TWO_CONSUMERS`: 1.05 / 1.06 x the portable kernel at 512 / 1k; training untimed there).
 AUTO_PERSISTENT = {
     (128, False, False): (512, 1 << 31), (128, True, False): (512, 16384),
     (128, False, True): (512, 1 << 31), (128, True, True): (512, 16384),
-    (64, False, False): (2048, 8192), (64, False, True): (2048, 16384),
+    (64, False, False): (512, 8192), (64, False, True): (2048, 16384),
     (64, True, False): (2048, 16384), (64, True, True): (2048, 16384),
     (256, False, False): (512, 4096), (256, False, True): (512, 4096),
     (256, True, False): (512, 8192), (256, True, True): (512, 8192),

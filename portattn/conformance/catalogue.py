@@ -325,10 +325,14 @@ def _hopper_defaults(b: _Builder):
     b.add("large/hopper/infer-d64-s8192-causal-h1x1",
           Problem(batch=1, seqlen_q=8192, seqlen_k=8192, heads_q=1, heads_kv=1, head_dim=64, causal=True,
                   dtype="bfloat16", grad=False), tier="large")
-    # v8: D 64 causal inference at 2k-8k runs the persistent kernel with two consumers, its walk
-    # unpaired (gluon_fwd.AUTO_TWO_CONSUMERS; the training row is train-d64-s4096-causal above)
+    # v8: D 64 inference on the persistent kernel with two consumers (gluon_fwd.AUTO_TWO_CONSUMERS):
+    # causal at 2k-8k, its walk unpaired (the training row is train-d64-s4096-causal above), and
+    # non-causal at 512-2k
     b.add("large/hopper/infer-d64-s2048-causal-h2x1",
           Problem(batch=1, seqlen_q=2048, seqlen_k=2048, heads_q=2, heads_kv=1, head_dim=64, causal=True,
+                  dtype="bfloat16", grad=False), tier="large")
+    b.add("large/hopper/infer-d64-s1024-h4x2",
+          Problem(batch=2, seqlen_q=1024, seqlen_k=1024, heads_q=4, heads_kv=2, head_dim=64, causal=False,
                   dtype="bfloat16", grad=False), tier="large")
 
 
