@@ -769,7 +769,7 @@ def _default_pingpong() -> bool:
 
 #: where ``auto`` runs two consumer warpgroups although :data:`DEFAULT_CONSUMERS` says three: (head dim,
 #: causal) -> [fewest, most) query rows. D 64 causal on an H100 (2026-12-06, tools/head_group_check.py,
-#: benchmarks/results/consumers-d64-causal-h100.txt): the persistent kernel with two (128-row tiles,
+#: benchmarks/results/consumers-d64-h100.txt): the persistent kernel with two (128-row tiles,
 #: the walk unpaired) 1.05 x the portable kernel at S 2k and 4k (training 1.03 / 1.06), where three
 #: (192-row tiles: more of the diagonal masked) ran 0.82 / 0.98 x it; at 8k three are 1.06 x two.
 #: D 64 non-causal (the same day, tools/gluon_persistent_diag.py --time, the same file): persistent with
@@ -863,7 +863,7 @@ def _rank4_strides(*tensors: torch.Tensor) -> bool:
 #: ``PORTATTN_TRITON_PAIRED_WALK`` is unset. D 128: 1.04-1.09 x unpaired from S 2k (an H100,
 #: 2026-12-06, benchmarks/results/paired-walk-h100.txt). D 64 unpaired: with three consumers the
 #: pairs ran 0.98-0.99 x the unpaired walk at S 8k (the same file and
-#: benchmarks/results/consumers-d64-causal-h100.txt), with two (:data:`AUTO_TWO_CONSUMERS`) 0.94 /
+#: benchmarks/results/consumers-d64-h100.txt), with two (:data:`AUTO_TWO_CONSUMERS`) 0.94 /
 #: 0.98 x at 2k / 4k. D 256 pairs like D 128 (its persistent rows were timed with them).
 PAIRED_HEAD_DIMS = (128, 256)
 
@@ -1165,12 +1165,12 @@ AUTO_TRAINING_MIN_SEQLEN_Q = {(128, False): 1024, (128, True): 2048, (256, False
 #: 1.04 / 0.99 x the one-tile kernel at S 512 / 2k / 4k / 8k / 16k (training 1.35 / 1.29 / 1.12 /
 #: 1.06 / 0.97), so D 128 causal to 16k (was 4k); D 64 0.99 x its unpaired walk at 8k.
 #: D 64 causal with two consumers from 2k (:data:`AUTO_TWO_CONSUMERS`, unpaired: :data:`PAIRED_HEAD_DIMS`;
-#: an H100, 2026-12-06, benchmarks/results/consumers-d64-causal-h100.txt): 1.05 / 1.05 x the portable kernel at
+#: an H100, 2026-12-06, benchmarks/results/consumers-d64-h100.txt): 1.05 / 1.05 x the portable kernel at
 #: S 2k / 4k (training 1.03 / 1.06), 0.99 at 1k and 0.88 at 512; so from 2k (was 8k).
 #: D 256 (O through the Q tile, ``O_IN_Q``) against the one-tile kernel on an H100 (2026-12-06,
 #: tools/gluon_persistent_diag.py --time, benchmarks/results/persistent-d256-h100.txt): non-causal 1.21 / 1.10 /
 #: 1.03 / 1.01 / 0.99 / 1.05 x at S 512 / 1k / 2k / 4k / 8k / 16k (training 1.23 / 1.13 / 1.06 / 0.95 / 1.01 /
-#: 0.98), causal 1.08 / 1.14 / 1.07 / 1.05 / 1.00 / 0.97 (training 1.02 / 1.10 / 1.06 / 1.05 / 0.92 / 1.03):
+#: 0.98), causal 1.07 / 1.14 / 1.07 / 1.05 / 1.00 / 0.97 (training 1.02 / 1.10 / 1.06 / 1.05 / 0.92 / 1.03):
 #: so non-causal below 4k, causal below 8k. D 64 non-causal inference from 512 with two consumers below 2k
 #: (:data:`AUTO_TWO_CONSUMERS`: 1.05 / 1.06 x the portable kernel at 512 / 1k; training untimed there).
 AUTO_PERSISTENT = {
