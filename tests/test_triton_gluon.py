@@ -1353,7 +1353,8 @@ for name, (shape, kw) in t.GPU_CASES.items():
     gluon_fwd.gluon_forward(spec, out=out, lse=lse, persistent=True)
     o2, l2, r2 = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
     one, one_lse, one_res = gluon_fwd.gluon_forward(spec, residual=True, pingpong=True, persistent=False)
-    os.environ["PORTATTN_TRITON_PAIRED_WALK"] = "0"   # causal: every #SMs-th tile, not long + short pairs
+    # causal: the walk the head dim does not take by default (pairs at D 128/256, every #SMs-th tile at D 64)
+    os.environ["PORTATTN_TRITON_PAIRED_WALK"] = "0" if spec.head_dim in gluon_fwd.PAIRED_HEAD_DIMS else "1"
     unpaired = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
     del os.environ["PORTATTN_TRITON_PAIRED_WALK"]
     os.environ["PORTATTN_TRITON_Q_BUFFERS"] = "1"   # the next item's Q loads after this one's last product
@@ -1379,9 +1380,9 @@ def test_gpu_persistent_matches_reference():
     """The persistent variant on every GPU case, in a child with a timeout (never run on a GPU
     before: a barrier deadlock fails this test instead of hanging the run): out and lse against
     float64 (NaN-poisoned first), the training launch's out / lse bit-identical to the inference
-    one and its residual written, and the causal walk unpaired (``PORTATTN_TRITON_PAIRED_WALK=0``)
-    bit-identical to the default pairs (causal_sq_gt_sk's five tiles pair the middle one with a tile
-    past the end), and one Q buffer (``PORTATTN_TRITON_Q_BUFFERS=1``) bit-identical to two; whether it is bit-identical to the one-tile kernel (ping-pong
+    one and its residual written, and the causal walk the head dim does not take by default
+    (``PORTATTN_TRITON_PAIRED_WALK=0`` at D 128/256, ``=1`` at D 64: PAIRED_HEAD_DIMS) bit-identical
+    to the default one (causal_sq_gt_sk's five tiles pair the middle one with a tile past the end), and one Q buffer (``PORTATTN_TRITON_Q_BUFFERS=1``) bit-identical to two; whether it is bit-identical to the one-tile kernel (ping-pong
     on) is printed, not judged. D 256 cases run its persistent kernel too (O through the Q tile)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
