@@ -52,32 +52,28 @@
 # card's name (GPU_TAG), so an H100's results sit beside the H200's in benchmarks/results/.
 # Branches are not kept between sessions: time an experiment in the session that builds it, or
 # land it behind a switch.
-#   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> BENCH_LIMIT=330 bash tools/h200_session.sh warm bench tests:gluon
-#                                        # the grid on whichever card comes; on an H200 this refreshes
-#                                        # bench-h200.* (4ce2745: before the D 64 three-consumer forward,
-#                                        # the grouped causal walk, its pairs and the two Q buffers); the
-#                                        # H100's (bench-h100.*) is from 2026-12-06 with all of them
+#   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> bash tools/h200_session.sh par:warm bench
+#                                        # the grid on whichever card comes (warm 111 s + bench 129 s on an
+#                                        # H100); on an H200 this refreshes bench-h200.* (4ce2745: before the
+#                                        # D 64 consumer rows, the grouped causal walk, its pairs, the two Q
+#                                        # buffers and D 256 persistent); bench-h100.* is from 2026-12-06, 37914f7
 #   RERUN=1 CASES='large/hopper/*' bash tools/h200_session.sh par:catalogue:triton,reference,sdpa,cupy par:tests:gluon
-#                                        # on an H200: the catalogue's hopper cases and the Gluon tests
-#                                        # (both passed on an H100 with the current defaults, 2026-12-06)
-#   PYTHONPATH=. python3 tools/q_buffers_check.py --out $OUT   # the two Q buffers on an H200 (an H100 timed
-#                                        # them 1.00-1.08 x one buffer, q-buffers-h100.txt)
-#   PYTHONPATH=. python3 tools/gluon_persistent_diag.py --out $OUT --cases plain_grid2_d256,causal_grid1_d256_res,causal_oob_d256
-#   PYTHONPATH=. python3 tools/gluon_persistent_diag.py --time --cells 512:256:0,512:256:1,1024:256:0,1024:256:1,2048:256:1
-#                                        # the D 256 persistent kernel (O through the Q tile; opt-in, never
-#                                        # run on a GPU): its first GPU cases, then against the one-tile
-#                                        # kernel where #14's short rows miss (0.71-0.79 x cuDNN); tests:gluon's
-#                                        # persistent child now runs the D 256 cases on it too
-#   PORTATTN_TRITON_GLUON_CONSUMERS=2 PYTHONPATH=. python3 tools/head_group_check.py --out $OUT --cells 64x2048,64x4096
-#                                        # D 64 causal 2k / 4k (0.77 / 0.80 x cuDNN on the portable kernel): the
-#                                        # persistent kernel with two consumers (128-row tiles waste less of the
-#                                        # diagonal than three's 192), now with pairs and two Q buffers
-#   triton, short causal sequences (#14's 0.8 x cuDNN at 512-1k): D 128 causal 512 runs 0.63 x, 4 tiles a
-#                                        # head; neither the pairs nor the next item's Q help there
+#                                        # on an H200: the catalogue's 16 hopper cases (v8) and the Gluon tests
+#                                        # (passed on an H100 with the current defaults, 2026-12-06; tests:gluon
+#                                        # takes ~370 s on a cold machine); cupy / sdpa have not run v8's two new cases
+#   triton, short causal sequences (#14's 0.8 x cuDNN at 512-1k): D 128 causal 512 runs 0.61 x. Nsight Compute
+#                                        # (ncu_attention.py --d 128 --s 512 --causal --fwd-only, an H100, 2026-12-06):
+#                                        # the persistent kernel at 49 % of DRAM bandwidth and 29 % of SM throughput,
+#                                        # 0.40 eligible warps a scheduler, a third of stalls at CTA barriers (the
+#                                        # epilogue's shared-memory store before the TMA store); cuDNN runs the cell at
+#                                        # ~80 % of DRAM bandwidth. Leads: the first tile's S and the epilogue
+#                                        # overlapped with the next item (FA3's epilogue under the next item's
+#                                        # Q K^T), per-warpgroup skipping of a wholly masked diagonal key tile
+#   D 64 causal 2k / 4k (0.82 / 0.87 x cuDNN, two consumers): the same leads; D 256 causal 512 (0.77)
 #   PYTHONPATH=. python3 tools/bwd_group_check.py --out $OUT   # the Gluon backward's grouped causal walk on an
-#                                        # H200 and at D 64 (an H100 timed 0.99-1.05 x, bwd-group-h100.txt);
-#                                        # tests:gluon runs its new GPU test (grouped vs one head, bit for bit)
-#   cupy, #16's D 64 backward (0.85-0.93 x FA2): neither the producers' loads (0.98-1.00 x) nor own-keys dQ
+#                                        # H200 and at D 64 (an H100 timed 0.99-1.05 x, bwd-group-h100.txt;
+#                                        # its GPU test, grouped vs one head bit for bit, passed on an H100)
+#   cupy, #16's D 64 backward (0.85-0.94 x FA2): neither the producers' loads (0.98-1.00 x) nor own-keys dQ
 #                                        # (0.85-0.96 x) paid; next is ping-pong between the consumer warpgroups
 #                                        # (docs/cupy.md, What limits the backward)
 # and e.g. after a partial catalogue:
