@@ -66,7 +66,10 @@
 #                                        # the persistent kernel at 49 % of DRAM bandwidth and 29 % of SM throughput,
 #                                        # 0.40 eligible warps a scheduler, a third of stalls at CTA barriers (the
 #                                        # epilogue's shared-memory store before the TMA store); cuDNN runs the cell at
-#                                        # ~80 % of DRAM bandwidth. Leads: the first tile's S and the epilogue
+#                                        # ~80 % of DRAM bandwidth. The SASS (triton 3.6, D 128 causal persistent)
+#                                        # has a warpgroup BAR.SYNC before every one-thread mbarrier arrive (the
+#                                        # ring's k/v_empty, the ping-pong turns) and around every wgmma wait: ~5 a
+#                                        # key tile, so warps waiting on data show as barrier stalls. Leads: the first tile's S and the epilogue
 #                                        # overlapped with the next item (FA3's epilogue under the next item's
 #                                        # Q K^T), per-warpgroup skipping of a wholly masked diagonal key tile
 #   D 64 causal 2k / 4k (0.82 / 0.87 x cuDNN, two consumers): the same leads; D 256 causal 512 (0.77)
