@@ -248,8 +248,7 @@ def test_catalogue_holds_every_hopper_default_kernel_to_the_reference():
             covered_fwd.add((p.head_dim, p.causal, p.grad))
         if gluon_fwd.auto_persistent(spec, training=p.grad):
             covered_pers.add((p.head_dim, p.causal, p.grad))
-            rows = gluon_fwd.AUTO_TWO_CONSUMERS.get((p.head_dim, p.causal))
-            if rows is not None and rows[0] <= p.seqlen_q < rows[1]:
+            if gluon_fwd.row_holds(gluon_fwd.AUTO_TWO_CONSUMERS, (p.head_dim, p.causal), p.seqlen_q):
                 covered_two.add((p.head_dim, p.causal, p.grad))
         if p.grad and gluon_bwd.auto_takes(spec):
             covered_bwd.add((p.head_dim, p.heads_q != p.heads_kv))
@@ -260,7 +259,8 @@ def test_catalogue_holds_every_hopper_default_kernel_to_the_reference():
     assert want_bwd <= covered_bwd, sorted(want_bwd - covered_bwd)
     # the persistent variant's rows, (head dim, causal, training)
     assert set(gluon_fwd.AUTO_PERSISTENT) <= covered_pers, sorted(set(gluon_fwd.AUTO_PERSISTENT) - covered_pers)
-    # and the two-consumer rows of AUTO_TWO_CONSUMERS, inference and training
-    want_two = {(d, c, g) for d, c in gluon_fwd.AUTO_TWO_CONSUMERS for g in (False, True)
-                if gluon_fwd.AUTO_PERSISTENT.get((d, c, g), (0, 0))[0] < gluon_fwd.AUTO_TWO_CONSUMERS[d, c][1]}
+    # and the two-consumer rows of AUTO_TWO_CONSUMERS where a persistent row (inference or training) overlaps them
+    pers, two = gluon_fwd.AUTO_PERSISTENT, gluon_fwd.AUTO_TWO_CONSUMERS
+    want_two = {(d, c, g) for d, c in two for g in (False, True)
+                if (d, c, g) in pers and pers[d, c, g][0] < two[d, c][1] and two[d, c][0] < pers[d, c, g][1]}
     assert want_two <= covered_two, sorted(want_two - covered_two)

@@ -778,6 +778,14 @@ def _default_pingpong() -> bool:
 AUTO_TWO_CONSUMERS = {(64, True): (2048, 8192), (64, False): (512, 2048)}
 
 
+def row_holds(table: dict, key: tuple, seqlen_q: int) -> bool:
+    """Whether ``table`` (``auto``'s rows: key -> [fewest, most) query rows, as
+    :data:`AUTO_TWO_CONSUMERS` and :data:`AUTO_PERSISTENT`) has a row ``key`` whose range holds
+    ``seqlen_q``."""
+    rows = table.get(key)
+    return rows is not None and rows[0] <= seqlen_q < rows[1]
+
+
 def consumers_for(head_dim: int, consumers: int | None = None, spec=None) -> int:
     """The consumer warpgroups of a launch at ``head_dim`` (64 query rows each): ``consumers``, else
     ``PORTATTN_TRITON_GLUON_CONSUMERS`` (3 there means 3 where the head dim can run them, 2
@@ -793,8 +801,7 @@ def consumers_for(head_dim: int, consumers: int | None = None, spec=None) -> int
         if consumers == 3 and head_dim not in THREE_CONSUMER_HEAD_DIMS:
             consumers = 2
     if consumers is None:
-        rows = AUTO_TWO_CONSUMERS.get((head_dim, bool(spec.causal))) if spec is not None else None
-        if rows is not None and rows[0] <= spec.seqlen_q < rows[1]:
+        if spec is not None and row_holds(AUTO_TWO_CONSUMERS, (head_dim, bool(spec.causal)), spec.seqlen_q):
             return 2
         return DEFAULT_CONSUMERS.get(head_dim, 2)
     if consumers not in (2, 3) or (consumers == 3 and head_dim not in THREE_CONSUMER_HEAD_DIMS):
@@ -1187,9 +1194,8 @@ def auto_persistent(spec, training: bool = False) -> bool:
     """Whether :data:`AUTO_PERSISTENT` has a row for ``spec``'s (head dim, causal, ``training``)
     whose query-row range holds ``spec.seqlen_q`` (``D == Dv`` and the rank-4 descriptors'
     strides, :func:`_rank4_strides`, both needed)."""
-    rows = AUTO_PERSISTENT.get((spec.head_dim, bool(spec.causal), bool(training)))
-    return (rows is not None and spec.head_dim_v == spec.head_dim and rows[0] <= spec.seqlen_q < rows[1]
-            and _rank4_strides(spec.q, spec.k, spec.v))
+    return (row_holds(AUTO_PERSISTENT, (spec.head_dim, bool(spec.causal), bool(training)), spec.seqlen_q)
+            and spec.head_dim_v == spec.head_dim and _rank4_strides(spec.q, spec.k, spec.v))
 
 
 def auto_takes(spec, training: bool = False) -> bool:
