@@ -42,7 +42,8 @@
 #                       (--fwd-only), bwd (--bwd-variants); decode (tools/decode_sweep.py),
 #                       decodevariants (tools/decode_variants.py) [250]
 #   ncu[:D,..]          Nsight Compute (--clock-control none) on tools/ncu_attention.py --d D (128), one
-#                       report per head dim; NCU_BACKEND (triton), NCU_S, NCU_CAUSAL=1, NCU_SET=full [90]
+#                       report per head dim; NCU_BACKEND (triton; cudnn, flash: torch SDPA's), NCU_S, NCU_CAUSAL=1,
+#                       NCU_FWD_ONLY=1, NCU_SET=full, NCU_SOURCE=1 (+ per-SASS stall samples, a .csv) [90]
 #
 # The next session's plan, one device call a line (priority order; ~30 minutes in all; a fresh
 # machine compiles from a cold cache, so give test groups whole calls; export PYTHONPATH=$PWD for
@@ -429,19 +430,33 @@ step_sweep() {
 }
 
 step_ncu() {
-  # NCU_BACKEND (triton), NCU_S (4096), NCU_CAUSAL=1, NCU_SET (the sections below; "full": --set full)
-  local dir=$1 dims=${2:-${NCU_D:-128}} rc=0 be=${NCU_BACKEND:-triton} sections d f
+  # NCU_BACKEND (triton; a comma list runs each), NCU_S (4096), NCU_CAUSAL=1, NCU_SET (the sections below; "full": --set full)
+  # NCU_FWD_ONLY=1 (the forward alone); NCU_SOURCE=1: --set full with SASS stall sampling, saved as
+  # a report and exported as ncu_..._sass.csv (samples by stall reason, per instruction); cudnn/flash
+  # backends (torch SDPA's kernels) are matched by their own kernel-name regex
+  local dir=$1 dims=${2:-${NCU_D:-128}} rc=0 be=${NCU_BACKEND:-triton} sections d f kern=regex:attn_ rep
   if ! command -v ncu > /dev/null && [[ -z $DRY_RUN ]]; then headline "skipped: no ncu on PATH"; return 0; fi
-  if [[ ${NCU_SET:-} == full ]]; then sections=(--set full)
+  if [[ ${NCU_SET:-} == full || -n ${NCU_SOURCE:-} ]]; then sections=(--set full)
   else sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
                  --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis); fi
+  for be in ${be//,/ }; do
+  kern=regex:attn_
+  [[ $be == cudnn || $be == flash ]] && kern="regex:cudnn|sdpa|flash|fmha"
   for d in ${dims//,/ }; do
     f="$dir/ncu_${be}_d$d${NCU_CAUSAL:+_causal}.txt"
+    rep=()
+    [[ -n ${NCU_SOURCE:-} ]] && rep=(--import-source no -f -o "${f%.txt}")
     x "$f" "$(limit "${NCU_LIMIT:-90}")" ncu --clock-control none --profile-from-start off \
-        --kernel-name regex:attn_ "${sections[@]}" "$PY" tools/ncu_attention.py --backend "$be" --d "$d" \
-        --s "${NCU_S:-4096}" ${NCU_CAUSAL:+--causal} || rc=$?
+        --kernel-name "$kern" "${sections[@]}" "${rep[@]}" "$PY" tools/ncu_attention.py --backend "$be" --d "$d" \
+        --s "${NCU_S:-4096}" ${NCU_CAUSAL:+--causal} ${NCU_FWD_ONLY:+--fwd-only} || rc=$?
+    if [[ -n ${NCU_SOURCE:-} ]]; then
+      x "${f%.txt}_details.txt" 60 ncu -i "${f%.txt}.ncu-rep" --print-details all || rc=$?
+      x "${f%.txt}_sass.csv" 120 ncu -i "${f%.txt}.ncu-rep" --page source --csv --print-source sass || rc=$?
+      f="${f%.txt}_details.txt"
+    fi
     grep -hE "attn_|Duration|Compute \(SM\) Thr|Memory Thr|Registers Per|Achieved Occ|Issue Slots Busy|No Eligible" \
         "$f" 2>/dev/null | head -40
+  done
   done
   return "$rc"
 }
