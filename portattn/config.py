@@ -75,6 +75,10 @@ VARIABLES = {
     "PORTATTN_TRITON_Q_BUFFERS": "the persistent Gluon forward's Q tiles a consumer warpgroup: unset or empty = 2 "
                                  "(config.Q_BUFFERS_DEFAULT: the next work item's Q loads during the current one), "
                                  "or 1 (it loads after the current band's last product); read on every forward",
+    "PORTATTN_TRITON_GLUON_STAGES": "the persistent Gluon forward's K/V ring depth (key tiles loaded ahead): unset "
+                                    "or empty = gluon_fwd.tile_config's per head dim, or 2 to 8 (a deeper ring "
+                                    "stores O through the Q tile and keeps one Q buffer where O's own tiles no "
+                                    "longer fit, gluon_fwd.smem_plan); read on every forward",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
 }
@@ -293,6 +297,22 @@ def _parse_q_buffers(name: str, text: str) -> int:
 #: the persistent Gluon forward's Q buffers per consumer warpgroup when ``PORTATTN_TRITON_Q_BUFFERS``
 #: is unset (docs/triton.md, The next item's Q)
 Q_BUFFERS_DEFAULT = 2
+
+
+def _parse_stages(name: str, text: str) -> int | None:
+    text = text.strip()
+    if not text:
+        return None
+    if text not in {str(n) for n in range(2, 9)}:
+        raise ValueError(f"{name}={text!r}: use 2 to 8 (K/V tiles in the ring), or leave it unset")
+    return int(text)
+
+
+def triton_gluon_stages() -> int | None:
+    """``PORTATTN_TRITON_GLUON_STAGES``: None when unset or empty (``gluon_fwd.tile_config``'s ring
+    depth), else 2 to 8, the persistent Gluon forward's K/V ring depth; anything else raises
+    ``ValueError``."""
+    return _parsed("PORTATTN_TRITON_GLUON_STAGES", _parse_stages, None)
 
 
 def triton_q_buffers() -> int:

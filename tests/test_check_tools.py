@@ -1,5 +1,5 @@
 """The one-call GPU check tools' shared cell loop (tools/triton_gluon_check.py's ``run_cells``) and
-the reports of ``tools/q_buffers_check.py`` and ``tools/head_group_check.py``, on made-up cells and
+the reports of ``tools/q_buffers_check.py``, ``tools/ring_depth_check.py`` and ``tools/head_group_check.py``, on made-up cells and
 rows: a GPU call must not lose a run's results to a failing cell, a time limit or a report bug."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 _FORWARD = os.environ.get("PORTATTN_TRITON_FORWARD")
 import head_group_check  # noqa: E402
 import q_buffers_check  # noqa: E402
+import ring_depth_check  # noqa: E402
 import triton_gluon_check as chk  # noqa: E402
 
 if _FORWARD is None:
@@ -84,3 +85,30 @@ def test_q_buffers_cells_argument(monkeypatch, cells, want):
 
 def test_head_group_report_with_no_rows_fails():
     assert head_group_check.report({"env": _env(), "seconds": 0.0, "rows": []}).endswith("verdict: FAIL")
+
+
+def test_ring_depth_report_states_plans_gains_and_failures():
+    t = {"p@s2": 200.0, "p@s3": 250.0, "p_train@s2": 180.0, "p_train@s3": 171.0, "cudnn": 320.0}
+    rows = [{"d": 128, "s": 512, "causal": True, "consumers": 2, "depths": [2, 3], "tflops": t,
+             "plans": {"2": [2, False], "3": [1, True]}, "checks": [{"impl": "p", "passed": True}]},
+            {"d": 128, "s": 1024, "causal": False, "consumers": 2, "depths": [2, 3], "tflops": t,
+             "plans": {"2": [2, False], "3": [1, True]},
+             "checks": [{"impl": "p_train", "passed": False, "bit_identical": False}]}]
+    text = ring_depth_check.report({"env": _env(), "seconds": 1.0, "rows": rows})
+    assert "s2  200.0 /  180.0 (q2)" in text and "s3  250.0 /  171.0 (q1 O-in-Q)" in text
+    assert "gain 1.250 / 0.950" in text and "best/cudnn 0.78" in text and "causal" in text
+    assert "checks: 1 passed, 1 failed" in text and "FAILED D128 S1024 causal=False" in text
+    assert text.endswith("verdict: FAIL")
+    assert ring_depth_check.report({"env": _env(), "seconds": 1.0, "rows": rows[:1]}).endswith("verdict: PASS")
+
+
+def test_ring_depths_fit_and_start_with_the_default():
+    """Every depth the tool times fits shared memory with the consumers ``auto`` runs, and the
+    first is tile_config's (the reference the others must match bit for bit)."""
+    from portattn.backends.triton import gluon_fwd
+    for d, depths in ring_depth_check.DEPTHS.items():
+        for consumers in ((2, 3) if d in gluon_fwd.THREE_CONSUMER_HEAD_DIMS else (2,)):
+            block_n, default = gluon_fwd.tile_config(d, consumers)
+            assert depths[0] == default, (d, consumers)
+            for n in depths:
+                gluon_fwd.smem_plan(d, consumers, block_n, n)   # raises where it does not fit

@@ -877,19 +877,21 @@ def test_persistent_constexprs_and_head_dims():
     with pytest.raises(ValueError, match="persistent"):
         gluon_fwd.launch_constexprs(96, False, persistent=True)
     assert gluon_fwd.PERSISTENT_HEAD_DIMS == (64, 128, 256)
-    # its O tiles and two Q tiles a consumer fit beside the ring at D 64/128, not at D 256, whose
-    # persistent kernel has one Q tile a consumer and stores O through it (O_IN_Q)
+    # its O tiles and two Q tiles a consumer fit beside the default ring at D 64/128, not at D 256,
+    # whose persistent kernel has one Q tile a consumer and stores O through it (O_IN_Q)
     for d in gluon_fwd.HEAD_DIMS:
-        consumers = gluon_fwd.consumers_for(d)
-        block_n, stages = gluon_fwd.tile_config(d, consumers)
-        smem = (2 + 1) * consumers * gluon_fwd.WG_M * d * 2 + 2 * stages * block_n * d * 2
-        assert (smem + 1024 <= 232448) == (d <= 128), (d, smem)
-    import inspect
-    assert gluon_fwd.OWN_O_MAX_HEAD_DIM == 128
-    assert "O_IN_Q: gl.constexpr = HEAD_D > _OWN_O_MAX_D" in inspect.getsource(gluon_fwd.attn_fwd_gluon.fn)
+        for consumers in ((2, 3) if d in gluon_fwd.THREE_CONSUMER_HEAD_DIMS else (2,)):
+            block_n, stages = gluon_fwd.tile_config(d, consumers)
+            smem = (2 + 1) * consumers * gluon_fwd.WG_M * d * 2 + 2 * stages * block_n * d * 2
+            assert (smem + 1024 <= 232448) == (d <= 128), (d, smem)
+            want = (2, False) if d <= 128 else (1, True)
+            assert gluon_fwd.smem_plan(d, consumers, block_n, stages) == want, (d, consumers)
+            lc = gluon_fwd.launch_constexprs(d, True, persistent=True, consumers=consumers)
+            assert (lc["Q_BUFS"], lc["O_IN_Q"], lc["STAGES"]) == want + (stages,), (d, lc)
+            assert gluon_fwd.launch_constexprs(d, True, consumers=consumers)["O_IN_Q"] is False   # one-tile
     params = list(gluon_fwd.attn_fwd_gluon.arg_names)
-    assert params[-11:] == ["HEAD_D", "BLOCK_N", "STAGES", "BOTTOM_RIGHT", "LONGEST_FIRST", "PINGPONG", "RESIDUAL",
-                            "PERSISTENT", "CONSUMERS", "PAIRED", "Q_BUFS"]
+    assert params[-12:] == ["HEAD_D", "BLOCK_N", "STAGES", "BOTTOM_RIGHT", "LONGEST_FIRST", "PINGPONG", "RESIDUAL",
+                            "PERSISTENT", "CONSUMERS", "PAIRED", "Q_BUFS", "O_IN_Q"]
     assert "batch" in params and gluon_fwd._PERSISTENT_ONLY_ARGS == ("batch",)
 
 
@@ -937,6 +939,39 @@ def test_q_buffers_are_for_persistent_launches(monkeypatch):
     monkeypatch.delenv("PORTATTN_TRITON_Q_BUFFERS")
     with pytest.raises(ValueError, match="q_buffers"):
         lc(128, True, persistent=True, q_buffers=3)
+
+
+def test_ring_depth_is_for_persistent_launches(monkeypatch):
+    """``STAGES`` of a persistent launch: ``stages=``, else ``PORTATTN_TRITON_GLUON_STAGES``, else
+    tile_config's; the one-tile kernel always has tile_config's. A deeper ring gives up what no longer
+    fits (smem_plan: the second Q buffer, then O's own tiles); one that cannot fit, or a value
+    outside 2-8, raises naming the variable or the argument."""
+    lc = gluon_fwd.launch_constexprs
+    monkeypatch.delenv("PORTATTN_TRITON_GLUON_STAGES", raising=False)
+    monkeypatch.delenv("PORTATTN_TRITON_Q_BUFFERS", raising=False)
+    assert lc(128, True, persistent=True)["STAGES"] == gluon_fwd.tile_config(128)[1] == 2
+    # D 128, three K/V tiles of 128 keys (192 KiB): one Q tile a consumer, O through it
+    deep = lc(128, True, persistent=True, stages=3)
+    assert (deep["STAGES"], deep["Q_BUFS"], deep["O_IN_Q"]) == (3, 1, True)
+    assert lc(128, True, stages=3)["STAGES"] == 2                        # the one-tile kernel keeps its ring
+    # D 64 with two consumers: five tiles still leave room for two Q buffers and O's own tiles
+    assert gluon_fwd.smem_plan(64, 2, 128, 5) == (2, False)
+    assert gluon_fwd.smem_plan(64, 3, 128, 5) == (1, False)             # three: the second Q buffer goes
+    assert gluon_fwd.smem_plan(128, 2, 128, 2, 1) == (1, False)         # one Q buffer asked for
+    for text, want in (("3", 3), (" 4 ", 4), ("", 3)):
+        monkeypatch.setenv("PORTATTN_TRITON_GLUON_STAGES", text)
+        assert lc(64, True, persistent=True, consumers=2)["STAGES"] == want, text
+    monkeypatch.setenv("PORTATTN_TRITON_GLUON_STAGES", "4")
+    assert lc(64, True, persistent=True, consumers=2, stages=5)["STAGES"] == 5   # the argument wins
+    with pytest.raises(ValueError, match="PORTATTN_TRITON_GLUON_STAGES"):
+        lc(128, True, persistent=True)                                   # 4 x 64 KiB of K/V do not fit
+    for text in ("1", "9", "deep"):
+        monkeypatch.setenv("PORTATTN_TRITON_GLUON_STAGES", text)
+        with pytest.raises(ValueError, match="PORTATTN_TRITON_GLUON_STAGES"):
+            lc(128, True, persistent=True)
+    monkeypatch.delenv("PORTATTN_TRITON_GLUON_STAGES")
+    with pytest.raises(ValueError, match="does not fit"):
+        lc(256, False, persistent=True, stages=3)
 
 
 class _Recorder:
@@ -1360,6 +1395,9 @@ for name, (shape, kw) in t.GPU_CASES.items():
     os.environ["PORTATTN_TRITON_Q_BUFFERS"] = "1"   # the next item's Q loads after this one's last product
     one_q = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
     del os.environ["PORTATTN_TRITON_Q_BUFFERS"]
+    # a deeper K/V ring (D 128: O through the one Q tile, smem_plan); none fits at D 256
+    deep = {64: 5, 128: 3}.get(spec.head_dim)
+    deep_ring = gluon_fwd.gluon_forward(spec, residual=True, persistent=True, stages=deep) if deep else (o2, l2, r2)
     torch.cuda.synchronize()
     ref, ref_lse = reference_forward(spec)
     c_out, c_lse = compare("out", out, ref, naive_forward(spec)[0]), compare_lse(lse, ref_lse)
@@ -1368,6 +1406,7 @@ for name, (shape, kw) in t.GPU_CASES.items():
                training_same=bool(torch.equal(o2, out) and torch.equal(l2, lse)),
                other_walk_same=all(torch.equal(x, y) for x, y in zip(other_walk, (o2, l2, r2))),
                one_q_buffer_same=all(torch.equal(x, y) for x, y in zip(one_q, (o2, l2, r2))),
+               deep_ring_same=all(torch.equal(x, y) for x, y in zip(deep_ring, (o2, l2, r2))),
                same_as_one_tile=bool(torch.equal(out, one) and torch.equal(lse, one_lse) and torch.equal(r2, one_res)))
     print("ROW " + json.dumps(row), flush=True)
 print("PERSISTENT OK")
@@ -1382,7 +1421,7 @@ def test_gpu_persistent_matches_reference():
     float64 (NaN-poisoned first), the training launch's out / lse bit-identical to the inference
     one and its residual written, and the causal walk the head dim does not take by default
     (``PORTATTN_TRITON_PAIRED_WALK=0`` at D 128/256, ``=1`` at D 64: PAIRED_HEAD_DIMS) bit-identical
-    to the default one (causal_sq_gt_sk's five tiles pair the middle one with a tile past the end), and one Q buffer (``PORTATTN_TRITON_Q_BUFFERS=1``) bit-identical to two; whether it is bit-identical to the one-tile kernel (ping-pong
+    to the default one (causal_sq_gt_sk's five tiles pair the middle one with a tile past the end), one Q buffer (``PORTATTN_TRITON_Q_BUFFERS=1``) bit-identical to two and a deeper K/V ring (``stages``: 5 at D 64, 3 at D 128, O through the Q tile there) to the default one; whether it is bit-identical to the one-tile kernel (ping-pong
     on) is printed, not judged. D 256 cases run its persistent kernel too (O through the Q tile)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
@@ -1397,4 +1436,4 @@ def test_gpu_persistent_matches_reference():
     assert len(rows) == len(GPU_CASES)
     for r in rows:
         assert r["out"] and r["lse"] and r["unwritten"] == 0 and r["training_same"] and r["other_walk_same"], r
-        assert r["one_q_buffer_same"], r
+        assert r["one_q_buffer_same"] and r["deep_ring_same"], r

@@ -33,7 +33,7 @@ without it the kernel compiles to the same code as before the option. Dense inpu
 bfloat16; ``D == Dv`` in {64, 128, 256}; no softcap, ALiBi, bias or sliding window
 (:func:`gluon_reasons` says which problems it cannot run).
 
-``PERSISTENT`` (D 64/128/256, O through the Q tile at D 256: ``O_IN_Q``; ``auto`` takes it where the H200 timed it faster, :data:`AUTO_PERSISTENT`;
+``PERSISTENT`` (D 64/128/256, O through the Q tile where its own does not fit, D 256: ``O_IN_Q``, :func:`smem_plan`; ``auto`` takes it where the H200 timed it faster, :data:`AUTO_PERSISTENT`;
 ``PORTATTN_TRITON_GLUON_PERSISTENT`` forces it on or off) is FA3's persistent schedule against the one-tile CTA's fixed cost (pipeline fill, epilogue,
 descriptor set-up): one CTA per SM walks (query tile, head) work units (:func:`_work_tile`,
 for causal-like bands longest first, a long and a short tile together) with rank-4 descriptors made once, the producer's ring count
@@ -83,10 +83,6 @@ _UNBOUNDED = 1 << 30
 WG_M = 64
 #: the head dims of the persistent variant (``PERSISTENT``; ``auto``'s rows, ``PORTATTN_TRITON_GLUON_PERSISTENT``)
 PERSISTENT_HEAD_DIMS = (64, 128, 256)
-#: the largest head dim at which the persistent variant has O's own shared tiles (2 x (64, D)) and two
-#: Q tiles a consumer (``Q_BUFS``); above it (D 256: 64 + 128 + 64 KiB > 227 KiB) O leaves through
-#: the Q tile (``O_IN_Q``) and there is one Q buffer
-OWN_O_MAX_HEAD_DIM = 128
 #: the head dims that can run three consumer warpgroups (192-row CTAs; :func:`consumers_for`)
 THREE_CONSUMER_HEAD_DIMS = (64,)
 #: the consumer warpgroups per head dim when neither the call nor ``PORTATTN_TRITON_GLUON_CONSUMERS`` says:
@@ -122,7 +118,6 @@ if gl is not None:
     _LOG2E = gl.constexpr(1.4426950408889634)
     _LN2 = gl.constexpr(0.6931471805599453)
     _WG_M = gl.constexpr(WG_M)
-    _OWN_O_MAX_D = gl.constexpr(OWN_O_MAX_HEAD_DIM)
 
     @gluon.jit
     def _key_phases(m0, sq, sk, off, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -557,7 +552,7 @@ if gl is not None:
         item the producer loads (:func:`_persistent_producer`, the same walk). Q is given back
         (``q_empty``) as soon as the band's last product has read it, before the epilogue, so the
         next item's Q loads while this one's O is normalised and stored (O has its own buffer,
-        ``o_smem``). ``O_IN_Q`` (D 256, where O's own tiles do not fit): ``o_smem`` is ``q_smem``
+        ``o_smem``). ``O_IN_Q`` (where O's own tiles do not fit, :func:`smem_plan`: D 256, a deeper ring): ``o_smem`` is ``q_smem``
         (one Q buffer), O leaves through the Q tile as in the one-tile kernel, and Q is given back
         once those stores have read it. Three counts run across items: ``c`` the items (``q_bar``'s parity), ``kv``
         the ring's tiles, ``bands`` the non-empty bands (each has one more ping-pong turn than
@@ -640,7 +635,7 @@ if gl is not None:
                        head_group, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
                        RESIDUAL: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
-                       PAIRED: gl.constexpr, Q_BUFS: gl.constexpr):
+                       PAIRED: gl.constexpr, Q_BUFS: gl.constexpr, O_IN_Q: gl.constexpr):
         """O = softmax(scale·QKᵀ)V for 64·CONSUMERS query rows of one (batch, head): grid
         (cdiv(Sq, 64·CONSUMERS), B·Hq), 4 warps (consumer 0) + one or two more 4-warp consumers
         (``CONSUMERS`` 2 or 3, :func:`consumers_for`) + a 1-warp producer.
@@ -705,8 +700,7 @@ if gl is not None:
         turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], bar_layout)
         for j in gl.static_range(CONSUMERS):
             mbarrier.init(turn.index(j), count=1)
-        O_IN_Q: gl.constexpr = HEAD_D > _OWN_O_MAX_D   # D 256: no room for O's own tiles beside Q and the ring
-        if PERSISTENT:   # O's own tiles, so the next item's Q can load while O is stored; Q given back
+        if PERSISTENT:   # O's own tiles (where they fit, smem_plan), so the next item's Q can load while O is stored
             if O_IN_Q:
                 o_smem = q_smem
             else:
@@ -877,39 +871,78 @@ PAIRED_HEAD_DIMS = (128, 256)
 
 def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pingpong: bool | None = None,
                       residual: bool = False, persistent: bool = False, consumers: int | None = None,
-                      paired: bool | None = None, q_buffers: int | None = None) -> dict:
+                      paired: bool | None = None, q_buffers: int | None = None, stages: int | None = None) -> dict:
     """The constexprs of one launch (also what :func:`compile_for` specialises on); ``residual``:
     the training variant that also stores O's rounding residual; ``persistent``: the persistent
     variant (:data:`PERSISTENT_HEAD_DIMS` only; ValueError elsewhere); ``consumers``: the consumer
     warpgroups (:func:`consumers_for`); ``paired``: a persistent causal walk's tiles in long +
     short pairs (:func:`_work_tile`; None: ``PORTATTN_TRITON_PAIRED_WALK``, where unset at
     :data:`PAIRED_HEAD_DIMS`; only persistent causal launches pair); ``q_buffers``: a persistent launch's Q tiles a consumer
-    warpgroup (1 or 2; None: ``PORTATTN_TRITON_Q_BUFFERS``; the one-tile kernel has 1)."""
+    warpgroup (1 or 2; None: ``PORTATTN_TRITON_Q_BUFFERS``; the one-tile kernel has 1); ``stages``: a
+    persistent launch's K/V ring depth (None: ``PORTATTN_TRITON_GLUON_STAGES``, else
+    :func:`tile_config`'s; the one-tile kernel always has :func:`tile_config`'s). The persistent
+    kernel's shared memory follows :func:`smem_plan` (``Q_BUFS``, ``O_IN_Q``)."""
     from portattn import config
     if persistent and head_dim not in PERSISTENT_HEAD_DIMS:
         raise ValueError(f"the persistent Gluon forward runs D in {PERSISTENT_HEAD_DIMS}, not {head_dim}")
     consumers = consumers_for(head_dim, consumers)
-    block_n, stages = tile_config(head_dim, consumers)
+    block_n, stages_default = tile_config(head_dim, consumers)
     if paired is None:
         paired = config.triton_paired_walk()
     if paired is None:
         paired = head_dim in PAIRED_HEAD_DIMS
+    q_bufs, o_in_q = 1, False
+    if persistent:
+        if stages is None:
+            stages = config.triton_gluon_stages() or stages_default
+        q_bufs, o_in_q = smem_plan(head_dim, consumers, block_n, stages, _q_buffers(True, q_buffers))
+    else:
+        _q_buffers(False, q_buffers)   # the argument is checked all the same
+        stages = stages_default
     return dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=stages, BOTTOM_RIGHT=bottom_right, LONGEST_FIRST=causal,
                 PINGPONG=_default_pingpong() if pingpong is None else pingpong, RESIDUAL=residual,
                 PERSISTENT=persistent, CONSUMERS=consumers,
                 PAIRED=bool(persistent and causal and paired),
-                Q_BUFS=_q_buffers(persistent and head_dim <= OWN_O_MAX_HEAD_DIM, q_buffers))
+                Q_BUFS=q_bufs, O_IN_Q=o_in_q)
 
 
 def _q_buffers(persistent: bool, q_buffers: int | None) -> int:
-    """``Q_BUFS``: ``q_buffers`` (1 or 2), else ``PORTATTN_TRITON_Q_BUFFERS``, for persistent launches
-    up to :data:`OWN_O_MAX_HEAD_DIM`; 1 for the one-tile kernel, whose CTA loads one Q tile, and the
-    persistent one above it, whose O leaves through its Q tile (``O_IN_Q``: two would not fit)."""
+    """The Q tiles a consumer warpgroup asks for: ``q_buffers`` (1 or 2), else
+    ``PORTATTN_TRITON_Q_BUFFERS``, for persistent launches (:func:`smem_plan` gives them where they
+    fit); 1 for the one-tile kernel, whose CTA loads one Q tile."""
     from portattn import config
     n = config.triton_q_buffers() if q_buffers is None else q_buffers
     if n not in (1, 2):
         raise ValueError(f"q_buffers: 1 or 2 Q tiles a consumer warpgroup, not {n!r}")
     return n if persistent else 1
+
+
+#: the shared memory a CTA may take on sm_90 (227 KiB, the opt-in maximum of H100 and H200)
+SMEM_LIMIT_BYTES = 232448
+
+#: what :func:`smem_plan` leaves beside the tiles: the mbarriers and the compiler's scratch (the D 128
+#: persistent kernel's 229816 bytes hold 229376 of tiles, triton 3.6)
+SMEM_SLACK_BYTES = 1024
+
+
+def smem_plan(head_dim: int, consumers: int, block_n: int, stages: int, q_buffers: int = 2) -> tuple[int, bool]:
+    """``(Q_BUFS, O_IN_Q)`` of a persistent launch: its shared memory holds ``Q_BUFS`` Q tiles of
+    (64, D) per consumer warpgroup, the ring's ``stages`` K and V tiles of (``block_n``, D), and —
+    unless ``O_IN_Q`` — O's own (64, D) tile per consumer, 2 bytes an element, within
+    :data:`SMEM_LIMIT_BYTES` less :data:`SMEM_SLACK_BYTES`. The first layout that fits, of: the
+    ``q_buffers`` asked for with O's own tiles; one Q buffer with O's own tiles; one Q buffer with O
+    stored through it (``O_IN_Q``: the next item's Q loads once O has left). D 128 with the default
+    ring: two Q buffers and O's own tiles (229376 bytes); D 256: O through the one Q tile. ValueError
+    when not even the last fits (a ring too deep)."""
+    wg_tile = WG_M * head_dim * 2
+    ring = 2 * stages * block_n * head_dim * 2
+    budget = SMEM_LIMIT_BYTES - SMEM_SLACK_BYTES
+    for q_bufs, o_in_q in ((q_buffers, False), (1, False), (1, True)):
+        if q_bufs * consumers * wg_tile + ring + (0 if o_in_q else consumers * wg_tile) <= budget:
+            return q_bufs, o_in_q
+    raise ValueError(f"a ring of {stages} K/V tiles of {block_n} keys at D {head_dim} with {consumers} consumer "
+                     f"warpgroups does not fit {SMEM_LIMIT_BYTES} bytes of shared memory; use fewer stages "
+                     f"(PORTATTN_TRITON_GLUON_STAGES)")
 
 
 #: launch options: 4 warps run the default partition (consumer 0); the workers add 5 warps (9 with
@@ -919,13 +952,15 @@ LAUNCH_OPTIONS = dict(num_warps=4, num_stages=1)
 
 def compile_for(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                 arch: int = 90, pingpong: bool | None = None, residual: bool = False, persistent: bool = False,
-                bottom_right: bool = True, consumers: int | None = None, q_buffers: int | None = None):
+                bottom_right: bool = True, consumers: int | None = None, q_buffers: int | None = None,
+                stages: int | None = None):
     """``triton.compile`` of :func:`attn_fwd_gluon` for ``GPUTarget("cuda", arch, 32)`` without a GPU;
     returns the compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
     ``residual``: the training variant (``RESIDUAL``, an ORES pointer); without it ORES is the
     constexpr None, as :func:`gluon_forward` launches it. ``persistent``: the persistent variant
     (``batch`` an int32 argument; the constexpr None without it); ``q_buffers``: its Q tiles a
-    consumer (None: ``PORTATTN_TRITON_Q_BUFFERS``)."""
+    consumer (None: ``PORTATTN_TRITON_Q_BUFFERS``); ``stages``: its K/V ring depth (None:
+    ``PORTATTN_TRITON_GLUON_STAGES``, :func:`launch_constexprs`)."""
     if GLUON_ERROR:
         raise RuntimeError(GLUON_ERROR)
     import triton
@@ -933,7 +968,7 @@ def compile_for(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal
     from triton.experimental.gluon._runtime import GluonASTSource
     ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
     consts = launch_constexprs(head_dim, causal, bottom_right, pingpong=pingpong, residual=residual,
-                               persistent=persistent, consumers=consumers, q_buffers=q_buffers)
+                               persistent=persistent, consumers=consumers, q_buffers=q_buffers, stages=stages)
     if not residual:
         consts["ORES"] = None
     if not persistent:
@@ -999,9 +1034,11 @@ def compile_report(head_dim: int = 128, causal: bool = False, dtype: torch.dtype
     c = compile_for(head_dim, dtype, causal, pingpong=pingpong, residual=residual, persistent=persistent,
                     bottom_right=bottom_right, consumers=consumers)
     ptx = c.asm["ptx"]
+    lc = launch_constexprs(head_dim, causal, bottom_right, pingpong, residual, persistent, consumers)
     row = dict(head_dim=head_dim, causal=causal, pingpong=pingpong, residual=residual,
                **(dict(consumers=consumers) if consumers != 2 else {}),
-               **(dict(persistent=True, bottom_right=bottom_right, tma_4d=ptx.count("cp.async.bulk.tensor.4d"))
+               **(dict(persistent=True, bottom_right=bottom_right, tma_4d=ptx.count("cp.async.bulk.tensor.4d"),
+                       **{k.lower(): lc[k] for k in ("STAGES", "Q_BUFS", "O_IN_Q")})
                   if persistent else {}),
                dtype=str(dtype).replace("torch.", ""),
                shared=int(c.metadata.shared), num_warps=int(c.metadata.num_warps),
@@ -1246,7 +1283,7 @@ def _buffer(given, shape, dtype, device, name: str) -> torch.Tensor:
 
 def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                   pingpong: bool | None = None, residual: bool = False, ores: torch.Tensor | None = None,
-                  persistent: bool | None = None, consumers: int | None = None) -> tuple:
+                  persistent: bool | None = None, consumers: int | None = None, stages: int | None = None) -> tuple:
     """``(out, lse)`` of ``spec`` by :func:`attn_fwd_gluon`: out ``(B, Sq, Hq, Dv)`` in q's dtype,
     lse ``(B, Hq, Sq)`` float32 natural log, as ``ops.forward`` returns them (written into ``out``
     / ``lse`` when given: views with a unit last stride, O's row stride 16-byte aligned). Raises
@@ -1255,7 +1292,8 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
     variant on or off (None: ``PORTATTN_TRITON_GLUON_PERSISTENT``, and where that is unset
     :data:`AUTO_PERSISTENT` for this problem, :func:`persistent_for`). ``consumers``: 2 or 3
     consumer warpgroups, 64 query rows each (None: :func:`consumers_for`'s choice for this
-    problem; 3 at :data:`THREE_CONSUMER_HEAD_DIMS` only).
+    problem; 3 at :data:`THREE_CONSUMER_HEAD_DIMS` only). ``stages``: the persistent variant's K/V ring
+    depth (None: ``PORTATTN_TRITON_GLUON_STAGES``, else :func:`tile_config`'s; :func:`smem_plan`).
 
     ``residual=True`` (a forward whose backward follows, as ``ops.forward_for_backward``):
     ``(out, lse, ores)`` with ``ores`` = O_f32 − round(O_f32) rounded to q's dtype, ``(B, Sq, Hq,
@@ -1291,7 +1329,7 @@ def gluon_forward(spec, *, out: torch.Tensor | None = None, lse: torch.Tensor | 
     consumers = consumers_for(spec.head_dim, consumers, spec)
     tiles = (-(-spec.seqlen_q // (consumers * WG_M)), spec.batch * spec.num_heads_q)
     consts = launch_constexprs(spec.head_dim, causal_like, spec.alignment == "bottom_right", pingpong, residual,
-                               persistent, consumers)
+                               persistent, consumers, stages=stages)
     units = -(-tiles[0] // (1 + consts["PAIRED"])) * tiles[1]   # _work_range
     grid = (min(_sm_count(dev), units),) if persistent else tiles
     attn_fwd_gluon[grid](q, k, v, out, lse, ores, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
