@@ -29,47 +29,9 @@ CELLS = ([(128, s, c) for c in (False, True) for s in (512, 1024, 2048, 4096, 81
 VARIANTS = ("p@q1", "p@q2", "p_train@q1", "p_train@q2")
 
 
-def _set_buffers(n: int) -> None:
-    os.environ["PORTATTN_TRITON_Q_BUFFERS"] = str(n)
-
-
 def run_cell(d: int, s: int, causal: bool) -> dict:
-    """Checks and timings of one cell; returns its row."""
-    import torch
-    from portattn.backends.triton import gluon_fwd
-
-    from portattn.spec import build_spec
-    b, h = chk._shape(s, d)
-    g = torch.Generator(device="cuda").manual_seed(1000 * d + s + causal)
-    q, k, v = (torch.randn(b, s, h, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
-    spec = build_spec(q, k, v, causal=causal)
-    cudnn = chk.cudnn_forward(q, k, v, causal)
-    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-    row = {"d": d, "s": s, "causal": causal, "batch": b, "heads": h, "checks": [], "tflops": {}}
-    impls = {}
-    for residual in (False, True):
-        name = "p_train" if residual else "p"
-        outs = {}
-        for n in (1, 2):
-            _set_buffers(n)
-            res = gluon_fwd.gluon_forward(spec, persistent=True, residual=residual)
-            torch.cuda.synchronize()
-            outs[n] = [t.clone() for t in res]
-        same = all(torch.equal(x, y) for x, y in zip(outs[1], outs[2]))
-        check = {"impl": name, "bit_identical": same}
-        if not residual:
-            ref = cudnn()
-            check["max_abs_vs_cudnn"] = float((outs[2][0].float() - ref.float()).abs().max())
-            check["passed"] = same and check["max_abs_vs_cudnn"] < 2e-2
-        else:
-            check["passed"] = same
-        row["checks"].append(check)
-        for n in (1, 2):
-            impls[f"{name}@q{n}"] = (n, lambda r=residual: gluon_fwd.gluon_forward(spec, persistent=True, residual=r))
-    impls["cudnn"] = (1, cudnn)
-    row["tflops"], row["spread"] = chk.time_interleaved(impls, _set_buffers, flops)
-    os.environ.pop("PORTATTN_TRITON_Q_BUFFERS", None)
-    return row
+    """Checks and timings of one cell (:func:`triton_gluon_check.env_variant_cell`); returns its row."""
+    return chk.env_variant_cell(d, s, causal, "PORTATTN_TRITON_Q_BUFFERS", (1, 2), "q")
 
 
 def report(res: dict) -> str:
@@ -91,10 +53,7 @@ def report(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    a = chk.cell_tool_args(__doc__, "e.g. '128x512c,64x2048' (D x S, c: causal); default every cell", argv)
-    cells = CELLS if not a.cells else [(int(c.split("x")[0]), int(c.split("x")[1].rstrip("c")), c.endswith("c"))
-                                       for c in a.cells.split(",")]
-    return chk.run_cells(cells, ("d", "s", "causal"), run_cell, report, a.out, "q_buffers", a.time_limit)
+    return chk.causal_cell_tool(__doc__, CELLS, run_cell, report, "q_buffers", argv)
 
 
 if __name__ == "__main__":

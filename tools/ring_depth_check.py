@@ -37,54 +37,19 @@ DEPTHS = {128: (2, 3), 64: (3, 4, 5)}
 CELLS = [(d, s, c) for d in (128, 64) for c in (True, False) for s in (512, 1024, 2048, 4096)]
 
 
-def _set_stages(n: int | None) -> None:
-    if n is None:
-        os.environ.pop("PORTATTN_TRITON_GLUON_STAGES", None)
-    else:
-        os.environ["PORTATTN_TRITON_GLUON_STAGES"] = str(n)
-
-
 def run_cell(d: int, s: int, causal: bool) -> dict:
-    """Checks and timings of one cell; returns its row."""
-    import torch
-    from portattn.backends.triton import gluon_fwd
+    """Checks and timings of one cell (:func:`triton_gluon_check.env_variant_cell` over
+    :data:`DEPTHS`), with the consumers ``auto`` runs and each depth's shared-memory plan; returns
+    its row."""
+    from types import SimpleNamespace
 
-    from portattn.spec import build_spec
-    b, h = chk._shape(s, d)
-    g = torch.Generator(device="cuda").manual_seed(1000 * d + s + causal)
-    q, k, v = (torch.randn(b, s, h, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
-    spec = build_spec(q, k, v, causal=causal)
-    cudnn = chk.cudnn_forward(q, k, v, causal)
-    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-    consumers = gluon_fwd.consumers_for(d, None, spec)
+    from portattn.backends.triton import gluon_fwd
     depths = DEPTHS[d]
-    row = {"d": d, "s": s, "causal": causal, "batch": b, "heads": h, "consumers": consumers, "depths": list(depths),
-           "plans": {}, "checks": [], "tflops": {}}
+    row = chk.env_variant_cell(d, s, causal, "PORTATTN_TRITON_GLUON_STAGES", depths, "s")
+    consumers = gluon_fwd.consumers_for(d, None, SimpleNamespace(causal=causal, seqlen_q=s))
     block_n, _ = gluon_fwd.tile_config(d, consumers)
-    impls = {}
-    for residual in (False, True):
-        name = "p_train" if residual else "p"
-        outs = {}
-        for n in depths:
-            _set_stages(n)
-            row["plans"][str(n)] = list(gluon_fwd.smem_plan(d, consumers, block_n, n))
-            res = gluon_fwd.gluon_forward(spec, persistent=True, residual=residual)
-            torch.cuda.synchronize()
-            outs[n] = [t.clone() for t in res]
-        same = all(torch.equal(x, y) for n in depths[1:] for x, y in zip(outs[depths[0]], outs[n]))
-        check = {"impl": name, "bit_identical": same}
-        if not residual:
-            ref = cudnn()
-            check["max_abs_vs_cudnn"] = float((outs[depths[0]][0].float() - ref.float()).abs().max())
-            check["passed"] = same and check["max_abs_vs_cudnn"] < 2e-2
-        else:
-            check["passed"] = same
-        row["checks"].append(check)
-        for n in depths:
-            impls[f"{name}@s{n}"] = (n, lambda r=residual: gluon_fwd.gluon_forward(spec, persistent=True, residual=r))
-    impls["cudnn"] = (None, cudnn)
-    row["tflops"], row["spread"] = chk.time_interleaved(impls, _set_stages, flops)
-    _set_stages(None)
+    row.update(consumers=consumers, depths=list(depths),
+               plans={str(n): list(gluon_fwd.smem_plan(d, consumers, block_n, n)) for n in depths})
     return row
 
 
@@ -108,10 +73,7 @@ def report(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    a = chk.cell_tool_args(__doc__, "e.g. '128x512c,64x2048' (D x S, c: causal); default every cell", argv)
-    cells = CELLS if not a.cells else [(int(c.split("x")[0]), int(c.split("x")[1].rstrip("c")), c.endswith("c"))
-                                       for c in a.cells.split(",")]
-    return chk.run_cells(cells, ("d", "s", "causal"), run_cell, report, a.out, "ring_depth", a.time_limit)
+    return chk.causal_cell_tool(__doc__, CELLS, run_cell, report, "ring_depth", argv)
 
 
 if __name__ == "__main__":

@@ -384,6 +384,67 @@ def time_interleaved(impls: dict, setup, flops: float) -> tuple[dict, dict]:
             {n: max(ts) / min(ts) - 1 for n, ts in times.items()})
 
 
+def causal_cell_tool(doc: str, cells: list, run_cell, report, stem: str, argv=None) -> int:
+    """``main`` of a cell tool over (D, S, causal) cells: ``--cells`` as ``'128x512c,64x2048'`` (D x
+    S, ``c`` causal; default ``cells``), then :func:`run_cells` into ``stem``.json / .txt."""
+    a = cell_tool_args(doc, "e.g. '128x512c,64x2048' (D x S, c: causal); default every cell", argv)
+    if a.cells:
+        cells = [(int(c.split("x")[0]), int(c.split("x")[1].rstrip("c")), c.endswith("c")) for c in a.cells.split(",")]
+    return run_cells(cells, ("d", "s", "causal"), run_cell, report, a.out, stem, a.time_limit)
+
+
+def env_variant_cell(d: int, s: int, causal: bool, env_var: str, settings: tuple, tag: str) -> dict:
+    """One cell of a persistent-forward switch tool (``q_buffers_check``, ``ring_depth_check``): bf16,
+    B·S = 16k tokens, hidden 2048; the persistent Gluon forward with ``env_var`` set to each of
+    ``settings`` in turn, inference and training (O's rounding residual). Every setting's outputs
+    (out, lse, residual) must be bit-identical to the first's (a switch of when things load, not of
+    the arithmetic), and the first's inference output is compared once with cuDNN's; then TFLOP/s of
+    each (``p@<tag><setting>``, ``p_train@<tag><setting>``) and cuDNN's, interleaved
+    (:func:`time_interleaved`). Returns the row; ``env_var`` is unset afterwards."""
+    import torch
+    from portattn.backends.triton import gluon_fwd
+
+    from portattn.spec import build_spec
+
+    def setting(n):
+        if n is None:
+            os.environ.pop(env_var, None)
+        else:
+            os.environ[env_var] = str(n)
+
+    b, h = _shape(s, d)
+    g = torch.Generator(device="cuda").manual_seed(1000 * d + s + causal)
+    q, k, v = (torch.randn(b, s, h, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+    spec = build_spec(q, k, v, causal=causal)
+    cudnn = cudnn_forward(q, k, v, causal)
+    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+    row = {"d": d, "s": s, "causal": causal, "batch": b, "heads": h, "checks": [], "tflops": {}}
+    impls = {}
+    for residual in (False, True):
+        name = "p_train" if residual else "p"
+        outs = {}
+        for n in settings:
+            setting(n)
+            res = gluon_fwd.gluon_forward(spec, persistent=True, residual=residual)
+            torch.cuda.synchronize()
+            outs[n] = [t.clone() for t in res]
+        same = all(torch.equal(x, y) for n in settings[1:] for x, y in zip(outs[settings[0]], outs[n]))
+        check = {"impl": name, "bit_identical": same}
+        if not residual:
+            ref = cudnn()
+            check["max_abs_vs_cudnn"] = float((outs[settings[0]][0].float() - ref.float()).abs().max())
+            check["passed"] = same and check["max_abs_vs_cudnn"] < 2e-2
+        else:
+            check["passed"] = same
+        row["checks"].append(check)
+        for n in settings:
+            impls[f"{name}@{tag}{n}"] = (n, lambda r=residual: gluon_fwd.gluon_forward(spec, persistent=True, residual=r))
+    impls["cudnn"] = (None, cudnn)
+    row["tflops"], row["spread"] = time_interleaved(impls, setting, flops)
+    setting(None)
+    return row
+
+
 def time_cell(s: int, d: int, causal: bool, variants: list) -> dict:
     """One timing row; ``variants``: the names of :data:`VARIANTS` whose checks passed."""
     import torch
