@@ -53,6 +53,15 @@
 # card's name (GPU_TAG), so an H100's results sit beside the H200's in benchmarks/results/.
 # Branches are not kept between sessions: time an experiment in the session that builds it, or
 # land it behind a switch.
+#   mkdir -p $OUT/ring; PYTHONPATH=. timeout 330 python3 tools/ring_depth_check.py --out $OUT/ring --time-limit 250 \
+#     --cells 128x512c,128x1024c,128x2048c,128x512,128x1024,64x2048c,64x4096c,64x512,64x1024,64x512c
+#   NCU_SOURCE=1 NCU_CAUSAL=1 NCU_S=512 NCU_FWD_ONLY=1 NCU_BACKEND=triton,cudnn bash tools/h200_session.sh ncu:128
+#                                        # first (built 2026-12-06, when no GPU was lent; one call): whether a
+#                                        # deeper K/V ring (PORTATTN_TRITON_GLUON_STAGES; D 128: 3 tiles, O through
+#                                        # the one Q tile; D 64: 4 / 5) lifts the short causal cells, and where the
+#                                        # D 128 S 512 causal kernel and cuDNN's stall, instruction by instruction
+#                                        # (ncu_*_sass.csv); a deeper default needs the catalogue and tests:gluon
+#                                        # again (the GPU child checks the deep ring bit for bit)
 #   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> bash tools/h200_session.sh par:warm bench
 #                                        # the grid on whichever card comes (warm 111 s + bench 129 s on an
 #                                        # H100); on an H200 this refreshes bench-h200.* (4ce2745: before the
