@@ -53,15 +53,17 @@
 # card's name (GPU_TAG), so an H100's results sit beside the H200's in benchmarks/results/.
 # Branches are not kept between sessions: time an experiment in the session that builds it, or
 # land it behind a switch.
-#   mkdir -p $OUT/ring; PYTHONPATH=. timeout 330 python3 tools/ring_depth_check.py --out $OUT/ring --time-limit 250 \
-#     --cells 128x512c,128x1024c,128x2048c,128x512,128x1024,64x2048c,64x4096c,64x512,64x1024,64x512c
-#   NCU_SOURCE=1 NCU_CAUSAL=1 NCU_S=512 NCU_FWD_ONLY=1 NCU_BACKEND=triton,cudnn bash tools/h200_session.sh ncu:128
-#                                        # first (built 2026-12-06, when no GPU was lent; one call): whether a
-#                                        # deeper K/V ring (PORTATTN_TRITON_GLUON_STAGES; D 128: 3 tiles, O through
-#                                        # the one Q tile; D 64: 4 / 5) lifts the short causal cells, and where the
-#                                        # D 128 S 512 causal kernel and cuDNN's stall, instruction by instruction
-#                                        # (ncu_*_sass.csv); a deeper default needs the catalogue and tests:gluon
-#                                        # again (the GPU child checks the deep ring bit for bit)
+#   triton, the short causal cells first (D 128 S 512 causal 0.61 x cuDNN): Nsight Compute kernel for kernel
+#                                        # (ncu-h100-d128-s512-causal-source.txt, an H100, 2026-12-06) found the same
+#                                        # launch, registers, shared memory and L2 hit rate as cuDNN's, but 9400 SASS
+#                                        # instructions to its 1448 and 22 % of stall samples on instruction fetch (cuDNN
+#                                        # 1.3 %): each consumer partition has its own copy of every stage (first tile,
+#                                        # masked and unmasked band steps, last P V, epilogue) and a short item runs them
+#                                        # all. Lead: one band step for the masked and unmasked phases (the mask behind a
+#                                        # runtime branch), the first tile through that step; measure SASS size
+#                                        # cross-compiled first (tools: cuobjdump/nvdisasm in triton's bin), then time with
+#                                        # tools/ab_session.sh against main and ncu NCU_SOURCE=1 again. A deeper K/V ring
+#                                        # did not help (ring-depth-h100.txt).
 #   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> bash tools/h200_session.sh par:warm bench
 #                                        # the grid on whichever card comes (warm 111 s + bench 129 s on an
 #                                        # H100); on an H200 this refreshes bench-h200.* (4ce2745: before the
