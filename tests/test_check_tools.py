@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 # rest of the session must keep the caller's value
 _FORWARD = os.environ.get("PORTATTN_TRITON_FORWARD")
 import head_group_check  # noqa: E402
+import ncu_stalls  # noqa: E402
 import q_buffers_check  # noqa: E402
 import ring_depth_check  # noqa: E402
 import triton_gluon_check as chk  # noqa: E402
@@ -112,3 +113,21 @@ def test_ring_depths_fit_and_start_with_the_default():
             assert depths[0] == default, (d, consumers)
             for n in depths:
                 gluon_fwd.smem_plan(d, consumers, block_n, n)   # raises where it does not fit
+
+
+def test_ncu_stalls_summarises_a_source_page_export(tmp_path):
+    """tools/ncu_stalls.py on a made-up export of ``ncu --page source --csv --print-source sass``: the
+    kernel, its SASS size, the samples by reason and the top instructions, most samples first."""
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_barrier", "stall_no_inst",
+            "stall_barrier (Not Issued)"]
+    rows = [["0x10", "NOP", "30", "30", "0", "30"], ["0x20", "HGMMA.64x128x16.F32.BF16 R24", "10", "0", "10", "0"],
+            ["0x30", "BRA 0x10", "", "", "", ""]]
+    path = tmp_path / "k_sass.csv"
+    path.write_text("\n".join(",".join(f'"{x}"' for x in r)
+                              for r in [["Kernel Name", "attn_fwd_gluon", ""], head, *rows]) + "\n")
+    text = ncu_stalls.summarise(str(path), top=2)
+    assert text.startswith("attn_fwd_gluon: 3 SASS instructions (0 KiB of code), 40 stall samples"), text
+    assert "barrier 75.0 %, no_inst 25.0 %" in text
+    lines = text.splitlines()
+    assert "NOP" in lines[3] and "barrier 30" in lines[3] and "HGMMA" in lines[4] and "no_inst 10" in lines[4]
+    assert len(lines) == 5
