@@ -79,6 +79,10 @@ VARIABLES = {
                                     "or empty = gluon_fwd.tile_config's per head dim, or 2 to 8 (a deeper ring "
                                     "stores O through the Q tile and keeps one Q buffer where O's own tiles no "
                                     "longer fit, gluon_fwd.smem_plan); read on every forward",
+    "PORTATTN_TRITON_GLUON_ONE_STEP": "whether the Gluon forward runs a band's key tiles through one step whose element "
+                                      "mask sits behind a runtime branch (one copy of the step's code: fewer "
+                                      "instruction-cache misses) instead of one step per phase: unset or empty = no, "
+                                      "1/true/yes/on = yes, 0/false/no/off = no; read on every forward",
     "PORTATTN_CACHE_DIR": "where portattn keeps the fastest policy's timings and backends their compiled kernels "
                           "(default: the platform's user cache directory, ~/.cache/portattn on Linux)",
 }
@@ -297,6 +301,13 @@ def _parse_q_buffers(name: str, text: str) -> int:
 #: the persistent Gluon forward's Q buffers per consumer warpgroup when ``PORTATTN_TRITON_Q_BUFFERS``
 #: is unset (docs/triton.md, The next item's Q)
 Q_BUFFERS_DEFAULT = 2
+
+
+def triton_gluon_one_step() -> bool:
+    """``PORTATTN_TRITON_GLUON_ONE_STEP`` (a boolean; unset or empty: False): the Gluon forward's band
+    in one step with the element mask behind a runtime branch (``gluon_fwd._attend``'s ``ONE_STEP``)
+    instead of a step per phase; anything else raises ``ValueError``."""
+    return bool(_parsed("PORTATTN_TRITON_GLUON_ONE_STEP", _parse_flag, False))
 
 
 def _parse_stages(name: str, text: str) -> int | None:

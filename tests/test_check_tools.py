@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 # triton_gluon_check sets PORTATTN_TRITON_FORWARD=portable when imported (its timing column); the
 # rest of the session must keep the caller's value
 _FORWARD = os.environ.get("PORTATTN_TRITON_FORWARD")
+import gluon_switch_check as sw  # noqa: E402
 import head_group_check  # noqa: E402
 import ncu_stalls  # noqa: E402
 import q_buffers_check  # noqa: E402
@@ -131,3 +132,17 @@ def test_ncu_stalls_summarises_a_source_page_export(tmp_path):
     lines = text.splitlines()
     assert "NOP" in lines[3] and "barrier 30" in lines[3] and "HGMMA" in lines[4] and "no_inst 10" in lines[4]
     assert len(lines) == 5
+
+
+def test_switch_check_report_and_arguments(monkeypatch):
+    """tools/gluon_switch_check.py: --env and --settings reach the cells, the report names the switch
+    and states each setting's TFLOP/s and the gain of the last over the first."""
+    t = {"p@=0": 200.0, "p@=1": 220.0, "p_train@=0": 180.0, "p_train@=1": 171.0, "cudnn": 320.0}
+    rows = [{"d": 128, "s": 512, "causal": True, "tflops": t, "checks": [{"impl": "p", "passed": True}]}]
+    text = sw.report({"env": _env(), "seconds": 1.0, "rows": rows, "switch": "X_SWITCH", "settings": ["0", "1"]})
+    assert "X_SWITCH = each of ['0', '1']" in text and "0:  200.0 /  180.0" in text and "1:  220.0 /  171.0" in text
+    assert "gain 1.100 / 0.950" in text and "last/cudnn 0.69" in text and text.endswith("verdict: PASS")
+    seen = {}
+    monkeypatch.setattr(chk, "run_cells", lambda cells, keys, run_cell, *a: seen.update(cells=cells) or 0)
+    assert sw.main(["--env", "X_SWITCH", "--settings", "1,2,3", "--cells", "128x512c"]) == 0
+    assert seen["cells"] == [(128, 512, True)]

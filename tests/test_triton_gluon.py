@@ -890,8 +890,8 @@ def test_persistent_constexprs_and_head_dims():
             assert (lc["Q_BUFS"], lc["O_IN_Q"], lc["STAGES"]) == want + (stages,), (d, lc)
             assert gluon_fwd.launch_constexprs(d, True, consumers=consumers)["O_IN_Q"] is False   # one-tile
     params = list(gluon_fwd.attn_fwd_gluon.arg_names)
-    assert params[-12:] == ["HEAD_D", "BLOCK_N", "STAGES", "BOTTOM_RIGHT", "LONGEST_FIRST", "PINGPONG", "RESIDUAL",
-                            "PERSISTENT", "CONSUMERS", "PAIRED", "Q_BUFS", "O_IN_Q"]
+    assert params[-13:] == ["HEAD_D", "BLOCK_N", "STAGES", "BOTTOM_RIGHT", "LONGEST_FIRST", "PINGPONG", "RESIDUAL",
+                            "PERSISTENT", "CONSUMERS", "PAIRED", "Q_BUFS", "O_IN_Q", "ONE_STEP"]
     assert "batch" in params and gluon_fwd._PERSISTENT_ONLY_ARGS == ("batch",)
 
 
@@ -939,6 +939,40 @@ def test_q_buffers_are_for_persistent_launches(monkeypatch):
     monkeypatch.delenv("PORTATTN_TRITON_Q_BUFFERS")
     with pytest.raises(ValueError, match="q_buffers"):
         lc(128, True, persistent=True, q_buffers=3)
+
+
+def test_one_step_follows_its_switch(monkeypatch):
+    """``ONE_STEP`` (the band through one step, the mask behind a runtime branch) is off unless
+    ``PORTATTN_TRITON_GLUON_ONE_STEP`` turns it on, for the one-tile and the persistent kernel; a
+    value that is not a boolean raises naming the variable."""
+    lc = gluon_fwd.launch_constexprs
+    monkeypatch.delenv("PORTATTN_TRITON_GLUON_ONE_STEP", raising=False)
+    assert lc(128, True)["ONE_STEP"] is False and lc(128, True, persistent=True)["ONE_STEP"] is False
+    for text, want in (("1", True), ("on", True), ("0", False), ("", False)):
+        monkeypatch.setenv("PORTATTN_TRITON_GLUON_ONE_STEP", text)
+        assert lc(64, False)["ONE_STEP"] is want and lc(256, True, persistent=True)["ONE_STEP"] is want, text
+    monkeypatch.setenv("PORTATTN_TRITON_GLUON_ONE_STEP", "maybe")
+    with pytest.raises(ValueError, match="PORTATTN_TRITON_GLUON_ONE_STEP"):
+        lc(128, True)
+
+
+@needs_gluon
+def test_one_step_cross_compiles_to_less_code(d128_persistent_rows):
+    """With ``PORTATTN_TRITON_GLUON_ONE_STEP=1`` the D 128 persistent kernel compiles with one copy of
+    the band step instead of three (fewer wgmma instructions: the first tile's S, one step's S and
+    P V, the last P V, per consumer), in the same shared memory and register split; no spills under
+    triton 3.6."""
+    rows = _persistent_d128_rows("off", PORTATTN_TRITON_GLUON_ONE_STEP="1")
+    base = {r["causal"]: r for r in d128_persistent_rows if not r["residual"]}
+    assert len(rows) == 2
+    for r in rows:
+        assert "error" not in r, r
+        b = base[r["causal"]]
+        # per consumer: first S (8 wgmma of k16 at D 128) + one step (8 + 8) + last P V (8), against three steps
+        assert r["wgmma"] == 2 * (8 + 16 + 8) < b["wgmma"], (r["wgmma"], b["wgmma"])
+        assert r["shared"] == b["shared"] and r["setmaxnreg"] == b["setmaxnreg"], (r, b)
+        if r.get("regs") is not None and triton.__version__.startswith("3.6"):
+            assert r["stack"] == 0, r
 
 
 def test_ring_depth_is_for_persistent_launches(monkeypatch):
@@ -1398,6 +1432,10 @@ for name, (shape, kw) in t.GPU_CASES.items():
     # a deeper K/V ring (D 128: O through the one Q tile, smem_plan); none fits at D 256
     deep = {64: 5, 128: 3}.get(spec.head_dim)
     deep_ring = gluon_fwd.gluon_forward(spec, residual=True, persistent=True, stages=deep) if deep else (o2, l2, r2)
+    os.environ["PORTATTN_TRITON_GLUON_ONE_STEP"] = "1"   # the band through one step, the mask behind a branch
+    one_step = gluon_fwd.gluon_forward(spec, residual=True, persistent=True)
+    one_step_tile = gluon_fwd.gluon_forward(spec, residual=True, pingpong=True, persistent=False)
+    del os.environ["PORTATTN_TRITON_GLUON_ONE_STEP"]
     torch.cuda.synchronize()
     ref, ref_lse = reference_forward(spec)
     c_out, c_lse = compare("out", out, ref, naive_forward(spec)[0]), compare_lse(lse, ref_lse)
@@ -1407,6 +1445,8 @@ for name, (shape, kw) in t.GPU_CASES.items():
                other_walk_same=all(torch.equal(x, y) for x, y in zip(other_walk, (o2, l2, r2))),
                one_q_buffer_same=all(torch.equal(x, y) for x, y in zip(one_q, (o2, l2, r2))),
                deep_ring_same=all(torch.equal(x, y) for x, y in zip(deep_ring, (o2, l2, r2))),
+               one_step_same=all(torch.equal(x, y) for x, y in zip(one_step, (o2, l2, r2)))
+               and all(torch.equal(x, y) for x, y in zip(one_step_tile, (one, one_lse, one_res))),
                same_as_one_tile=bool(torch.equal(out, one) and torch.equal(lse, one_lse) and torch.equal(r2, one_res)))
     print("ROW " + json.dumps(row), flush=True)
 print("PERSISTENT OK")
@@ -1421,7 +1461,7 @@ def test_gpu_persistent_matches_reference():
     float64 (NaN-poisoned first), the training launch's out / lse bit-identical to the inference
     one and its residual written, and the causal walk the head dim does not take by default
     (``PORTATTN_TRITON_PAIRED_WALK=0`` at D 128/256, ``=1`` at D 64: PAIRED_HEAD_DIMS) bit-identical
-    to the default one (causal_sq_gt_sk's five tiles pair the middle one with a tile past the end), one Q buffer (``PORTATTN_TRITON_Q_BUFFERS=1``) bit-identical to two and a deeper K/V ring (``stages``: 5 at D 64, 3 at D 128, O through the Q tile there) to the default one; whether it is bit-identical to the one-tile kernel (ping-pong
+    to the default one (causal_sq_gt_sk's five tiles pair the middle one with a tile past the end), one Q buffer (``PORTATTN_TRITON_Q_BUFFERS=1``) bit-identical to two, the band in one step (``PORTATTN_TRITON_GLUON_ONE_STEP=1``, persistent and one-tile) to the step per phase, and a deeper K/V ring (``stages``: 5 at D 64, 3 at D 128, O through the Q tile there) to the default one; whether it is bit-identical to the one-tile kernel (ping-pong
     on) is printed, not judged. D 256 cases run its persistent kernel too (O through the Q tile)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
@@ -1436,4 +1476,4 @@ def test_gpu_persistent_matches_reference():
     assert len(rows) == len(GPU_CASES)
     for r in rows:
         assert r["out"] and r["lse"] and r["unwritten"] == 0 and r["training_same"] and r["other_walk_same"], r
-        assert r["one_q_buffer_same"] and r["deep_ring_same"], r
+        assert r["one_q_buffer_same"] and r["deep_ring_same"] and r["one_step_same"], r

@@ -59,11 +59,15 @@
 #                                        # instructions to its 1448 and 22 % of stall samples on instruction fetch (cuDNN
 #                                        # 1.3 %): each consumer partition has its own copy of every stage (first tile,
 #                                        # masked and unmasked band steps, last P V, epilogue) and a short item runs them
-#                                        # all. Lead: one band step for the masked and unmasked phases (the mask behind a
-#                                        # runtime branch), the first tile through that step; measure SASS size
-#                                        # cross-compiled first (tools: cuobjdump/nvdisasm in triton's bin), then time with
-#                                        # tools/ab_session.sh against main and ncu NCU_SOURCE=1 again. A deeper K/V ring
-#                                        # did not help (ring-depth-h100.txt).
+#                                        # all. Built, not yet timed: PORTATTN_TRITON_GLUON_ONE_STEP=1, the band after the
+#                                        # first tile through one step with the mask behind a runtime branch (D 128 causal
+#                                        # persistent SASS 9480 -> 6288 instructions). First call of the next session:
+#   mkdir -p $OUT/sw; PYTHONPATH=. timeout 420 python3 tools/gluon_switch_check.py --env PORTATTN_TRITON_GLUON_ONE_STEP \
+#     --settings 0,1 --out $OUT/sw --time-limit 300; PYTHONPATH=. python3 -m pytest -q -x tests/test_triton_gluon.py \
+#     -k gpu_persistent_matches_reference   # + NCU_SOURCE=1 ... PORTATTN_TRITON_GLUON_ONE_STEP=1 ncu:128 to see no_inst fall
+#                                        # then, if it pays: the first tile through the same step too, and ONE_STEP the
+#                                        # default (catalogue + tests:gluon again). A deeper K/V ring did not help
+#                                        # (ring-depth-h100.txt).
 #   WARM_DTYPES="bf16 fp16" PORTATTN_BENCH_COMMIT=<hash> bash tools/h200_session.sh par:warm bench
 #                                        # the grid on whichever card comes (warm 111 s + bench 129 s on an
 #                                        # H100); on an H200 this refreshes bench-h200.* (4ce2745: before the

@@ -406,12 +406,14 @@ if gl is not None:
     def _band(acc, m_i, l_i, p_prev, i, turn_off, start, stop, q, ring, rows, cols0, sk, off, window_left, window_right,
               qk_scale2, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
-              MASKED: gl.constexpr):
+              MASK: gl.constexpr, full_lo, full_hi):
         """Key tiles [start, stop) of one phase. ``ring`` = (K tiles, V tiles, k_ready, v_ready,
         k_empty, v_empty, turn); ``i`` counts the tiles this warpgroup has taken from it (``i +
         turn_off`` its ping-pong turns, :func:`_attend`) and ``p_prev`` is tile i-1's P, whose P V is still to be added. Each step issues
         S_i = Q K_iᵀ and acc += P_{i-1} V_{i-1} (both async), waits for S_i only, does its
-        softmax while P V runs, then waits for P V and rescales acc by this tile's alpha."""
+        softmax while P V runs, then waits for P V and rescales acc by this tile's alpha. ``MASK``:
+        the element mask never (False: an unmasked phase), on every tile (True: an edge phase), or on
+        the tiles outside [``full_lo``, ``full_hi``) (2: the whole band in one step, ``ONE_STEP``)."""
         k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn = ring
         for n in range(start, stop, BLOCK_N):
             st = i % STAGES
@@ -425,7 +427,10 @@ if gl is not None:
             _turn_pass(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(1, deps=(s,))        # S_i done; P_{i-1} V_{i-1} may still run
             mbarrier.arrive(k_empty.index(st), count=1)
-            if MASKED:
+            if MASK == 2:
+                if (n < full_lo) | (n >= full_hi):
+                    s = _masked(s, rows, n + cols0, sk, off, window_left, window_right)
+            elif MASK:
                 s = _masked(s, rows, n + cols0, sk, off, window_left, window_right)
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, qk_scale2)
             acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
@@ -439,9 +444,11 @@ if gl is not None:
     def _attend(acc, m_i, l_i, i0, turn_off, q, ring, rows, cols0, sk, off, lo, full_lo, full_hi, hi,
                 window_left, window_right, qk_scale2, s_layout: gl.constexpr, o_layout: gl.constexpr,
                 p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
-                PINGPONG: gl.constexpr):
+                PINGPONG: gl.constexpr, ONE_STEP: gl.constexpr = False):
         """A consumer's main loop over a non-empty band [lo, hi): the first tile (always masked: it
-        may be an edge tile) starts the pipeline, :func:`_band` runs the three phases, the last
+        may be an edge tile) starts the pipeline, :func:`_band` runs the three phases (``ONE_STEP``:
+        the rest of the band in one :func:`_band` whose step masks the edge tiles behind a runtime
+        branch — one copy of the step's code instead of three, for the instruction cache), the last
         tile's P V ends it; returns ``(acc, m_i, l_i, i)``. ``i0`` is the ring count at the band's
         first tile (0 in a CTA of one tile, running on in a persistent CTA) and ``i`` the count
         after it; ``turn_off`` is added to the ring count to number the ping-pong turns (the
@@ -460,19 +467,25 @@ if gl is not None:
         p_prev = gl.convert_layout(p.to(q.dtype), p_layout)
         i = lo * 0 + (i0 + 1)
         nxt = lo + BLOCK_N
-        for phase in gl.static_range(3):   # masked / unmasked / masked, as kernels._phase_range
-            if phase == 0:
-                start = nxt
-                stop = gl.maximum(full_lo, nxt)
-            elif phase == 1:
-                start = gl.maximum(full_lo, nxt)
-                stop = gl.maximum(full_hi, nxt)
-            else:
-                start = gl.maximum(full_hi, nxt)
-                stop = hi
-            acc, m_i, l_i, p_prev, i = _band(acc, m_i, l_i, p_prev, i, turn_off, start, stop, q, ring, rows, cols0,
-                                             sk, off, window_left, window_right, qk_scale2, s_layout, o_layout,
-                                             p_layout, BLOCK_N, STAGES, WG, PINGPONG, phase != 1)
+        if ONE_STEP:
+            acc, m_i, l_i, p_prev, i = _band(acc, m_i, l_i, p_prev, i, turn_off, nxt, hi, q, ring, rows, cols0, sk,
+                                             off, window_left, window_right, qk_scale2, s_layout, o_layout, p_layout,
+                                             BLOCK_N, STAGES, WG, PINGPONG, 2, full_lo, full_hi)
+        else:
+            for phase in gl.static_range(3):   # masked / unmasked / masked, as kernels._phase_range
+                if phase == 0:
+                    start = nxt
+                    stop = gl.maximum(full_lo, nxt)
+                elif phase == 1:
+                    start = gl.maximum(full_lo, nxt)
+                    stop = gl.maximum(full_hi, nxt)
+                else:
+                    start = gl.maximum(full_hi, nxt)
+                    stop = hi
+                acc, m_i, l_i, p_prev, i = _band(acc, m_i, l_i, p_prev, i, turn_off, start, stop, q, ring, rows,
+                                                 cols0, sk, off, window_left, window_right, qk_scale2, s_layout,
+                                                 o_layout, p_layout, BLOCK_N, STAGES, WG, PINGPONG,
+                                                 phase != 1, full_lo, full_hi)
         # the last tile's P V
         pst = (i - 1) % STAGES
         mbarrier.wait(v_ready.index(pst), ((i - 1) // STAGES) & 1)
@@ -514,7 +527,7 @@ if gl is not None:
 
     @gluon.jit
     def _consumer(WG: gl.constexpr, args, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                  PINGPONG: gl.constexpr, RESIDUAL: gl.constexpr):
+                  PINGPONG: gl.constexpr, RESIDUAL: gl.constexpr, ONE_STEP: gl.constexpr):
         """One consumer warpgroup: the 64 query rows ``m0 + WG·64 …``; writes their O and lse, and
         with ``RESIDUAL`` O's rounding residual (``o_descs`` = (O's descriptor,) or (O's, ORES's)).
         ``args``: the kernel's values every consumer takes (one tuple, so that the partitions
@@ -539,7 +552,7 @@ if gl is not None:
         if lo < hi:
             acc, m_i, l_i, i = _attend(acc, m_i, l_i, 0, 0, q, ring, rows, cols0, sk, off, lo, full_lo, full_hi, hi,
                                        window_left, window_right, qk_scale2, s_layout, o_layout, p_layout, BLOCK_N,
-                                       STAGES, WG, PINGPONG)
+                                       STAGES, WG, PINGPONG, ONE_STEP)
         _epilogue(acc, m_i, l_i, o_descs, q, LSE, lse_off, rows, row0, 0, 0, sq, qk_scale2, o_layout, RESIDUAL,
                   False)
 
@@ -547,7 +560,7 @@ if gl is not None:
     def _persistent_consumer(WG: gl.constexpr, args, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                              STAGES: gl.constexpr, PINGPONG: gl.constexpr, RESIDUAL: gl.constexpr,
                              LONGEST_FIRST: gl.constexpr, PAIRED: gl.constexpr, CONSUMERS: gl.constexpr,
-                             Q_BUFS: gl.constexpr, O_IN_Q: gl.constexpr):
+                             Q_BUFS: gl.constexpr, O_IN_Q: gl.constexpr, ONE_STEP: gl.constexpr):
         """One consumer warpgroup of a persistent CTA: :func:`_consumer`'s stages for each work
         item the producer loads (:func:`_persistent_producer`, the same walk). Q is given back
         (``q_empty``) as soon as the band's last product has read it, before the epilogue, so the
@@ -586,7 +599,7 @@ if gl is not None:
             if lo < hi:
                 acc, m_i, l_i, kv = _attend(acc, m_i, l_i, kv, bands, q, ring, rows, cols0, sk, off, lo, full_lo,
                                             full_hi, hi, window_left, window_right, qk_scale2, s_layout, o_layout,
-                                            p_layout, BLOCK_N, STAGES, WG, PINGPONG)
+                                            p_layout, BLOCK_N, STAGES, WG, PINGPONG, ONE_STEP)
                 bands += 1
             if not O_IN_Q:
                 mbarrier.arrive(q_empty.index(slot), count=1)   # Q's last reader (a wgmma) has completed
@@ -635,7 +648,7 @@ if gl is not None:
                        head_group, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        BOTTOM_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, PINGPONG: gl.constexpr,
                        RESIDUAL: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr,
-                       PAIRED: gl.constexpr, Q_BUFS: gl.constexpr, O_IN_Q: gl.constexpr):
+                       PAIRED: gl.constexpr, Q_BUFS: gl.constexpr, O_IN_Q: gl.constexpr, ONE_STEP: gl.constexpr):
         """O = softmax(scale·QKᵀ)V for 64·CONSUMERS query rows of one (batch, head): grid
         (cdiv(Sq, 64·CONSUMERS), B·Hq), 4 warps (consumer 0) + one or two more 4-warp consumers
         (``CONSUMERS`` 2 or 3, :func:`consumers_for`) + a 1-warp producer.
@@ -721,19 +734,19 @@ if gl is not None:
             if CONSUMERS == 3:
                 gl.warp_specialize([
                     (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
-                                             CONSUMERS, Q_BUFS, O_IN_Q)),
+                                             CONSUMERS, Q_BUFS, O_IN_Q, ONE_STEP)),
                     (_persistent_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
-                                             CONSUMERS, Q_BUFS, O_IN_Q)),
+                                             CONSUMERS, Q_BUFS, O_IN_Q, ONE_STEP)),
                     (_persistent_consumer, (2, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
-                                             CONSUMERS, Q_BUFS, O_IN_Q)),
+                                             CONSUMERS, Q_BUFS, O_IN_Q, ONE_STEP)),
                     (_persistent_producer, (pargs, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST, PAIRED, CONSUMERS, Q_BUFS)),
                 ], [4, 4, 1], [160, 160, 24])
             else:
                 gl.warp_specialize([
                     (_persistent_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
-                                             CONSUMERS, Q_BUFS, O_IN_Q)),
+                                             CONSUMERS, Q_BUFS, O_IN_Q, ONE_STEP)),
                     (_persistent_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, LONGEST_FIRST, PAIRED,
-                                             CONSUMERS, Q_BUFS, O_IN_Q)),
+                                             CONSUMERS, Q_BUFS, O_IN_Q, ONE_STEP)),
                     (_persistent_producer, (pargs, BLOCK_N, HEAD_D, STAGES, LONGEST_FIRST, PAIRED, CONSUMERS, Q_BUFS)),
                 ], [4, 1], [240, 24])
         else:
@@ -742,13 +755,13 @@ if gl is not None:
             pargs = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m0, lo,
                      hi)
             if CONSUMERS == 3:
-                gl.warp_specialize([(_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
-                                    (_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
-                                    (_consumer, (2, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
+                gl.warp_specialize([(_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, ONE_STEP)),
+                                    (_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, ONE_STEP)),
+                                    (_consumer, (2, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, ONE_STEP)),
                                     (_producer, (pargs, BLOCK_N, HEAD_D, STAGES))], [4, 4, 1], [160, 160, 24])
             else:
-                gl.warp_specialize([(_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
-                                    (_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL)),
+                gl.warp_specialize([(_consumer, (0, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, ONE_STEP)),
+                                    (_consumer, (1, cargs, BLOCK_N, HEAD_D, STAGES, PINGPONG, RESIDUAL, ONE_STEP)),
                                     (_producer, (pargs, BLOCK_N, HEAD_D, STAGES))], [4, 1], [240, 24])
 
 
@@ -881,7 +894,8 @@ def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pi
     warpgroup (1 or 2; None: ``PORTATTN_TRITON_Q_BUFFERS``; the one-tile kernel has 1); ``stages``: a
     persistent launch's K/V ring depth (None: ``PORTATTN_TRITON_GLUON_STAGES``, else
     :func:`tile_config`'s; the one-tile kernel always has :func:`tile_config`'s). The persistent
-    kernel's shared memory follows :func:`smem_plan` (``Q_BUFS``, ``O_IN_Q``)."""
+    kernel's shared memory follows :func:`smem_plan` (``Q_BUFS``, ``O_IN_Q``). ``ONE_STEP``:
+    ``PORTATTN_TRITON_GLUON_ONE_STEP`` (:func:`_attend`)."""
     from portattn import config
     if persistent and head_dim not in PERSISTENT_HEAD_DIMS:
         raise ValueError(f"the persistent Gluon forward runs D in {PERSISTENT_HEAD_DIMS}, not {head_dim}")
@@ -903,7 +917,7 @@ def launch_constexprs(head_dim: int, causal: bool, bottom_right: bool = True, pi
                 PINGPONG=_default_pingpong() if pingpong is None else pingpong, RESIDUAL=residual,
                 PERSISTENT=persistent, CONSUMERS=consumers,
                 PAIRED=bool(persistent and causal and paired),
-                Q_BUFS=q_bufs, O_IN_Q=o_in_q)
+                Q_BUFS=q_bufs, O_IN_Q=o_in_q, ONE_STEP=config.triton_gluon_one_step())
 
 
 def _q_buffers(persistent: bool, q_buffers: int | None) -> int:
