@@ -307,7 +307,7 @@ def triton_gluon_one_step() -> bool:
     """``PORTATTN_TRITON_GLUON_ONE_STEP`` (a boolean; unset or empty: False): the Gluon forward's band
     in one step with the element mask behind a runtime branch (``gluon_fwd._attend``'s ``ONE_STEP``)
     instead of a step per phase; anything else raises ``ValueError``."""
-    return bool(_parsed("PORTATTN_TRITON_GLUON_ONE_STEP", _parse_flag, False))
+    return _flag("PORTATTN_TRITON_GLUON_ONE_STEP")
 
 
 def _parse_stages(name: str, text: str) -> int | None:

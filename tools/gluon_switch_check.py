@@ -13,6 +13,7 @@ passed.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -43,12 +44,11 @@ def report(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    env = argv.pop(argv.index("--env") + 1) if "--env" in argv else "PORTATTN_TRITON_GLUON_ONE_STEP"
-    settings = argv.pop(argv.index("--settings") + 1).split(",") if "--settings" in argv else ["0", "1"]
-    for flag in ("--env", "--settings"):
-        if flag in argv:
-            argv.remove(flag)
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--env", default="PORTATTN_TRITON_GLUON_ONE_STEP", help="the switch (an environment variable)")
+    ap.add_argument("--settings", default="0,1", help="its values, comma-separated; the first is the reference")
+    a, rest = ap.parse_known_args(argv)
+    env, settings = a.env, a.settings.split(",")
 
     def run_cell(d: int, s: int, causal: bool) -> dict:
         return chk.env_variant_cell(d, s, causal, env, tuple(settings), "=")
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     def report_with(res: dict) -> str:
         res.update(switch=env, settings=settings)
         return report(res)
-    return chk.causal_cell_tool(__doc__, CELLS, run_cell, report_with, "switch", argv)
+    return chk.causal_cell_tool(__doc__, CELLS, run_cell, report_with, "switch", rest)
 
 
 if __name__ == "__main__":
